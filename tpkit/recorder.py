@@ -1,0 +1,134 @@
+"""The Recorder: the one place probes write to while a slice runs.
+
+Probes append small tuples here and nothing else; the Run is built from these lists once,
+when the slice ends (see ``tpkit.run``). Everything on this path is plain Python lists and
+ints from ``time.perf_counter_ns``: no pandas, no locks (``list.append`` is atomic in
+CPython, which is all the sampler thread needs).
+
+Hooks for other probes:
+- ``phase_listeners``: called as ``fn(phase, event, raw_step)`` with event ``"enter"``
+  (before the span's start is stamped) or ``"exit"`` (after its end is stamped), so the
+  listener's own cost is not charged to the phase. The memory probe lives here.
+- ``step_listeners``: called as ``fn(raw_step, end_ns)`` after a step has been recorded.
+  The slice controller (stop, warmup, progress bar) lives here; it may raise ``StopSlice``.
+"""
+
+from __future__ import annotations
+
+import threading
+from time import perf_counter_ns
+from typing import Any, Callable
+
+#: Phases with a fixed column in ``run.steps``; every other phase name is a user phase.
+BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload")
+
+PhaseListener = Callable[[str, str, int], None]
+StepListener = Callable[[int, int], None]
+
+_ACTIVE: "Recorder | None" = None
+
+
+def active() -> "Recorder | None":
+    """The Recorder of the slice now running, or None. Cheap enough for any hot path."""
+    return _ACTIVE
+
+
+def _set_active(rec: "Recorder | None") -> None:
+    global _ACTIVE
+    _ACTIVE = rec
+
+
+class Recorder:
+    """Event buffers of one slice.
+
+    Span tuples: ``(phase, start_ns, end_ns, depth, source, raw_step, start_event, end_event)``
+    where the events are CUDA events (or None) resolved when the Run is built.
+    Raw steps count from 0 at slice start, warmup included; the Run renumbers them.
+    """
+
+    def __init__(self, name: str = "run") -> None:
+        self.name = name
+        self.thread_id = threading.get_ident()
+        self.t0_ns = perf_counter_ns()
+        self.spans: list[tuple] = []
+        self.step_ends: list[tuple[int, int]] = []  # (end_ns, samples)
+        self.memory: list[tuple] = []  # (raw_step, phase, event, t_ns, device, category, bytes)
+        self.clocks: list[tuple] = []  # (t_ns, device, metric, value)
+        self.loader: list[tuple] = []  # (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
+        self.losses: list[tuple[int, float]] = []  # (raw_step, loss) from tp.log_loss
+        self.notes: list[str] = []
+        self.meta: dict[str, Any] = {}
+        self.phase_listeners: list[PhaseListener] = []
+        self.step_listeners: list[StepListener] = []
+        self.step_index = 0
+        self.explicit_steps = False  # True once tp.step() was called: optimizers stop ending steps
+        self.samples = 0  # samples seen in the current step
+        self.cuda_timer: Any = None  # set by the CUDA timing probe when a GPU is in use
+        self._stack: list[list] = []  # open spans: [phase, start_ns, depth, source, raw_step, ev]
+        self._open: dict[str, int] = {}
+
+    # -- phases -------------------------------------------------------------------------
+    def enter(self, phase: str, source: str = "user") -> int:
+        """Open a span; returns a token for ``exit``. Listeners run before the stamp."""
+        for fn in self.phase_listeners:
+            fn(phase, "enter", self.step_index)
+        ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
+        depth = len(self._stack)
+        self._stack.append([phase, perf_counter_ns(), depth, source, self.step_index, ev])
+        self._open[phase] = self._open.get(phase, 0) + 1
+        return depth
+
+    def exit(self, token: int) -> None:
+        """Close the span opened with ``token`` and any left open above it (an exception
+        that skipped their exits)."""
+        end = perf_counter_ns()
+        ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
+        while len(self._stack) > token:
+            phase, start, depth, source, step, sev = self._stack.pop()
+            self._open[phase] -= 1
+            self.spans.append((phase, start, end, depth, source, step, sev, ev))
+            for fn in self.phase_listeners:
+                fn(phase, "exit", step)
+
+    def is_open(self, phase: str) -> bool:
+        return self._open.get(phase, 0) > 0
+
+    def close_all(self) -> None:
+        """Close every open span (slice end, error, interrupt)."""
+        if self._stack:
+            self.exit(0)
+
+    def add_span(self, phase: str, start_ns: int, end_ns: int, source: str, depth: int = 0) -> None:
+        """Record a finished span measured elsewhere (another thread, a loader stage)."""
+        self.spans.append((phase, start_ns, end_ns, depth, source, self.step_index, None, None))
+
+    # -- steps ----------------------------------------------------------------------------
+    def add_samples(self, n: int) -> None:
+        self.samples += n
+
+    def end_step(self, end_ns: int | None = None) -> None:
+        """Record the end of the current step, then tell the step listeners (which may raise)."""
+        end = perf_counter_ns() if end_ns is None else end_ns
+        self.step_ends.append((end, self.samples))
+        step = self.step_index
+        self.step_index += 1
+        self.samples = 0
+        for fn in self.step_listeners:
+            fn(step, end)
+
+    # -- other tables ---------------------------------------------------------------------
+    def add_memory(self, phase: str, event: str, device: str, category: str, nbytes: int,
+                   t_ns: int | None = None) -> None:
+        t = perf_counter_ns() if t_ns is None else t_ns
+        self.memory.append((self.step_index, phase, event, t, device, category, nbytes))
+
+    def add_clock(self, t_ns: int, device: str, metric: str, value: float) -> None:
+        self.clocks.append((t_ns, device, metric, value))
+
+    def add_loader_batch(self, batch: int, worker: int, fetch_s: float, collate_s: float,
+                         queue_wait_s: float, transfer_s: float) -> None:
+        self.loader.append((batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s))
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
