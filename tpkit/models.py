@@ -127,6 +127,9 @@ class TinyTransformer(nn.Module):
         self.head = LMHeadLoss(cfg.d_model, cfg.vocab_size)
         if cfg.tie_weights:
             self.head.weight = self.embed.weight  # one storage, counted once by the memory probe
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
         cos, sin = rope_cache(cfg.seq_len, cfg.d_model // cfg.n_head)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
