@@ -14,6 +14,7 @@ TRITON_INTERPRET=1, and otherwise its torch reference (with a one-time notice): 
 
 from .backend import force_backend, reference_only, select_backend
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .patch import Swap, patch, patched, unpatch
 from .rms_norm import rms_norm
 from .rope import rope
 from .swiglu import swiglu
@@ -23,6 +24,10 @@ __all__ = [
     "swiglu",
     "rope",
     "fused_linear_cross_entropy",
+    "patch",
+    "unpatch",
+    "patched",
+    "Swap",
     "select_backend",
     "force_backend",
     "reference_only",
