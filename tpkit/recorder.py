@@ -55,7 +55,7 @@ class Recorder:
         self.memory: list[tuple] = []  # (raw_step, phase, event, t_ns, device, category, bytes)
         self.clocks: list[tuple] = []  # (t_ns, device, metric, value)
         self.loader: list[tuple] = []  # (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
-        self.losses: list[tuple[int, float]] = []  # (raw_step, loss) from tp.log_loss
+        self.losses: list[tuple[int, Any]] = []  # (raw_step, scalar tensor or float), resolved at build
         self.notes: list[str] = []
         self.meta: dict[str, Any] = {}
         self.phase_listeners: list[PhaseListener] = []
@@ -63,6 +63,7 @@ class Recorder:
         self.step_index = 0
         self.explicit_steps = False  # True once tp.step() was called: optimizers stop ending steps
         self.samples = 0  # samples seen in the current step
+        self.samples_per_step: int | None = None  # when set, overrides what loaders reported
         self.cuda_timer: Any = None  # set by the CUDA timing probe when a GPU is in use
         self._stack: list[list] = []  # open spans: [phase, start_ns, depth, source, raw_step, ev]
         self._open: dict[str, int] = {}
@@ -109,7 +110,8 @@ class Recorder:
     def end_step(self, end_ns: int | None = None) -> None:
         """Record the end of the current step, then tell the step listeners (which may raise)."""
         end = perf_counter_ns() if end_ns is None else end_ns
-        self.step_ends.append((end, self.samples))
+        n = self.samples if self.samples_per_step is None else self.samples_per_step
+        self.step_ends.append((end, n))
         step = self.step_index
         self.step_index += 1
         self.samples = 0

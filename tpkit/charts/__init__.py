@@ -1,0 +1,6 @@
+"""Chart builders: pure functions from frames to ``altair.Chart``. They never measure."""
+
+from .style import PHASE_COLORS, PHASE_ORDER, phase_scale
+from .timeline import stall_timeline, step_breakdown
+
+__all__ = ["PHASE_COLORS", "PHASE_ORDER", "phase_scale", "stall_timeline", "step_breakdown"]

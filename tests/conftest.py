@@ -1,0 +1,40 @@
+import os
+import threading
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def ip():
+    """A real IPython shell with the extension loaded."""
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "tpkit")
+    return shell
+
+
+@pytest.fixture
+def one_thread():
+    """Pin torch to one thread: with two, a tiny op after a sleep can wait ~10 ms for the
+    pool to wake (measured, shared/MEASURED.md), which would blur ground-truth timings."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Every test leaves no slice running and no extra thread behind."""
+    from tpkit import recorder
+
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    assert recorder.active() is None, "a slice was left running"
+    extra = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()
+             and t.name.startswith("tpkit")]
+    assert not extra, f"tpkit threads left behind: {extra}"

@@ -1,0 +1,79 @@
+"""A training setup whose phases take known times: ground truth for the phase probes."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+FORWARD_S = 0.030
+BACKWARD_S = 0.025
+OPTIMIZER_S = 0.015
+SAMPLE_S = 0.010  # per sample in __getitem__
+BATCH = 2
+
+
+class SleepBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        time.sleep(BACKWARD_S)
+        return g
+
+
+class SleepyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(FORWARD_S)
+        return SleepBackward.apply(self.lin(x)).pow(2).mean()
+
+
+class SleepySGD(torch.optim.SGD):
+    def step(self, closure=None):  # noqa: ANN001
+        time.sleep(OPTIMIZER_S)
+        return super().step(closure)
+
+
+class SleepyData(Dataset):
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(SAMPLE_S)
+        return torch.full((4,), float(i % 7))
+
+
+def make():
+    torch.manual_seed(0)
+    model = SleepyModel()
+    loader = torch.utils.data.DataLoader(SleepyData(), batch_size=BATCH)
+    opt = SleepySGD(model.parameters(), lr=0.01)
+    return model, loader, opt
+
+
+def registries() -> dict:
+    """Sizes and identities of every global torch place tpkit hooks into."""
+    import torch.nn.modules.module as mm
+    import torch.optim.optimizer as oo
+    import torch.utils.data.dataloader as dl
+
+    return {
+        "fwd_pre": len(mm._global_forward_pre_hooks),
+        "fwd": len(mm._global_forward_hooks),
+        "fwd_always": len(mm._global_forward_hooks_always_called),
+        "opt_pre": len(oo._global_optimizer_pre_hooks),
+        "opt_post": len(oo._global_optimizer_post_hooks),
+        "backward": torch.autograd.backward,
+        "to": torch.Tensor.__dict__.get("to"),
+        "cuda": torch.Tensor.__dict__.get("cuda"),
+        "opt_zero": torch.optim.Optimizer.__dict__["zero_grad"],
+        "mod_zero": torch.nn.Module.__dict__["zero_grad"],
+        "next": dl._BaseDataLoaderIter.__dict__["__next__"],
+    }

@@ -1,0 +1,149 @@
+"""%%tp_profile through a real IPython shell: phases against known sleeps, the stop, the
+hooks taken out, partial runs on errors, argument errors before the cell runs."""
+
+from __future__ import annotations
+
+import pytest
+import sleepy
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+import tpkit as tp
+
+LOOP = """
+import sleepy
+model, loader, opt = sleepy.make()
+iterations = 0
+for batch in loader:
+    iterations += 1
+    loss = model(batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+TOL_S = 0.006  # sleeps overshoot by a fraction of a ms; a loaded 2-core machine adds a few
+
+
+def test_phases_match_known_sleeps_and_slice_stops(ip, one_thread):
+    before = sleepy.registries()
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 5 --warmup 2 --name truth", LOOP)
+    assert sleepy.registries() == before
+    assert ip.user_ns["iterations"] == 7  # warmup + steps, then the loop was stopped
+    run = ip.user_ns["_tp"]
+    assert run is tp.last_run() and run.name == "truth" and run.complete
+    steps = run.steps
+    assert list(steps["step"]) == [-2, -1, 0, 1, 2, 3, 4]
+    assert list(steps["warmup"]) == [True, True, False, False, False, False, False]
+    m = run.measured_steps
+    assert len(m) == 5
+    assert (m["samples"] == sleepy.BATCH).all()
+    truth = {"data_wait_s": sleepy.BATCH * sleepy.SAMPLE_S, "forward_s": sleepy.FORWARD_S,
+             "backward_s": sleepy.BACKWARD_S, "optimizer_s": sleepy.OPTIMIZER_S}
+    for col, want in truth.items():
+        got = m[col].to_numpy()
+        assert (got >= want - 0.0005).all() and (got <= want + TOL_S).all(), (col, got, want)
+    assert (m["other_s"] < TOL_S).all()
+    assert (m["h2d_s"] == 0).all()
+    total = sum(truth.values())
+    assert m["duration_s"].median() == pytest.approx(total, abs=TOL_S * 2)
+    assert m["throughput"].median() == pytest.approx(sleepy.BATCH / m["duration_s"].median())
+    assert run.summary().verdict.kind == "input-bound"  # 20 ms of 90 ms waits for data
+    # the cell's display: the summary as text and the dashboard as HTML with its charts
+    data = cap.outputs[-1].data
+    assert "INPUT-BOUND" in data["text/plain"]
+    assert "vegaEmbed(" in data["text/html"] and "Stall timeline" in data["text/html"]
+    assert run.meta["model"] == {"class": "SleepyModel", "parameters": 5, "trainable": 5}
+    assert run.meta["optimizers"] == ["SleepySGD"]
+
+
+def test_error_mid_slice_keeps_partial_run_and_removes_hooks(ip):
+    before = sleepy.registries()
+    cell = LOOP.replace("    opt.zero_grad()", "    opt.zero_grad()\n    if iterations == 3: raise RuntimeError('boom')")
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture_output() as cap:
+            ip.run_cell_magic("tp_profile", "--steps 5 --warmup 1 --name broken", cell)
+    assert sleepy.registries() == before
+    run = tp.last_run()
+    assert run.name == "broken" and not run.complete
+    assert run.meta["stopped_by"] == "error" and "boom" in run.meta["error"]
+    assert len(run.steps) == 3 and list(run.steps["step"]) == [-1, 0, 1]
+    assert "INCOMPLETE" in cap.outputs[-1].data["text/plain"]
+
+
+def test_interrupt_mid_slice(ip):
+    before = sleepy.registries()
+    cell = LOOP.replace("    loss.backward()", "    loss.backward()\n    if iterations == 2: raise KeyboardInterrupt")
+    with pytest.raises(KeyboardInterrupt):
+        with capture_output():
+            ip.run_cell_magic("tp_profile", "--steps 5 --warmup 0 --quiet", cell)
+    assert sleepy.registries() == before
+    run = tp.last_run()
+    assert run.meta["stopped_by"] == "interrupt" and len(run.steps) == 1
+    # the interrupted step's forward and backward are kept in spans
+    assert set(run.spans[run.spans["step"] == 1]["phase"]) == {"data_wait", "forward", "backward", "optimizer"}
+
+
+def test_loop_that_ends_early_keeps_its_steps(ip):
+    cell = LOOP.replace("for batch in loader:", "for _, batch in zip(range(4), loader):")
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 10 --warmup 1 --quiet", cell)
+    run = tp.last_run()
+    assert len(run.steps) == 4 and run.complete and run.meta["stopped_by"] == "loop_end"
+    assert any("ended after 4 steps" in n for n in run.meta["notes"])
+
+
+def test_no_optimizer_explains_how_to_mark_steps_and_tp_step_works(ip):
+    cell = "import time\nfor i in range(3):\n    time.sleep(0.001)\n"
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet", cell)
+    run = tp.last_run()
+    assert len(run.steps) == 0 and any("tp.step()" in n for n in run.meta["notes"])
+    assert "tp.step()" in cap.stdout
+    cell = "import time, tpkit as tp\nn = 0\nwhile True:\n    n += 1\n    time.sleep(0.001)\n    tp.step()\n"
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 4 --warmup 1 --quiet", cell)
+    assert ip.user_ns["n"] == 5 and len(tp.last_run().measured_steps) == 4
+
+
+def test_no_stop_profiles_the_whole_cell(ip):
+    cell = LOOP.replace("for batch in loader:", "for _, batch in zip(range(6), loader):")
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 1 --no-stop --quiet", cell)
+    assert ip.user_ns["iterations"] == 6 and len(tp.last_run().steps) == 6
+
+
+@pytest.mark.parametrize("line,match", [
+    ("--steps 0", "--steps"),
+    ("--warmup soon", "--warmup"),
+    ("--warmup -1", "--warmup"),
+    ("--bogus 3", "unrecognized arguments"),
+    ("--steps three", "invalid int"),
+])
+def test_bad_arguments_are_refused_before_the_cell_runs(ip, line, match):
+    ip.user_ns["ran"] = False
+    with pytest.raises(UsageError, match=match) as err:
+        ip.run_cell_magic("tp_profile", line, "ran = True")
+    assert ip.user_ns["ran"] is False
+    if "unrecognized" in match:
+        assert "--steps" in str(err.value)  # says what is allowed
+
+
+def test_empty_cell_and_nested_profile_are_refused(ip):
+    with pytest.raises(UsageError, match="empty"):
+        ip.run_cell_magic("tp_profile", "", "   \n")
+    inner = "get_ipython().run_cell_magic('tp_profile', '--quiet', 'x = 1')"
+    cell = LOOP.replace("    opt.zero_grad()", "    opt.zero_grad()\n    " + inner)
+    with pytest.raises(UsageError, match="already running"):
+        with capture_output():
+            ip.run_cell_magic("tp_profile", "--steps 3 --quiet", cell)
+    assert tp.last_run().meta["stopped_by"] == "error"
+
+
+def test_save_option_writes_a_loadable_run(ip, tmp_path):
+    cell = LOOP.replace("for batch in loader:", "for _, batch in zip(range(3), loader):")
+    with capture_output():
+        ip.run_cell_magic("tp_profile", f"--steps 2 --warmup 1 --quiet --save {tmp_path / 'r'}", cell)
+    loaded = tp.load(tmp_path / "r")
+    assert loaded.steps.equals(tp.last_run().steps)

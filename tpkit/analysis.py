@@ -1,0 +1,221 @@
+"""Analysis: pure functions from frames to frames (and small summaries).
+
+Nothing here measures or draws. Every function takes the Run's tables (or a hand-made frame
+with the same columns) so tests can check each rule on numbers chosen by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .recorder import BUILTIN_PHASES
+
+#: The per-phase columns of ``run.steps``, in the order a step usually runs.
+PHASE_COLUMNS: tuple[str, ...] = tuple(f"{p}_s" for p in BUILTIN_PHASES) + ("other_s",)
+
+#: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
+INPUT_BOUND = 0.20
+INPUT_LIMITED = 0.10
+COPY_BOUND = 0.15
+OPTIMIZER_BOUND = 0.30
+OFFLOAD_BOUND = 0.30
+OVERHEAD_BOUND = 0.30
+
+
+def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
+    """Seconds of each built-in phase per step, each instant charged to the innermost
+    built-in phase open at that instant (an h2d copy inside forward is h2d, not forward).
+
+    User phases (``tp.phase``) do not take time from built-in phases: a built-in phase
+    inside a user phase keeps its time, and a user phase's own time falls to ``other``.
+    Returns one row per step with columns ``step`` and ``<phase>_s`` for built-in phases.
+    """
+    cols = [f"{p}_s" for p in BUILTIN_PHASES]
+    if spans.empty:
+        return pd.DataFrame(columns=["step", *cols])
+    builtin = set(BUILTIN_PHASES)
+    rows: dict[int, dict[str, float]] = {}
+    ordered = spans.sort_values(["step", "start_s", "depth"], kind="stable")
+    for step, group in ordered.groupby("step", sort=True):
+        acc = dict.fromkeys(BUILTIN_PHASES, 0.0)
+        stack: list[tuple[float, str]] = []  # (end_s, phase) of open ancestors
+        for start, end, phase in zip(group["start_s"].to_numpy(), group["end_s"].to_numpy(),
+                                     group["phase"].to_numpy()):
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if phase in builtin:
+                dur = float(end - start)
+                acc[phase] += dur
+                for _, anc in reversed(stack):  # nearest built-in ancestor loses this time
+                    if anc in builtin:
+                        acc[anc] -= dur
+                        break
+            stack.append((float(end), str(phase)))
+        rows[int(step)] = {f"{p}_s": max(0.0, v) for p, v in acc.items()}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.index.name = "step"
+    return out.reset_index()
+
+
+def step_breakdown(spans: pd.DataFrame, bounds: pd.DataFrame) -> pd.DataFrame:
+    """``run.steps`` from spans and step bounds (columns: step, warmup, start_s, end_s,
+    samples, loss). ``other_s`` is what no built-in phase covered."""
+    phases = exclusive_phase_times(spans)
+    phases["step"] = phases["step"].astype("int64")
+    out = bounds.merge(phases, on="step", how="left")
+    for c in PHASE_COLUMNS[:-1]:
+        out[c] = out[c].astype("float64").fillna(0.0)
+    out["duration_s"] = out["end_s"] - out["start_s"]
+    covered = out[list(PHASE_COLUMNS[:-1])].sum(axis=1)
+    out["other_s"] = (out["duration_s"] - covered).clip(lower=0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["throughput"] = np.where(out["duration_s"] > 0, out["samples"] / out["duration_s"], np.nan)
+    return out
+
+
+@dataclass
+class Verdict:
+    kind: str  # input-bound, input-limited, copy-bound, optimizer-bound, offload-bound, overhead-bound, compute-bound, no-steps
+    text: str
+
+
+@dataclass
+class Summary:
+    name: str
+    steps: int
+    warmup_steps: int
+    complete: bool
+    samples: int
+    total_s: float
+    throughput: float  # samples/s over measured steps
+    step_p50_s: float
+    step_p95_s: float
+    phase_share: dict[str, float] = field(default_factory=dict)  # column -> share of step time
+    data_stall_share: float = 0.0
+    verdict: Verdict = field(default_factory=lambda: Verdict("no-steps", ""))
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per figure: ``figure, value, unit``."""
+        rows = [
+            ("steps measured", self.steps, "steps"),
+            ("warmup steps", self.warmup_steps, "steps"),
+            ("throughput", self.throughput, "samples/s"),
+            ("step time p50", self.step_p50_s * 1e3, "ms"),
+            ("step time p95", self.step_p95_s * 1e3, "ms"),
+            ("data stall", self.data_stall_share * 100, "%"),
+        ]
+        rows += [(f"{c[:-2]} share", v * 100, "%") for c, v in self.phase_share.items()]
+        return pd.DataFrame(rows, columns=["figure", "value", "unit"])
+
+    def to_text(self) -> str:
+        lines = [f"tpkit run '{self.name}'" + ("" if self.complete else " (INCOMPLETE)")]
+        if self.steps == 0:
+            lines.append("  no measured steps")
+        else:
+            lines.append(f"  {self.steps} steps (+{self.warmup_steps} warmup), "
+                         f"{self.throughput:,.1f} samples/s, step p50 {self.step_p50_s * 1e3:.2f} ms, "
+                         f"p95 {self.step_p95_s * 1e3:.2f} ms")
+            shares = ", ".join(f"{c[:-2]} {v:.0%}" for c, v in self.phase_share.items() if v >= 0.005)
+            lines.append(f"  time: {shares}")
+        lines.append(f"  verdict: {self.verdict.text}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def measured(steps: pd.DataFrame) -> pd.DataFrame:
+    """The steps after warmup."""
+    return steps[~steps["warmup"].astype(bool)] if not steps.empty else steps
+
+
+def phase_shares(steps: pd.DataFrame) -> dict[str, float]:
+    """Share of total step time per phase column (sums to 1 when any time was measured)."""
+    total = float(steps["duration_s"].sum()) if not steps.empty else 0.0
+    if total <= 0:
+        return {c: 0.0 for c in PHASE_COLUMNS}
+    return {c: float(steps[c].sum()) / total for c in PHASE_COLUMNS}
+
+
+def verdict(shares: dict[str, float]) -> Verdict:
+    """The one-line bottleneck verdict from phase shares. Order: the first rule that fires."""
+    if not shares or sum(shares.values()) == 0:
+        return Verdict("no-steps", "no steps were measured: nothing to judge")
+    data = shares.get("data_wait_s", 0.0)
+    if data >= INPUT_BOUND:
+        return Verdict("input-bound", f"INPUT-BOUND: {data:.0%} of step time waits for data; "
+                       "the model idles while the loader works (more workers, tp.data.Loader)")
+    if shares.get("h2d_s", 0.0) >= COPY_BOUND:
+        return Verdict("copy-bound", f"COPY-BOUND: {shares['h2d_s']:.0%} of step time copies batches to "
+                       "the device (pin_memory, non_blocking copies, prefetch)")
+    if shares.get("offload_s", 0.0) >= OFFLOAD_BOUND:
+        return Verdict("offload-bound", f"OFFLOAD-BOUND: {shares['offload_s']:.0%} of step time moves or "
+                       "updates offloaded optimizer state")
+    if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
+        return Verdict("optimizer-bound", f"OPTIMIZER-BOUND: {shares['optimizer_s']:.0%} of step time is "
+                       "the optimizer (fused/foreach kernels, fewer parameter tensors)")
+    if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
+        return Verdict("overhead-bound", f"OVERHEAD-BOUND: {shares['other_s']:.0%} of step time is outside "
+                       "every known phase (Python between phases, logging, .item() syncs)")
+    compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
+    text = f"COMPUTE-BOUND: forward+backward take {compute:.0%} of step time"
+    if data >= INPUT_LIMITED:
+        return Verdict("input-limited", text + f"; data wait is {data:.0%}, worth a look")
+    return Verdict("compute-bound", text + "; the input pipeline keeps up")
+
+
+def summarize(steps: pd.DataFrame, meta: dict) -> Summary:
+    m = measured(steps)
+    shares = phase_shares(m)
+    total = float(m["duration_s"].sum()) if not m.empty else 0.0
+    samples = int(m["samples"].sum()) if not m.empty else 0
+    dur = m["duration_s"].to_numpy() if not m.empty else np.array([])
+    return Summary(
+        name=str(meta.get("name", "run")),
+        steps=len(m),
+        warmup_steps=int(meta.get("warmup_steps", 0)),
+        complete=bool(meta.get("complete", True)),
+        samples=samples,
+        total_s=total,
+        throughput=samples / total if total > 0 else float("nan"),
+        step_p50_s=float(np.percentile(dur, 50)) if dur.size else float("nan"),
+        step_p95_s=float(np.percentile(dur, 95)) if dur.size else float("nan"),
+        phase_share=shares,
+        data_stall_share=shares.get("data_wait_s", 0.0),
+        verdict=verdict(shares),
+        notes=list(meta.get("notes", [])),
+    )
+
+
+def timeline_frame(spans: pd.DataFrame, max_rows: int = 4000) -> pd.DataFrame:
+    """Spans for the stall timeline: built-in and user phases of the measured steps, cut to
+    the first steps that fit in ``max_rows`` so a long run still draws quickly."""
+    s = spans[spans["step"] >= 0] if not spans.empty else spans
+    if len(s) > max_rows:
+        last = s["step"].iloc[max_rows - 1]
+        s = s[s["step"] < last]
+    return s.assign(duration_ms=s["duration_s"] * 1e3)
+
+
+def breakdown_long(steps: pd.DataFrame) -> pd.DataFrame:
+    """``run.steps`` melted to one row per (step, phase) with seconds, for stacked bars."""
+    cols = [c for c in PHASE_COLUMNS if c in steps.columns]
+    long = steps.melt(id_vars=["step", "warmup"], value_vars=cols, var_name="phase", value_name="seconds")
+    long["phase"] = long["phase"].str[:-2]
+    long["ms"] = long["seconds"] * 1e3
+    return long
+
+
+def settled(durations: list[float], window: int = 3, tolerance: float = 0.2) -> bool:
+    """Whether the last ``window`` step times agree within ``tolerance`` of their median
+    (the rule of ``--warmup auto``)."""
+    if len(durations) < window + 1:  # the first step always pays one-time costs
+        return False
+    last = np.asarray(durations[-window:])
+    med = float(np.median(last))
+    return med > 0 and float(last.max() - last.min()) <= tolerance * med

@@ -1,0 +1,28 @@
+"""Colours and order shared by every chart, so a phase looks the same everywhere."""
+
+from __future__ import annotations
+
+import altair as alt
+
+PHASE_ORDER: list[str] = ["data_wait", "h2d", "forward", "backward", "optimizer", "offload", "other"]
+PHASE_COLORS: dict[str, str] = {
+    "data_wait": "#d62728",  # red: the stall the eye must find first
+    "h2d": "#ff7f0e",
+    "forward": "#1f77b4",
+    "backward": "#6a51a3",
+    "optimizer": "#2ca02c",
+    "offload": "#8c564b",
+    "other": "#b0b0b0",
+}
+_USER_COLORS = ["#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#9edae5", "#c49c94"]
+
+
+def phase_scale(phases: list[str]) -> alt.Scale:
+    """A colour scale with built-in phases in their fixed colours and user phases after them."""
+    domain = [p for p in PHASE_ORDER if p in phases] + sorted(p for p in set(phases) if p not in PHASE_COLORS)
+    user = iter(_USER_COLORS * 4)
+    return alt.Scale(domain=domain, range=[PHASE_COLORS.get(p) or next(user) for p in domain])
+
+
+def phase_sort(phases: list[str]) -> list[str]:
+    return [p for p in PHASE_ORDER if p in phases] + sorted(p for p in set(phases) if p not in PHASE_COLORS)

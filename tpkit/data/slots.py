@@ -1,0 +1,279 @@
+"""Shared-memory slot rings and the batch layout that lives in them.
+
+A worker owns one ring: a single shared-memory file holding ``n_slots`` equal slots. It
+creates the file after its first batch (so the slot size fits the batch), writes every later
+batch's tensor bytes into the slot the main process names, and sends only a small
+*skeleton* over its pipe: the batch's structure plus, per tensor, (offset, bytes, dtype,
+shape). No tensor data is pickled and no segment is created per batch. A batch larger than
+the slot makes the worker open a bigger ring (a new *generation*), which is rare.
+
+The main process maps a ring the first time a message names it and unlinks the file right
+away: the mapping stays valid and nothing is left in /dev/shm even if the process dies
+later. Segment names are deterministic (``tpk-<main pid>-<loader id>-w<worker>.<life>-g<gen>``)
+so the main process can also remove files whose worker died before it saw them.
+
+Slot reuse rule: a slot returns to its worker's free list only when every tensor viewing it
+has been freed. Each handed-out batch views its slot through one fresh numpy array (the
+*lease*); ``weakref.finalize`` on that array fires when the last view dies (CPython frees on
+the last reference). The loader copies a batch out instead of viewing it when the training
+loop already holds too many slots of that worker, so the ring never blocks.
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import tempfile
+import weakref
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+ALIGN_BYTES = 64
+PAGE_BYTES = 4096
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class UnsupportedBatchError(TypeError):
+    """A batch held something the process workers cannot move without pickling it."""
+
+
+def segment_prefix(main_pid: int, loader_id: int) -> str:
+    return os.path.join(SHM_DIR, f"tpk-{main_pid}-{loader_id}-")
+
+
+def segment_path(prefix: str, worker: int, life: int, gen: int) -> str:
+    return f"{prefix}w{worker}.{life}-g{gen}"
+
+
+def remove_segments(prefix: str) -> int:
+    """Unlink every segment file of one loader (safe to call twice); returns how many."""
+    n = 0
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        try:
+            os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+# -- flattening a batch into leaves + skeleton ------------------------------------------------
+
+class _Leaf:
+    """Placeholder for a tensor or array inside a skeleton (picklable, tiny)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: tuple) -> None:
+        self.spec = spec  # (kind, offset, nbytes, dtype_name, shape)
+
+    def __reduce__(self):
+        return (_Leaf, (self.spec,))
+
+
+_SCALARS = (int, float, bool, complex, str, bytes, type(None))
+
+
+def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
+    """Replace tensors/arrays in ``obj`` by indices into ``leaves``; returns the skeleton.
+
+    Raises UnsupportedBatchError naming the place of anything else.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
+            raise UnsupportedBatchError(
+                f"{where} is a {obj.device.type} {obj.layout} tensor; workers can only hand over "
+                f"dense CPU tensors. Build dense CPU tensors in collate_fn and move them to the "
+                f"device in the training loop (or pass pin_memory=True).")
+        leaves.append(obj)
+        return _Leaf(("torch", len(leaves) - 1))
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise UnsupportedBatchError(
+                f"{where} is a numpy array of Python objects; convert it to a numeric array or a "
+                f"list in collate_fn.")
+        leaves.append(obj)
+        return _Leaf(("numpy", len(leaves) - 1))
+    if isinstance(obj, _SCALARS) or isinstance(obj, np.generic):
+        return obj
+    if isinstance(obj, Mapping):
+        return (_MAP, type(obj), [(k, flatten(v, leaves, f"{where}[{k!r}]")) for k, v in obj.items()])
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return (_NAMEDTUPLE, type(obj), [flatten(v, leaves, f"{where}.{f}") for f, v in zip(obj._fields, obj)])
+    if isinstance(obj, (list, tuple)):
+        return (_SEQ, type(obj), [flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(obj)])
+    raise UnsupportedBatchError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; process workers move "
+        f"tensors, numpy arrays, numbers, strings and dicts/lists/tuples of them. Convert it in "
+        f"collate_fn (e.g. torch.as_tensor(...) or a dict of tensors), or use mode='thread'.")
+
+
+class _Tag:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self):
+        return (_tag, (self.name,))
+
+
+def _tag(name: str) -> "_Tag":
+    return {"map": _MAP, "nt": _NAMEDTUPLE, "seq": _SEQ}[name]
+
+
+_MAP, _NAMEDTUPLE, _SEQ = _Tag("map"), _Tag("nt"), _Tag("seq")
+
+
+def unflatten(skel: Any, make_leaf: Callable[[tuple], Any]) -> Any:
+    if isinstance(skel, _Leaf):
+        return make_leaf(skel.spec)
+    if isinstance(skel, tuple) and len(skel) == 3 and isinstance(skel[0], _Tag):
+        tag, typ, items = skel
+        if tag is _MAP:
+            d = {k: unflatten(v, make_leaf) for k, v in items}
+            if typ is dict:
+                return d
+            try:
+                return typ(d)
+            except Exception:  # a Mapping type that cannot be built from a dict
+                return d
+        vals = [unflatten(v, make_leaf) for v in items]
+        if tag is _NAMEDTUPLE:
+            return typ(*vals)
+        return vals if typ is list else (tuple(vals) if typ is tuple else typ(vals))
+    return skel
+
+
+def leaf_nbytes(leaves: list) -> int:
+    """Bytes a slot needs for these leaves, each aligned to ALIGN_BYTES."""
+    total = 0
+    for x in leaves:
+        n = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes
+        total = _round_up(total, ALIGN_BYTES) + n
+    return total
+
+
+# -- the worker side ------------------------------------------------------------------------
+
+class WorkerRing:
+    """A worker's ring: created lazily on the first batch, regrown if a batch does not fit."""
+
+    def __init__(self, prefix: str, worker: int, life: int, n_slots: int) -> None:
+        self.prefix, self.worker, self.life, self.n_slots = prefix, worker, life, n_slots
+        self.gen = -1
+        self.slot_bytes = 0
+        self._mm: mmap.mmap | None = None
+        self._u8: torch.Tensor | None = None
+
+    def _grow(self, need_bytes: int) -> None:
+        self.close()
+        self.gen += 1
+        self.slot_bytes = _round_up(max(int(need_bytes * 1.25), need_bytes + ALIGN_BYTES, PAGE_BYTES), PAGE_BYTES)
+        path = segment_path(self.prefix, self.worker, self.life, self.gen)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.slot_bytes * self.n_slots)
+            self._mm = mmap.mmap(fd, self.slot_bytes * self.n_slots)
+        finally:
+            os.close(fd)
+        self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def write(self, slot: int, batch: Any) -> tuple[Any, int, int]:
+        """Copy ``batch``'s tensors into ``slot``; returns (skeleton, gen, slot_bytes)."""
+        leaves: list = []
+        skel = flatten(batch, leaves)
+        need = leaf_nbytes(leaves)
+        if need > self.slot_bytes:
+            self._grow(need)
+        assert self._u8 is not None
+        base = slot * self.slot_bytes
+        off = 0
+        specs = []
+        for x in leaves:
+            off = _round_up(off, ALIGN_BYTES)
+            if isinstance(x, torch.Tensor):
+                n = x.numel() * x.element_size()
+                dst = self._u8[base + off: base + off + n]
+                if n:
+                    dst.view(x.dtype).view(x.shape).copy_(x.detach())
+                specs.append(("torch", off, n, str(x.dtype)[6:], tuple(x.shape)))
+            else:
+                n = x.nbytes
+                dst = self._u8[base + off: base + off + n].numpy()
+                if n:
+                    dst.view(x.dtype).reshape(x.shape)[...] = x
+                specs.append(("numpy", off, n, x.dtype.str, tuple(x.shape)))
+            off += n
+        skel = _respec(skel, specs)
+        return skel, self.gen, self.slot_bytes
+
+    def close(self) -> None:
+        self._u8 = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view still exported; the GC will unmap it
+                pass
+            self._mm = None
+
+
+def _respec(skel: Any, specs: list) -> Any:
+    if isinstance(skel, _Leaf):
+        return _Leaf(specs[skel.spec[1]])
+    if isinstance(skel, tuple) and len(skel) == 3 and isinstance(skel[0], _Tag):
+        tag, typ, items = skel
+        if tag is _MAP:
+            return (tag, typ, [(k, _respec(v, specs)) for k, v in items])
+        return (tag, typ, [_respec(v, specs) for v in items])
+    return skel
+
+
+# -- the main-process side ------------------------------------------------------------------
+
+def map_segment(path: str) -> mmap.mmap:
+    """Map a worker's segment and unlink its file at once (the mapping outlives the name)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return mm
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def read_slot(mm: mmap.mmap, slot: int, slot_bytes: int, skel: Any, copy: bool,
+              on_release: Callable[[], None] | None) -> Any:
+    """Rebuild a batch from a slot: zero-copy views (released via ``on_release`` when the last
+    view dies) or, with ``copy=True``, private copies (the slot is free on return)."""
+    lease = np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=slot * slot_bytes)
+
+    def make(spec: tuple) -> Any:
+        kind, off, n, dtype, shape = spec
+        raw = lease[off: off + n]
+        if kind == "torch":
+            t = torch.from_numpy(raw).view(_torch_dtype(dtype)).view(shape)
+            return t.clone() if copy else t
+        a = raw.view(np.dtype(dtype)).reshape(shape)
+        return a.copy() if copy else a
+
+    batch = unflatten(skel, make)
+    if not copy and on_release is not None:
+        weakref.finalize(lease, on_release)
+    return batch

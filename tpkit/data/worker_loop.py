@@ -1,0 +1,195 @@
+"""What runs inside a worker process: fetch samples, collate, write into the ring, report.
+
+Messages on the worker's pipe (all small tuples, never tensor data):
+
+main -> worker  ``("map", batch_id, indices, slot)``   fetch these indices (map-style)
+                ``("iter", batch_id, slot)``           next batch of this worker's stream
+                ``("reset", skip_batches)``            new epoch of an iterable dataset
+                ``None``                               exit
+worker -> main  ``("ok", batch_id, slot, gen, slot_bytes, skeleton, fetch_s, collate_s,
+                  write_s, done_ns, n_samples)``
+                ``("end", batch_id)``                  the iterable stream is exhausted
+                ``("err", batch_id, index, exc_type, message, traceback)``
+
+Times are ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for all processes),
+so the main process can compute how long a finished batch waited (``done_ns``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import traceback
+from dataclasses import dataclass
+from time import perf_counter, perf_counter_ns
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .slots import WorkerRing
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs; handed over at fork (or pickled once under spawn)."""
+
+    dataset: Any
+    iterable: bool
+    auto_collate: bool  # False when batch_size is None: one sample per "batch"
+    batch_size: int
+    drop_last: bool
+    collate_fn: Callable
+    num_workers: int
+    base_seed: int
+    worker_init_fn: Callable | None
+    seg_prefix: str
+    n_slots: int
+    parent_pid: int
+
+
+def seed_worker(base_seed: int, worker: int) -> int:
+    """Seed Python, torch and numpy in a worker; returns the torch seed (base + id)."""
+    seed = base_seed + worker
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(np.random.SeedSequence([base_seed & (2**63 - 1), worker]).generate_state(4))
+    return seed
+
+
+def set_worker_info(worker: int, num_workers: int, seed: int, dataset: Any, method: str) -> None:
+    """Make ``torch.utils.data.get_worker_info()`` work in our workers (datasets shard by it)."""
+    try:
+        from torch.utils.data._utils import worker as _tw
+        _tw._worker_info = _tw.WorkerInfo(id=worker, num_workers=num_workers, seed=seed,
+                                          dataset=dataset)
+    except Exception:  # a torch without this private hook: sharding datasets see None
+        pass
+
+
+class BatchMaker:
+    """Fetch + collate one batch from a map-style or iterable dataset, timing both."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._it = None
+        self.current_index: Any = None
+        self.drawn = 0  # samples taken from this worker's stream (iterable datasets)
+
+    def reset(self, skip_batches: int = 0) -> None:
+        self._it = iter(self.spec.dataset)
+        self.drawn = 0
+        for _ in range(skip_batches):
+            if self._next_samples() is None:
+                break
+
+    def _next_samples(self) -> list | None:
+        if self._it is None:
+            self.reset()
+        if not self.spec.auto_collate:
+            try:
+                self.current_index = f"sample {self.drawn} of this worker's stream"
+                sample = next(self._it)
+                self.drawn += 1
+                return [sample]
+            except StopIteration:
+                return None
+        out = []
+        for _ in range(self.spec.batch_size):
+            try:
+                self.current_index = f"sample {self.drawn} of this worker's stream"
+                out.append(next(self._it))
+                self.drawn += 1
+            except StopIteration:
+                break
+        if not out or (self.spec.drop_last and len(out) < self.spec.batch_size):
+            return None
+        return out
+
+    def make(self, indices: Any) -> tuple[Any, float, float, int] | None:
+        """Returns (batch, fetch_s, collate_s, n_samples), or None when an iterable is
+        exhausted."""
+        t0 = perf_counter()
+        if self.spec.iterable:
+            samples = self._next_samples()
+            if samples is None:
+                return None
+        elif self.spec.auto_collate:
+            samples = []
+            ds = self.spec.dataset
+            for i in indices:
+                self.current_index = i
+                samples.append(ds[i])
+        else:
+            self.current_index = indices
+            samples = [self.spec.dataset[indices]]
+        t1 = perf_counter()
+        self.current_index = None
+        if self.spec.auto_collate:
+            batch = self.spec.collate_fn(samples)
+        else:
+            batch = self.spec.collate_fn(samples[0])
+        return batch, t1 - t0, perf_counter() - t1, len(samples)
+
+
+def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batches: int) -> None:
+    """Entry point of a worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns Ctrl-C and our exit
+    torch.set_num_threads(1)
+    seed = seed_worker(spec.base_seed, worker)
+    set_worker_info(worker, spec.num_workers, seed, spec.dataset, "multiprocessing")
+    ring = WorkerRing(spec.seg_prefix, worker, life, spec.n_slots)
+    maker = BatchMaker(spec)
+    try:
+        if spec.worker_init_fn is not None:
+            spec.worker_init_fn(worker)
+        if spec.iterable:
+            maker.reset(skip_batches)
+    except Exception as e:
+        conn.send(("err", -1, None, type(e).__name__, str(e), traceback.format_exc()))
+        return
+    exhausted = False
+    while True:
+        # Wake up now and then to notice a dead parent (its pipe end may stay open in siblings).
+        while not conn.poll(1.0):
+            if os.getppid() != spec.parent_pid:
+                ring.close()
+                return
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        if msg is None:
+            break
+        kind = msg[0]
+        if kind == "reset":
+            exhausted = False
+            try:
+                maker.reset(msg[1])
+            except Exception as e:
+                conn.send(("err", -1, None, type(e).__name__, str(e), traceback.format_exc()))
+            continue
+        batch_id = msg[1]
+        if exhausted:
+            conn.send(("end", batch_id))
+            continue
+        try:
+            made = maker.make(msg[2] if kind == "map" else None)
+            if made is None:
+                exhausted = True
+                conn.send(("end", batch_id))
+                continue
+            batch, fetch_s, collate_s, n_samples = made
+            t0 = perf_counter()
+            slot = msg[3] if kind == "map" else msg[2]
+            skel, gen, slot_bytes = ring.write(slot, batch)
+            del batch
+            write_s = perf_counter() - t0
+            conn.send(("ok", batch_id, slot, gen, slot_bytes, skel, fetch_s, collate_s, write_s,
+                       perf_counter_ns(), n_samples))
+        except Exception as e:
+            conn.send(("err", batch_id, maker.current_index, type(e).__name__, str(e),
+                       traceback.format_exc()))
+            maker.current_index = None
+    ring.close()

@@ -1,0 +1,30 @@
+"""tpkit's exceptions, in one place."""
+
+from __future__ import annotations
+
+
+class TpkitError(Exception):
+    """Base of every error tpkit raises on purpose."""
+
+
+class ProfileActiveError(TpkitError):
+    """A slice was started while another one is running."""
+
+
+class RunFormatError(TpkitError):
+    """A folder given to ``tp.load`` is not a saved Run, or is damaged."""
+
+
+class MissingExtraError(TpkitError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(f"{feature} needs the '{package}' package: pip install 'tpkit[{extra}]'")
+        self.package, self.extra = package, extra
+
+
+class StopSlice(BaseException):
+    """Raised from a step hook when the slice is full; caught by ``tp.profile`` and the magic.
+
+    A BaseException so that a user's ``except Exception`` in the loop does not swallow it.
+    """

@@ -1,0 +1,108 @@
+"""``%%tp_profile``: parse arguments, run the cell as a slice, show the dashboard.
+
+Nothing is measured or drawn here: the slice is ``tpkit.profiler.Profile`` and the display
+is the Run's own rich representation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from .errors import TpkitError
+from .profiler import Profile, SliceConfig
+from .recorder import active
+
+
+def _warmup(value: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise UsageError(f"--warmup takes a whole number >= 0 or 'auto', got {value!r}") from None
+    if n < 0:
+        raise UsageError(f"--warmup takes a whole number >= 0 or 'auto', got {value!r}")
+    return n
+
+
+@magics_class
+class TpkitMagics(Magics):
+    @magic_arguments()
+    @argument("--steps", type=int, default=20, help="measured optimizer steps (after warmup); default 20")
+    @argument("--warmup", default="3", help="steps flagged as warmup: a number, or 'auto' (until step times settle); default 3")
+    @argument("--name", default=None, help="name of the run (default: run<N>)")
+    @argument("--no-stop", action="store_true", help="profile the whole cell instead of stopping after the slice")
+    @argument("--quiet", action="store_true", help="no progress bar and no charts: print the summary only")
+    @argument("--save", metavar="DIR", default=None, help="also save the run (Parquet + JSON) into DIR")
+    @argument("--samples-per-step", type=int, default=None, help="samples in one step, when the loader cannot tell")
+    @cell_magic
+    def tp_profile(self, line: str, cell: str) -> None:
+        """Profile a slice of the training loop in this cell and show where the time went.
+
+        The loop runs until warmup + steps optimizer steps are done, then stops by itself.
+        """
+        config, save_dir = self._config(line, cell)
+        prof = Profile(config)
+        code = self.shell.transform_cell(cell)
+        filename = self.shell.compile.cache(code)
+        error: BaseException | None = None
+        try:
+            with prof:
+                exec(compile(code, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
+        except BaseException as e:  # shown with the partial run below, then re-raised
+            error = e
+        run = prof.run
+        if run is not None:
+            self.shell.user_ns["_tp"] = run
+            if save_dir:
+                run.save(save_dir)
+            if config.progress:
+                display(run)
+            else:
+                print(run.summary().to_text())
+        if error is not None:
+            raise error
+
+    def _config(self, line: str, cell: str) -> tuple[SliceConfig, str | None]:
+        try:
+            args = parse_argstring(self.tp_profile, line)
+        except UsageError as e:
+            raise UsageError(f"%%tp_profile: {e}\n{self.tp_profile.parser.format_usage()}") from None
+        if args.steps < 1:
+            raise UsageError(f"--steps takes a whole number >= 1, got {args.steps}")
+        if args.samples_per_step is not None and args.samples_per_step < 1:
+            raise UsageError(f"--samples-per-step takes a whole number >= 1, got {args.samples_per_step}")
+        if not cell.strip():
+            raise UsageError("%%tp_profile: the cell is empty; put your training loop under the magic line")
+        running = active()
+        if running is not None:
+            raise UsageError(f"%%tp_profile: a slice ('{running.name}') is already running; "
+                             "one %%tp_profile cannot run inside another")
+        try:
+            config = SliceConfig(steps=args.steps, warmup=_warmup(args.warmup), name=args.name or _next_name(),
+                                 stop=not args.no_stop, progress=not args.quiet,
+                                 samples_per_step=args.samples_per_step).validate()
+        except TpkitError as e:
+            raise UsageError(f"%%tp_profile: {e}") from None
+        return config, args.save
+
+
+_COUNT = [0]
+
+
+def _next_name() -> str:
+    _COUNT[0] += 1
+    return f"run{_COUNT[0]}"
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(TpkitMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Nothing to undo: no hook is left installed between cells."""

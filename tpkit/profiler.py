@@ -1,0 +1,336 @@
+"""The slice: start the probes, let the user's loop run, stop it when the slice is full,
+take every probe out again, and build the Run.
+
+``tp.profile`` (a context manager) and ``tp.profile_fn`` are the Python API; the magic in
+``tpkit.magic`` is a thin layer over ``Profile``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import sys
+import threading
+from contextlib import ContextDecorator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+from . import __version__, analysis
+from . import recorder as _rec
+from .errors import ProfileActiveError, StopSlice, TpkitError
+from .probes.cuda_timing import maybe_cuda_timer
+from .probes.phases import PhaseProbe
+from .run import Run
+
+#: ``--warmup auto`` gives up waiting for step times to settle after this many steps.
+WARMUP_AUTO_CAP = 20
+
+_LAST_RUN: Run | None = None
+
+
+def last_run() -> Run | None:
+    """The Run of the most recent slice (complete or not), or None."""
+    return _LAST_RUN
+
+
+@dataclass
+class SliceConfig:
+    steps: int = 20
+    warmup: int | Literal["auto"] = 3
+    name: str | None = None
+    stop: bool = True  # False: profile until the loop ends (``--no-stop``)
+    progress: bool = True
+    samples_per_step: int | None = None
+    memory: bool = True
+    clock_hz: float = 20.0
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> "SliceConfig":
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+            raise TpkitError(f"steps must be a whole number >= 1, got {self.steps!r}")
+        if self.warmup != "auto" and (not isinstance(self.warmup, int) or isinstance(self.warmup, bool)
+                                      or self.warmup < 0):
+            raise TpkitError(f"warmup must be a whole number >= 0 or 'auto', got {self.warmup!r}")
+        if self.samples_per_step is not None and self.samples_per_step < 1:
+            raise TpkitError(f"samples_per_step must be >= 1, got {self.samples_per_step!r}")
+        if not 0 <= self.clock_hz <= 200:
+            raise TpkitError(f"clock_hz must be between 0 (off) and 200, got {self.clock_hz!r}")
+        return self
+
+
+class Profile:
+    """``with tp.profile(steps=20, warmup=3) as prof: train()`` then ``prof.run``.
+
+    The body stops by itself once ``warmup + steps`` steps are done (a private exception,
+    caught here). An error or Ctrl-C in the body removes every probe, keeps the partial Run
+    (``prof.run``, ``tp.last_run()``, marked incomplete) and is re-raised.
+    """
+
+    def __init__(self, config: SliceConfig) -> None:
+        self.config = config.validate()
+        self.run: Run | None = None
+        self.rec: _rec.Recorder | None = None
+        self._probes: list[Any] = []
+        self._removed: list[Any] = []
+        self._bar: Any = None
+        self._durations: list[float] = []
+        self._last_end_ns = 0
+        self.warmup_steps: int | None = config.warmup if config.warmup != "auto" else None
+        self.on_step: list[Callable[[int], None]] = []  # extra callbacks (e.g. the tuner's bar)
+
+    # -- life cycle -------------------------------------------------------------------------
+    def __enter__(self) -> "Profile":
+        running = _rec.active()
+        if running is not None:
+            raise ProfileActiveError(
+                f"a tpkit profile ('{running.name}') is already running; a slice cannot start "
+                "inside another. Let the running one finish, or interrupt it, then start again.")
+        cfg = self.config
+        rec = self.rec = _rec.Recorder(cfg.name or "run")
+        rec.samples_per_step = cfg.samples_per_step
+        rec.meta.update(_static_meta(cfg))
+        rec.step_listeners.append(self._on_step)
+        self._last_end_ns = rec.t0_ns
+        try:
+            rec.cuda_timer = maybe_cuda_timer()
+            self._probes = [PhaseProbe(rec).install()]
+            self._probes += _optional_probes(rec, cfg)
+            if cfg.progress:
+                self._bar = _progress_bar(cfg, self.warmup_steps)
+            _rec._set_active(rec)
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self._teardown()
+        self._finish(exc)
+        return exc_type is not None and issubclass(exc_type, StopSlice)
+
+    def _teardown(self) -> None:
+        """Take every probe out; safe to run twice and after a partial start."""
+        if self.rec is not None and _rec.active() is self.rec:
+            _rec._set_active(None)
+        while self._probes:
+            probe = self._probes.pop()
+            self._removed.append(probe)
+            try:
+                probe.remove()
+            except Exception as e:  # a probe that fails to stop must not keep the others in
+                if self.rec is not None:
+                    self.rec.note(f"{type(probe).__name__} failed to stop cleanly: {e!r}")
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # -- steps ------------------------------------------------------------------------------
+    def _on_step(self, raw_step: int, end_ns: int) -> None:
+        cfg = self.config
+        self._durations.append((end_ns - self._last_end_ns) / 1e9)
+        self._last_end_ns = end_ns
+        if self.warmup_steps is None:  # --warmup auto
+            done = len(self._durations)
+            if analysis.settled(self._durations) or done >= WARMUP_AUTO_CAP:
+                self.warmup_steps = done
+                how = "step times settled" if done < WARMUP_AUTO_CAP else "cap reached before step times settled"
+                self.rec.note(f"warmup auto: ended after {done} steps ({how})")
+                if self._bar is not None:
+                    self._bar.total = done + cfg.steps
+                    self._bar.refresh()
+        if self._bar is not None:
+            self._bar.update(1)
+        for fn in self.on_step:
+            fn(raw_step)
+        if cfg.stop and self.warmup_steps is not None and raw_step + 1 >= self.warmup_steps + cfg.steps:
+            raise StopSlice()
+
+    # -- the Run ----------------------------------------------------------------------------
+    def _finish(self, exc: BaseException | None) -> None:
+        global _LAST_RUN
+        rec, cfg = self.rec, self.config
+        if rec is None:
+            return
+        rec.close_all()
+        done = len(rec.step_ends)
+        warmup = self.warmup_steps if self.warmup_steps is not None else done  # auto never settled
+        meta: dict[str, Any] = {"complete": True, "stopped_by": "slice"}
+        if exc is None:
+            meta["stopped_by"] = "loop_end"
+            if cfg.stop and done < warmup + cfg.steps:
+                rec.note(f"the loop ended after {done} steps, before the slice was full "
+                         f"({warmup} warmup + {cfg.steps} steps): the Run holds the steps that happened")
+        elif not isinstance(exc, StopSlice):
+            meta.update(complete=False, stopped_by="interrupt" if isinstance(exc, KeyboardInterrupt) else "error",
+                        error=f"{type(exc).__name__}: {exc}")
+            rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
+                     "the Run holds what was recorded")
+        if done == 0:
+            rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
+                     "without an optimizer, call tp.step() at the end of each iteration")
+        if self.warmup_steps is None and done:
+            rec.note(f"warmup auto: step times never settled; all {done} steps are flagged warmup")
+        for probe in self._removed:
+            if isinstance(probe, PhaseProbe):
+                meta.update(_phase_meta(rec, probe))
+            elif hasattr(probe, "meta"):
+                meta.update(probe.meta())
+        try:
+            self.run = Run.from_recorder(rec, warmup, meta)
+        except Exception as e:  # never lose the user's error to a failure of ours
+            if exc is None or isinstance(exc, StopSlice):
+                raise
+            self.run = Run(meta={"name": rec.name, "complete": False, "notes": [f"building the Run failed: {e!r}"]})
+        _LAST_RUN = self.run
+
+
+def _optional_probes(rec: _rec.Recorder, cfg: SliceConfig) -> list[Any]:
+    """Probes beyond phases (memory, clocks), each installed only when asked for and able."""
+    probes: list[Any] = []
+    for factory in PROBE_FACTORIES:
+        probe = factory(rec, cfg)
+        if probe is not None:
+            probes.append(probe.install())
+    return probes
+
+
+#: Callables ``(recorder, config) -> probe or None``; a probe has ``install()`` returning
+#: itself, ``remove()`` (idempotent) and optionally ``meta() -> dict`` (merged into
+#: ``run.meta`` after removal). Memory and clock probes register here.
+PROBE_FACTORIES: list[Callable[[_rec.Recorder, SliceConfig], Any]] = []
+
+
+def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
+    from tqdm.auto import tqdm
+
+    total = warmup + cfg.steps if warmup is not None else None
+    return tqdm(total=total, desc=f"tpkit {cfg.name or 'run'}", unit="step", leave=False)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _static_meta(cfg: SliceConfig) -> dict[str, Any]:
+    devices = [f"cpu: {_cpu_name()} ({os.cpu_count()} cores)"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+    return {
+        "name": cfg.name or "run",
+        "knobs": dict(cfg.knobs),
+        "steps_requested": cfg.steps,
+        "warmup_requested": cfg.warmup,
+        "stop": cfg.stop,
+        "samples_per_step": cfg.samples_per_step,
+        "devices": devices,
+        "versions": {"tpkit": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                 "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
+    """Model and optimizer facts the phase probe saw."""
+    out: dict[str, Any] = {"optimizers": sorted(set(probe.optimizers.values()))}
+    if len(probe.optimizers) > 1:
+        rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step()")
+    if probe.models:
+        model = max(probe.models.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
+        params = {id(p): p for p in model.parameters()}.values()
+        out["model"] = {"class": type(model).__name__, "parameters": int(sum(p.numel() for p in params)),
+                        "trainable": int(sum(p.numel() for p in params if p.requires_grad))}
+    return out
+
+
+def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None = None, *,
+            stop: bool = True, progress: bool = True, samples_per_step: int | None = None,
+            memory: bool = True, clock_hz: float = 20.0, knobs: dict[str, Any] | None = None) -> Profile:
+    """Profile a slice of a training loop::
+
+        with tp.profile(steps=20, warmup=3, name="baseline") as prof:
+            for batch in loader: ...        # stops by itself after 23 optimizer steps
+        prof.run.steps
+    """
+    return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,
+                               samples_per_step=samples_per_step, memory=memory, clock_hz=clock_hz,
+                               knobs=dict(knobs or {})))
+
+
+def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Literal["auto"] = 3,
+               name: str | None = None, **kwargs: Any) -> Run:
+    """Call a one-step function until the slice is full and return the Run.
+
+    A call that did not end a step by itself (no optimizer inside, no ``tp.step()``) counts as
+    one step; if it returns a scalar (tensor or number) and no backward was seen, that is the
+    step's loss.
+    """
+    prof = profile(steps=steps, warmup=warmup, name=name, **kwargs)
+    limit = (WARMUP_AUTO_CAP if warmup == "auto" else int(warmup)) + steps
+    with prof:
+        rec = prof.rec
+        assert rec is not None
+        for _ in range(10 * limit + 10):  # a step_fn that never ends a step cannot loop forever
+            before, losses = rec.step_index, len(rec.losses)
+            out = step_fn()
+            if len(rec.losses) == losses and _is_scalar(out):
+                rec.losses.append((before, out.detach() if isinstance(out, torch.Tensor) else float(out)))
+            if rec.step_index == before:
+                rec.end_step()
+    assert prof.run is not None
+    return prof.run
+
+
+def _is_scalar(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class phase(ContextDecorator):
+    """Name a part of the step: ``with tp.phase("augment"): ...`` or ``@tp.phase("eval")``.
+
+    Free when no slice runs. Phases nest; a built-in name (e.g. "forward") counts as that
+    built-in phase, which marks code that hooks cannot see (a functional model).
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise TpkitError("tp.phase needs a non-empty name, e.g. tp.phase('augment')")
+        self.name = name
+        self._tokens: list[tuple[_rec.Recorder, int] | None] = []
+
+    def __enter__(self) -> "phase":
+        rec = _rec.active()
+        if rec is not None and threading.get_ident() == rec.thread_id:
+            self._tokens.append((rec, rec.enter(self.name, "tp.phase")))
+        else:
+            self._tokens.append(None)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        entry = self._tokens.pop() if self._tokens else None
+        if entry is not None:
+            entry[0].exit(entry[1])
+
+
+def step() -> None:
+    """Mark the end of a step (for loops with no optimizer). Free when no slice runs.
+
+    Once called in a slice, only ``tp.step()`` ends steps; optimizer steps no longer do.
+    """
+    rec = _rec.active()
+    if rec is not None and threading.get_ident() == rec.thread_id:
+        rec.explicit_steps = True
+        rec.end_step()

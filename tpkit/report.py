@@ -1,0 +1,125 @@
+"""The dashboard as self-contained HTML: the summary, the recommendations and every chart,
+with vega's JavaScript inlined (from vl-convert) so it renders with no network, both under a
+notebook cell and as a file opened from disk.
+
+Sections are registered in ``SECTIONS`` as ``(title, builder)``; a builder takes a Run and
+returns a chart, or None when the Run has nothing for it (no memory rows, no loader rows).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import uuid
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import altair as alt
+
+from . import analysis, charts
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+def _timeline_section(run: "Run") -> alt.TopLevelMixin | None:
+    spans = analysis.timeline_frame(run.spans)
+    if spans.empty and run.steps.empty:
+        return None
+    parts = []
+    if not spans.empty:
+        parts.append(charts.stall_timeline(spans))
+    if not run.steps.empty:
+        parts.append(charts.step_breakdown(analysis.breakdown_long(run.steps)))
+    return alt.hconcat(*parts).resolve_scale(color="independent") if len(parts) > 1 else parts[0]
+
+
+SectionBuilder = Callable[["Run"], "alt.TopLevelMixin | None"]
+SECTIONS: list[tuple[str, SectionBuilder]] = [("Stall timeline", _timeline_section)]
+
+
+def section_charts(run: "Run") -> list[tuple[str, alt.TopLevelMixin]]:
+    """The dashboard's charts for this Run, in order, skipping sections with no data."""
+    out = []
+    for title, build in SECTIONS:
+        chart = build(run)
+        if chart is not None:
+            out.append((title, chart))
+    return out
+
+
+@lru_cache(maxsize=1)
+def vega_bundle() -> str:
+    """vega + vega-lite + vega-embed as one script, matching altair's Vega-Lite version."""
+    from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert
+
+    return import_vl_convert().javascript_bundle(vl_version=vl_version_for_vl_convert())
+
+
+_CSS = """
+.tpkit-dash{font-family:system-ui,-apple-system,Segoe UI,sans-serif;font-size:13px;color:#222}
+.tpkit-dash h3{margin:14px 0 6px;font-size:15px}
+.tpkit-dash table.tp-sum{border-collapse:collapse;margin:4px 0}
+.tpkit-dash table.tp-sum td{padding:2px 10px 2px 0}
+.tpkit-dash .tp-verdict{font-weight:600;margin:6px 0}
+.tpkit-dash .tp-bad{color:#b00020}
+.tpkit-dash .tp-note{color:#555}
+"""
+
+
+def summary_html(run: "Run") -> str:
+    s = run.summary()
+    rows = "".join(
+        f"<tr><td>{html.escape(str(f))}</td><td><b>{_fmt(v)}</b> {html.escape(str(u))}</td></tr>"
+        for f, v, u in s.to_frame().itertuples(index=False)
+    )
+    state = "" if s.complete else (' <span class="tp-bad">INCOMPLETE: '
+                                   f'{html.escape(str(run.meta.get("error", "")))}</span>')
+    notes = "".join(f'<div class="tp-note">note: {html.escape(n)}</div>' for n in s.notes)
+    model = run.meta.get("model") or {}
+    about = ", ".join(x for x in [
+        f"model {model.get('class')} ({model.get('parameters', 0):,} parameters)" if model else "",
+        "; ".join(run.meta.get("devices", [])),
+    ] if x)
+    return (f"<h3>tpkit run '{html.escape(run.name)}'{state}</h3>"
+            f'<div class="tp-note">{html.escape(about)}</div>'
+            f'<div class="tp-verdict">{html.escape(s.verdict.text)}</div>'
+            f'<table class="tp-sum">{rows}</table>{notes}')
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "n/a" if v != v else (f"{v:,.1f}" if abs(v) >= 100 else f"{v:,.3g}")
+    return html.escape(str(v))
+
+
+def dashboard_html(run: "Run", include_js: bool = True) -> str:
+    """An HTML fragment: summary + charts. ``include_js`` inlines vega (~900 KB)."""
+    uid = uuid.uuid4().hex[:10]
+    parts = [f'<div class="tpkit-dash" id="tp-{uid}"><style>{_CSS}</style>', summary_html(run)]
+    embeds = []
+    for i, (title, chart) in enumerate(section_charts(run)):
+        div = f"tp-{uid}-{i}"
+        parts.append(f'<h3>{html.escape(title)}</h3><div id="{div}"></div>')
+        spec = json.dumps(chart.to_dict(), separators=(",", ":")).replace("</", "<\\/")
+        embeds.append(f'vegaEmbed("#{div}",{spec},{{"actions":{{"export":true,"source":false,'
+                      f'"compiled":false,"editor":false}}}}).catch(console.error);')
+    if include_js and embeds:
+        parts.append(f'<script type="text/javascript">{vega_bundle()}</script>')
+    if embeds:
+        parts.append('<script type="text/javascript">' + "\n".join(embeds) + "</script>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def write_report(run: "Run", path: str | Path) -> Path:
+    """A standalone HTML file of the dashboard; opens offline."""
+    out = Path(path)
+    if out.suffix.lower() not in (".html", ".htm"):
+        out = out / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>tpkit: {html.escape(run.name)}</title>'
+           f"</head><body>{dashboard_html(run)}</body></html>")
+    out.write_text(doc, encoding="utf-8")
+    return out
