@@ -39,6 +39,8 @@ class TpkitMagics(Magics):
     @argument("--no-stop", action="store_true", help="profile the whole cell instead of stopping after the slice")
     @argument("--quiet", action="store_true", help="no progress bar and no charts: print the summary only")
     @argument("--save", metavar="DIR", default=None, help="also save the run (Parquet + JSON) into DIR")
+    @argument("--no-memory", action="store_true", help="do not track memory by category")
+    @argument("--clock-hz", type=float, default=20.0, help="clock/power sampling rate, 0 turns it off (max 200); default 20")
     @argument("--samples-per-step", type=int, default=None, help="samples in one step, when the loader cannot tell")
     @cell_magic
     def tp_profile(self, line: str, cell: str) -> None:
@@ -86,7 +88,8 @@ class TpkitMagics(Magics):
         try:
             config = SliceConfig(steps=args.steps, warmup=_warmup(args.warmup), name=args.name or _next_name(),
                                  stop=not args.no_stop, progress=not args.quiet,
-                                 samples_per_step=args.samples_per_step).validate()
+                                 samples_per_step=args.samples_per_step, memory=not args.no_memory,
+                                 clock_hz=args.clock_hz).validate()
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
         return config, args.save
