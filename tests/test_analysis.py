@@ -1,0 +1,92 @@
+"""Analysis rules on hand-made frames: exact numbers, every verdict rule."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from tpkit import analysis
+
+
+def spans(rows):
+    return pd.DataFrame(rows, columns=["step", "phase", "start_s", "end_s", "depth"]).assign(
+        duration_s=lambda d: d.end_s - d.start_s, source="test")
+
+
+def test_innermost_builtin_phase_gets_the_time():
+    s = spans([
+        (0, "data_wait", 0.0, 1.0, 0),
+        (0, "forward", 1.0, 5.0, 0),
+        (0, "h2d", 1.5, 2.0, 1),          # a copy inside forward is h2d, not forward
+        (0, "augment", 2.0, 4.0, 1),      # a user phase inside forward: forward keeps it...
+        (0, "h2d", 3.0, 3.25, 2),         # ...except the h2d inside that user phase
+        (0, "backward", 5.0, 8.0, 0),
+        (0, "optimizer", 8.0, 9.0, 0),
+        (1, "optimizer", 9.0, 9.5, 0),
+    ])
+    out = analysis.exclusive_phase_times(s).set_index("step")
+    assert out.loc[0, "data_wait_s"] == 1.0
+    assert out.loc[0, "h2d_s"] == 0.75
+    assert out.loc[0, "forward_s"] == 3.25
+    assert out.loc[0, "backward_s"] == 3.0
+    assert out.loc[0, "optimizer_s"] == 1.0
+    assert out.loc[1, "optimizer_s"] == 0.5 and out.loc[1, "forward_s"] == 0.0
+
+
+def test_user_phase_around_builtins_falls_to_other():
+    s = spans([(0, "train_step", 0.0, 10.0, 0), (0, "forward", 1.0, 4.0, 1), (0, "backward", 4.0, 9.0, 1)])
+    bounds = pd.DataFrame({"step": [0], "warmup": [False], "start_s": [0.0], "end_s": [10.0],
+                           "samples": [5], "loss": [1.0]})
+    out = analysis.step_breakdown(s, bounds).iloc[0]
+    assert (out.forward_s, out.backward_s, out.other_s, out.duration_s) == (3.0, 5.0, 2.0, 10.0)
+    assert out.throughput == 0.5
+
+
+def shares(**kw):
+    base = dict.fromkeys(analysis.PHASE_COLUMNS, 0.0)
+    base.update({f"{k}_s": v for k, v in kw.items()})
+    return base
+
+
+@pytest.mark.parametrize("kw,kind", [
+    (dict(data_wait=0.20, forward=0.4, backward=0.4), "input-bound"),
+    (dict(data_wait=0.19, forward=0.4, backward=0.41), "input-limited"),
+    (dict(data_wait=0.09, forward=0.4, backward=0.51), "compute-bound"),
+    (dict(h2d=0.15, forward=0.4, backward=0.45), "copy-bound"),
+    (dict(h2d=0.14, forward=0.4, backward=0.46), "compute-bound"),
+    (dict(optimizer=0.30, forward=0.3, backward=0.4), "optimizer-bound"),
+    (dict(offload=0.30, forward=0.3, backward=0.4), "offload-bound"),
+    (dict(other=0.30, forward=0.3, backward=0.4), "overhead-bound"),
+    (dict(), "no-steps"),
+    (dict(data_wait=0.25, h2d=0.25, forward=0.5), "input-bound"),  # data stalls come first
+])
+def test_verdict_rules(kw, kind):
+    assert analysis.verdict(shares(**kw)).kind == kind
+
+
+def test_summary_figures():
+    steps = pd.DataFrame({
+        "step": [-1, 0, 1, 2, 3], "warmup": [True, False, False, False, False],
+        "duration_s": [9.0, 1.0, 2.0, 3.0, 4.0], "samples": [8, 10, 10, 10, 10],
+        **{c: [0.0] * 5 for c in analysis.PHASE_COLUMNS},
+    })
+    steps["forward_s"] = steps["duration_s"] * 0.5
+    steps["backward_s"] = steps["duration_s"] * 0.25
+    steps["data_wait_s"] = steps["duration_s"] * 0.25
+    s = analysis.summarize(steps, {"name": "x", "warmup_steps": 1})
+    assert s.steps == 4 and s.samples == 40 and s.total_s == 10.0
+    assert s.throughput == 4.0
+    assert s.step_p50_s == 2.5 and s.step_p95_s == pytest.approx(3.85)
+    assert s.phase_share["forward_s"] == 0.5 and s.data_stall_share == 0.25
+    assert s.verdict.kind == "input-bound"
+
+
+@pytest.mark.parametrize("durations,expected", [
+    ([0.5, 0.1, 0.1, 0.1], True),
+    ([0.5, 0.1, 0.1], False),              # too few steps to judge
+    ([0.5, 0.2, 0.1, 0.1], False),
+    ([0.5, 0.3, 0.1, 0.11, 0.12], True),   # within 20% of the median
+    ([0.5, 0.3, 0.1, 0.11, 0.13], False),
+])
+def test_warmup_settled_rule(durations, expected):
+    assert analysis.settled(durations) is expected
