@@ -1,0 +1,77 @@
+"""The loader's verdict from ``run.loader`` (pure: a frame in, a small record out).
+
+Per batch the frame says which worker made it and where its time went: ``fetch_s`` (reading
+and transforming samples), ``collate_s``, ``transfer_s`` (slot write + view, pinning, device
+copy) and ``queue_wait_s`` (how long the finished batch waited for the training loop).
+
+- A batch that waited in the queue was ready before the loop wanted it: the loader kept up.
+- A batch that did not wait means the loop waited for it. Then either the workers were all
+  busy (more workers would help: "queue empty"), or they had spare time and the work did not
+  reach them fast enough ("workers starved": main process too busy, prefetch too small), or
+  moving the batch cost more than making it ("transfer-bound").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+VERDICTS = ("healthy", "queue empty", "workers starved", "transfer-bound")
+COLUMNS = ("batch", "worker", "fetch_s", "collate_s", "queue_wait_s", "transfer_s")
+
+
+@dataclass(frozen=True)
+class LoaderVerdict:
+    verdict: str  # one of VERDICTS
+    workers: int  # the worker count the loader would choose
+    reason: str
+    make_s: float  # median fetch + collate per batch, in a worker
+    transfer_s: float  # median transfer per batch
+    ready_fraction: float  # batches that were waiting when the loop asked
+
+
+def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
+                   num_workers: int | None = None, ready_wait_s: float = 1e-3,
+                   max_workers: int | None = None) -> LoaderVerdict:
+    """Judge one run's loader.
+
+    loader: rows of ``run.loader``. step_s: the training loop's own time per batch, data wait
+    excluded (median of ``duration_s - data_wait_s`` in ``run.steps``); without it the verdict
+    relies on queue waits alone. num_workers: workers the run used (default: distinct
+    ``worker`` values). ready_wait_s: a batch counts as "was ready" above this wait.
+    """
+    missing = [c for c in COLUMNS if c not in loader.columns]
+    if missing:
+        raise ValueError(f"loader frame lacks columns {missing}; expected {list(COLUMNS)}")
+    if loader.empty:
+        return LoaderVerdict("healthy", num_workers or 0, "no batches recorded", 0.0, 0.0, 1.0)
+    W = num_workers if num_workers is not None else int(loader["worker"].nunique())
+    make_s = float((loader["fetch_s"] + loader["collate_s"]).median())
+    transfer_s = float(loader["transfer_s"].median())
+    ready = float((loader["queue_wait_s"] > ready_wait_s).mean())
+    cap = max_workers if max_workers is not None else 64
+    per_batch_s = make_s + transfer_s
+    # Workers needed so batches come at least as fast as the loop takes them (+20% margin).
+    need = max(1, math.ceil(1.2 * per_batch_s / step_s)) if step_s and step_s > 0 else None
+
+    if ready >= 0.8:
+        fewer = min(W, need) if need is not None else W
+        return LoaderVerdict("healthy", min(fewer, cap), f"{ready:.0%} of batches were ready when the "
+                             f"loop asked; the loader keeps up", make_s, transfer_s, ready)
+    if transfer_s > make_s and transfer_s > 0:
+        return LoaderVerdict("transfer-bound", min(W, cap), f"moving a batch ({transfer_s * 1e3:.2f} ms) "
+                             f"costs more than making it ({make_s * 1e3:.2f} ms): pin memory, "
+                             f"send smaller dtypes (uint8 images) and convert on the device",
+                             make_s, transfer_s, ready)
+    if need is not None and need <= W:
+        return LoaderVerdict("workers starved", W, f"{W} workers could make a batch every "
+                             f"{per_batch_s / W * 1e3:.2f} ms but the loop waited anyway: the main "
+                             f"process hands work out too slowly; raise prefetch or move work "
+                             f"out of the training loop", make_s, transfer_s, ready)
+    want = need if need is not None else W + 1
+    return LoaderVerdict("queue empty", min(max(want, W + 1 if need is None else want), cap),
+                         f"only {ready:.0%} of batches were ready when the loop asked and each "
+                         f"takes {per_batch_s * 1e3:.2f} ms to make: add workers", make_s,
+                         transfer_s, ready)

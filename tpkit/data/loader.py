@@ -1,0 +1,400 @@
+"""``Loader``: a drop-in for torch's DataLoader with shared-memory slot rings, exact resume,
+self-sizing workers and per-batch instrumentation.
+
+Order and randomness follow torch's DataLoader for the same arguments: the same sampler
+classes, the same draws from the same generator (``seed=s`` behaves like
+``generator=torch.Generator().manual_seed(s)``), batch ``b`` made by worker ``b % W``, and
+worker ``k`` seeded with ``base_seed + k``. So a deterministic dataset yields the same
+batches in the same order, and so do random transforms that use torch's RNG.
+"""
+
+from __future__ import annotations
+
+import os
+from time import perf_counter
+from collections.abc import Iterable
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from tpkit import recorder as _rec
+
+from .engines import InlineEngine, ThreadEngine
+from .pinning import DevicePrefetcher, map_tensors, pin_batch, resolve_device
+from .process_pool import ProcessPool
+
+STATE_VERSION = 1
+
+
+def _is_iterable_dataset(ds: Any) -> bool:
+    if isinstance(ds, IterableDataset):
+        return True
+    return not hasattr(ds, "__getitem__") and isinstance(ds, Iterable)
+
+
+def _sampler_rng(sampler: Any) -> torch.Generator | None:
+    """The torch.Generator a sampler draws from, if it exposes one (RandomSampler does)."""
+    for s in (sampler, getattr(sampler, "sampler", None)):
+        g = getattr(s, "generator", None)
+        if isinstance(g, torch.Generator):
+            return g
+    return None
+
+
+class Loader:
+    """Batches from a map-style or iterable dataset, made by worker processes (or threads).
+
+    Arguments are torch's DataLoader's, plus:
+      prefetch: batches in flight per worker (torch's ``prefetch_factor``).
+      seed: shuffle/worker seeding from ``torch.Generator().manual_seed(seed)``; None draws
+        from torch's global RNG like torch does.
+      num_workers: an int, or "auto" (same as ``workers="auto"``): measured on first use.
+      in_order: False hands out whichever batch is ready first (a slow sample does not block
+        the batches behind it); the set of batches is the same.
+      mode: "process" (default; shared-memory slots) or "thread".
+      restart_workers: replace a worker that dies (signal, OOM kill) and re-send its batches.
+      timeout: seconds to wait for one batch before raising LoaderTimeoutError (0: forever).
+      device: with CUDA, copy batches to this device on a side stream, one batch ahead.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Sampler | Iterable | None = None,
+                 batch_sampler: Sampler | Iterable | None = None,
+                 num_workers: int | str = 0, collate_fn: Callable | None = None,
+                 pin_memory: bool = False, drop_last: bool = False, timeout: float = 0,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, generator: torch.Generator | None = None,
+                 *, prefetch: int | None = None, prefetch_factor: int | None = None,
+                 persistent_workers: bool = False, seed: int | None = None,
+                 in_order: bool = True, mode: str = "process", restart_workers: bool = False,
+                 workers: int | str | None = None, device: Any = None) -> None:
+        if workers is not None:
+            num_workers = workers
+        self._check_args(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                         drop_last, timeout, mode, prefetch, prefetch_factor, persistent_workers)
+        self.dataset = dataset
+        self.iterable = _is_iterable_dataset(dataset)
+        self.num_workers = num_workers  # may be "auto" until autotune() has run
+        self.prefetch = prefetch or prefetch_factor or 2
+        self.drop_last, self.timeout = drop_last, float(timeout)
+        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
+        self.persistent_workers, self.in_order, self.mode = persistent_workers, in_order, mode
+        self.restart_workers = restart_workers
+        self.device, self.pin = resolve_device(device, pin_memory)
+        self.pin_memory = pin_memory
+
+        if seed is not None and generator is None:
+            generator = torch.Generator().manual_seed(int(seed))
+        self.generator = generator
+        self.seed = seed
+
+        if batch_sampler is not None:
+            self.batch_size, self.drop_last = None, False
+            self.sampler = getattr(batch_sampler, "sampler", None)
+            self.batch_sampler = batch_sampler
+        elif self.iterable:
+            self.batch_size, self.sampler, self.batch_sampler = batch_size, None, None
+        else:
+            if sampler is None:
+                sampler = (RandomSampler(dataset, generator=generator) if shuffle
+                           else SequentialSampler(dataset))
+            self.sampler = sampler
+            self.batch_size = batch_size
+            self.batch_sampler = BatchSampler(sampler, batch_size, drop_last) if batch_size is not None else None
+        self._shuffle_owned = bool(shuffle) and sampler is not None and isinstance(self.sampler, RandomSampler) \
+            and self.sampler.generator is generator
+        self.auto_collate = batch_sampler is not None or batch_size is not None
+        self.collate_fn = collate_fn or (default_collate if self.auto_collate else default_convert)
+
+        self._epoch = 0
+        self._pool: ProcessPool | None = None
+        self._resume: dict | None = None
+        self._iter: _LoaderIter | None = None
+        self.base_seed: int | None = None
+
+    # -- argument checks that say what to do ----------------------------------------------------
+    @staticmethod
+    def _check_args(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, drop_last,
+                    timeout, mode, prefetch, prefetch_factor, persistent_workers) -> None:
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size <= 0):
+            raise ValueError(f"batch_size must be a positive int (or None to hand out single samples); "
+                             f"got {batch_size!r}")
+        if isinstance(num_workers, str):
+            if num_workers != "auto":
+                raise ValueError(f"num_workers must be an int >= 0 or 'auto'; got {num_workers!r}")
+        elif not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
+                             f"'auto' to size it from measured rates; got {num_workers!r}")
+        if mode not in ("process", "thread"):
+            raise ValueError(f"mode must be 'process' or 'thread'; got {mode!r}")
+        for name, v in (("prefetch", prefetch), ("prefetch_factor", prefetch_factor)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 (batches in flight per worker); got {v!r}")
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds (0 waits forever); got {timeout!r}")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers=True needs num_workers > 0")
+        if _is_iterable_dataset(dataset):
+            if shuffle:
+                raise ValueError("shuffle=True does not apply to an iterable dataset: shuffle inside "
+                                 "the dataset's __iter__ (or use a map-style dataset)")
+            if sampler is not None or batch_sampler is not None:
+                raise ValueError("an iterable dataset takes no sampler or batch_sampler: it decides "
+                                 "its own order; shard it with torch.utils.data.get_worker_info()")
+        if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
+            raise ValueError("batch_sampler already decides batches: leave batch_size, shuffle, sampler "
+                             "and drop_last at their defaults when you pass it")
+        if sampler is not None and shuffle:
+            raise ValueError("pass either sampler= or shuffle=True, not both (the sampler decides order)")
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        if self.iterable:
+            n = len(self.dataset)  # TypeError if the dataset has no length, as with torch
+            if self.batch_size is None:
+                return n
+            return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return len(self.batch_sampler if self.batch_sampler is not None else self.sampler)
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self.batch_sampler is not None else self.sampler
+
+    # -- epochs -----------------------------------------------------------------------------------
+    def __iter__(self) -> "_LoaderIter":
+        if self.num_workers == "auto":
+            self.autotune()
+        if self._iter is not None:
+            self._iter._detach()
+        resume, self._resume = self._resume, None
+        self._iter = _LoaderIter(self, resume)
+        return self._iter
+
+    def _start_epoch(self, resume: dict | None) -> tuple[Iterator | None, int, dict]:
+        """Fix this epoch's randomness; returns (task iterator, batches to skip, epoch plan)."""
+        if resume is not None:
+            self._epoch = resume["epoch"]
+            base_seed = resume["base_seed"]
+            rng_state = resume["sampler_rng_state"]
+            skip = resume["batches_done"]
+        else:
+            self._epoch += 1
+            fresh_workers = self._pool is None or not self.persistent_workers
+            base_seed = (int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+                         if fresh_workers or self.base_seed is None else self.base_seed)
+            rng_state = None
+            skip = 0
+        self.base_seed = base_seed
+        if self.iterable:
+            return None, skip, {"epoch": self._epoch, "base_seed": base_seed, "sampler_rng_state": None}
+        if self._shuffle_owned and self.generator is None:
+            # What torch's RandomSampler does without a generator: seed a private one from the
+            # global RNG. We own that generator so its state can be saved and restored.
+            if rng_state is None:
+                s = int(torch.empty((), dtype=torch.int64).random_().item())
+                self.sampler.generator = torch.Generator().manual_seed(s)
+            else:
+                self.sampler.generator = torch.Generator()
+        g = _sampler_rng(self._index_sampler)
+        if g is not None:
+            if rng_state is not None:
+                g.set_state(rng_state)
+            rng_state = g.get_state()
+        tasks = iter(self._index_sampler)
+        for _ in range(skip):
+            next(tasks, None)
+        return tasks, skip, {"epoch": self._epoch, "base_seed": base_seed, "sampler_rng_state": rng_state}
+
+    def _spec_args(self, base_seed: int) -> dict:
+        return dict(dataset=self.dataset, iterable=self.iterable, auto_collate=self.auto_collate,
+                    batch_size=self.batch_size or 1, drop_last=self.drop_last,
+                    collate_fn=self.collate_fn, base_seed=base_seed,
+                    worker_init_fn=self.worker_init_fn)
+
+    def _get_pool(self, base_seed: int) -> ProcessPool:
+        if self._pool is None or self._pool.closed:
+            ctx = self.multiprocessing_context
+            if isinstance(ctx, str):
+                import multiprocessing as mp
+                ctx = mp.get_context(ctx)
+            self._pool = ProcessPool(self._spec_args(base_seed), self.num_workers, self.prefetch,
+                                     self.in_order, self.restart_workers, self.timeout, ctx)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the workers now (they also stop at the end of an epoch unless persistent,
+        and when the loader is garbage-collected)."""
+        if self._iter is not None:
+            self._iter._detach()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- checkpointing ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where the loader is: resuming from it yields exactly the batches not yet handed out."""
+        it = self._iter
+        if it is None or it.finished:
+            return {"version": STATE_VERSION, "epoch": self._epoch, "batches_done": 0,
+                    "base_seed": None, "sampler_rng_state": None, "fresh_epoch": True,
+                    "worker_batches": None, "next_worker": 0, "num_workers": self._workers_int()}
+        return {"version": STATE_VERSION, **it.plan, "batches_done": it.batches_done,
+                "fresh_epoch": False, "worker_batches": list(it.worker_batches),
+                "next_worker": it.next_worker, "num_workers": self._workers_int()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next ``iter(loader)`` continues the saved epoch at its next batch."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+        self.close()
+        if state["fresh_epoch"]:
+            self._epoch = state["epoch"]
+            self._resume = None
+            return
+        if self.iterable and state["num_workers"] != self._workers_int():
+            raise ValueError(f"this iterable-dataset state was saved with num_workers="
+                             f"{state['num_workers']}; resume with the same worker count (each "
+                             f"worker's stream is replayed to its position)")
+        self._resume = dict(state)
+
+    def _workers_int(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else 0
+
+    # -- autotune -------------------------------------------------------------------------------
+    def autotune(self, max_workers: int | None = None, trial_batches: int = 24) -> int:
+        """Measure batches/s with 0..max_workers workers on the first batches; keep the fastest
+        (fewer workers when within 5%). Sets and returns ``num_workers``."""
+        from .autotune import choose_workers
+        self.num_workers = choose_workers(self, max_workers or os.cpu_count() or 1, trial_batches)
+        return self.num_workers
+
+
+class _LoaderIter:
+    """One epoch of a Loader; records into the active tpkit profile when there is one."""
+
+    def __init__(self, loader: Loader, resume: dict | None) -> None:
+        self.loader = loader
+        self.finished = False
+        tasks, skip, self.plan = loader._start_epoch(resume)
+        self.batches_done = skip
+        W = loader._workers_int()
+        self.worker_batches = list(resume["worker_batches"]) if resume and resume.get("worker_batches") else [0] * W
+        self.next_worker = resume["next_worker"] if resume else 0
+        spec_args = loader._spec_args(self.plan["base_seed"])
+        if W == 0:
+            from .worker_loop import WorkerSpec, seed_worker
+            self.engine: Any = InlineEngine(WorkerSpec(**spec_args, num_workers=0, seg_prefix="",
+                                                       n_slots=0, parent_pid=os.getpid()),
+                                            tasks, skip_batches=skip)
+        elif loader.mode == "thread":
+            from .worker_loop import WorkerSpec
+            self.engine = ThreadEngine(WorkerSpec(**spec_args, num_workers=W, seg_prefix="", n_slots=0,
+                                                  parent_pid=os.getpid()),
+                                       tasks, W, loader.prefetch, loader.in_order, skip_batches=skip)
+        else:
+            if not loader.persistent_workers and loader._pool is not None:
+                loader._pool.shutdown()
+                loader._pool = None
+            pool = loader._get_pool(self.plan["base_seed"])
+            if tasks is None:
+                pool.begin_epoch(None, self.worker_batches)
+                pool.rr = self.next_worker
+            else:
+                pool.begin_epoch(tasks)
+            self.engine = pool
+        self._prefetcher = DevicePrefetcher(loader.device) if loader.device is not None else None
+        self._ahead: Any = None
+
+    def __iter__(self) -> "_LoaderIter":
+        return self
+
+    def _detach(self) -> None:
+        if not self.finished:
+            self.finished = True
+            if not isinstance(self.engine, ProcessPool):
+                self.engine.shutdown()
+
+    def _end(self) -> None:
+        self.finished = True
+        eng = self.engine
+        if isinstance(eng, ProcessPool):
+            if not self.loader.persistent_workers:
+                eng.shutdown()
+                if self.loader._pool is eng:
+                    self.loader._pool = None
+        else:
+            eng.shutdown()
+
+    def _next_raw(self) -> tuple:
+        try:
+            return self.engine.next()
+        except StopIteration:
+            self._end()
+            raise
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            self.loader.close()
+            raise
+        except Exception as e:
+            from .errors import WorkerError
+            if not isinstance(e, WorkerError):  # died, timed out, broken pipe: nothing to continue
+                self.loader.close()
+            raise
+
+    def _next_item(self) -> tuple:
+        """Next (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s, n) with the
+        host-side post-processing (pinning, async device copy) applied."""
+        pf = self._prefetcher
+        if pf is None:
+            if self.finished:
+                raise StopIteration
+            item = self._next_raw()
+            if self.loader.pin:
+                t0 = perf_counter()
+                batch = pin_batch(item[0])
+                item = (batch, *item[1:5], item[5] + perf_counter() - t0, item[6])
+            return item
+        if self._ahead is None:  # first batch: start its copy now
+            if self.finished:
+                raise StopIteration
+            raw = self._next_raw()
+            self._ahead = (pf.start(raw[0]), raw)
+        handle, raw = self._ahead
+        self._ahead = None
+        if not self.finished:
+            try:
+                nxt = self._next_raw()
+                self._ahead = (pf.start(nxt[0]), nxt)  # one batch ahead, on the side stream
+            except StopIteration:
+                pass  # hand out the batch in hand; the next call stops
+        dev, wait_s = pf.finish(handle)
+        return (dev, *raw[1:5], raw[5] + wait_s, raw[6])
+
+    def __next__(self) -> Any:
+        rec = _rec.active()
+        if rec is None:
+            item = self._next_item()
+        else:
+            tok = None if rec.is_open("data_wait") else rec.enter("data_wait", "tpkit.data")
+            try:
+                item = self._next_item()
+            finally:
+                if tok is not None:
+                    rec.exit(tok)
+            batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s, n = item
+            rec.add_samples(n)
+            rec.add_loader_batch(self.batches_done, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
+        self.batches_done += 1
+        w = item[1]
+        if self.worker_batches:
+            self.worker_batches[w] += 1
+            self.next_worker = (w + 1) % len(self.worker_batches)
+        return item[0]
