@@ -28,3 +28,13 @@ class StopSlice(BaseException):
 
     A BaseException so that a user's ``except Exception`` in the loop does not swallow it.
     """
+
+
+class NvmlError(TpkitError):
+    """An NVML call failed. Every ``pynvml.NVMLError`` becomes this one class, in one place
+    (``tpkit.probes.clock_backends._nvml_call``); ``kind`` keeps NVML's own error name
+    (e.g. ``NVMLError_NotSupported``) and ``code`` its number."""
+
+    def __init__(self, message: str, code: int | None = None, kind: str = "NVMLError") -> None:
+        super().__init__(message)
+        self.code, self.kind = code, kind

@@ -204,6 +204,17 @@ def _optional_probes(rec: _rec.Recorder, cfg: SliceConfig) -> list[Any]:
 PROBE_FACTORIES: list[Callable[[_rec.Recorder, SliceConfig], Any]] = []
 
 
+def _clock_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    if cfg.clock_hz <= 0:
+        return None
+    from .probes.clocks import clock_probe  # imported only when sampling is on
+
+    return clock_probe(rec, cfg)
+
+
+PROBE_FACTORIES.append(_clock_probe)
+
+
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
     from tqdm.auto import tqdm
 
@@ -256,15 +267,19 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
 
 def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None = None, *,
             stop: bool = True, progress: bool = True, samples_per_step: int | None = None,
-            memory: bool = True, clock_hz: float = 20.0, knobs: dict[str, Any] | None = None) -> Profile:
+            memory: bool = True, clock_hz: float = 20.0, clocks: bool = True,
+            knobs: dict[str, Any] | None = None) -> Profile:
     """Profile a slice of a training loop::
 
         with tp.profile(steps=20, warmup=3, name="baseline") as prof:
             for batch in loader: ...        # stops by itself after 23 optimizer steps
         prof.run.steps
+
+    ``clocks=False`` (or ``clock_hz=0``) turns the clock/power sampler off.
     """
     return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,
-                               samples_per_step=samples_per_step, memory=memory, clock_hz=clock_hz,
+                               samples_per_step=samples_per_step, memory=memory,
+                               clock_hz=clock_hz if clocks else 0.0,
                                knobs=dict(knobs or {})))
 
 

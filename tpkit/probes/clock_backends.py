@@ -1,0 +1,411 @@
+"""What the clock sampler reads: one backend per hardware library, each a plain object with
+``read() -> list[(device, metric, value)]``, ``close()`` and ``meta() -> dict``.
+
+Missing hardware is a null object, never a crash: ``open_backends()`` probes once per slice
+and returns the backends that can read something, plus a ``NullBackend`` per source that
+cannot, whose ``meta()`` says why. A backend never invents a value: a metric that cannot be
+read at start is left out, and one that fails mid-run is dropped from then on; both are
+recorded in ``meta()["dropped"]``.
+
+Devices and metrics (DESIGN.md "The Run's tables"):
+
+- host: ``cpu_freq_mhz`` and ``cpu_util_pct`` per core as ``"cpu0"``, ``"cpu1"``, ... (up to
+  ``PER_CORE_MAX`` cores) plus their mean as ``"cpu"``; ``cpu_power_w`` (all RAPL packages
+  summed, from energy-counter deltas) and ``temperature_c`` (hottest CPU sensor) as ``"cpu"``.
+- NVML, per visible GPU as ``"cuda:<i>"`` (torch's numbering): ``sm_clock_mhz``,
+  ``mem_clock_mhz``, ``power_w``, ``temperature_c``, ``utilization_pct``,
+  ``throttle_reasons`` (the raw clock-event bitmask; ``decode_throttle`` names the bits) and
+  ``energy_j`` (the GPU's total-energy counter, counted from the slice's first sample).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from time import perf_counter_ns
+from typing import Any, Callable, Protocol
+
+from ..errors import MissingExtraError, NvmlError
+
+Reading = tuple[str, str, float]  # (device, metric, value)
+
+#: Above this many cores the host backend records only the ``"cpu"`` aggregate rows.
+PER_CORE_MAX = 16
+
+#: Utilisation needs a window of a few jiffies (10 ms each) to mean anything; at higher
+#: sampling rates it is emitted at most this often.
+UTIL_MIN_WINDOW_S = 0.03
+
+#: NVML clock-event ("throttle") reason bits, from nvml.h.
+THROTTLE_BITS: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+#: The bits that mean the GPU ran slower than it could: idle and the clock settings are not
+#: slowdowns, so a step is "throttled" only when one of these was set.
+SLOWDOWN_MASK = 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x80
+
+
+def decode_throttle(mask: float | int) -> list[str]:
+    """Names of the bits set in an NVML clock-event bitmask (unknown bits as ``bit_0x...``)."""
+    m = int(mask)
+    names = [name for bit, name in THROTTLE_BITS.items() if m & bit]
+    rest = m & ~sum(THROTTLE_BITS)
+    bit = 1
+    while rest:
+        if rest & bit:
+            names.append(f"bit_{bit:#x}")
+            rest &= ~bit
+        bit <<= 1
+    return names
+
+
+class Backend(Protocol):
+    name: str
+
+    def read(self) -> list[Reading]: ...
+
+    def close(self) -> None: ...
+
+    def meta(self) -> dict[str, Any]: ...
+
+
+class NullBackend:
+    """A source with nothing to read; ``meta()`` keeps the reason for ``run.meta``."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+
+    def read(self) -> list[Reading]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+    def meta(self) -> dict[str, Any]:
+        return {"sources": {self.name: f"unavailable: {self.reason}"}, "devices": [], "dropped": []}
+
+
+# -- host ---------------------------------------------------------------------------------
+
+_MHZ_RE = re.compile(rb"^cpu MHz\s*:\s*([0-9.]+)", re.M)
+_CPU_TEMP_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal", "acpitz")
+
+
+class HostBackend:
+    """CPU frequency, utilisation, package power and temperature, each from the first source
+    that reads on this machine. Sources are probed once, at construction."""
+
+    name = "host"
+
+    def __init__(self, proc: str = "/proc", sys_root: str = "/sys") -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._proc = proc
+        self.sources: dict[str, str] = {}
+        self.dropped: list[str] = []
+        ncores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+        self.per_core = ncores <= PER_CORE_MAX
+        if not self.per_core:
+            self.dropped.append(f"per-core rows: {ncores} cores > {PER_CORE_MAX}, only the 'cpu' mean is kept")
+
+        # Frequency: cpufreq (kHz, moves with DVFS) else /proc/cpuinfo (MHz, often frozen on VMs).
+        self._freq_files = sorted(glob.glob(f"{sys_root}/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_cur_freq"),
+                                  key=lambda p: int(re.search(r"cpu(\d+)/cpufreq", p).group(1)))
+        self._freq: Callable[[], list[float]] | None = None
+        if self._freq_files and self._try(self._freq_cpufreq):
+            self._freq = self._freq_cpufreq
+            self.sources["cpu_freq_mhz"] = "cpufreq (scaling_cur_freq)"
+        elif self._try(self._freq_cpuinfo):
+            self._freq = self._freq_cpuinfo
+            self.sources["cpu_freq_mhz"] = "/proc/cpuinfo 'cpu MHz'"
+        else:
+            self.sources["cpu_freq_mhz"] = "unavailable: no cpufreq in sysfs and no 'cpu MHz' in /proc/cpuinfo"
+
+        # Utilisation: deltas of psutil.cpu_times (our own baseline; psutil.cpu_percent keeps
+        # one process-wide baseline that any other caller would disturb).
+        self._last_times = psutil.cpu_times(percpu=True)
+        self._last_times_ns = perf_counter_ns()
+        self.sources["cpu_util_pct"] = "psutil.cpu_times deltas"
+
+        # Package power: RAPL energy counters (µJ, wrapping at max_energy_range_uj).
+        self._rapl: list[tuple[str, int]] = []
+        for d in sorted(glob.glob(f"{sys_root}/class/powercap/intel-rapl:[0-9]*")):
+            if ":" in os.path.basename(d).split("intel-rapl:", 1)[1]:
+                continue  # a sub-domain (core, dram): the package already includes the cores
+            try:
+                with open(f"{d}/energy_uj") as f:
+                    int(f.read())
+                with open(f"{d}/max_energy_range_uj") as f:
+                    self._rapl.append((f"{d}/energy_uj", int(f.read())))
+            except (OSError, ValueError):
+                continue
+        self._last_energy: tuple[int, list[int]] | None = None
+        if self._rapl:
+            self.sources["cpu_power_w"] = f"RAPL ({len(self._rapl)} package counters)"
+            self._last_energy = (perf_counter_ns(), self._energy_uj())
+        elif os.path.isdir(f"{sys_root}/class/powercap"):
+            self.sources["cpu_power_w"] = "unavailable: RAPL energy_uj not readable (permissions?)"
+        else:
+            self.sources["cpu_power_w"] = "unavailable: no /sys/class/powercap (no RAPL on this host)"
+
+        # Temperature: psutil's sensors, when it sees a CPU chip.
+        self._temp_chip: str | None = None
+        temps = self._sensors()
+        for chip in _CPU_TEMP_CHIPS:
+            if temps.get(chip):
+                self._temp_chip = chip
+                self.sources["temperature_c"] = f"psutil.sensors_temperatures ({chip})"
+                break
+        else:
+            self.sources["temperature_c"] = "unavailable: psutil sees no CPU temperature sensor"
+
+    # sources
+    @staticmethod
+    def _try(fn: Callable[[], list[float]]) -> bool:
+        try:
+            return len(fn()) > 0
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def _freq_cpufreq(self) -> list[float]:
+        out = []
+        for p in self._freq_files:
+            with open(p) as f:
+                out.append(int(f.read()) / 1000.0)  # kHz -> MHz
+        return out
+
+    def _freq_cpuinfo(self) -> list[float]:
+        with open(f"{self._proc}/cpuinfo", "rb") as f:
+            return [float(x) for x in _MHZ_RE.findall(f.read())]
+
+    def _energy_uj(self) -> list[int]:
+        out = []
+        for path, _ in self._rapl:
+            with open(path) as f:
+                out.append(int(f.read()))
+        return out
+
+    def _sensors(self) -> dict[str, Any]:
+        fn = getattr(self._psutil, "sensors_temperatures", None)
+        try:
+            return fn() if fn is not None else {}
+        except Exception:  # psutil raises assorted errors on odd hwmon trees
+            return {}
+
+    # reading
+    def read(self) -> list[Reading]:
+        rows: list[Reading] = []
+        if self._freq is not None:
+            try:
+                self._per_core(rows, "cpu_freq_mhz", self._freq())
+            except (OSError, ValueError) as e:
+                self._drop("cpu_freq_mhz", e)
+        self._read_util(rows)
+        if self._last_energy is not None:
+            self._read_power(rows)
+        if self._temp_chip is not None:
+            entries = self._sensors().get(self._temp_chip) or []
+            values = [t.current for t in entries if t.current is not None]
+            if values:
+                rows.append(("cpu", "temperature_c", float(max(values))))
+        return rows
+
+    def _per_core(self, rows: list[Reading], metric: str, values: list[float]) -> None:
+        if not values:
+            return
+        if self.per_core:
+            rows.extend((f"cpu{i}", metric, v) for i, v in enumerate(values))
+        rows.append(("cpu", metric, sum(values) / len(values)))
+
+    def _read_util(self, rows: list[Reading]) -> None:
+        now = perf_counter_ns()
+        if (now - self._last_times_ns) / 1e9 < UTIL_MIN_WINDOW_S:
+            return
+        times = self._psutil.cpu_times(percpu=True)
+        util = []
+        for new, old in zip(times, self._last_times):
+            busy_new = sum(new) - new.idle - getattr(new, "iowait", 0.0)
+            busy_old = sum(old) - old.idle - getattr(old, "iowait", 0.0)
+            total = sum(new) - sum(old)
+            util.append(100.0 * min(1.0, max(0.0, (busy_new - busy_old) / total)) if total > 0 else None)
+        self._last_times, self._last_times_ns = times, now
+        if all(u is not None for u in util):
+            self._per_core(rows, "cpu_util_pct", util)  # type: ignore[arg-type]
+
+    def _read_power(self, rows: list[Reading]) -> None:
+        assert self._last_energy is not None
+        now = perf_counter_ns()
+        try:
+            energy = self._energy_uj()
+        except (OSError, ValueError) as e:
+            self._drop("cpu_power_w", e)
+            self._last_energy = None
+            return
+        t_old, old = self._last_energy
+        self._last_energy = (now, energy)
+        dt = (now - t_old) / 1e9
+        if dt <= 0:
+            return
+        joules = sum(((e - o) % wrap if wrap > 0 else e - o) for e, o, (_, wrap) in zip(energy, old, self._rapl)) / 1e6
+        rows.append(("cpu", "cpu_power_w", joules / dt))
+
+    def _drop(self, metric: str, err: Exception) -> None:
+        self.dropped.append(f"cpu {metric}: dropped mid-run after {type(err).__name__}: {err}")
+        if metric == "cpu_freq_mhz":
+            self._freq = None
+
+    def close(self) -> None:
+        pass
+
+    def meta(self) -> dict[str, Any]:
+        return {"sources": dict(self.sources), "devices": ["cpu"], "dropped": list(self.dropped)}
+
+
+# -- NVML ---------------------------------------------------------------------------------
+
+def _nvml_call(nvml: Any, fn_name: str, *args: Any) -> Any:
+    """Every NVML call goes through here: an ``NVMLError`` of any kind becomes ``NvmlError``
+    (tpkit's one exception for it), keeping NVML's code and its own words."""
+    try:
+        return getattr(nvml, fn_name)(*args)
+    except nvml.NVMLError as e:
+        code = getattr(e, "value", None)
+        raise NvmlError(f"{fn_name}: {e}", code=code, kind=type(e).__name__) from e
+
+
+def _metric_readers(nvml: Any) -> dict[str, Callable[[Any], float]]:
+    """metric -> fn(handle) returning the value in the metric's unit."""
+    events = ("nvmlDeviceGetCurrentClocksEventReasons" if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
+              else "nvmlDeviceGetCurrentClocksThrottleReasons")
+    return {
+        "sm_clock_mhz": lambda h: float(_nvml_call(nvml, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)),
+        "mem_clock_mhz": lambda h: float(_nvml_call(nvml, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_MEM)),
+        "power_w": lambda h: _nvml_call(nvml, "nvmlDeviceGetPowerUsage", h) / 1000.0,  # mW
+        "temperature_c": lambda h: float(_nvml_call(nvml, "nvmlDeviceGetTemperature", h, nvml.NVML_TEMPERATURE_GPU)),
+        "utilization_pct": lambda h: float(_nvml_call(nvml, "nvmlDeviceGetUtilizationRates", h).gpu),
+        "throttle_reasons": lambda h: float(_nvml_call(nvml, events, h)),
+        "energy_j": lambda h: _nvml_call(nvml, "nvmlDeviceGetTotalEnergyConsumption", h) / 1000.0,  # mJ
+    }
+
+
+def _visible_indices(nvml: Any, count: int) -> list[tuple[str, Any]]:
+    """(torch device name, NVML handle) per GPU this process may use (CUDA_VISIBLE_DEVICES)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return [(f"cuda:{i}", _nvml_call(nvml, "nvmlDeviceGetHandleByIndex", i)) for i in range(count)]
+    out = []
+    for i, item in enumerate(x.strip() for x in env.split(",") if x.strip()):
+        if item.isdigit():
+            if int(item) >= count:
+                break  # CUDA stops at the first invalid entry
+            out.append((f"cuda:{i}", _nvml_call(nvml, "nvmlDeviceGetHandleByIndex", int(item))))
+        else:
+            out.append((f"cuda:{i}", _nvml_call(nvml, "nvmlDeviceGetHandleByUUID", item)))
+    return out
+
+
+class NvmlBackend:
+    """NVML readings per visible GPU. Build it with ``NvmlBackend.open()``, which returns a
+    ``NullBackend`` when the package, the library or a GPU is missing."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: Any, devices: list[tuple[str, Any]], names: dict[str, str]) -> None:
+        self._nvml = nvml
+        self._readers = _metric_readers(nvml)
+        self.dropped: list[str] = []
+        self.device_names = names
+        self._energy0: dict[str, float] = {}
+        # Which metrics each device can give, decided once: a metric that fails now is left out.
+        self._plan: list[tuple[str, Any, list[str]]] = []
+        for dev, handle in devices:
+            ok = []
+            for metric, fn in self._readers.items():
+                try:
+                    fn(handle)
+                    ok.append(metric)
+                except NvmlError as e:
+                    self.dropped.append(f"{dev} {metric}: not readable ({e.kind})")
+            self._plan.append((dev, handle, ok))
+        self.metrics_at_start = sorted({m for _, _, ms in self._plan for m in ms})
+
+    @classmethod
+    def open(cls) -> "NvmlBackend | NullBackend":
+        try:
+            import pynvml as nvml
+        except ImportError:
+            err = MissingExtraError("nvidia-ml-py", "gpu", "GPU clock and power sampling")
+            return NullBackend(cls.name, str(err))
+        try:
+            _nvml_call(nvml, "nvmlInit")
+        except NvmlError as e:
+            return NullBackend(cls.name, f"NVML did not start ({e.kind}): no NVIDIA driver or GPU here")
+        try:
+            devices = _visible_indices(nvml, int(_nvml_call(nvml, "nvmlDeviceGetCount")))
+            names = {}
+            for dev, h in devices:
+                try:
+                    name = _nvml_call(nvml, "nvmlDeviceGetName", h)
+                    names[dev] = name.decode() if isinstance(name, bytes) else str(name)
+                except NvmlError:
+                    names[dev] = "unknown"
+        except NvmlError as e:
+            cls._shutdown(nvml)
+            return NullBackend(cls.name, f"NVML could not list GPUs ({e.kind})")
+        if not devices:
+            cls._shutdown(nvml)
+            return NullBackend(cls.name, "NVML sees no GPU")
+        return cls(nvml, devices, names)
+
+    @staticmethod
+    def _shutdown(nvml: Any) -> None:
+        try:
+            _nvml_call(nvml, "nvmlShutdown")
+        except NvmlError:
+            pass
+
+    def read(self) -> list[Reading]:
+        rows: list[Reading] = []
+        for dev, handle, metrics in self._plan:
+            for metric in list(metrics):
+                try:
+                    value = self._readers[metric](handle)
+                except NvmlError as e:  # dropped from now on; what was read stays
+                    metrics.remove(metric)
+                    self.dropped.append(f"{dev} {metric}: dropped mid-run after {e.kind}")
+                    continue
+                if metric == "energy_j":
+                    value -= self._energy0.setdefault(dev, value)
+                rows.append((dev, metric, value))
+        return rows
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._shutdown(self._nvml)
+            self._nvml = None
+
+    def meta(self) -> dict[str, Any]:
+        return {"sources": {"nvml": f"NVML, {len(self._plan)} GPU(s)"},
+                "devices": [f"{d}: {self.device_names.get(d, 'unknown')}" for d, _, _ in self._plan],
+                "dropped": list(self.dropped), "nvml_metrics": list(self.metrics_at_start)}
+
+
+def open_backends() -> list[Backend]:
+    """Every clock source of this machine, each a real backend or a NullBackend saying why."""
+    out: list[Backend] = []
+    try:
+        out.append(HostBackend())
+    except Exception as e:  # a host we cannot read at all still runs the slice
+        out.append(NullBackend("host", f"{type(e).__name__}: {e}"))
+    out.append(NvmlBackend.open())
+    return out
