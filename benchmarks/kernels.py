@@ -112,10 +112,10 @@ def _step(fn: Callable[..., object], inputs: list[torch.Tensor], backward: bool)
     cotangents = [torch.randn_like(o) for o in outs]
 
     def fwd_bwd() -> None:
-        for t in leaves:
-            t.grad = None
         out = fn(*inputs)
         torch.autograd.backward(out if isinstance(out, tuple) else (out,), cotangents)
+        for t in leaves:  # grads count in this call's peak, then go: the next call starts clean
+            t.grad = None
 
     return fwd_bwd
 
