@@ -97,6 +97,8 @@ class Summary:
     data_stall_share: float = 0.0
     verdict: Verdict = field(default_factory=lambda: Verdict("no-steps", ""))
     notes: list[str] = field(default_factory=list)
+    clocks: dict = field(default_factory=dict)  # clock_analysis.ClockSummary.to_dict(), when clocks were sampled
+    clock_lines: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,9 +111,10 @@ class Summary:
             ("throughput", self.throughput, "samples/s"),
             ("step time p50", self.step_p50_s * 1e3, "ms"),
             ("step time p95", self.step_p95_s * 1e3, "ms"),
-            ("data stall", self.data_stall_share * 100, "%"),
         ]
-        rows += [(f"{c[:-2]} share", v * 100, "%") for c, v in self.phase_share.items()]
+        rows += [(f"{c[:-2]} share", v * 100, "%") for c, v in self.phase_share.items()
+                 if v > 0 or c == "data_wait_s"]
+        rows += _clock_rows(self.clocks)
         return pd.DataFrame(rows, columns=["figure", "value", "unit"])
 
     def to_text(self) -> str:
@@ -125,6 +128,7 @@ class Summary:
             shares = ", ".join(f"{c[:-2]} {v:.0%}" for c, v in self.phase_share.items() if v >= 0.005)
             lines.append(f"  time: {shares}")
         lines.append(f"  verdict: {self.verdict.text}")
+        lines += [f"  {c}" for c in self.clock_lines]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -169,13 +173,24 @@ def verdict(shares: dict[str, float]) -> Verdict:
     return Verdict("compute-bound", text + "; the input pipeline keeps up")
 
 
-def summarize(steps: pd.DataFrame, meta: dict) -> Summary:
+def _clock_rows(clocks: dict) -> list[tuple]:
+    """Summary figures from a ClockSummary dict: energy per sample and the clock correlation."""
+    rows: list[tuple] = []
+    for device, e in (clocks.get("energy") or {}).items():
+        rows.append((f"energy per sample ({device})", e["per_sample_j"], "J"))
+    if clocks.get("metric") and clocks.get("clock_moved"):
+        rows.append((f"step time vs {clocks['metric']} r", clocks["correlation"], ""))
+    return rows
+
+
+def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None) -> Summary:
+    """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did."""
     m = measured(steps)
     shares = phase_shares(m)
     total = float(m["duration_s"].sum()) if not m.empty else 0.0
     samples = int(m["samples"].sum()) if not m.empty else 0
     dur = m["duration_s"].to_numpy() if not m.empty else np.array([])
-    return Summary(
+    out = Summary(
         name=str(meta.get("name", "run")),
         steps=len(m),
         warmup_steps=int(meta.get("warmup_steps", 0)),
@@ -190,16 +205,23 @@ def summarize(steps: pd.DataFrame, meta: dict) -> Summary:
         verdict=verdict(shares),
         notes=list(meta.get("notes", [])),
     )
+    if clocks is not None and not clocks.empty:
+        from .clock_analysis import clock_summary  # only runs with clock rows pay for it
+
+        cs = clock_summary(clocks, steps)
+        if cs is not None:
+            out.clocks, out.clock_lines = cs.to_dict(), cs.lines()
+    return out
 
 
 def timeline_frame(spans: pd.DataFrame, max_rows: int = 4000) -> pd.DataFrame:
-    """Spans for the stall timeline: built-in and user phases of the measured steps, cut to
-    the first steps that fit in ``max_rows`` so a long run still draws quickly."""
-    s = spans[spans["step"] >= 0] if not spans.empty else spans
+    """Spans for the stall timeline (warmup flagged, so a chart can fade it), cut to the first
+    steps that fit in ``max_rows`` so a long run still draws quickly."""
+    s = spans.sort_values("start_s", kind="stable") if not spans.empty else spans
     if len(s) > max_rows:
         last = s["step"].iloc[max_rows - 1]
         s = s[s["step"] < last]
-    return s.assign(duration_ms=s["duration_s"] * 1e3)
+    return s.assign(duration_ms=s["duration_s"] * 1e3, warmup=s["step"] < 0)
 
 
 def breakdown_long(steps: pd.DataFrame) -> pd.DataFrame:

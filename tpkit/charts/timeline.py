@@ -27,8 +27,9 @@ def stall_timeline(spans: pd.DataFrame, width: int = 620) -> alt.Chart:
             x2="end_s:Q",
             y=alt.Y("phase:N", sort=phase_sort(phases), title=None),
             color=alt.Color("phase:N", scale=phase_scale(phases), legend=alt.Legend(title="phase")),
+            opacity=alt.condition("datum.warmup", alt.value(0.35), alt.value(1.0)),
             tooltip=[
-                alt.Tooltip("step:Q"), alt.Tooltip("phase:N"), alt.Tooltip("duration_ms:Q", format=".3f", title="ms"),
+                alt.Tooltip("step:Q", title="step (negative: warmup)"), alt.Tooltip("phase:N"), alt.Tooltip("duration_ms:Q", format=".3f", title="ms"),
                 alt.Tooltip("start_s:Q", format=".4f"), alt.Tooltip("source:N", title="measured at"),
             ],
         )

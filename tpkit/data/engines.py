@@ -122,4 +122,4 @@ class ThreadEngine:
             return batch, w, fetch_s, collate_s, queue_wait_s, 0.0, n
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -32,6 +32,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .collate import Stack
+
 ALIGN_BYTES = 64
 PAGE_BYTES = 4096
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -83,10 +85,13 @@ _SCALARS = (int, float, bool, complex, str, bytes, type(None))
 
 
 def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
-    """Replace tensors/arrays in ``obj`` by indices into ``leaves``; returns the skeleton.
-
-    Raises UnsupportedBatchError naming the place of anything else.
+    """Replace tensors/arrays (and deferred ``Stack``s) in ``obj`` by indices into
+    ``leaves``; returns the skeleton. Raises UnsupportedBatchError naming the place of
+    anything else.
     """
+    if isinstance(obj, Stack):
+        leaves.append(obj)
+        return _Leaf(("torch", len(leaves) - 1))
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
             raise UnsupportedBatchError(
@@ -157,7 +162,7 @@ def leaf_nbytes(leaves: list) -> int:
     """Bytes a slot needs for these leaves, each aligned to ALIGN_BYTES."""
     total = 0
     for x in leaves:
-        n = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes
+        n = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else x.nbytes  # Stack too
         total = _round_up(total, ALIGN_BYTES) + n
     return total
 
@@ -177,7 +182,10 @@ class WorkerRing:
     def _grow(self, need_bytes: int) -> None:
         self.close()
         self.gen += 1
-        self.slot_bytes = _round_up(max(int(need_bytes * 1.25), need_bytes + ALIGN_BYTES, PAGE_BYTES), PAGE_BYTES)
+        # First ring: exactly the first batch (fixed-size batches never grow); a regrow leaves
+        # 25% headroom so variable-size batches settle after a few generations.
+        grow = 1.25 if self.gen > 0 else 1.0
+        self.slot_bytes = _round_up(max(int(need_bytes * grow), PAGE_BYTES), PAGE_BYTES)
         path = segment_path(self.prefix, self.worker, self.life, self.gen)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -200,7 +208,12 @@ class WorkerRing:
         specs = []
         for x in leaves:
             off = _round_up(off, ALIGN_BYTES)
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, Stack):
+                n = x.nbytes
+                if n:
+                    x.into(self._u8[base + off: base + off + n])  # collate straight into the slot
+                specs.append(("torch", off, n, str(x.dtype)[6:], x.shape))
+            elif isinstance(x, torch.Tensor):
                 n = x.numel() * x.element_size()
                 dst = self._u8[base + off: base + off + n]
                 if n:

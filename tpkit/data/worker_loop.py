@@ -28,6 +28,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from torch.utils.data._utils.collate import default_collate
+
+from .collate import deferred_collate
 from .slots import WorkerRing
 
 
@@ -71,11 +74,14 @@ def set_worker_info(worker: int, num_workers: int, seed: int, dataset: Any, meth
 class BatchMaker:
     """Fetch + collate one batch from a map-style or iterable dataset, timing both."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, in_ring: bool = False) -> None:
         self.spec = spec
         self._it = None
         self.current_index: Any = None
         self.drawn = 0  # samples taken from this worker's stream (iterable datasets)
+        # In a process worker the default collate stacks straight into the slot.
+        self.collate = (deferred_collate if in_ring and spec.collate_fn is default_collate
+                        else spec.collate_fn)
 
     def reset(self, skip_batches: int = 0) -> None:
         self._it = iter(self.spec.dataset)
@@ -127,7 +133,7 @@ class BatchMaker:
         t1 = perf_counter()
         self.current_index = None
         if self.spec.auto_collate:
-            batch = self.spec.collate_fn(samples)
+            batch = self.collate(samples)
         else:
             batch = self.spec.collate_fn(samples[0])
         return batch, t1 - t0, perf_counter() - t1, len(samples)
@@ -140,7 +146,7 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
     seed = seed_worker(spec.base_seed, worker)
     set_worker_info(worker, spec.num_workers, seed, spec.dataset, "multiprocessing")
     ring = WorkerRing(spec.seg_prefix, worker, life, spec.n_slots)
-    maker = BatchMaker(spec)
+    maker = BatchMaker(spec, in_ring=True)
     try:
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(worker)

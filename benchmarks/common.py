@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmark scripts: timing, machine facts, long-format rows."""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def versions() -> str:
+    import torch
+
+    import tpkit
+
+    return f"python {sys.version.split()[0]}, torch {torch.__version__}, tpkit {tpkit.__version__}"
+
+
+def step_times(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def quantiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=10)
+    return q[1], statistics.median(xs), q[7]
+
+
+def write_rows(name: str, rows: list[dict]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path

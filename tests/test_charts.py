@@ -1,0 +1,47 @@
+"""Charts are checked by their Vega-Lite spec, not by pixels."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from tpkit import analysis, charts
+
+
+def spans():
+    rows = [(-1, "data_wait", 0.0, 0.1, 0), (-1, "forward", 0.1, 0.3, 0), (0, "data_wait", 0.3, 0.5, 0),
+            (0, "forward", 0.5, 0.6, 0), (0, "augment", 0.5, 0.55, 1), (0, "backward", 0.6, 0.9, 0)]
+    df = pd.DataFrame(rows, columns=["step", "phase", "start_s", "end_s", "depth"])
+    return df.assign(duration_s=df.end_s - df.start_s, source="t")
+
+
+def test_stall_timeline_spec():
+    spec = charts.stall_timeline(analysis.timeline_frame(spans())).to_dict()
+    enc = spec["encoding"]
+    assert spec["mark"]["type"] == "bar"
+    assert (enc["x"]["field"], enc["x2"]["field"], enc["y"]["field"]) == ("start_s", "end_s", "phase")
+    scale = enc["color"]["scale"]
+    assert scale["domain"] == ["data_wait", "forward", "backward", "augment"]
+    assert scale["range"][0] == charts.PHASE_COLORS["data_wait"] == "#d62728"
+    assert enc["y"]["sort"] == scale["domain"]
+    assert {t["field"] for t in enc["tooltip"]} >= {"step", "phase", "duration_ms", "source"}
+    assert spec["params"][0]["bind"] == "scales" and spec["params"][0]["select"]["encodings"] == ["x"]
+    values = next(iter(spec["datasets"].values()))
+    assert len(values) == 6 and [v["warmup"] for v in values[:2]] == [True, True]
+
+
+def test_step_breakdown_spec():
+    steps = pd.DataFrame({"step": [-1, 0], "warmup": [True, False], **{c: [0.0, 0.0] for c in analysis.PHASE_COLUMNS}})
+    steps["forward_s"] = [0.002, 0.001]
+    spec = charts.step_breakdown(analysis.breakdown_long(steps)).to_dict()
+    assert spec["encoding"]["y"]["aggregate"] == "sum" and spec["encoding"]["y"]["stack"] == "zero"
+    values = next(iter(spec["datasets"].values()))
+    fwd = [v for v in values if v["phase"] == "forward"]
+    assert [v["ms"] for v in fwd] == [2.0, 1.0]
+    assert len(values) == 2 * len(analysis.PHASE_COLUMNS)
+
+
+def test_timeline_frame_cuts_long_runs():
+    big = pd.concat([spans().assign(step=i, start_s=lambda d, i=i: d.start_s + i, end_s=lambda d, i=i: d.end_s + i)
+                     for i in range(2000)], ignore_index=True)
+    cut = analysis.timeline_frame(big, max_rows=600)
+    assert len(cut) == 594 and cut["step"].max() == 98  # whole steps only

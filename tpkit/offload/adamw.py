@@ -1,0 +1,523 @@
+"""CPUOffloadAdamW: AdamW whose fp32 master weights and moments live in host memory.
+
+Why it is built this way: a host AdamW step is memory-bound (28 B per fp32 parameter; torch's
+fused CPU kernel already runs at the machine's streaming bandwidth, shared/MEASURED.md), so
+making the step faster wins little. What offload can win is *hiding* it:
+
+- streaming step (default): a post-accumulate-grad hook on every parameter hands its gradient
+  to a host worker thread as soon as autograd has finished it; the worker copies it out,
+  updates that parameter on the host and copies the new weights back, while backward goes on
+  with the layers below. ``step()`` only waits for what is left.
+- ``delayed_update=True`` (ZeRO-Offload's DPU): ``step()`` of step t starts the whole host
+  update in the background and returns; forward/backward of step t+1 run on the weights of
+  step t-1, and the update lands at the next ``step()``. One step stale, fully hidden.
+- ``moments_dtype=torch.bfloat16``: moments kept in bf16, 20 B moved per parameter, not 28.
+
+Gradient clipping (``max_grad_norm``) needs the global norm, so no update may run before the
+last gradient is in: each gradient's norm is still computed on the worker as it arrives
+(overlapped), but the updates run at ``step()`` and the whole host step is exposed. With
+``delayed_update`` clipping costs nothing extra. Clip with ``max_grad_norm``, not with
+``torch.nn.utils.clip_grad_norm_``: offloaded gradients are no longer in ``p.grad``.
+
+Gradient accumulation: ``accumulation_steps=n`` makes every n-th gradient of a parameter
+final; before that, offloaded gradients are summed on the host (so the device never holds
+them), or left in ``p.grad`` with ``offload_gradients=False``. A ``step()`` after fewer
+micro-batches still consumes what arrived.
+
+On a CPU-only machine the "device" is the host: with fp32 parameters and no delayed update,
+the master weights *are* the parameters (no copy is made or moved back). The CUDA path
+(pinned buffers, a side stream for copies) is written but was not run on a GPU yet.
+
+The work is reported to a running tpkit slice: the part of ``step()`` that waits for or does
+host work is the ``offload`` phase; the background work and its overlap go to
+``run.meta["offload"]`` (see ``OffloadProbe``).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import weakref
+from time import perf_counter_ns
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .. import recorder as _rec
+from ..errors import TpkitError
+from .kernels import HostKernel, KernelName, select_kernel
+
+_LIVE: "weakref.WeakSet[CPUOffloadAdamW]" = weakref.WeakSet()
+
+
+def live_optimizers() -> list["CPUOffloadAdamW"]:
+    return list(_LIVE)
+
+
+class StateDictLayoutError(TpkitError, ValueError):
+    """A state dict whose parameter layout differs from the optimizer's; nothing was loaded."""
+
+
+class _Worker:
+    """One host thread running offload jobs in FIFO order.
+
+    It holds no reference to the optimizer (so the optimizer can be collected, which stops it);
+    ``stop`` is safe to call twice and from ``weakref.finalize``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.jobs: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+        self.error: BaseException | None = None
+        self.busy_ns = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:  # after a failure, drain without running
+                    t = perf_counter_ns()
+                    job()
+                    self.busy_ns += perf_counter_ns() - t
+            except BaseException as e:  # reported to the main thread at the next wait
+                self.error = e
+            finally:
+                self.jobs.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+    def wait(self) -> None:
+        """Block until every submitted job ran; re-raise a job's failure here."""
+        self.jobs.join()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise TpkitError(f"the offload worker failed: {err!r}") from err
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.jobs.put(None)
+            self._thread.join(timeout_s)
+
+
+class CPUOffloadAdamW(torch.optim.Optimizer):
+    """Drop-in AdamW (decoupled weight decay, same defaults as ``torch.optim.AdamW``) whose
+    master weights and moments are host tensors.
+
+    >>> opt = tp.offload.CPUOffloadAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+
+    ``state`` holds the host tensors (``exp_avg``, ``exp_avg_sq``, ``step``, and
+    ``master_param`` when the master copy is separate from the parameter), so memory probes
+    count them as optimizer state. ``state_dict()`` is in ``torch.optim.AdamW``'s format.
+    Call ``close()`` (or use it as a context manager) to stop its worker thread early; it also
+    stops when the optimizer is garbage-collected.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
+                 accumulation_steps: int = 1, offload_gradients: bool = True, streaming: bool = True,
+                 delayed_update: bool = False, moments_dtype: torch.dtype = torch.float32,
+                 kernel: KernelName = "auto", pin_memory: bool | None = None) -> None:
+        if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0; got {lr}, {eps}, {weight_decay}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
+        # AdamW's own defaults, so param_groups and state_dict() carry exactly its keys
+        defaults = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps,
+                                          weight_decay=weight_decay).defaults)
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise ValueError("CPUOffloadAdamW supports neither amsgrad nor maximize")
+        self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = int(accumulation_steps)
+        self.offload_gradients = bool(offload_gradients)
+        self.delayed_update = bool(delayed_update)
+        self.streaming = bool(streaming) and max_grad_norm is None and not delayed_update
+        self.moments_dtype = moments_dtype
+        choice = select_kernel(kernel, moments_dtype)
+        self.kernel: HostKernel = choice.kernel
+        self.kernel_reason = choice.reason
+        self.last_grad_norm: float | None = None
+
+        self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p in self._params}) != len(self._params):
+            raise ValueError("a parameter appears more than once in the parameter groups")
+        self._group_of: list[dict] = [g for g in self.param_groups for _ in g["params"]]
+        cuda = any(p.device.type == "cuda" for p in self._params)
+        self.pin_memory = (torch.cuda.is_available() and cuda) if pin_memory is None else bool(pin_memory)
+        self._copy_stream = torch.cuda.Stream() if cuda else None
+        # per-parameter host state
+        self._master: list[torch.Tensor] = []
+        self._alias: list[bool] = []
+        self._host_grad: list[torch.Tensor | None] = [None] * len(self._params)
+        self._micro: list[int] = [0] * len(self._params)  # gradients received this step
+        self._updated: list[bool] = [False] * len(self._params)  # host update done this step
+        self._norm_sq: list[torch.Tensor | None] = [None] * len(self._params)
+        self.pinned_bytes = 0
+        for p in self._params:
+            self._init_host_state(p)
+        # accounting (nanoseconds, totals since construction; the slice probe takes deltas)
+        self.counters: dict[str, int] = dict(copy_out_ns=0, host_step_ns=0, copy_back_ns=0,
+                                             exposed_ns=0, steps=0, grads=0)
+        self._worker = _Worker(f"tpkit-offload-{id(self):x}")
+        self._finalizer = weakref.finalize(self, _stop_worker, self._worker, self.kernel)
+        self._pending_copy_back = False
+        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), i))
+                       for i, p in enumerate(self._params) if p.requires_grad]
+        _LIVE.add(self)
+
+    # -- host state -------------------------------------------------------------------------
+    def _init_host_state(self, p: torch.nn.Parameter) -> None:
+        alias = p.device.type == "cpu" and p.dtype == torch.float32 and not self.delayed_update
+        if alias:
+            master = p.detach()
+        else:
+            master = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin_memory)
+            master.copy_(p.detach())
+            if self.pin_memory:
+                self.pinned_bytes += master.numel() * 4
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=self.moments_dtype)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moments_dtype)
+        if not alias:
+            state["master_param"] = master
+        self._master.append(master)
+        self._alias.append(alias)
+
+    def host_state_bytes(self) -> int:
+        """Bytes of host memory this optimizer holds (moments, separate master copies, grad
+        buffers)."""
+        n = 0
+        for p in self._params:
+            for v in self.state[p].values():
+                if isinstance(v, torch.Tensor):
+                    n += v.numel() * v.element_size()
+        n += sum(g.numel() * g.element_size() for g in self._host_grad
+                 if g is not None and g.device.type == "cpu")
+        return n
+
+    # -- the gradient path ------------------------------------------------------------------
+    def _on_grad(self, i: int) -> None:
+        """A parameter's gradient is accumulated (autograd's thread): hand it to the worker."""
+        p = self._params[i]
+        self._micro[i] += 1
+        final = self._micro[i] >= self.accumulation_steps
+        if (not self.offload_gradients and not final) or p.grad is None:
+            return  # autograd keeps accumulating into p.grad
+        grad = p.grad
+        first = self._micro[i] == 1 or not self.offload_gradients
+        if self.offload_gradients:
+            p.grad = None  # the device copy is freed once the worker holds it
+        event = None
+        if grad.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        update = final and self.streaming
+        self._worker.submit(lambda: self._take_grad(i, grad, event, first, final, update))
+
+    def _take_grad(self, i: int, grad: torch.Tensor, event: Any, first: bool, final: bool,
+                   update: bool) -> None:
+        """Worker: gradient to host (copy or add), its norm if clipping, the update if due."""
+        t = perf_counter_ns()
+        if grad.device.type == "cuda":
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(event)
+                host = self._host_grad_buffer(i)
+                if first:
+                    host.copy_(grad, non_blocking=True)
+                    torch.cuda.current_stream().synchronize()
+                else:
+                    host.add_(grad.to("cpu", torch.float32))
+                grad.record_stream(self._copy_stream)
+        elif first:
+            # on the host already: own the tensor when it was handed over, else read it in place
+            self._host_grad[i] = grad if grad.dtype == torch.float32 else grad.float()
+        else:
+            self._host_grad[i].add_(grad)
+        self.counters["copy_out_ns"] += perf_counter_ns() - t
+        self.counters["grads"] += 1
+        if final and self.max_grad_norm is not None:
+            self._norm_sq[i] = torch.linalg.vector_norm(self._host_grad[i], 2.0)
+        if update:
+            self._update(i, clip_coef=None)
+
+    def _host_grad_buffer(self, i: int) -> torch.Tensor:
+        buf = self._host_grad[i]
+        if buf is None:
+            p = self._params[i]
+            buf = torch.empty(p.shape, dtype=torch.float32, pin_memory=self.pin_memory)
+            if self.pin_memory:
+                self.pinned_bytes += buf.numel() * 4
+            self._host_grad[i] = buf
+        return buf
+
+    def _update(self, i: int, clip_coef: float | None) -> None:
+        """Worker: one parameter's host AdamW update, then its weights back to the device."""
+        p, g, group = self._params[i], self._host_grad[i], self._group_of[i]
+        state = self.state[p]
+        if clip_coef is not None and clip_coef < 1.0:
+            g.mul_(clip_coef)
+        t = perf_counter_ns()
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        self.kernel.step(self._master[i].view(-1), g.reshape(-1), state["exp_avg"].view(-1),
+                         state["exp_avg_sq"].view(-1), int(state["step"].item()), float(group["lr"]),
+                         float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        t2 = perf_counter_ns()
+        self.counters["host_step_ns"] += t2 - t
+        self._updated[i] = True
+        if g.device.type == "cpu" and not self.pin_memory:
+            self._host_grad[i] = None  # a host gradient we own is dropped like p.grad would be
+        if not self.delayed_update:
+            self._copy_back(i)
+            self.counters["copy_back_ns"] += perf_counter_ns() - t2
+
+    def _copy_back(self, i: int) -> None:
+        if self._alias[i]:
+            return
+        p = self._params[i]
+        if p.device.type == "cuda":
+            with torch.cuda.stream(self._copy_stream):
+                p.detach().copy_(self._master[i], non_blocking=True)
+        else:
+            p.detach().copy_(self._master[i])
+
+    # -- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rec = _rec.active()
+        token = rec.enter("offload", "CPUOffloadAdamW") if (
+            rec is not None and threading.get_ident() == rec.thread_id) else None
+        t0 = perf_counter_ns()
+        try:
+            self._step()
+        finally:
+            self.counters["exposed_ns"] += perf_counter_ns() - t0
+            self.counters["steps"] += 1
+            if token is not None:
+                rec.exit(token)
+        return loss
+
+    def _step(self) -> None:
+        w = self._worker
+        # gradients the hooks never saw (set by hand, or a parameter without requires_grad)
+        for i, p in enumerate(self._params):
+            if p.grad is not None and self._micro[i] == 0:
+                self._micro[i] = self.accumulation_steps
+                grad = p.grad
+                if self.offload_gradients:
+                    p.grad = None
+                w.submit(lambda i=i, grad=grad: self._take_grad(i, grad, None if grad.device.type != "cuda"
+                                                                 else _recorded_event(), True, True, False))
+        if self.delayed_update:
+            w.wait()  # update t-1 and the gradients of t are in
+            if self._pending_copy_back:
+                for i in range(len(self._params)):
+                    self._copy_back(i)
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()  # the worker may overwrite master next
+                self._pending_copy_back = False
+            due = self._consume_due()
+            coef = self._clip_coef(due)
+            for i in due:
+                w.submit(lambda i=i: self._update(i, coef))
+            self._pending_copy_back = bool(due)
+            return
+        due = self._consume_due()
+        if due and not self.streaming:
+            w.wait()  # every gradient is on the host
+            coef = self._clip_coef(due)
+            for i in due:
+                w.submit(lambda i=i: self._update(i, coef))
+        w.wait()
+        if self._copy_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._copy_stream)  # weights back before forward
+
+    def _consume_due(self) -> list[int]:
+        """Indices whose gradient arrived this step and which still need their update; resets
+        the per-step bookkeeping. Streaming updates that already ran are not due again."""
+        self._worker.wait()
+        due = [i for i in range(len(self._params)) if self._micro[i] > 0 and not self._updated[i]]
+        for i in due:  # gradients still in p.grad (offload_gradients=False, last micro-batch missing)
+            p = self._params[i]
+            if self._host_grad[i] is None and p.grad is not None:
+                grad = p.grad
+                self._worker.submit(lambda i=i, grad=grad: self._take_grad(
+                    i, grad, None if grad.device.type != "cuda" else _recorded_event(), True, True, False))
+        if due:
+            self._worker.wait()
+        # a streamed parameter whose final micro-batch never came (step() called early)
+        if self.streaming:
+            for i in due:
+                self._worker.submit(lambda i=i: self._update(i, None))
+            self._worker.wait()
+            due = []
+        self._micro = [0] * len(self._params)
+        self._updated = [False] * len(self._params)
+        return due
+
+    def _clip_coef(self, due: list[int]) -> float | None:
+        """torch.nn.utils.clip_grad_norm_'s coefficient from the per-gradient norms."""
+        if self.max_grad_norm is None or not due:
+            return None
+        self._worker.wait()
+        norms = [self._norm_sq[i] if self._norm_sq[i] is not None
+                 else torch.linalg.vector_norm(self._host_grad[i], 2.0) for i in due]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        self._norm_sq = [None] * len(self._params)
+        self.last_grad_norm = float(total)
+        coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
+        return min(coef, 1.0) if math.isfinite(coef) else coef
+
+    def flush(self) -> None:
+        """Wait for background work; with ``delayed_update``, apply the pending update to the
+        parameters (call before evaluating or saving the model)."""
+        self._worker.wait()
+        if self._pending_copy_back:
+            for i in range(len(self._params)):
+                self._copy_back(i)
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()
+            self._pending_copy_back = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -- state dict (torch.optim.AdamW's format) -----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's layout: ``{"state": {index: {step, exp_avg, exp_avg_sq}}, "param_groups"}``,
+        moments as fp32 tensors shaped like their parameters, only for parameters that were
+        updated (as AdamW, whose state is created at the first update)."""
+        self.flush()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, p in enumerate(self._params):
+            s = self.state[p]
+            if float(s["step"]) == 0:
+                continue
+            state[i] = {"step": s["step"].clone(),
+                        "exp_avg": s["exp_avg"].to(torch.float32, copy=True),
+                        "exp_avg_sq": s["exp_avg_sq"].to(torch.float32, copy=True)}
+        groups, start = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load AdamW's (or our) state dict. Checks the whole layout first: a different number
+        of groups or parameters, or a moment whose shape differs from its parameter, raises
+        ``StateDictLayoutError`` and nothing is changed. Master weights are re-read from the
+        parameters (load the model's weights first, as with any optimizer)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        saved_state = state_dict.get("state", {}) if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or not isinstance(saved_state, dict):
+            raise StateDictLayoutError("not an optimizer state dict: expected 'state' and 'param_groups'")
+        if len(groups) != len(self.param_groups):
+            raise StateDictLayoutError(f"the state dict has {len(groups)} parameter groups, this optimizer "
+                                       f"{len(self.param_groups)}; nothing was loaded")
+        index: dict[Any, int] = {}
+        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise StateDictLayoutError(
+                    f"group {gi} has {len(saved['params'])} parameters in the state dict and "
+                    f"{len(mine['params'])} here; nothing was loaded")
+            for key in saved["params"]:
+                index[key] = len(index)
+        for key, s in saved_state.items():
+            if key not in index:
+                raise StateDictLayoutError(f"state for parameter {key!r}, which no group lists; nothing was loaded")
+            p = self._params[index[key]]
+            for name in ("exp_avg", "exp_avg_sq"):
+                t = s.get(name)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+                    raise StateDictLayoutError(
+                        f"parameter {index[key]}: {name} has shape {got}, the parameter {tuple(p.shape)}; "
+                        "the state dict is from a different model or parameter order; nothing was loaded")
+            if "step" not in s:
+                raise StateDictLayoutError(f"parameter {index[key]}: no 'step' in its state; nothing was loaded")
+        # layout checked: now change things
+        self.flush()
+        by_index = {index[k]: s for k, s in saved_state.items()}
+        for i, p in enumerate(self._params):
+            st, s = self.state[p], by_index.get(i)
+            if s is None:
+                st["step"].zero_()
+                st["exp_avg"].zero_()
+                st["exp_avg_sq"].zero_()
+            else:
+                st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
+                st["exp_avg"].copy_(s["exp_avg"])
+                st["exp_avg_sq"].copy_(s["exp_avg_sq"])
+            if not self._alias[i]:
+                self._master[i].copy_(p.detach())
+        for saved, mine in zip(groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+
+    # -- life cycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish pending work, remove the hooks and stop the worker thread. Idempotent."""
+        try:
+            self.flush()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            self._finalizer()
+
+    def __enter__(self) -> "CPUOffloadAdamW":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, Any]:
+        """Static facts for run.meta."""
+        return {"optimizer": type(self).__name__, "kernel": self.kernel.name, "kernel_reason": self.kernel_reason,
+                "mode": "delayed" if self.delayed_update else ("streaming" if self.streaming else "at_step"),
+                "moments_dtype": str(self.moments_dtype).replace("torch.", ""),
+                "clipping": self.max_grad_norm, "accumulation_steps": self.accumulation_steps,
+                "offload_gradients": self.offload_gradients, "pin_memory": self.pin_memory,
+                "parameters": sum(p.numel() for p in self._params),
+                "pinned_bytes": self.pinned_bytes, "host_state_bytes": self.host_state_bytes()}
+
+
+def _recorded_event() -> Any:
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _grad_hook(ref: "weakref.ref[CPUOffloadAdamW]", i: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._on_grad(i)
+    return hook
+
+
+def _stop_worker(worker: _Worker, kernel: Any) -> None:
+    worker.stop()
+    close = getattr(kernel, "close", None)
+    if close is not None:
+        close()
