@@ -11,6 +11,8 @@ Hooks for other probes:
   listener's own cost is not charged to the phase. The memory probe lives here.
 - ``step_listeners``: called as ``fn(raw_step, end_ns)`` after a step has been recorded.
   The slice controller (stop, warmup, progress bar) lives here; it may raise ``StopSlice``.
+- ``batch_listeners``: called as ``fn(batch)`` by ``yielded`` when a loader hands a batch to
+  the loop (loaders call ``rec.yielded(batch)`` after their ``data_wait`` span).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Recorder:
         self.meta: dict[str, Any] = {}
         self.phase_listeners: list[PhaseListener] = []
         self.step_listeners: list[StepListener] = []
+        self.batch_listeners: list[Callable[[Any], None]] = []  # fn(batch) for each batch a loader yields
+        self.models: dict[int, Any] = {}  # outermost modules seen in forward (the phase probe fills it)
         self.step_index = 0
         self.explicit_steps = False  # True once tp.step() was called: optimizers stop ending steps
         self.samples = 0  # samples seen in the current step
@@ -120,9 +124,15 @@ class Recorder:
 
     # -- other tables ---------------------------------------------------------------------
     def add_memory(self, phase: str, event: str, device: str, category: str, nbytes: int,
-                   t_ns: int | None = None) -> None:
+                   t_ns: int | None = None, raw_step: int | None = None) -> None:
         t = perf_counter_ns() if t_ns is None else t_ns
-        self.memory.append((self.step_index, phase, event, t, device, category, nbytes))
+        step = self.step_index if raw_step is None else raw_step
+        self.memory.append((step, phase, event, t, device, category, nbytes))
+
+    def yielded(self, batch: Any) -> None:
+        """A loader handed ``batch`` to the loop (the memory probe counts it as ``data``)."""
+        for fn in self.batch_listeners:
+            fn(batch)
 
     def add_clock(self, t_ns: int, device: str, metric: str, value: float) -> None:
         self.clocks.append((t_ns, device, metric, value))

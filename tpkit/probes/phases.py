@@ -85,7 +85,7 @@ class PhaseProbe:
         self._opt_tokens: list[int] = []
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
-        self.models: dict[int, torch.nn.Module] = {}
+        self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
         self.installed = False
 
     # -- life cycle -------------------------------------------------------------------------
@@ -223,6 +223,8 @@ class PhaseProbe:
             n = batch_size_of(batch)
             if n:
                 rec.add_samples(n)
+            if rec.batch_listeners:
+                rec.yielded(batch)
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -276,4 +278,6 @@ def _timed_iter(it: Any, name: str) -> Any:
             n = batch_size_of(item)
             if n:
                 rec.add_samples(n)
+            if rec.batch_listeners:
+                rec.yielded(item)
         yield item
