@@ -39,6 +39,19 @@ SectionBuilder = Callable[["Run"], "alt.TopLevelMixin | None"]
 SECTIONS: list[tuple[str, SectionBuilder]] = [("Stall timeline", _timeline_section)]
 
 
+def _clocks_section(run: "Run") -> alt.TopLevelMixin | None:
+    """Clock, power and temperature panels under the stall timeline, on one time axis."""
+    if run.clocks.empty:
+        return None
+    from . import clock_analysis as ca
+
+    return charts.clocks_with_timeline(analysis.timeline_frame(run.spans), ca.trace_frame(run.clocks),
+                                       run.steps, ca.throttle_bands(run.clocks))
+
+
+SECTIONS.append(("Clocks and power", _clocks_section))
+
+
 def section_charts(run: "Run") -> list[tuple[str, alt.TopLevelMixin]]:
     """The dashboard's charts for this Run, in order, skipping sections with no data."""
     out = []
@@ -69,7 +82,7 @@ _CSS = """
 
 
 def summary_html(run: "Run") -> str:
-    s = run.summary()
+    s = analysis.summarize(run.steps, run.meta, run.clocks)  # run.summary() plus the clock lines
     rows = "".join(
         f"<tr><td>{html.escape(str(f))}</td><td><b>{_fmt(v)}</b> {html.escape(str(u))}</td></tr>"
         for f, v, u in s.to_frame().itertuples(index=False)

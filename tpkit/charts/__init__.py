@@ -1,6 +1,8 @@
 """Chart builders: pure functions from frames to ``altair.Chart``. They never measure."""
 
 from .style import PHASE_COLORS, PHASE_ORDER, phase_scale
+from .clocks import clock_traces, clocks_with_timeline
 from .timeline import stall_timeline, step_breakdown
 
-__all__ = ["PHASE_COLORS", "PHASE_ORDER", "phase_scale", "stall_timeline", "step_breakdown"]
+__all__ = ["PHASE_COLORS", "PHASE_ORDER", "clock_traces", "clocks_with_timeline", "phase_scale", "stall_timeline",
+           "step_breakdown"]
