@@ -235,6 +235,9 @@ class ProcessPool:
         except (EOFError, OSError):
             pass
         w.proc.join(0.5)
+        if w.proc.is_alive():  # its pipe broke but it lives on: make sure it is gone
+            w.proc.kill()
+            w.proc.join(0.5)
         code, pid = w.proc.exitcode, w.proc.pid
         lost = sorted(w.inflight)
         remove_segments(f"{self.prefix}w{w.id}.{w.life}-")
@@ -266,19 +269,18 @@ class ProcessPool:
             objs[w.conn] = ("conn", w)
             objs[w.proc.sentinel] = ("dead", w)
         ready = mpc.wait(list(objs), timeout_s)
-        dead = []
+        dead: dict[int, _Worker] = {}
         for r in ready:
             what, w = objs[r]
             if what == "dead":
-                dead.append(w)
+                dead[w.id] = w
                 continue
             try:
                 while w.conn.poll(0):
                     self._receive(w, w.conn.recv())
             except (EOFError, OSError):
-                if w not in dead:
-                    dead.append(w)
-        for w in dead:
+                dead[w.id] = w
+        for w in dead.values():
             self._on_death(w)
         return bool(ready)
 

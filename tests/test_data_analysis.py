@@ -1,0 +1,83 @@
+"""The loader's recorder rows and its verdict, on hand-made frames."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from tpkit import recorder
+from tpkit.data import Loader, loader_verdict
+from tests.data_helpers import Mixed
+
+
+def _frame(n=20, workers=2, fetch_s=0.010, collate_s=0.001, queue_wait_s=0.0, transfer_s=0.0005):
+    return pd.DataFrame({"batch": range(n), "worker": [i % workers for i in range(n)],
+                         "fetch_s": fetch_s, "collate_s": collate_s,
+                         "queue_wait_s": queue_wait_s, "transfer_s": transfer_s})
+
+
+def test_healthy_when_batches_wait_for_the_loop_and_it_would_trim_workers():
+    v = loader_verdict(_frame(queue_wait_s=0.02), step_s=0.05)
+    assert v.verdict == "healthy" and v.ready_fraction == 1.0
+    assert v.workers == 1  # ceil(1.2 * 11.5 ms / 50 ms) = 1 is enough
+    assert loader_verdict(_frame(queue_wait_s=0.02)).workers == 2  # no step time: keep
+
+
+def test_queue_empty_asks_for_the_workers_the_rates_need():
+    v = loader_verdict(_frame(fetch_s=0.030, collate_s=0.002, transfer_s=0.001), step_s=0.010)
+    assert v.verdict == "queue empty"
+    assert v.workers == 4  # ceil(1.2 * 33 ms / 10 ms)
+    assert v.make_s == pytest.approx(0.032)
+    assert loader_verdict(_frame(), num_workers=2).workers == 3  # without step time: one more
+
+
+def test_workers_starved_when_they_could_keep_up_but_the_loop_still_waited():
+    v = loader_verdict(_frame(fetch_s=0.004, collate_s=0.001), step_s=0.010, num_workers=2)
+    assert v.verdict == "workers starved" and v.workers == 2
+
+
+def test_transfer_bound_when_moving_costs_more_than_making():
+    v = loader_verdict(_frame(fetch_s=0.001, collate_s=0.0005, transfer_s=0.004))
+    assert v.verdict == "transfer-bound" and v.transfer_s == pytest.approx(0.004)
+
+
+def test_frame_checks():
+    with pytest.raises(ValueError, match="lacks columns"):
+        loader_verdict(pd.DataFrame({"batch": [0]}))
+    assert loader_verdict(_frame(n=0)).verdict == "healthy"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_records_data_wait_samples_and_batches_into_the_active_recorder(workers):
+    rec = recorder.Recorder("t")
+    recorder._set_active(rec)
+    try:
+        loader = Loader(Mixed(10), batch_size=4, num_workers=workers)
+        batches = list(loader)
+        # An outer data_wait (a DataLoader probe) is not doubled.
+        tok = rec.enter("data_wait", "probe")
+        next(iter(loader))
+        rec.exit(tok)
+    finally:
+        recorder._set_active(None)
+    assert len(batches) == 3
+    spans = [s for s in rec.spans if s[0] == "data_wait"]
+    # 3 batches + the call that found the epoch over (also time the loop waited), then the probe's.
+    assert [s[4] for s in spans] == ["tpkit.data"] * 4 + ["probe"]
+    assert all(s[2] >= s[1] for s in spans)
+    assert rec.samples == 10 + 4
+    rows = pd.DataFrame(rec.loader, columns=["batch", "worker", "fetch_s", "collate_s",
+                                             "queue_wait_s", "transfer_s"])
+    assert rows["batch"].tolist() == [0, 1, 2, 0]
+    assert rows["worker"].tolist() == ([0, 1, 0, 0] if workers == 2 else [0, 0, 0, 0])
+    assert (rows[["fetch_s", "collate_s", "queue_wait_s", "transfer_s"]] >= 0).all().all()
+    assert loader_verdict(rows).verdict in ("healthy", "queue empty", "workers starved", "transfer-bound")
+
+
+def test_workers_auto_picks_a_count_and_loads_correctly():
+    loader = Loader(Mixed(64), batch_size=8, workers="auto")
+    got = [b["i"].tolist() for b in loader]
+    assert isinstance(loader.num_workers, int) and 0 <= loader.num_workers <= 2
+    assert got == [list(range(i, i + 8)) for i in range(0, 64, 8)]
+    assert Loader(Mixed(64), batch_size=8).autotune(max_workers=1, trial_batches=3) in (0, 1)

@@ -1,0 +1,173 @@
+"""Faults in tpkit.data: clear errors, nothing lost, nothing left behind."""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from tpkit.data import Loader, UnsupportedBatchError, WorkerDiedError, WorkerError
+from tests.data_helpers import Mixed, live_children, shm_files
+
+
+class Fails(Dataset):
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 7:
+            raise_on_seven(i)
+        return torch.tensor([i])
+
+
+def raise_on_seven(i: int) -> None:
+    raise KeyError(f"no label for {i}")
+
+
+class KillsItself(Dataset):
+    """Worker making sample ``at`` dies by SIGKILL, once (a marker file remembers)."""
+
+    def __init__(self, marker: str, at: int = 9, n: int = 40) -> None:
+        self.marker, self.at, self.n = marker, at, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([i])
+
+
+class Slow(Dataset):
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.01)
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("workers,mode", [(0, "process"), (2, "process"), (2, "thread")])
+def test_worker_exception_carries_traceback_and_sample_index(workers, mode):
+    loader = Loader(Fails(), batch_size=4, num_workers=workers, mode=mode)
+    it = iter(loader)
+    assert next(it).tolist() == [[0], [1], [2], [3]]
+    with pytest.raises(WorkerError) as e:
+        next(it)
+    err = e.value
+    assert err.index == 7 and err.batch == 1 and err.exc_type == "KeyError"
+    assert "raise_on_seven" in err.worker_traceback and "sample index 7" in str(err)
+    assert next(it).tolist() == [[8], [9], [10], [11]]  # the loader goes on, like torch's
+    loader.close()
+    assert not live_children() and not shm_files()
+
+
+def test_killed_worker_is_reported_quickly(tmp_path):
+    loader = Loader(KillsItself(str(tmp_path / "m")), batch_size=4, num_workers=2)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="SIGKILL.*restart_workers=True"):
+        list(loader)
+    assert time.monotonic() - t0 < 5.0
+    assert not live_children() and not shm_files()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_restart_workers_replaces_a_killed_worker_without_loss_or_repeat(tmp_path, in_order):
+    loader = Loader(KillsItself(str(tmp_path / "m")), batch_size=4, num_workers=2,
+                    restart_workers=True, in_order=in_order)
+    with pytest.warns(RuntimeWarning, match="restarted"):
+        got = [b.flatten().tolist() for b in loader]
+    if in_order:
+        assert got == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    else:
+        assert sorted(got) == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    assert not live_children() and not shm_files()
+
+
+def test_restart_workers_with_an_iterable_dataset(tmp_path):
+    from tests.data_helpers import Shards
+
+    class KillingShards(Shards):
+        def __iter__(self):
+            for s in super().__iter__():
+                if int(s["i"]) == 9 and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield s
+
+    marker = str(tmp_path / "m")
+    ref = [b["i"].tolist() for b in Loader(Shards(), batch_size=2, num_workers=2)]
+    with pytest.warns(RuntimeWarning):
+        got = [b["i"].tolist() for b in Loader(KillingShards(), batch_size=2, num_workers=2,
+                                               restart_workers=True)]
+    assert got == ref
+
+
+def test_ctrl_c_stops_workers_and_removes_segments():
+    loader = Loader(Slow(), batch_size=2, num_workers=2)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    timer.join()
+    assert not live_children() and not shm_files()
+
+
+def test_unfinished_loader_collected_leaves_nothing():
+    it = iter(Loader(Slow(), batch_size=2, num_workers=2, persistent_workers=True))
+    next(it)
+    del it
+    gc.collect()
+    assert not live_children() and not shm_files()
+
+
+def test_timeout_raises_with_advice():
+    from tpkit.data import LoaderTimeoutError
+
+    class Hangs(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            time.sleep(30)
+
+    with pytest.raises(LoaderTimeoutError, match="timeout="):
+        next(iter(Loader(Hangs(), batch_size=2, num_workers=1, timeout=0.5)))
+    assert not live_children() and not shm_files()
+
+
+def test_bad_arguments_say_what_to_do():
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        Loader(Mixed(), batch_size=0)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
+        Loader(Mixed(), num_workers=-1)
+    with pytest.raises(ValueError, match="'process' or 'thread'"):
+        Loader(Mixed(), mode="fiber")
+    with pytest.raises(ValueError, match="not both"):
+        Loader(Mixed(), shuffle=True, sampler=[0, 1])
+    from tests.data_helpers import Shards
+    with pytest.raises(ValueError, match="iterable dataset"):
+        Loader(Shards(), shuffle=True)
+
+
+def test_unsupported_collate_output_names_the_place_and_the_fix():
+    class Box:
+        pass
+
+    loader = Loader(Mixed(8), batch_size=4, num_workers=1,
+                    collate_fn=lambda s: {"x": torch.zeros(2), "meta": Box()})
+    with pytest.raises(WorkerError, match=r"batch\['meta'\].*collate_fn") as e:
+        next(iter(loader))
+    assert e.value.exc_type == "UnsupportedBatchError"
+    loader.close()
+    assert issubclass(UnsupportedBatchError, TypeError)
