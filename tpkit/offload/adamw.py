@@ -327,6 +327,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                                                                  else _recorded_event(), True, True, False))
         if self.delayed_update:
             w.wait()  # update t-1 and the gradients of t are in
+            self._updated = [False] * len(self._params)
             if self._pending_copy_back:
                 for i in range(len(self._params)):
                     self._copy_back(i)
@@ -346,6 +347,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             for i in due:
                 w.submit(lambda i=i: self._update(i, coef))
         w.wait()
+        self._updated = [False] * len(self._params)
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # weights back before forward
 
@@ -369,7 +371,6 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             self._worker.wait()
             due = []
         self._micro = [0] * len(self._params)
-        self._updated = [False] * len(self._params)
         return due
 
     def _clip_coef(self, due: list[int]) -> float | None:
