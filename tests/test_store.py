@@ -1,0 +1,110 @@
+"""The run store: unique names, listing with damaged folders, load by name or path, on/off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tpkit import store
+from tpkit.errors import RunFormatError
+from tpkit.run import Run, _frame
+
+
+def make_run(name: str, durations: list[float], samples: int = 10, **meta) -> Run:
+    n = len(durations)
+    d = np.asarray(durations)
+    steps = _frame("steps", {
+        "step": np.arange(n), "warmup": [False] * n, "start_s": np.cumsum(d) - d, "end_s": np.cumsum(d),
+        "duration_s": d, "samples": [samples] * n, "data_wait_s": d * 0.5, "h2d_s": 0.0,
+        "forward_s": d * 0.25, "backward_s": d * 0.25, "optimizer_s": 0.0, "offload_s": 0.0,
+        "other_s": 0.0, "throughput": samples / d, "loss": 1.0,
+    })
+    return Run(steps=steps, meta={"name": name, "start_time": meta.pop("start_time", "2026-01-01T00:00:00+00:00"),
+                                  **meta})
+
+
+@pytest.fixture(autouse=True)
+def tmp_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPKIT_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setattr(store, "_configured", [store._UNSET])
+    return tmp_path / "runs"
+
+
+def test_rerun_gets_a_unique_name_and_meta_follows(tmp_store):
+    a, b, c = (make_run("baseline", [0.1, 0.2]) for _ in range(3))
+    assert store.save(a) == tmp_store / "baseline"
+    assert store.save(b) == tmp_store / "baseline-2"
+    assert store.save(c) == tmp_store / "baseline-3"
+    assert (a.name, b.name, c.name) == ("baseline", "baseline-2", "baseline-3")
+    assert store.load("baseline-2").name == "baseline-2"
+    assert store.names() == ["baseline", "baseline-2", "baseline-3"]
+
+
+def test_unsafe_names_stay_inside_the_store(tmp_store):
+    path = store.save(make_run("../../etc/x y", [0.1]))
+    assert path.parent == tmp_store and path.name == "etc_x_y"
+
+
+def test_runs_lists_figures_and_flags_damaged_folders(tmp_store):
+    store.save(make_run("fast", [0.1, 0.1, 0.3], knobs={"num_workers": 4}, start_time="2026-01-02T00:00:00+00:00"))
+    store.save(make_run("slow", [1.0, 1.0], start_time="2026-01-01T00:00:00+00:00"))
+    (tmp_store / "junk").mkdir()                              # no meta.json
+    broken = store.save(make_run("broken", [0.1]))
+    (broken / "steps.parquet").write_bytes(b"not parquet")    # unreadable table
+    half = store.save(make_run("half", [0.1]))
+    (half / "clocks.parquet").unlink()                        # a save cut short
+    (tmp_store / "notes.txt").write_text("a file, not a run")
+    df = store.runs()
+    assert list(df.columns) == list(store.RUNS_COLUMNS)
+    assert list(df["name"][:2]) == ["slow", "fast"]           # oldest first
+    fast = df.set_index("name").loc["fast"]
+    assert fast["steps"] == 3 and fast["throughput"] == pytest.approx(30 / 0.5)
+    assert fast["step_p50_ms"] == pytest.approx(100.0) and fast["verdict"] == "input-bound"
+    assert fast["knobs"] == "num_workers=4" and not fast["damaged"] and fast["complete"]
+    damaged = df[df["damaged"]].set_index("name")
+    assert sorted(damaged.index) == ["broken", "half", "junk"]
+    assert "meta.json" in damaged.loc["junk", "problem"]
+    assert "clocks.parquet" in damaged.loc["half", "problem"]
+    assert damaged.loc["broken", "problem"]
+
+
+def test_load_by_name_path_and_unknown_name(tmp_store, tmp_path):
+    store.save(make_run("a", [0.1, 0.2]))
+    assert store.load("a").steps["duration_s"].tolist() == [0.1, 0.2]
+    elsewhere = make_run("b", [0.3]).save(tmp_path / "elsewhere" / "b")
+    assert store.load(str(elsewhere)).name == "b"
+    assert store.load(elsewhere).name == "b"
+    with pytest.raises(RunFormatError, match=r"'nope'.*known runs: a"):
+        store.load("nope")
+    run = make_run("c", [0.1])
+    assert store.load(run) is run
+
+
+def test_store_off_and_set_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPKIT_RUNS", "off")
+    assert store.store_path() is None
+    run = make_run("x", [0.1])
+    assert store.autosave(run) is None
+    assert store.runs().empty
+    with pytest.raises(RunFormatError, match="store is off"):
+        store.save(run)
+    assert store.set_store(tmp_path / "mine") == tmp_path / "mine"
+    assert store.autosave(run) == tmp_path / "mine" / "x"
+    assert store.set_store(None) is None
+
+
+def test_autosave_never_raises(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store.set_store(blocker)  # a file where the store folder should be
+    run = make_run("x", [0.1], notes=[])
+    with pytest.warns(RuntimeWarning, match="not saved"):
+        assert store.autosave(run) is None
+    assert "not saved" in run.meta["notes"][-1]
+
+
+def test_runs_frame_dtypes_when_empty():
+    df = store.runs()
+    assert df.empty and list(df.columns) == list(store.RUNS_COLUMNS)
+    assert isinstance(df, pd.DataFrame)

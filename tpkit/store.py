@@ -1,0 +1,180 @@
+"""The run store: every finished slice is kept as a folder of Parquet + ``meta.json``.
+
+    tp.runs()               # one row per stored run, damaged ones included and flagged
+    tp.load("baseline")     # a store name, or the path of any folder run.save() wrote
+    tp.set_store("/data/my_runs")   # or TPKIT_RUNS=/data/my_runs; None or "off" turns it off
+
+Where runs go, first match wins: ``set_store(...)``, the ``TPKIT_RUNS`` environment variable,
+then ``./tpkit_runs``. A store name is the run's name; a rerun under a name already taken gets
+the first free ``<name>-2``, ``<name>-3``... and ``run.meta["name"]`` is changed to match, so
+the name a user sees is always the name ``tp.load`` takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import analysis
+from .errors import RunFormatError
+from .run import Run
+
+DEFAULT_STORE = "tpkit_runs"
+ENV_VAR = "TPKIT_RUNS"
+_OFF = {"", "off", "none", "0", "false"}
+
+_UNSET: Any = object()
+_configured: list[Any] = [_UNSET]  # what set_store() was given, if anything
+
+#: Columns of ``tp.runs()``, in order.
+RUNS_COLUMNS: tuple[str, ...] = ("name", "start_time", "steps", "throughput", "step_p50_ms", "verdict",
+                                 "complete", "damaged", "path", "knobs", "problem")
+
+
+def set_store(path: str | os.PathLike | None) -> Path | None:
+    """Keep runs under ``path`` from now on; ``None`` or ``"off"`` stops keeping them.
+    Returns the store folder in use (None when off)."""
+    _configured[0] = path
+    return store_path()
+
+
+def store_path() -> Path | None:
+    """The store folder in use, or None when the store is off. Not created until a save."""
+    value = _configured[0]
+    if value is _UNSET:
+        value = os.environ.get(ENV_VAR, DEFAULT_STORE)
+    if value is None or (isinstance(value, str) and value.strip().lower() in _OFF):
+        return None
+    return Path(value).expanduser()
+
+
+def _require_store(store: str | os.PathLike | None) -> Path:
+    root = Path(store).expanduser() if store is not None else store_path()
+    if root is None:
+        raise RunFormatError(f"the run store is off (tp.set_store(None) or {ENV_VAR}=off): "
+                             "turn it on with tp.set_store('./tpkit_runs'), or pass a folder")
+    return root
+
+
+def safe_name(name: str) -> str:
+    """A run name as a folder name: letters, digits, ``.``, ``_`` and ``-``; the rest becomes
+    ``_`` (so a name never escapes the store or hides as a dot-folder)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("._") or "run"
+    return cleaned[:120]
+
+
+def save(run: Run, store: str | os.PathLike | None = None) -> Path:
+    """Keep ``run`` in the store under a folder of its own and return that folder.
+
+    The folder is claimed with an exclusive ``mkdir`` before anything is written, so two
+    saves of the same name never share a folder; ``meta.json`` is written last by
+    ``Run.save``, so a save cut short leaves a folder that lists as damaged, not a wrong run.
+    """
+    root = _require_store(store)
+    root.mkdir(parents=True, exist_ok=True)
+    base = safe_name(run.name)
+    n = 1
+    while True:
+        name = base if n == 1 else f"{base}-{n}"
+        folder = root / name
+        try:
+            folder.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+    run.meta["name"] = name
+    run.save(folder)
+    return folder
+
+
+def autosave(run: Run) -> Path | None:
+    """Keep a finished slice in the store, if the store is on. Never raises: a full disk or a
+    read-only folder must not cost the user the run they just measured; the reason is
+    warned and noted in ``run.meta["notes"]`` instead. Returns the folder, or None."""
+    if store_path() is None:
+        return None
+    try:
+        return save(run)
+    except Exception as e:  # noqa: BLE001 - any failure here is reported, never raised
+        msg = f"the run was not saved to the store ({store_path()}): {type(e).__name__}: {e}"
+        run.meta.setdefault("notes", []).append(msg)
+        warnings.warn(f"tpkit: {msg}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _stored_folders(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def names(store: str | os.PathLike | None = None) -> list[str]:
+    """Names of the runs in the store (damaged ones included), sorted."""
+    root = Path(store).expanduser() if store is not None else store_path()
+    return [p.name for p in _stored_folders(root)] if root is not None else []
+
+
+def _row(folder: Path) -> dict[str, Any]:
+    """One ``tp.runs()`` row, read from meta.json and steps.parquet only (never the big tables)."""
+    row: dict[str, Any] = dict.fromkeys(RUNS_COLUMNS)
+    row.update(name=folder.name, path=str(folder), damaged=True, complete=False, knobs="", problem="")
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if not isinstance(meta, dict) or "tpkit_format" not in meta:
+            raise ValueError("meta.json is not tpkit run metadata")
+        steps = pd.read_parquet(folder / "steps.parquet")
+        missing = [t for t in ("spans", "memory", "clocks", "loader") if not (folder / f"{t}.parquet").is_file()]
+        if missing:
+            raise FileNotFoundError(f"missing {', '.join(t + '.parquet' for t in missing)}")
+        s = analysis.summarize(steps, meta)
+    except FileNotFoundError as e:
+        row["problem"] = f"incomplete folder: {Path(e.filename).name if e.filename else e}"
+        return row
+    except Exception as e:  # noqa: BLE001 - a damaged folder is listed, never raised
+        row["problem"] = f"{type(e).__name__}: {e}"[:300]
+        return row
+    knobs = meta.get("knobs") or {}
+    row.update(start_time=meta.get("start_time"), steps=s.steps, throughput=s.throughput,
+               step_p50_ms=s.step_p50_s * 1e3, verdict=s.verdict.kind, complete=s.complete, damaged=False,
+               knobs=", ".join(f"{k}={v}" for k, v in knobs.items()) if isinstance(knobs, dict) else str(knobs))
+    return row
+
+
+def runs(store: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Every run in the store, oldest first: ``name, start_time, steps, throughput``
+    (samples/s), ``step_p50_ms, verdict, complete, damaged, path, knobs`` (as text) and
+    ``problem`` (why a damaged one cannot be read). Empty when the store is off or empty."""
+    root = Path(store).expanduser() if store is not None else store_path()
+    rows = [_row(f) for f in _stored_folders(root)] if root is not None else []
+    df = pd.DataFrame(rows, columns=list(RUNS_COLUMNS))
+    df = df.astype({"steps": "Int64", "throughput": "float64", "step_p50_ms": "float64",
+                    "complete": "bool", "damaged": "bool"})
+    return df.sort_values(["start_time", "name"], na_position="last", kind="stable").reset_index(drop=True)
+
+
+def load(name_or_path: str | os.PathLike | Run, store: str | os.PathLike | None = None) -> Run:
+    """A stored run by name (``tp.load("baseline")``) or any folder ``run.save()`` wrote.
+
+    A plain name is looked up in the store first, then as a folder; anything with a path
+    separator is a folder. An unknown name raises ``RunFormatError`` listing the names the
+    store has. A Run passes through unchanged (so ``compare`` takes names and Runs alike).
+    """
+    if isinstance(name_or_path, Run):
+        return name_or_path
+    text = os.fspath(name_or_path)
+    root = Path(store).expanduser() if store is not None else store_path()
+    plain = isinstance(name_or_path, str) and os.sep not in text and "/" not in text
+    if plain and root is not None and (root / text).is_dir():
+        return Run.load(root / text)
+    if Path(text).expanduser().is_dir():
+        return Run.load(Path(text).expanduser())
+    known = names(root) if root is not None else []
+    where = f"the store {root}" if root is not None else "the store (it is off)"
+    listing = ", ".join(known) if known else "none"
+    raise RunFormatError(f"no run named {text!r} in {where} and no such folder; known runs: {listing}")
