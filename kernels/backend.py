@@ -3,8 +3,8 @@
 Three backends, chosen per call from the tensors' device and the environment:
 
 - ``"triton"``:      compiled Triton, when the tensors live on a CUDA device.
-- ``"interpreter"``: Triton's interpreter, when the tensors are on the CPU and
-  ``TRITON_INTERPRET=1`` is set (exact but thousands of times slower than torch: for tests).
+- ``"interpreter"``: Triton's interpreter, when ``TRITON_INTERPRET=1`` was set before triton
+  was imported (exact but thousands of times slower than torch: for tests and CPU machines).
 - ``"reference"``:   the plain torch implementation in ``reference.py``, otherwise. A notice
   (``warnings.warn``, once per reason) says why, so a CPU user never meets Triton's
   "0 active drivers" error, and a user without triton is told ``pip install tpkit[triton]``.
@@ -12,9 +12,12 @@ Three backends, chosen per call from the tensors' device and the environment:
 ``TPKIT_KERNELS=reference`` (or :func:`force_backend`) forces the reference path, which is
 what an A/B run's "off" arm and the tests' expected values use.
 
-Kernels are jitted lazily (:class:`LazyKernel`): Triton decides between compiling and
-interpreting when ``triton.jit`` runs, so jitting at first launch makes ``TRITON_INTERPRET``
-effective whenever it is set, not only if it was set before ``import tpkit.kernels``.
+Why "before triton was imported": triton.language jits its own helpers (``tl.sigmoid``,
+``tl.cdiv``, ...) at import, compiled or interpreted per ``TRITON_INTERPRET`` at that moment,
+and a kernel of the other mode cannot call them ("Cannot call @triton.jit'd outside of the
+scope of a kernel"). :func:`triton_mode` probes that mode from the helpers themselves, and
+kernels are jitted lazily in that same mode (:class:`LazyKernel`), whatever the environment
+says later; setting the variable too late gets the reference path and a notice saying so.
 """
 
 from __future__ import annotations
@@ -59,8 +62,17 @@ def triton_available() -> bool:
 
 
 def interpret_requested() -> bool:
-    """True when ``TRITON_INTERPRET`` is set to a true value, as Triton reads it."""
+    """True when ``TRITON_INTERPRET`` is set to a true value now, as Triton reads it."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_mode() -> str | None:
+    """"interpreted" or "compiled": the mode triton.language was imported in (probed from its
+    own jitted helper ``tl.sigmoid``); None without triton."""
+    if tl is None:
+        return None
+    helper = getattr(tl, "sigmoid", None)
+    return "interpreted" if type(helper).__name__ == "InterpretedFunction" else "compiled"
 
 
 def select_backend(*tensors: torch.Tensor) -> str:
@@ -75,11 +87,19 @@ def select_backend(*tensors: torch.Tensor) -> str:
             f"reference implementations. To run the Triton kernels: {INSTALL_HINT}",
         )
         return "reference"
-    on_cuda = any(t.is_cuda for t in tensors)
-    if interpret_requested() and not on_cuda:
-        return "interpreter"
-    if on_cuda:
+    if triton_mode() == "interpreted":
+        return "interpreter"  # on any device: Triton's interpreter copies CUDA tensors itself
+    if any(t.is_cuda for t in tensors):
         return "triton"
+    if interpret_requested():
+        _notice(
+            "late-interpret",
+            "tpkit.kernels: TRITON_INTERPRET=1 was set after triton was imported, so Triton's "
+            "interpreter is not active; using the torch reference implementations. Set it "
+            "before importing tpkit or triton (e.g. restart the notebook kernel, then "
+            "`%env TRITON_INTERPRET=1` first).",
+        )
+        return "reference"
     _notice(
         "no-gpu",
         "tpkit.kernels: no GPU for these tensors and TRITON_INTERPRET=1 is not set; using the "
@@ -128,15 +148,40 @@ class LazyKernel:
         self._jitted: dict[bool, Any] = {}
 
     def jitted(self) -> Any:
+        """The jitted kernel, in the mode triton.language itself runs in (see triton_mode)."""
         if triton is None:
             raise ImportError(f"triton is not installed: {INSTALL_HINT}") from TRITON_IMPORT_ERROR
-        mode = interpret_requested()
-        if mode not in self._jitted:
-            self._jitted[mode] = triton.jit(self.fn)  # Triton reads TRITON_INTERPRET here
-        return self._jitted[mode]
+        interpreted = triton_mode() == "interpreted"
+        if interpreted not in self._jitted:
+            with _mode_scope(interpreted):
+                self._jitted[interpreted] = triton.jit(self.fn)
+        return self._jitted[interpreted]
 
-    def __getitem__(self, grid: Any) -> Any:
-        return self.jitted()[grid]
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        kernel = self.jitted()
+        interpreted = triton_mode() == "interpreted"
+
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            with _mode_scope(interpreted):  # Triton re-reads the mode while launching
+                return kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _mode_scope(interpreted: bool) -> contextlib.AbstractContextManager[None]:
+    """Make Triton's interpret knob agree with triton.language's mode for a moment (it and
+    the environment are restored on exit); a no-op when they already agree."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or bool(knobs.runtime.interpret) == interpreted:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpreted
+            yield
+
+    return scope()
 
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:
