@@ -46,6 +46,7 @@ class SliceConfig:
     progress: bool = True
     samples_per_step: int | None = None
     memory: bool = True
+    memory_detail: bool = False  # CUDA: keep the largest allocations alive at the peak, with stacks
     clock_hz: float = 20.0
     knobs: dict[str, Any] = field(default_factory=dict)
 
@@ -215,6 +216,17 @@ def _clock_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 PROBE_FACTORIES.append(_clock_probe)
 
 
+def _memory_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    if not cfg.memory:
+        return None
+    from .probes.memory import MemoryProbe  # imported only when memory is tracked
+
+    return MemoryProbe(rec, detail=cfg.memory_detail)
+
+
+PROBE_FACTORIES.append(_memory_probe)
+
+
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
     from tqdm.auto import tqdm
 
@@ -268,7 +280,7 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
 def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None = None, *,
             stop: bool = True, progress: bool = True, samples_per_step: int | None = None,
             memory: bool = True, clock_hz: float = 20.0, clocks: bool = True,
-            knobs: dict[str, Any] | None = None) -> Profile:
+            knobs: dict[str, Any] | None = None, memory_detail: bool = False) -> Profile:
     """Profile a slice of a training loop::
 
         with tp.profile(steps=20, warmup=3, name="baseline") as prof:
@@ -279,7 +291,7 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
     """
     return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,
                                samples_per_step=samples_per_step, memory=memory,
-                               clock_hz=clock_hz if clocks else 0.0,
+                               memory_detail=memory_detail, clock_hz=clock_hz if clocks else 0.0,
                                knobs=dict(knobs or {})))
 
 
