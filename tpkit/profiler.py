@@ -227,6 +227,15 @@ def _memory_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 PROBE_FACTORIES.append(_memory_probe)
 
 
+def _offload_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    from .offload.probe import offload_probe  # imports neither deepspeed nor the optimizer
+
+    return offload_probe(rec, cfg)
+
+
+PROBE_FACTORIES.append(_offload_probe)
+
+
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
     from tqdm.auto import tqdm
 

@@ -1,0 +1,217 @@
+"""The offload probe: what offloading optimizers and DeepSpeed engines did during a slice.
+
+Installed by the profiler only when ``tpkit.offload`` or ``deepspeed`` is already imported
+(it never imports DeepSpeed itself). Two jobs:
+
+- ``CPUOffloadAdamW``: the exposed part of its step is an ``offload`` span (it records that
+  itself); the background work (copies out, host step, copies back on its worker thread) is
+  not a span, because spans of another thread overlapping backward would steal backward's
+  time in the step breakdown. Its totals over the slice, and how much of it overlapped the
+  rest of the step, go to ``run.meta["offload"]``.
+- DeepSpeed: ``DeepSpeedEngine.step`` is the optimizer phase and ends exactly one step when
+  the engine's ``global_steps`` advances (the wrapped torch optimizer's hooks fire inside it,
+  once per engine step for ZeRO 1-2 and once per sub-group for ZeRO-3, so they cannot be the
+  step boundary); ``DeepSpeedEngine.backward`` is the backward phase (its gradient reduction
+  and host copies included). What the engine holds (ZeRO stage, offload device, optimizer
+  state, fp32 master partitions, gradient partitions) goes to ``run.meta["deepspeed"]``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from ..recorder import Recorder
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a (nested) state container, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            key = x.untyped_storage().data_ptr() if x.numel() else id(x)
+            if key not in seen:
+                seen.add(key)
+                total += x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+def deepspeed_holdings(engine: Any) -> dict[str, Any]:
+    """What a DeepSpeed engine holds, by the categories of ``run.memory``.
+
+    ``optimizer_state_bytes`` is the basic (torch) optimizer's ``state``, e.g. DeepSpeedCPUAdam's
+    exp_avg/exp_avg_sq on the host under offload; ``fp32_master_bytes`` the fp32 partitions
+    the basic optimizer updates (ZeRO counts them as optimizer state too: 12 B/param with
+    Adam); ``gradient_bytes`` the flat gradient partitions ZeRO keeps for the step.
+    """
+    zero = getattr(engine, "optimizer", None)
+    basic = getattr(zero, "optimizer", zero)
+    out: dict[str, Any] = {
+        "engine": type(engine).__name__,
+        "zero_stage": int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0,
+        "zero_optimizer": type(zero).__name__ if zero is not None else None,
+        "basic_optimizer": type(basic).__name__ if basic is not None else None,
+        "world_size": int(getattr(engine, "world_size", 1)),
+        "global_steps": int(getattr(engine, "global_steps", 0)),
+    }
+    try:
+        out["offload_optimizer"] = bool(engine.zero_cpu_offload())
+    except Exception:
+        out["offload_optimizer"] = None
+    state = getattr(basic, "state", {}) if basic is not None else {}
+    out["optimizer_state_bytes"] = tensor_bytes(list(state.values()))
+    devices = sorted({t.device.type for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)})
+    out["optimizer_state_devices"] = devices
+    masters = [p for g in getattr(basic, "param_groups", []) for p in g["params"]] if basic is not None else []
+    model_ids = {id(p) for p in engine.module.parameters()} if hasattr(engine, "module") else set()
+    masters = [p for p in masters if id(p) not in model_ids]  # ZeRO-0: the basic optimizer owns model params
+    out["fp32_master_bytes"] = tensor_bytes(masters)
+    grads = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        for p in getattr(zero, name, None) or []:
+            if isinstance(p, torch.Tensor) and p.grad is not None:
+                grads.append(p.grad)
+    out["gradient_bytes"] = tensor_bytes(grads)
+    out["parameter_bytes"] = tensor_bytes(list(engine.module.parameters())) if hasattr(engine, "module") else 0
+    return out
+
+
+class OffloadProbe:
+    """Per-slice view of offloading optimizers and DeepSpeed engines; see the module doc."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self._start: dict[int, dict[str, int]] = {}
+        self._patched: list[tuple[Any, str, Any]] = []
+        self.engines: dict[int, Any] = {}
+        self.engine_steps = 0
+
+    def install(self) -> "OffloadProbe":
+        adamw = sys.modules.get("tpkit.offload.adamw")
+        if adamw is not None:
+            self._start = {id(o): dict(o.counters) for o in adamw.live_optimizers()}
+        if not self._patch_deepspeed():
+            # deepspeed may be imported inside the profiled cell: look again at each phase
+            # start until it is (a dict lookup), so engine.step is wrapped before it runs
+            self.rec.phase_listeners.append(self._late_patch)
+        return self
+
+    def _patch_deepspeed(self) -> bool:
+        engine_mod = sys.modules.get("deepspeed.runtime.engine")
+        if engine_mod is None or not hasattr(engine_mod, "DeepSpeedEngine"):
+            return False
+        cls = engine_mod.DeepSpeedEngine
+        self._patch(cls, "step", self._wrap_step(cls.step))
+        self._patch(cls, "backward", self._wrap_backward(cls.backward))
+        return True
+
+    def _late_patch(self, phase: str, event: str, raw_step: int) -> None:
+        # not removed from the list here: the Recorder is iterating over it
+        if event == "enter" and not self._patched:
+            self._patch_deepspeed()
+
+    def remove(self) -> None:
+        if self._late_patch in self.rec.phase_listeners:
+            self.rec.phase_listeners.remove(self._late_patch)
+        while self._patched:
+            owner, attr, orig = self._patched.pop()
+            if orig is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
+
+    def _patch(self, owner: type, attr: str, new: Any) -> None:
+        self._patched.append((owner, attr, owner.__dict__.get(attr)))
+        setattr(owner, attr, new)
+
+    # -- DeepSpeed --------------------------------------------------------------------------
+    def _wrap_step(self, fn: Any) -> Any:
+        rec, probe = self.rec, self
+
+        def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != rec.thread_id:
+                return fn(engine, *args, **kwargs)
+            rec.explicit_steps = True  # the engine ends steps, not the optimizers inside it
+            probe.engines[id(engine)] = engine
+            before = getattr(engine, "global_steps", None)
+            token = rec.enter("optimizer", "DeepSpeedEngine.step")
+            try:
+                out = fn(engine, *args, **kwargs)
+            finally:
+                rec.exit(token)
+            if before is None or getattr(engine, "global_steps", before) != before:
+                probe.engine_steps += 1
+                rec.end_step()  # may raise StopSlice: the optimizer step is complete
+            return out
+
+        step.__wrapped__ = fn  # type: ignore[attr-defined]
+        return step
+
+    def _wrap_backward(self, fn: Any) -> Any:
+        rec = self.rec
+
+        def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != rec.thread_id:
+                return fn(engine, loss, *args, **kwargs)
+            token = rec.enter("backward", "DeepSpeedEngine.backward")
+            try:
+                return fn(engine, loss, *args, **kwargs)
+            finally:
+                rec.exit(token)
+
+        backward.__wrapped__ = fn  # type: ignore[attr-defined]
+        return backward
+
+    # -- the Run's meta ---------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        adamw = sys.modules.get("tpkit.offload.adamw")
+        # optimizers made inside the slice count from their construction
+        opts = [o for o in adamw.live_optimizers() if o.counters["steps"] > self._start.get(id(o), {}).get("steps", 0)
+                ] if adamw is not None else []
+        if opts:
+            tot = dict.fromkeys(("copy_out_ns", "host_step_ns", "copy_back_ns", "exposed_ns", "steps", "grads"), 0)
+            for o in opts:
+                for k in tot:
+                    tot[k] += o.counters[k] - self._start[id(o)].get(k, 0)
+            work_s = (tot["copy_out_ns"] + tot["host_step_ns"] + tot["copy_back_ns"]) / 1e9
+            exposed_s = tot["exposed_ns"] / 1e9
+            overlapped_s = max(0.0, work_s - exposed_s)
+            first = opts[0].describe()
+            out["offload"] = {
+                **first,
+                "optimizers": len(opts),
+                "steps": tot["steps"],
+                "copy_out_s": tot["copy_out_ns"] / 1e9,
+                "host_step_s": tot["host_step_ns"] / 1e9,
+                "copy_back_s": tot["copy_back_ns"] / 1e9,
+                "work_s": work_s,
+                "exposed_s": exposed_s,
+                "overlapped_s": overlapped_s,
+                "overlap_share": overlapped_s / work_s if work_s > 0 else 0.0,
+                "host_step_per_step_s": tot["host_step_ns"] / 1e9 / max(1, tot["steps"]),
+                "pinned_bytes": sum(o.pinned_bytes for o in opts),
+                "host_state_bytes": sum(o.host_state_bytes() for o in opts),
+                "torch_threads": torch.get_num_threads(),
+            }
+        if self.engines:
+            engine = next(iter(self.engines.values()))
+            out["deepspeed"] = {**deepspeed_holdings(engine), "engine_steps": self.engine_steps,
+                                "engines": len(self.engines)}
+        return out
+
+
+def offload_probe(rec: Recorder, cfg: Any) -> OffloadProbe | None:
+    """Factory for ``tpkit.profiler.PROBE_FACTORIES``. Always installed: it costs a dict lookup
+    per phase until DeepSpeed shows up, and imports nothing."""
+    return OffloadProbe(rec)
