@@ -157,3 +157,14 @@ def test_gc_and_end_of_iteration_leave_nothing_behind():
 def test_len_matches_torch():
     for kw in (dict(batch_size=4), dict(batch_size=4, drop_last=True), dict(batch_size=None)):
         assert len(Loader(Mixed(), **kw)) == len(DataLoader(Mixed(), **kw))
+
+
+def test_state_saved_between_epochs_resumes_the_next_epoch():
+    ref = Loader(Mixed(20), batch_size=4, shuffle=True, seed=9, num_workers=2)
+    epochs = [as_lists(list(ref)) for _ in range(2)]
+    loader = Loader(Mixed(20), batch_size=4, shuffle=True, seed=9, num_workers=2)
+    assert as_lists(list(loader)) == epochs[0]
+    state = loader.state_dict()
+    again = Loader(Mixed(20), batch_size=4, shuffle=True, seed=9, num_workers=2)
+    again.load_state_dict(state)
+    assert as_lists(list(again)) == epochs[1]

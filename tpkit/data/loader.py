@@ -11,6 +11,7 @@ batches in the same order, and so do random transforms that use torch's RNG.
 from __future__ import annotations
 
 import os
+import weakref
 from time import perf_counter
 from collections.abc import Iterable
 from typing import Any, Callable, Iterator
@@ -111,7 +112,7 @@ class Loader:
         self._epoch = 0
         self._pool: ProcessPool | None = None
         self._resume: dict | None = None
-        self._iter: _LoaderIter | None = None
+        self._iter: weakref.ref | None = None
         self.base_seed: int | None = None
 
     # -- argument checks that say what to do ----------------------------------------------------
@@ -167,11 +168,13 @@ class Loader:
     def __iter__(self) -> "_LoaderIter":
         if self.num_workers == "auto":
             self.autotune()
-        if self._iter is not None:
-            self._iter._detach()
+        old = self._iter() if self._iter is not None else None
+        if old is not None:
+            old._detach()
         resume, self._resume = self._resume, None
-        self._iter = _LoaderIter(self, resume)
-        return self._iter
+        it = _LoaderIter(self, resume)
+        self._iter = weakref.ref(it)  # no cycle: dropping loader and iterator frees workers at once
+        return it
 
     def _start_epoch(self, resume: dict | None) -> tuple[Iterator | None, int, dict]:
         """Fix this epoch's randomness; returns (task iterator, batches to skip, epoch plan)."""
@@ -182,7 +185,7 @@ class Loader:
             skip = resume["batches_done"]
         else:
             self._epoch += 1
-            fresh_workers = self._pool is None or not self.persistent_workers
+            fresh_workers = not self.persistent_workers or (self._pool is None and self._epoch == 1)
             base_seed = (int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
                          if fresh_workers or self.base_seed is None else self.base_seed)
             rng_state = None
@@ -227,8 +230,9 @@ class Loader:
     def close(self) -> None:
         """Stop the workers now (they also stop at the end of an epoch unless persistent,
         and when the loader is garbage-collected)."""
-        if self._iter is not None:
-            self._iter._detach()
+        it = self._iter() if self._iter is not None else None
+        if it is not None:
+            it._detach()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -242,10 +246,11 @@ class Loader:
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Where the loader is: resuming from it yields exactly the batches not yet handed out."""
-        it = self._iter
+        it = self._iter() if self._iter is not None else None
         if it is None or it.finished:
             return {"version": STATE_VERSION, "epoch": self._epoch, "batches_done": 0,
-                    "base_seed": None, "sampler_rng_state": None, "fresh_epoch": True,
+                    "base_seed": self.base_seed, "sampler_rng_state": None, "fresh_epoch": True,
+                    "generator_state": self.generator.get_state() if self.generator is not None else None,
                     "worker_batches": None, "next_worker": 0, "num_workers": self._workers_int()}
         return {"version": STATE_VERSION, **it.plan, "batches_done": it.batches_done,
                 "fresh_epoch": False, "worker_batches": list(it.worker_batches),
@@ -256,9 +261,13 @@ class Loader:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
         self.close()
-        if state["fresh_epoch"]:
+        if state["fresh_epoch"]:  # between epochs: the next one draws what it would have drawn
             self._epoch = state["epoch"]
             self._resume = None
+            if state.get("generator_state") is not None and self.generator is not None:
+                self.generator.set_state(state["generator_state"])
+            if self.persistent_workers:
+                self.base_seed = state["base_seed"]
             return
         if self.iterable and state["num_workers"] != self._workers_int():
             raise ValueError(f"this iterable-dataset state was saved with num_workers="
