@@ -183,8 +183,10 @@ def _clock_rows(clocks: dict) -> list[tuple]:
     return rows
 
 
-def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None) -> Summary:
-    """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did."""
+def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None,
+              memory: pd.DataFrame | None = None) -> Summary:
+    """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did,
+    with ``memory`` (``run.memory``) it notes memory that keeps growing from step to step."""
     m = measured(steps)
     shares = phase_shares(m)
     total = float(m["duration_s"].sum()) if not m.empty else 0.0
@@ -211,6 +213,10 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         cs = clock_summary(clocks, steps)
         if cs is not None:
             out.clocks, out.clock_lines = cs.to_dict(), cs.lines()
+    if memory is not None and not memory.empty:
+        from .memory_analysis import memory_notes
+
+        out.notes += [n for n in memory_notes(memory) if n not in out.notes]
     return out
 
 

@@ -149,7 +149,14 @@ class Run:
         return analysis.measured(self.steps)
 
     def summary(self) -> analysis.Summary:
-        return analysis.summarize(self.steps, self.meta)
+        return analysis.summarize(self.steps, self.meta, memory=self.memory)
+
+    def memory_peak(self, device: str | None = None) -> pd.DataFrame:
+        """What was alive at the memory peak: one row per (device, category) with ``bytes``, and
+        the ``step`` and ``phase`` of the peak (see ``tpkit.memory_analysis.memory_peak``)."""
+        from .memory_analysis import memory_peak
+
+        return memory_peak(self.memory, device)
 
     def __repr__(self) -> str:
         s = self.summary()

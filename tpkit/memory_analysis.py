@@ -1,0 +1,216 @@
+"""Memory analysis: pure functions over ``run.memory`` (columns in DESIGN.md).
+
+Rows come in groups: one group per (boundary, device) with one row per category. Every
+function here takes the long frame (or a hand-made one with the same columns) and returns
+frames or small dicts, in bytes. Nothing measures, nothing draws.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "data", "other")
+_GROUP = ["step", "t_s", "phase", "event", "device"]
+
+#: Growth rule: over at least LEAK_MIN_STEPS measured steps, the end-of-step level rose in at
+#: least LEAK_RISING_SHARE of step-to-step transitions, never fell by more than it rose, and
+#: grew by at least LEAK_MIN_BYTES in all (or LEAK_MIN_SHARE of the first level).
+LEAK_MIN_STEPS = 3
+LEAK_RISING_SHARE = 0.75
+LEAK_MIN_BYTES = 1 << 20
+LEAK_MIN_SHARE = 0.05
+
+
+def wide(memory: pd.DataFrame, events: tuple[str, ...] = ("enter", "exit")) -> pd.DataFrame:
+    """One row per (boundary, device): ``step, t_s, phase, event, device``, one column per
+    category (bytes) and ``total_bytes``, in time order."""
+    m = memory[memory["event"].isin(events)] if not memory.empty else memory
+    cols = [*_GROUP, *CATEGORIES, "total_bytes"]
+    if m.empty:
+        return pd.DataFrame(columns=cols)
+    w = m.pivot_table(index=_GROUP, columns="category", values="bytes", aggfunc="sum", fill_value=0)
+    for c in CATEGORIES:
+        if c not in w.columns:
+            w[c] = 0
+    w = w[list(CATEGORIES)].astype("int64").reset_index()
+    w["total_bytes"] = w[list(CATEGORIES)].sum(axis=1)
+    order = {"enter": 0, "exit": 1, "peak": 2}
+    w = w.assign(_o=w["event"].map(order)).sort_values(["t_s", "_o"], kind="stable").drop(columns="_o")
+    return w.reset_index(drop=True)[cols]
+
+
+def main_device(memory: pd.DataFrame) -> str | None:
+    """The device whose memory matters most: the one with the highest total at any boundary."""
+    w = wide(memory, ("enter", "exit", "peak"))
+    if w.empty:
+        return None
+    return str(w.groupby("device")["total_bytes"].max().idxmax())
+
+
+def memory_peak(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """What was alive at the peak: one row per (device, category) with ``bytes`` and the
+    ``step`` and ``phase`` of the peak (``total_bytes`` repeated on each row for convenience)."""
+    w = wide(memory, ("enter", "exit", "peak"))
+    cols = ["device", "step", "phase", "category", "bytes", "total_bytes"]
+    if device is not None:
+        w = w[w["device"] == device]
+    if w.empty:
+        return pd.DataFrame(columns=cols)
+    out = []
+    for dev, g in w.groupby("device", sort=True):
+        top = g.loc[g["total_bytes"].idxmax()]
+        for c in CATEGORIES:
+            out.append((dev, int(top["step"]), top["phase"], c, int(top[c]), int(top["total_bytes"])))
+    return pd.DataFrame(out, columns=cols)
+
+
+def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFrame:
+    """The waterfall of one step on one device.
+
+    The first bar (``phase == "step start"``) is the level at the step's first boundary,
+    stacked by category from zero. Each later bar is the stretch between two boundaries,
+    labelled with the innermost phase open during it ("between" when none is), and holds one
+    row per category that changed: ``delta_bytes`` drawn from ``y0_bytes`` to ``y1_bytes``
+    (rises stack up from the previous running total, falls hang down from the top of the
+    rises). ``total_bytes`` is the running total after the bar. Stretches where nothing changed
+    are left out. Columns: ``order, phase, category, delta_bytes, y0_bytes, y1_bytes,
+    total_bytes``.
+    """
+    cols = ["order", "phase", "category", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes"]
+    w = wide(memory)
+    w = w[(w["step"] == step) & (w["device"] == device)]
+    if w.empty:
+        return pd.DataFrame(columns=cols)
+    rows: list[tuple] = []
+    first = w.iloc[0]
+    y = 0
+    start_total = int(first["total_bytes"])
+    for c in CATEGORIES:
+        if first[c]:
+            rows.append((0, "step start", c, int(first[c]), y, y + int(first[c]), start_total))
+            y += int(first[c])
+    stack: list[str] = []
+    prev = first
+    order = 1
+    _walk(stack, first)
+    for _, b in w.iloc[1:].iterrows():
+        label = stack[-1] if stack else "between"
+        deltas = [(c, int(b[c]) - int(prev[c])) for c in CATEGORIES]
+        total_before, total_after = int(prev["total_bytes"]), int(b["total_bytes"])
+        if any(d for _, d in deltas):
+            y = total_before
+            for c, d in deltas:
+                if d > 0:
+                    rows.append((order, label, c, d, y, y + d, total_after))
+                    y += d
+            for c, d in deltas:
+                if d < 0:
+                    rows.append((order, label, c, d, y + d, y, total_after))
+                    y += d
+            order += 1
+        _walk(stack, b)
+        prev = b
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _walk(stack: list[str], boundary: Any) -> None:
+    if boundary["event"] == "enter":
+        stack.append(str(boundary["phase"]))
+    elif stack:
+        if boundary["phase"] in stack:
+            while stack and stack.pop() != boundary["phase"]:
+                pass
+
+
+def step_peak(memory: pd.DataFrame, step: int, device: str = "cpu") -> dict[str, Any]:
+    """The highest level within one step on one device: ``{"total_bytes", "phase", "by_category"}``
+    (empty dict when the step has no rows)."""
+    w = wide(memory, ("enter", "exit", "peak"))
+    w = w[(w["step"] == step) & (w["device"] == device)]
+    if w.empty:
+        return {}
+    top = w.loc[w["total_bytes"].idxmax()]
+    return {"total_bytes": int(top["total_bytes"]), "phase": str(top["phase"]),
+            "by_category": {c: int(top[c]) for c in CATEGORIES}}
+
+
+def across_steps(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """Memory by category at the end of every step (its last boundary), with the step's peak:
+    one row per (device, step, category): ``device, step, category, bytes, total_bytes,
+    peak_bytes``."""
+    cols = ["device", "step", "category", "bytes", "total_bytes", "peak_bytes"]
+    w = wide(memory, ("enter", "exit", "peak"))
+    if device is not None:
+        w = w[w["device"] == device]
+    if w.empty:
+        return pd.DataFrame(columns=cols)
+    levels = w[w["event"] != "peak"]
+    last = levels.groupby(["device", "step"], sort=True).tail(1).set_index(["device", "step"])
+    peak = w.groupby(["device", "step"])["total_bytes"].max()
+    rows = [(dev, int(step), c, int(r[c]), int(r["total_bytes"]), int(peak.loc[(dev, step)]))
+            for (dev, step), r in last.iterrows() for c in CATEGORIES]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def growth(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
+    """Step-to-step growth of the end-of-step level over measured steps, per device: ``device,
+    steps, first_bytes, last_bytes, growth_bytes, per_step_bytes, rising_share, top_category,
+    leak`` (``leak`` is the growth rule above)."""
+    cols = ["device", "steps", "first_bytes", "last_bytes", "growth_bytes", "per_step_bytes",
+            "rising_share", "top_category", "leak"]
+    a = across_steps(memory, device)
+    a = a[a["step"] >= 0] if not a.empty else a
+    out = []
+    for dev, g in a.groupby("device", sort=True):
+        totals = g.groupby("step")["total_bytes"].first().sort_index()
+        n = len(totals)
+        if n < 2:
+            continue
+        diffs = np.diff(totals.to_numpy())
+        first, last = int(totals.iloc[0]), int(totals.iloc[-1])
+        grew = last - first
+        by_cat = g.pivot_table(index="step", columns="category", values="bytes", aggfunc="sum").sort_index()
+        top = str((by_cat.iloc[-1] - by_cat.iloc[0]).idxmax())
+        rising = float((diffs > 0).mean())
+        leak = bool(n >= LEAK_MIN_STEPS and rising >= LEAK_RISING_SHARE
+                    and -diffs[diffs < 0].sum() <= diffs[diffs > 0].sum() * 0.5
+                    and (grew >= LEAK_MIN_BYTES or grew >= LEAK_MIN_SHARE * max(first, 1)))
+        out.append((dev, n, first, last, grew, grew / (n - 1), rising, top, leak))
+    return pd.DataFrame(out, columns=cols)
+
+
+def headroom(memory: pd.DataFrame, meta: dict) -> pd.DataFrame:
+    """Peak against capacity per device: ``device, peak_bytes, capacity_bytes, headroom_bytes,
+    peak_share`` (capacity from ``meta["memory"]["capacity_bytes"]``; NaN when unknown)."""
+    cap = ((meta or {}).get("memory") or {}).get("capacity_bytes") or {}
+    p = memory_peak(memory)
+    rows = []
+    for dev, g in p.groupby("device", sort=True):
+        peak = int(g["total_bytes"].iloc[0])
+        c = cap.get(dev)
+        rows.append((dev, peak, float(c) if c else np.nan, float(c) - peak if c else np.nan,
+                     peak / float(c) if c else np.nan))
+    return pd.DataFrame(rows, columns=["device", "peak_bytes", "capacity_bytes", "headroom_bytes", "peak_share"])
+
+
+def memory_notes(memory: pd.DataFrame) -> list[str]:
+    """Summary notes: memory that keeps growing from step to step."""
+    notes = []
+    g = growth(memory)
+    for r in g[g["leak"]].itertuples(index=False) if not g.empty else []:
+        notes.append(f"memory on {r.device} grew by {fmt_bytes(r.growth_bytes)} over {r.steps} steps "
+                     f"(+{fmt_bytes(r.per_step_bytes)} per step, mostly {r.top_category}): a leak, or a "
+                     "cache that never settles (a list keeping outputs or losses with their graph?)")
+    return notes
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
