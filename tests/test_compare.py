@@ -1,0 +1,191 @@
+"""Comparison statistics on hand-made Runs with exact numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tpkit import compare as cmp
+from tpkit.run import Run, _frame
+
+
+def make_run(name: str, durations, samples: int = 10, warmup: int = 0, data_share: float = 0.25, loss=None,
+             memory=None, clocks=None, **meta) -> Run:
+    d = np.asarray(durations, dtype="float64")
+    n = len(d)
+    steps = _frame("steps", {
+        "step": np.arange(n) - warmup, "warmup": np.arange(n) < warmup, "start_s": np.cumsum(d) - d,
+        "end_s": np.cumsum(d), "duration_s": d, "samples": [samples] * n, "data_wait_s": d * data_share,
+        "h2d_s": 0.0, "forward_s": d * (1 - data_share) / 2, "backward_s": d * (1 - data_share) / 2,
+        "optimizer_s": 0.0, "offload_s": 0.0, "other_s": 0.0, "throughput": samples / d,
+        "loss": loss if loss is not None else np.linspace(2.0, 1.0, n),
+    })
+    return Run(steps=steps, memory=memory, clocks=clocks, meta={"name": name, **meta})
+
+
+def row(c, metric, run):
+    t = c.table
+    return t[(t["metric"] == metric) & (t["run"] == run)].iloc[0]
+
+
+def test_bootstrap_ci_matches_the_documented_procedure():
+    x = np.array([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0])
+    rng = np.random.default_rng(7)
+    idx = rng.integers(0, len(x), size=(500, len(x)))
+    want = np.percentile(np.median(x[idx], axis=1), [2.5, 97.5])
+    assert cmp.bootstrap_ci(x, "median", n=500, seed=7) == (want[0], want[1])
+    assert cmp.bootstrap_ci(x, lambda a: np.median(a, axis=1), 500, 7) == (want[0], want[1])
+    assert cmp.bootstrap_ci(x, "median", n=500, seed=8) != (want[0], want[1])  # the seed matters
+
+
+def test_bootstrap_ci_chunking_does_not_change_the_answer(monkeypatch):
+    x = np.arange(50, dtype="float64") ** 1.5
+    whole = cmp.bootstrap_ci(x, "mean", n=300, seed=1)
+    monkeypatch.setattr(cmp, "_CHUNK_ELEMENTS", 120)  # 2 resamples per chunk
+    assert cmp.bootstrap_ci(x, "mean", n=300, seed=1) == pytest.approx(whole, rel=1e-12)
+
+
+def test_bootstrap_ci_of_the_mean_has_the_normal_width():
+    x = np.random.default_rng(0).normal(10.0, 2.0, size=400)
+    lo, hi = cmp.bootstrap_ci(x, "mean", n=4000, seed=0)
+    half = 1.96 * x.std(ddof=1) / np.sqrt(len(x))  # 0.196 for sd 2
+    assert lo < x.mean() < hi
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
+
+
+def test_bootstrap_ci_edge_cases():
+    assert all(np.isnan(cmp.bootstrap_ci([], "median")))
+    assert cmp.bootstrap_ci([4.0], "median") == (4.0, 4.0)
+    assert cmp.bootstrap_ci([2.0] * 10, "median") == (2.0, 2.0)
+    with pytest.raises(ValueError):
+        cmp.bootstrap_ci([1.0, 2.0], "mode")
+
+
+def test_ratio_bootstrap_keeps_steps_together():
+    # every step has samples / duration == 100: every resample gives exactly 100
+    pairs = np.array([[10, 0.1], [20, 0.2], [5, 0.05]])
+    assert cmp.bootstrap_ci(pairs, cmp.ratio_of_sums, n=200, seed=0) == pytest.approx((100.0, 100.0))
+
+
+def test_overlapping_runs_are_no_significant_difference():
+    noise = [0.100, 0.104, 0.096, 0.102, 0.098, 0.101, 0.099, 0.103, 0.097, 0.100]
+    a = make_run("a", noise)
+    b = make_run("b", [x + 0.001 for x in noise])
+    c = cmp.compare(a, b)
+    r = row(c, "step_time_p50", "b")
+    assert r["value"] == pytest.approx(101.0) and r["delta"] == pytest.approx(1.0)
+    assert r["delta_pct"] == pytest.approx(1.0 / 100.0 * 100)
+    assert r["ci_low"] <= row(c, "step_time_p50", "a")["ci_high"]
+    assert r["significant"] == cmp.NO_DIFFERENCE
+    assert row(c, "step_time_p50", "a")["significant"] == cmp.BASELINE
+    assert row(c, "throughput", "b")["significant"] == cmp.NO_DIFFERENCE
+
+
+def test_separated_runs_are_significant_with_direction():
+    noise = np.array([0.100, 0.104, 0.096, 0.102, 0.098, 0.101, 0.099, 0.103, 0.097, 0.100])
+    c = cmp.compare(make_run("slow", noise), make_run("fast", noise / 2))
+    st = row(c, "step_time_p50", "fast")
+    assert st["value"] == pytest.approx(50.0) and st["delta_pct"] == pytest.approx(-50.0)
+    assert st["significant"] == cmp.SIGNIFICANT and st["direction"] == "better"
+    assert st["ci_high"] < row(c, "step_time_p50", "slow")["ci_low"]
+    thr = row(c, "throughput", "fast")
+    assert thr["value"] == pytest.approx(10 * 10 / noise.sum() * 2)
+    assert thr["delta_pct"] == pytest.approx(100.0)
+    assert thr["significant"] == cmp.SIGNIFICANT and thr["direction"] == "better"
+    # the same share of data wait in both: the intervals coincide
+    assert row(c, "data_stall_share", "fast")["value"] == pytest.approx(25.0)
+    assert row(c, "data_stall_share", "fast")["significant"] == cmp.NO_DIFFERENCE
+
+
+def test_values_exclude_warmup_and_cover_loss_memory_energy():
+    mem = _frame("memory", [
+        (0, "forward", "enter", 0.1, "cpu", "parameters", 1000),
+        (0, "forward", "enter", 0.1, "cpu", "activations", 0),
+        (0, "forward", "peak", 0.2, "cpu", "parameters", 1000),
+        (0, "forward", "peak", 0.2, "cpu", "activations", 3 * cmp.MIB),
+        (0, "backward", "exit", 0.3, "cpu", "activations", 9 * cmp.MIB),  # not a peak row: ignored
+        (0, "backward", "exit", 0.3, "cpu", "gradients", 2 * cmp.MIB),      # no peak rows: max of all
+    ])
+    clocks = _frame("clocks", [(t, "cuda:0", "energy_j", 100.0 + 50.0 * t) for t in np.arange(0.0, 5.01, 0.05)])
+    run = make_run("a", [5.0, 1.0, 1.0, 2.0], warmup=1, loss=[9.0, 3.0, 2.0, 1.5], memory=mem, clocks=clocks)
+    c = cmp.compare(run)
+    assert row(c, "step_time_p50", "a")["value"] == pytest.approx(1000.0)   # warmup 5 s left out
+    assert row(c, "throughput", "a")["value"] == pytest.approx(30 / 4.0)
+    assert row(c, "loss_final", "a")["value"] == 1.5
+    assert row(c, "peak_memory_activations", "a")["value"] == pytest.approx(3.0)
+    assert row(c, "peak_memory_gradients", "a")["value"] == pytest.approx(2.0)
+    assert row(c, "peak_memory_parameters", "a")["value"] == pytest.approx(1000 / cmp.MIB)
+    assert row(c, "peak_memory_total", "a")["value"] == pytest.approx(9.0 + 2.0)  # the exit boundary
+    # the energy counter climbs 50 J/s; measured steps last 4 s (5.0 .. 9.0) but the counter
+    # stops at 5.0 s, so only the first measured step is covered... use a counter over all:
+    clocks = _frame("clocks", [(t, "cuda:0", "energy_j", 100.0 + 50.0 * t) for t in np.arange(0.0, 9.01, 0.05)])
+    run = make_run("b", [5.0, 1.0, 1.0, 2.0], warmup=1, clocks=clocks)
+    assert row(cmp.compare(run), "energy_per_sample[cuda:0]", "b")["value"] == pytest.approx(50.0 * 4 / 30)
+
+
+def test_warnings_for_models_steps_incomplete_and_devices():
+    a = make_run("a", [0.1] * 5, model={"class": "Net", "parameters": 1000}, devices=["cpu: x"])
+    b = make_run("a", [0.1] * 3, model={"class": "Net", "parameters": 2000}, devices=["cuda:0: y"],
+                 complete=False, error="RuntimeError: boom")
+    c = cmp.compare(a, b)
+    assert c.labels == ["a", "a#2"]
+    text = "\n".join(c.warnings)
+    assert "different models" in text and "2,000 parameters" in text
+    assert "different numbers of measured steps (a: 5, a#2: 3)" in text
+    assert "'a#2' is incomplete (RuntimeError: boom)" in text
+    assert "different devices" in text
+    out = c.to_text()
+    assert "WARNING: different models" in out
+    bundle = c._repr_mimebundle_()
+    assert "&#9888;" in bundle["text/html"] and "different models" in bundle["text/html"]
+
+
+def test_like_for_like_runs_have_no_warnings():
+    a = make_run("a", [0.1] * 4, model={"class": "Net", "parameters": 1000})
+    b = make_run("b", [0.2] * 4, model={"class": "Net", "parameters": 1000})
+    assert cmp.compare(a, b).warnings == []
+
+
+def test_single_step_run_warns_and_is_not_tested():
+    c = cmp.compare(make_run("a", [0.1, 0.1, 0.1]), make_run("b", [0.2]))
+    assert any("'b' has 1 measured step" in w for w in c.warnings)
+    r = row(c, "step_time_p50", "b")
+    assert r["ci_low"] == r["ci_high"] == pytest.approx(200.0)
+
+
+def test_chart_frames_and_text():
+    a = make_run("a", [0.1, 0.2], data_share=0.5)
+    b = make_run("b", [0.1, 0.1], data_share=0.0)
+    c = cmp.compare(a, b)
+    assert list(c.steps.columns) == ["run", "step", "warmup", "duration_ms"]
+    assert c.steps["duration_ms"].tolist() == pytest.approx([100.0, 200.0, 100.0, 100.0])
+    ph = c.phases.set_index(["run", "phase"])
+    assert set(c.phases["phase"]) == {"data_wait", "forward", "backward"}  # unused phases left out
+    assert ph.loc[("a", "data_wait"), "median_ms"] == pytest.approx(75.0)
+    assert ph.loc[("b", "forward"), "share"] == pytest.approx(0.5)
+    wide = c.wide()
+    assert list(wide.columns) == ["a", "b"]
+    assert "step_time_p50 (ms)" in c.to_text()
+    assert isinstance(c.table, pd.DataFrame) and list(c.table.columns) == list(cmp.TABLE_COLUMNS)
+
+
+def test_compare_loads_store_names(tmp_path, monkeypatch):
+    from tpkit import store
+
+    monkeypatch.setenv("TPKIT_RUNS", str(tmp_path))
+    monkeypatch.setattr(store, "_configured", [store._UNSET])
+    store.save(make_run("base", [0.1, 0.1]))
+    store.save(make_run("base", [0.2, 0.2]))
+    c = cmp.compare("base", "base-2")
+    assert c.labels == ["base", "base-2"]
+    assert row(c, "step_time_p50", "base-2")["delta"] == pytest.approx(100.0)
+
+
+def test_idle_phase_shares_are_left_out_but_data_stall_stays():
+    c = cmp.compare(make_run("a", [0.1, 0.1], data_share=0.0), make_run("b", [0.1, 0.1], data_share=0.0))
+    metrics = set(c.table["metric"])
+    assert {"data_stall_share", "forward_share", "backward_share"} <= metrics
+    assert not metrics & {"h2d_share", "optimizer_share", "offload_share", "other_share"}
+    assert "significant (better)" in cmp.compare(make_run("a", [0.2, 0.21, 0.19]),
+                                                 make_run("b", [0.1, 0.11, 0.09])).to_text()

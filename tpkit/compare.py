@@ -1,0 +1,373 @@
+"""Run-to-run comparison with honest statistics: pure functions over Runs' frames.
+
+``compare(a, b, ...)`` gives one row per (metric, run) with the value, a bootstrap 95%
+confidence interval where the metric comes from per-step numbers, the change against the
+first run, and whether the intervals overlap. Overlapping intervals read "no significant
+difference": the conservative reading (two intervals can overlap a little while a proper
+test would still find a difference), which is the right way to err when a user is deciding
+whether a knob helped.
+
+Conventions, chosen once:
+
+- Statistics use the measured steps only (warmup excluded).
+- Ratio metrics (throughput, phase shares) are ratios of totals, ``sum(samples) /
+  sum(duration_s)``, and are bootstrapped by resampling whole steps, so a step's samples and
+  its duration stay together.
+- The bootstrap is the percentile bootstrap, seeded, numpy only: results are reproducible.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+import numpy as np
+import pandas as pd
+
+from . import analysis
+
+if TYPE_CHECKING:
+    from .run import Run
+
+Stat = Union[str, Callable[[np.ndarray], np.ndarray]]
+
+BOOTSTRAP_N = 2000
+BOOTSTRAP_SEED = 0
+CI_LEVEL = 0.95
+MIB = 1024 * 1024
+#: Resampled elements held in memory at once by ``bootstrap_ci`` (keeps 10k-step runs cheap).
+_CHUNK_ELEMENTS = 2_000_000
+
+TABLE_COLUMNS: tuple[str, ...] = ("metric", "unit", "run", "value", "ci_low", "ci_high", "delta", "delta_pct",
+                                  "significant", "direction")
+NO_DIFFERENCE = "no significant difference"
+SIGNIFICANT = "significant"
+BASELINE = "baseline"
+NOT_TESTED = "n/a"
+
+
+def bootstrap_ci(values: np.ndarray | list, stat: Stat = "median", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
+                 level: float = CI_LEVEL) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of ``stat`` over ``values``.
+
+    ``values`` has one observation per row (shape ``[k]`` or ``[k, m]``: a row keeps
+    several numbers of one step together). Each of the ``n`` resamples draws ``k`` rows
+    with replacement from ``numpy.random.default_rng(seed)``, in order, ``integers(0, k,
+    size=(rows, k))``; ``stat`` is ``"median"``, ``"mean"`` or a function from the
+    resampled batch ``[b, k, ...]`` to ``[b]``. Returns ``(low, high)``, the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` percentiles (numpy's linear rule).
+    NaN bounds for no values; both bounds equal the statistic for a single value.
+    """
+    v = np.asarray(values, dtype="float64")
+    k = v.shape[0] if v.ndim else 0
+    if k == 0:
+        return float("nan"), float("nan")
+    fn = _stat_fn(stat)
+    if k == 1:
+        x = float(fn(v[None, ...])[0])
+        return x, x
+    rng = np.random.default_rng(seed)
+    rows = max(1, _CHUNK_ELEMENTS // (k * max(1, int(np.prod(v.shape[1:])))))
+    stats = np.empty(n, dtype="float64")
+    for lo in range(0, n, rows):
+        b = min(rows, n - lo)
+        idx = rng.integers(0, k, size=(b, k))
+        stats[lo:lo + b] = fn(v[idx])
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def _stat_fn(stat: Stat) -> Callable[[np.ndarray], np.ndarray]:
+    if stat == "median":
+        return lambda a: np.median(a, axis=1)
+    if stat == "mean":
+        return lambda a: np.mean(a, axis=1)
+    if callable(stat):
+        return stat
+    raise ValueError(f"stat must be 'median', 'mean' or a function, got {stat!r}")
+
+
+def ratio_of_sums(a: np.ndarray) -> np.ndarray:
+    """Bootstrap statistic for ``[b, k, 2]`` batches: ``sum(col 0) / sum(col 1)`` per resample."""
+    den = a[:, :, 1].sum(axis=1)
+    return np.divide(a[:, :, 0].sum(axis=1), den, out=np.full(den.shape, np.nan), where=den > 0)
+
+
+def cis_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool | None:
+    """Whether two intervals share a point; None when either is unknown (NaN)."""
+    if any(np.isnan(x) for x in (*a, *b)):
+        return None
+    return bool(a[0] <= b[1] and b[0] <= a[1])
+
+
+# -- per-run metrics ---------------------------------------------------------------------------
+
+@dataclass
+class Metric:
+    metric: str
+    unit: str
+    value: float
+    ci: tuple[float, float] = (float("nan"), float("nan"))
+    direction: str = ""  # which way is better: "higher", "lower" or "" (no judgement)
+
+
+def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED) -> list[Metric]:
+    """Every comparable figure of one run, with confidence intervals where steps give them."""
+    m = analysis.measured(run.steps)
+    out: list[Metric] = []
+    dur = m["duration_s"].to_numpy(dtype="float64") if not m.empty else np.array([])
+    total = float(dur.sum())
+    if dur.size:
+        samples = m["samples"].to_numpy(dtype="float64")
+        thr = float(samples.sum() / total) if total > 0 else float("nan")
+        out.append(Metric("throughput", "samples/s", thr,
+                          bootstrap_ci(np.stack([samples, dur], axis=1), ratio_of_sums, n, seed), "higher"))
+        lo, hi = bootstrap_ci(dur, "median", n, seed)
+        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, (lo * 1e3, hi * 1e3), "lower"))
+        for col in analysis.PHASE_COLUMNS:
+            if col not in m.columns:
+                continue
+            part = m[col].to_numpy(dtype="float64")
+            name = "data_stall_share" if col == "data_wait_s" else f"{col[:-2]}_share"
+            lo, hi = bootstrap_ci(np.stack([part, dur], axis=1), ratio_of_sums, n, seed)
+            share = float(part.sum() / total) if total > 0 else float("nan")
+            out.append(Metric(name, "%", share * 100, (lo * 100, hi * 100),
+                              "lower" if col in ("data_wait_s", "h2d_s", "other_s") else ""))
+    for key, nbytes in peak_memory_bytes(run.memory).items():
+        out.append(Metric(f"peak_memory_{key}", "MiB", nbytes / MIB, direction="lower"))
+    for device, per_sample_j in energy_per_sample_j(run).items():
+        out.append(Metric(f"energy_per_sample[{device}]", "J/sample", per_sample_j, direction="lower"))
+    if "loss" in m.columns:
+        loss = m["loss"].dropna()
+        if not loss.empty:
+            out.append(Metric("loss_final", "", float(loss.iloc[-1])))
+    return out
+
+
+def peak_memory_bytes(memory: pd.DataFrame) -> dict[str, float]:
+    """Peak bytes per memory category (and ``total``): from the ``peak`` rows of a category
+    when it has any, else from all its rows. With several devices the key carries the device
+    (``activations[cuda:0]``). ``total`` is the largest sum over categories at one recorded
+    boundary (step, phase, event, time, device)."""
+    if memory is None or memory.empty:
+        return {}
+    devices = sorted(memory["device"].astype(str).unique())
+    out: dict[str, float] = {}
+    for device in devices:
+        d = memory[memory["device"].astype(str) == device]
+        suffix = f"[{device}]" if len(devices) > 1 else ""
+        for category, g in d.groupby("category", sort=True):
+            peaks = g[g["event"] == "peak"]
+            out[f"{category}{suffix}"] = float((peaks if not peaks.empty else g)["bytes"].max())
+        at_once = d.groupby(["step", "phase", "event", "t_s"], sort=False)["bytes"].sum()
+        out[f"total{suffix}"] = float(at_once.max())
+    return out
+
+
+def energy_per_sample_j(run: "Run") -> dict[str, float]:
+    """Joules per sample over the measured steps, per device with an ``energy_j`` counter
+    (the counter's difference over each step, summed, divided by the samples of the steps
+    it covers: ``clock_analysis.clock_summary``)."""
+    clocks = run.clocks
+    if clocks is None or clocks.empty or not (clocks["metric"] == "energy_j").any():
+        return {}
+    from .clock_analysis import clock_summary
+
+    cs = clock_summary(clocks, run.steps)
+    if cs is None:
+        return {}
+    return {device: float(e["per_sample_j"]) for device, e in cs.energy.items() if e.get("source") == "counter"}
+
+
+# -- the comparison ----------------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    """``table``: one row per (metric, run) (``TABLE_COLUMNS``); ``warnings``: reasons to read
+    the table with care; ``steps`` and ``phases``: frames for the overlaid charts."""
+
+    runs: list["Run"]
+    labels: list[str]
+    table: pd.DataFrame
+    warnings: list[str] = field(default_factory=list)
+    steps: pd.DataFrame = field(default_factory=pd.DataFrame)
+    phases: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    def wide(self) -> pd.DataFrame:
+        """Metrics as rows, runs as columns (values only)."""
+        w = self.table.pivot_table(index=["metric", "unit"], columns="run", values="value", sort=False)
+        return w[self.labels] if set(self.labels) <= set(w.columns) else w
+
+    def to_text(self) -> str:
+        lines = [f"tpkit comparison: {', '.join(self.labels)} (deltas against '{self.labels[0]}'; "
+                 f"{CI_LEVEL:.0%} bootstrap intervals)"]
+        lines += [f"  WARNING: {w}" for w in self.warnings]
+        for (metric, unit), g in self.table.groupby(["metric", "unit"], sort=False):
+            lines.append(f"  {metric}" + (f" ({unit})" if unit else ""))
+            for r in g.itertuples(index=False):
+                txt = f"    {r.run:<16} {_num(r.value)}"
+                if not np.isnan(r.ci_low):
+                    txt += f" [{_num(r.ci_low)}, {_num(r.ci_high)}]"
+                if r.significant != BASELINE:
+                    txt += f"  {_signed(r.delta)} ({_signed(r.delta_pct)}%)"
+                    if r.significant != NOT_TESTED:
+                        txt += f"  {r.significant}" + (f" ({r.direction})" if r.direction else "")
+                lines.append(txt)
+        return "\n".join(lines)
+
+    def to_html(self) -> str:
+        warn = "".join(f'<div style="color:#b00020;font-weight:600">&#9888; {html.escape(w)}</div>'
+                       for w in self.warnings)
+        rows = []
+        for r in self.table.itertuples(index=False):
+            ci = "" if np.isnan(r.ci_low) else f"[{_num(r.ci_low)}, {_num(r.ci_high)}]"
+            delta = "" if r.significant == BASELINE else f"{_signed(r.delta)} ({_signed(r.delta_pct)}%)"
+            sig = "" if r.significant in (BASELINE, NOT_TESTED) else r.significant
+            cells = [r.metric, r.unit, r.run, _num(r.value), ci, delta,
+                     f"{sig} ({r.direction})" if r.direction else sig]
+            rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+        head = "".join(f"<th>{h}</th>" for h in ("metric", "unit", "run", "value", "95% CI", "delta", "significance"))
+        return (f'<div class="tpkit-compare">{warn}<table><thead><tr>{head}</tr></thead>'
+                f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": self.to_text(), "text/html": self.to_html()}
+
+    def __repr__(self) -> str:
+        return self.to_text()
+
+
+def _num(x: float) -> str:
+    if x is None or np.isnan(x):
+        return "nan"
+    return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.1f}"
+
+
+def _signed(x: float) -> str:
+    return "nan" if x is None or np.isnan(x) else f"{x:+,.4g}" if abs(x) < 1000 else f"{x:+,.1f}"
+
+
+def unique_labels(runs: list["Run"]) -> list[str]:
+    """Run names, with ``#2``, ``#3``... added where two runs share a name."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in runs:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        out.append(r.name if seen[r.name] == 1 else f"{r.name}#{seen[r.name]}")
+    return out
+
+
+def comparison_table(per_run: list[list[Metric]], labels: list[str]) -> pd.DataFrame:
+    """Rows for every metric any run has, in first-seen order; deltas and significance
+    against the first run's value (NaN where the first run lacks the metric)."""
+    order: list[tuple[str, str]] = []
+    by_key: list[dict[str, Metric]] = []
+    for metrics in per_run:
+        by_key.append({m.metric: m for m in metrics})
+        for m in metrics:
+            if (m.metric, m.unit) not in order:
+                order.append((m.metric, m.unit))
+    rows = []
+    for metric, unit in order:
+        base = by_key[0].get(metric)
+        for i, label in enumerate(labels):
+            m = by_key[i].get(metric)
+            if m is None:
+                continue
+            if i == 0:
+                delta, pct, sig = 0.0, 0.0, BASELINE
+            elif base is None:
+                delta, pct, sig = float("nan"), float("nan"), NOT_TESTED
+            else:
+                delta = m.value - base.value
+                pct = delta / base.value * 100 if base.value else float("nan")
+                overlap = cis_overlap(base.ci, m.ci)
+                sig = NOT_TESTED if overlap is None else NO_DIFFERENCE if overlap else SIGNIFICANT
+            direction = ""
+            if sig == SIGNIFICANT and m.direction:
+                better = (delta > 0) == (m.direction == "higher")
+                direction = "better" if better else "worse"
+            rows.append((metric, unit, label, m.value, m.ci[0], m.ci[1], delta, pct, sig, direction))
+    return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+
+
+def drop_idle_phases(table: pd.DataFrame) -> pd.DataFrame:
+    """Leave out phase-share rows that are zero in every run (the data stall share stays:
+    0% is the answer a user looks for)."""
+    share = table["metric"].str.endswith("_share") & (table["metric"] != "data_stall_share")
+    idle = table[share].groupby("metric")["value"].apply(lambda v: bool((v.fillna(0) == 0).all()))
+    return table[~table["metric"].isin(idle[idle].index)].reset_index(drop=True)
+
+
+def comparison_warnings(runs: list["Run"], labels: list[str]) -> list[str]:
+    """What makes a comparison of these runs less than like for like."""
+    out = []
+    models = {}
+    for r, label in zip(runs, labels):
+        mdl = r.meta.get("model")
+        if isinstance(mdl, dict) and ("class" in mdl or "parameters" in mdl):
+            models[label] = (mdl.get("class"), mdl.get("parameters"))
+    if len(set(models.values())) > 1:
+        desc = ", ".join(f"{k}: {c} with {p:,} parameters" if isinstance(p, int) else f"{k}: {c}"
+                         for k, (c, p) in models.items())
+        out.append(f"different models ({desc}): differences may come from the model, not the knob")
+    counts = {label: len(analysis.measured(r.steps)) for r, label in zip(runs, labels)}
+    if len(set(counts.values())) > 1:
+        out.append("different numbers of measured steps ("
+                   + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "): intervals differ in width")
+    for label, k in counts.items():
+        if k < 2:
+            out.append(f"'{label}' has {k} measured step{'s' if k != 1 else ''}: no confidence interval")
+    for r, label in zip(runs, labels):
+        if not r.complete:
+            why = r.meta.get("error") or r.meta.get("stopped_by") or "stopped early"
+            out.append(f"'{label}' is incomplete ({why}): its figures cover only the steps that ran")
+    devices = {label: tuple(r.meta["devices"]) for r, label in zip(runs, labels) if r.meta.get("devices")}
+    if len(set(devices.values())) > 1:
+        out.append("the runs ran on different devices (" + "; ".join(f"{k}: {', '.join(v)}" for k, v in devices.items()) + ")")
+    return out
+
+
+def steps_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
+    """Per-step durations of every run, for overlays: ``run, step, warmup, duration_ms``."""
+    parts = [pd.DataFrame({"run": label, "step": r.steps["step"].to_numpy(), "warmup": r.steps["warmup"].to_numpy(),
+                           "duration_ms": r.steps["duration_s"].to_numpy(dtype="float64") * 1e3})
+             for r, label in zip(runs, labels)]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run", "step", "warmup", "duration_ms"])
+
+
+def phases_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
+    """Median milliseconds and share of step time per phase per run (measured steps):
+    ``run, phase, median_ms, share``. Phases no run spent time in are left out."""
+    rows = []
+    for r, label in zip(runs, labels):
+        m = analysis.measured(r.steps)
+        total = float(m["duration_s"].sum()) if not m.empty else 0.0
+        for col in analysis.PHASE_COLUMNS:
+            if col in m.columns and not m.empty:
+                rows.append((label, col[:-2], float(m[col].median()) * 1e3,
+                             float(m[col].sum()) / total if total > 0 else float("nan")))
+    df = pd.DataFrame(rows, columns=["run", "phase", "median_ms", "share"])
+    used = df.groupby("phase")["share"].max()
+    return df[df["phase"].isin(used[used > 0].index)].reset_index(drop=True)
+
+
+def compare(*runs: "Run | str", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED) -> Comparison:
+    """Compare runs (Runs, store names or folders) against the first one.
+
+    ``tp.compare(base, other)``: ``.table`` per (metric, run), ``.warnings``, ``.to_text()``;
+    charts from ``tpkit.charts.compare``.
+    """
+    from .store import load
+
+    if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
+        runs = tuple(runs[0])
+    if not runs:
+        raise ValueError("compare needs at least one run")
+    loaded = [load(r) for r in runs]
+    labels = unique_labels(loaded)
+    table = drop_idle_phases(comparison_table([run_metrics(r, n, seed) for r in loaded], labels))
+    return Comparison(runs=loaded, labels=labels, table=table, warnings=comparison_warnings(loaded, labels),
+                      steps=steps_frame(loaded, labels), phases=phases_frame(loaded, labels))
