@@ -189,3 +189,22 @@ def test_idle_phase_shares_are_left_out_but_data_stall_stays():
     assert not metrics & {"h2d_share", "optimizer_share", "offload_share", "other_share"}
     assert "significant (better)" in cmp.compare(make_run("a", [0.2, 0.21, 0.19]),
                                                  make_run("b", [0.1, 0.11, 0.09])).to_text()
+
+
+def test_comparison_charts_by_spec():
+    from tpkit.charts import compare as charts
+
+    c = cmp.compare(make_run("a", [0.1, 0.2], data_share=0.5), make_run("b", [0.1, 0.1]))
+    spec = charts.step_time_overlay(c.steps, c.labels).to_dict()
+    enc = spec["encoding"]
+    assert (enc["x"]["field"], enc["y"]["field"], enc["color"]["field"]) == ("step", "duration_ms", "run")
+    assert enc["color"]["scale"]["domain"] == ["a", "b"]
+    assert [v["duration_ms"] for v in next(iter(spec["datasets"].values()))] == pytest.approx([100, 200, 100, 100])
+    spec = charts.phase_bars(c.phases, c.labels).to_dict()
+    assert spec["mark"]["type"] == "bar" and spec["encoding"]["xOffset"]["field"] == "run"
+    assert spec["encoding"]["x"]["sort"] == ["data_wait", "forward", "backward"]
+    spec = charts.metric_intervals(c.table, "step_time_p50", c.labels).to_dict()
+    rule, point = spec["layer"]
+    assert rule["encoding"]["x"]["field"] == "ci_low" and rule["encoding"]["x2"]["field"] == "ci_high"
+    assert point["encoding"]["x"]["field"] == "value"
+    assert {v["metric"] for v in next(iter(spec["datasets"].values()))} == {"step_time_p50"}
