@@ -197,16 +197,14 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self._alias.append(alias)
 
     def host_state_bytes(self) -> int:
-        """Bytes of host memory this optimizer holds (moments, separate master copies, grad
-        buffers)."""
-        n = 0
-        for p in self._params:
-            for v in self.state[p].values():
-                if isinstance(v, torch.Tensor):
-                    n += v.numel() * v.element_size()
-        n += sum(g.numel() * g.element_size() for g in self._host_grad
-                 if g is not None and g.device.type == "cpu")
-        return n
+        """Bytes of the host optimizer state (moments, step counters, separate master copies):
+        exactly what a memory probe counts from ``self.state``."""
+        return sum(v.numel() * v.element_size() for p in self._params for v in self.state[p].values()
+                   if isinstance(v, torch.Tensor))
+
+    def host_grad_bytes(self) -> int:
+        """Bytes of gradients held on the host right now (offloaded, not yet consumed)."""
+        return sum(g.numel() * g.element_size() for g in self._host_grad if g is not None and g.device.type == "cpu")
 
     # -- the gradient path ------------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
@@ -500,7 +498,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 "clipping": self.max_grad_norm, "accumulation_steps": self.accumulation_steps,
                 "offload_gradients": self.offload_gradients, "pin_memory": self.pin_memory,
                 "parameters": sum(p.numel() for p in self._params),
-                "pinned_bytes": self.pinned_bytes, "host_state_bytes": self.host_state_bytes()}
+                "pinned_bytes": self.pinned_bytes, "host_state_bytes": self.host_state_bytes(),
+                "host_grad_bytes": self.host_grad_bytes()}
 
 
 def _recorded_event() -> Any:

@@ -1,0 +1,298 @@
+"""CPUOffloadAdamW against torch.optim.AdamW: same weights after 20 steps on the same data
+(plain, clipping, accumulation, offloaded or kept gradients, both host kernels), state dicts
+both ways, layout errors, the DeepSpeed fallback, DPU and bf16 moments, and the offload phase
+in a profiled slice."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", "build",
+                                                           "torch_extensions"))
+
+import tpkit as tp
+from tpkit.offload import CPUOffloadAdamW, StateDictLayoutError, kernels
+
+STEPS = 20
+RTOL, ATOL = 1e-5, 1e-6  # fp32: the kernels order their flops differently
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 48),
+                               torch.nn.GELU(), torch.nn.Linear(48, 4))
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, accum: int = 1, torch_clip: float | None = None,
+          steps: int = STEPS) -> list[float]:
+    losses = []
+    for k, (x, y) in enumerate(batches(steps * accum)):
+        loss = torch.nn.functional.mse_loss(model(x), y) / accum
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if (k + 1) % accum == 0:
+            if torch_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float = RTOL, atol: float = ATOL) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+CASES = {
+    "plain": dict(),
+    "clipping": dict(max_grad_norm=0.05),  # small enough that every step clips
+    "accumulation": dict(accumulation_steps=3),
+    "accumulation+clipping": dict(accumulation_steps=2, max_grad_norm=0.05),
+    "grads kept in p.grad": dict(offload_gradients=False),
+    "grads kept, accumulation": dict(offload_gradients=False, accumulation_steps=2),
+    "not streaming": dict(streaming=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_adamw_after_20_steps(case):
+    kw = CASES[case]
+    accum = kw.get("accumulation_steps", 1)
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.05), accum=accum,
+          torch_clip=kw.get("max_grad_norm"))
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.05, kernel="torch", **kw) as opt:
+        train(model, opt, accum=accum)
+        assert opt.counters["steps"] == STEPS
+        if "max_grad_norm" in kw:
+            assert opt.last_grad_norm is not None and opt.last_grad_norm > kw["max_grad_norm"]
+        if kw.get("offload_gradients", True):
+            assert all(p.grad is None for p in model.parameters())  # gradients left the device
+    assert_same_weights(ref, model)
+
+
+def test_deepspeed_kernel_matches_torch_adamw():
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch_clip=0.05)
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="deepspeed", max_grad_norm=0.05) as opt:
+        assert opt.kernel.name == "deepspeed", opt.kernel_reason
+        train(model, opt)
+    assert_same_weights(ref, model, rtol=1e-4, atol=1e-5)
+
+
+def test_param_groups_and_no_grad_params():
+    ref, model = make_model(), make_model()
+    def groups(m):
+        ps = list(m.parameters())
+        return [{"params": ps[:2], "lr": 3e-3}, {"params": ps[2:], "weight_decay": 0.0}]
+    for p in (list(ref.parameters())[0], list(model.parameters())[0]):
+        p.requires_grad_(False)  # frozen: no gradient, no update
+    train(ref, torch.optim.AdamW(groups(ref), lr=1e-2))
+    with CPUOffloadAdamW(groups(model), lr=1e-2, kernel="torch") as opt:
+        train(model, opt)
+        assert 0 not in opt.state_dict()["state"]
+    assert_same_weights(ref, model)
+
+
+def test_state_dict_round_trips_both_ways_exactly():
+    # ours -> AdamW -> ours
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch") as opt:
+        train(model, opt, steps=5)
+        sd = opt.state_dict()
+    ref = make_model()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    adamw.load_state_dict(sd)
+    back = adamw.state_dict()
+    with CPUOffloadAdamW(make_model().parameters(), lr=1.0, kernel="torch") as opt2:
+        opt2.load_state_dict(back)
+        assert_state_dicts_equal(opt2.state_dict(), sd)
+    # AdamW -> ours -> AdamW
+    ref = make_model()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
+    train(ref, adamw, steps=5)
+    sd_ref = adamw.state_dict()
+    with CPUOffloadAdamW(make_model().parameters(), kernel="torch") as opt3:
+        opt3.load_state_dict(sd_ref)
+        mine = opt3.state_dict()
+    adamw2 = torch.optim.AdamW(make_model().parameters())
+    adamw2.load_state_dict(mine)
+    assert_state_dicts_equal(adamw2.state_dict(), sd_ref)
+
+
+def test_resumed_training_continues_like_adamw():
+    """Train 5 steps with AdamW, move model + state to the offloader, train 5 more: same as 10
+    steps of AdamW."""
+    ref = make_model()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    train(ref, adamw, steps=10)
+    half = make_model()
+    adamw_h = torch.optim.AdamW(half.parameters(), lr=1e-2)
+    data = batches(10)
+    for x, y in data[:5]:
+        torch.nn.functional.mse_loss(half(x), y).backward()
+        adamw_h.step()
+        adamw_h.zero_grad()
+    with CPUOffloadAdamW(half.parameters(), kernel="torch") as opt:
+        opt.load_state_dict(adamw_h.state_dict())
+        for x, y in data[5:]:
+            torch.nn.functional.mse_loss(half(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(ref, half)
+
+
+def assert_state_dicts_equal(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert a["state"][k].keys() == b["state"][k].keys()
+        for name, t in a["state"][k].items():
+            assert torch.equal(t, b["state"][k][name]), (k, name)
+            assert t.dtype == b["state"][k][name].dtype
+
+
+def test_wrong_layout_is_refused_and_nothing_changes():
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch") as opt:
+        train(model, opt, steps=3)
+        before = opt.state_dict()
+        other = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Linear(48, 4))
+        o = torch.optim.AdamW(other.parameters())
+        train(other, o, steps=1)
+        with pytest.raises(StateDictLayoutError, match="parameters in the state dict"):
+            opt.load_state_dict(o.state_dict())
+        # same count, shapes permuted: caught before anything is written
+        bad = opt.state_dict()
+        bad["state"][0]["exp_avg"] = torch.zeros(3, 3)
+        bad["state"][1]["exp_avg"].fill_(123.0)
+        with pytest.raises(StateDictLayoutError, match="shape"):
+            opt.load_state_dict(bad)
+        with pytest.raises(StateDictLayoutError, match="groups"):
+            opt.load_state_dict({"state": {}, "param_groups": []})
+        assert_state_dicts_equal(opt.state_dict(), before)
+
+
+def test_missing_or_broken_deepspeed_falls_back_with_a_message(monkeypatch):
+    kernels._reset_cache_for_tests()
+
+    def no_deepspeed():
+        raise ImportError("No module named 'deepspeed'")
+
+    monkeypatch.setattr(kernels, "_build_deepspeed_op", no_deepspeed)
+    with pytest.warns(UserWarning, match="deepspeed is not installed.*Falling back to torch"):
+        choice = kernels.select_kernel("auto")
+    assert choice.kernel.name == "torch" and "fallback" in choice.reason
+    kernels._reset_cache_for_tests()
+
+    def bad_build():
+        raise RuntimeError("Error building extension 'cpu_adam': c++ exited with 1")
+
+    monkeypatch.setattr(kernels, "_build_deepspeed_op", bad_build)
+    with pytest.warns(UserWarning, match="failed to build.*Error building extension"):
+        model = make_model()
+        with CPUOffloadAdamW(model.parameters(), kernel="deepspeed") as opt:
+            assert opt.kernel.name == "torch"
+            train(model, opt, steps=2)  # the fallback trains
+    kernels._reset_cache_for_tests()
+
+
+def test_auto_kernel_is_measured():
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    kernels._reset_cache_for_tests()
+    choice = kernels.select_kernel("auto", probe_numel=1 << 18)
+    assert choice.kernel.name in ("torch", "deepspeed")
+    assert "measured" in choice.reason and "deepspeed" in choice.reason and "torch fused" in choice.reason
+    getattr(choice.kernel, "close", lambda: None)()
+
+
+def test_delayed_update_is_one_step_stale_and_converges():
+    """DPU: after n step() calls the weights hold n-1 updates; flush() applies the last. The
+    update of step t equals AdamW's update on the gradient computed with weights t-1."""
+    data = batches(STEPS)
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch", delayed_update=True) as opt:
+        w0 = [p.detach().clone() for p in model.parameters()]
+        x, y = data[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert all(torch.equal(a, p) for a, p in zip(w0, model.parameters()))  # not applied yet
+        opt.flush()
+        assert not all(torch.equal(a, p) for a, p in zip(w0, model.parameters()))
+    # loss difference against exact AdamW over 20 steps: small, and both learn
+    exact = make_model()
+    l_exact = train(exact, torch.optim.AdamW(exact.parameters(), lr=1e-2))
+    delayed = make_model()
+    with CPUOffloadAdamW(delayed.parameters(), lr=1e-2, kernel="torch", delayed_update=True) as opt:
+        l_dpu = train(delayed, opt)
+    assert l_dpu[-1] < l_dpu[0] and l_exact[-1] < l_exact[0]
+    assert abs(sum(l_dpu[-5:]) - sum(l_exact[-5:])) / sum(l_exact[-5:]) < 0.25
+
+
+def test_bf16_moments_halve_moment_bytes_and_stay_close():
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, moments_dtype=torch.bfloat16) as opt:
+        assert opt.kernel.name == "torch"
+        train(model, opt)
+        st = opt.state[next(iter(model.parameters()))]
+        assert st["exp_avg"].dtype == torch.bfloat16
+        n = sum(p.numel() for p in model.parameters())
+        assert opt.host_state_bytes() == 2 * 2 * n + 4 * len(list(model.parameters()))  # + step counters
+        sd = opt.state_dict()
+        assert sd["state"][0]["exp_avg"].dtype == torch.float32
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    assert 0 < diff < 2e-2  # measurably different, still close after 20 steps
+
+
+def test_offload_phase_and_meta_in_a_profiled_slice():
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch", delayed_update=True) as opt:
+        data = batches(40)
+
+        def one_step():
+            x, y = data[one_step.k % 40]
+            one_step.k += 1
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        one_step.k = 0
+        run = tp.profile_fn(one_step, steps=6, warmup=2, name="offload", progress=False, clocks=False)
+    m = run.measured_steps
+    assert len(m) == 6 and (m["offload_s"] > 0).all()
+    assert set(run.spans[run.spans["phase"] == "offload"]["source"]) == {"CPUOffloadAdamW"}
+    off = run.meta["offload"]
+    assert off["mode"] == "delayed" and off["kernel"] == "torch" and off["steps"] == 8
+    assert off["host_step_s"] > 0 and 0 <= off["overlap_share"] <= 1
+    n = sum(p.numel() for p in model.parameters())
+    assert off["host_state_bytes"] >= 12 * n  # moments + separate master copy (DPU)
+    assert off["pinned_bytes"] == 0  # no GPU here
+    # the memory probe counts the host state as optimizer state
+    opt_rows = run.memory[run.memory["category"] == "optimizer_state"]
+    if not opt_rows.empty:  # moments + master copies + step counters, nothing else
+        assert opt_rows["bytes"].max() == off["host_state_bytes"] == 12 * n + 4 * len(list(model.parameters()))
+
+
+def test_worker_thread_stops(no_leftovers):
+    import threading
+    model = make_model()
+    opt = CPUOffloadAdamW(model.parameters(), kernel="torch")
+    train(model, opt, steps=2)
+    assert any(t.name.startswith("tpkit-offload") for t in threading.enumerate())
+    opt.close()
+    opt.close()  # idempotent
+    assert not any(t.name == f"tpkit-offload-{id(opt):x}" for t in threading.enumerate())
