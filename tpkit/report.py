@@ -52,6 +52,34 @@ def _clocks_section(run: "Run") -> alt.TopLevelMixin | None:
 SECTIONS.append(("Clocks and power", _clocks_section))
 
 
+def _memory_section(run: "Run") -> alt.TopLevelMixin | None:
+    """The waterfall of the measured step with the highest peak, beside memory across steps,
+    on the device whose memory matters most (the GPU when one was used)."""
+    if run.memory.empty:
+        return None
+    from . import memory_analysis as ma
+
+    device = ma.main_device(run.memory)
+    if device is None:
+        return None
+    across = ma.across_steps(run.memory, device)
+    measured = across[across["step"] >= 0]
+    pool = measured if not measured.empty else across
+    step = int(pool.loc[pool["peak_bytes"].idxmax(), "step"])
+    room = ma.headroom(run.memory, run.meta)
+    room = room[room["device"] == device]
+    head = room.iloc[0] if not room.empty else None
+    wf = charts.memory_waterfall(
+        ma.waterfall(run.memory, step, device), ma.step_peak(run.memory, step, device),
+        headroom_bytes=None if head is None or head["headroom_bytes"] != head["headroom_bytes"] else float(head["headroom_bytes"]),
+        capacity_bytes=None if head is None or head["capacity_bytes"] != head["capacity_bytes"] else float(head["capacity_bytes"]),
+        step=step, device=device)
+    return alt.hconcat(wf, charts.memory_by_step(across))
+
+
+SECTIONS.append(("Memory", _memory_section))
+
+
 def section_charts(run: "Run") -> list[tuple[str, alt.TopLevelMixin]]:
     """The dashboard's charts for this Run, in order, skipping sections with no data."""
     out = []
@@ -70,7 +98,7 @@ def vega_bundle() -> str:
     return import_vl_convert().javascript_bundle(vl_version=vl_version_for_vl_convert())
 
 
-_CSS = """
+CSS = """
 .tpkit-dash{font-family:system-ui,-apple-system,Segoe UI,sans-serif;font-size:13px;color:#222}
 .tpkit-dash h3{margin:14px 0 6px;font-size:15px}
 .tpkit-dash table.tp-sum{border-collapse:collapse;margin:4px 0}
@@ -90,6 +118,7 @@ def summary_html(run: "Run") -> str:
     state = "" if s.complete else (' <span class="tp-bad">INCOMPLETE: '
                                    f'{html.escape(str(run.meta.get("error", "")))}</span>')
     notes = "".join(f'<div class="tp-note">note: {html.escape(n)}</div>' for n in s.notes)
+    notes = "".join(f"<div>{html.escape(c)}</div>" for c in s.clock_lines) + notes
     model = run.meta.get("model") or {}
     about = ", ".join(x for x in [
         f"model {model.get('class')} ({model.get('parameters', 0):,} parameters)" if model else "",
@@ -107,21 +136,30 @@ def _fmt(v: Any) -> str:
     return html.escape(str(v))
 
 
+def chart_html(chart: alt.TopLevelMixin) -> str:
+    """A div and the script that embeds ``chart`` in it once vega is on the page (the
+    script waits for it, so the order in which a frontend renders outputs does not matter)."""
+    div = f"tp-{uuid.uuid4().hex[:12]}"
+    spec = json.dumps(chart.to_dict(), separators=(",", ":")).replace("</", "<\\/")
+    opts = '{"actions":{"export":true,"source":false,"compiled":false,"editor":false}}'
+    return (f'<div id="{div}"></div><script type="text/javascript">(function(){{var n=0;function go(){{'
+            f'if(window.vegaEmbed){{window.vegaEmbed("#{div}",{spec},{opts}).catch(console.error);}}'
+            f'else if(n++<400){{setTimeout(go,50);}}}}go();}})();</script>')
+
+
+def bundle_html() -> str:
+    """vega's JavaScript as a script tag (~900 KB): once per page or dashboard."""
+    return f'<script type="text/javascript">{vega_bundle()}</script>'
+
+
 def dashboard_html(run: "Run", include_js: bool = True) -> str:
     """An HTML fragment: summary + charts. ``include_js`` inlines vega (~900 KB)."""
-    uid = uuid.uuid4().hex[:10]
-    parts = [f'<div class="tpkit-dash" id="tp-{uid}"><style>{_CSS}</style>', summary_html(run)]
-    embeds = []
-    for i, (title, chart) in enumerate(section_charts(run)):
-        div = f"tp-{uid}-{i}"
-        parts.append(f'<h3>{html.escape(title)}</h3><div id="{div}"></div>')
-        spec = json.dumps(chart.to_dict(), separators=(",", ":")).replace("</", "<\\/")
-        embeds.append(f'vegaEmbed("#{div}",{spec},{{"actions":{{"export":true,"source":false,'
-                      f'"compiled":false,"editor":false}}}}).catch(console.error);')
-    if include_js and embeds:
-        parts.append(f'<script type="text/javascript">{vega_bundle()}</script>')
-    if embeds:
-        parts.append('<script type="text/javascript">' + "\n".join(embeds) + "</script>")
+    parts = [f'<div class="tpkit-dash"><style>{CSS}</style>', summary_html(run)]
+    sections = section_charts(run)
+    if include_js and sections:
+        parts.append(bundle_html())
+    for title, chart in sections:
+        parts.append(f"<h3>{html.escape(title)}</h3>{chart_html(chart)}")
     parts.append("</div>")
     return "".join(parts)
 
