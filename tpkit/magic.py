@@ -40,6 +40,8 @@ class TpkitMagics(Magics):
     @argument("--quiet", action="store_true", help="no progress bar and no charts: print the summary only")
     @argument("--save", metavar="DIR", default=None, help="also save the run (Parquet + JSON) into DIR")
     @argument("--no-memory", action="store_true", help="do not track memory by category")
+    @argument("--memory-detail", action="store_true",
+              help="CUDA: also record the allocator history and keep the largest allocations alive at the peak, with stacks")
     @argument("--clock-hz", type=float, default=20.0, help="clock/power sampling rate, 0 turns it off (max 200); default 20")
     @argument("--samples-per-step", type=int, default=None, help="samples in one step, when the loader cannot tell")
     @cell_magic
@@ -89,6 +91,7 @@ class TpkitMagics(Magics):
             config = SliceConfig(steps=args.steps, warmup=_warmup(args.warmup), name=args.name or _next_name(),
                                  stop=not args.no_stop, progress=not args.quiet,
                                  samples_per_step=args.samples_per_step, memory=not args.no_memory,
+                                 memory_detail=args.memory_detail,
                                  clock_hz=args.clock_hz).validate()
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
