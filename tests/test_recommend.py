@@ -1,0 +1,220 @@
+"""Every recommendation rule on hand-made Runs: fires when it should, stays quiet when it
+should not, and the numbers in its evidence and gain are right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tpkit import recommend as rc
+from tpkit.run import Run, _frame
+
+MIB = 1024 * 1024
+
+
+def make_run(n: int = 4, warmup: int = 1, samples: int = 32, devices=("cpu: test",), knobs=None, loader=None,
+             memory=None, clocks=None, durations=None, **phase_s) -> Run:
+    """``n`` measured steps (+ ``warmup``), each with the given seconds per phase; the rest of
+    the step (to ``durations``, default the sum of phases) is ``other_s``."""
+    rows = warmup + n
+    cols = {c: np.full(rows, phase_s.get(c[:-2], 0.0)) for c in ("data_wait_s", "h2d_s", "forward_s", "backward_s",
+                                                                   "optimizer_s", "offload_s")}
+    covered = sum(cols.values())
+    d = np.asarray(durations, dtype="float64") if durations is not None else covered + phase_s.get("other", 0.0)
+    d = np.broadcast_to(d, (rows,)).astype("float64")
+    d = d.copy()
+    d[:warmup] = 10.0  # warmup steps are slow and must not count
+    steps = _frame("steps", {
+        "step": np.arange(rows) - warmup, "warmup": np.arange(rows) < warmup, "start_s": np.cumsum(d) - d,
+        "end_s": np.cumsum(d), "duration_s": d, "samples": samples, **cols,
+        "other_s": np.maximum(d - covered, 0.0), "throughput": samples / d, "loss": 1.0,
+    })
+    meta = {"name": "t", "devices": list(devices), "knobs": dict(knobs or {})}
+    return Run(steps=steps, loader=loader, memory=memory, clocks=clocks, meta=meta)
+
+
+def kinds(recs):
+    return [(r.kind, r.knob) for r in recs]
+
+
+# -- data stalls ---------------------------------------------------------------------------------
+
+def test_data_stall_fires_with_amdahl_gain_and_doubles_workers():
+    run = make_run(data_wait=0.03, forward=0.04, backward=0.03, knobs={"num_workers": 2})
+    recs = rc.data_stall(run)
+    assert kinds(recs) == [("data-stall", "num_workers"), ("data-loader", "loader")]
+    r = recs[0]
+    assert r.action == {"num_workers": 4}
+    assert r.gain == pytest.approx(0.1 / 0.07) and r.gain_unit == "x"
+    assert "30% of step time (30.00 ms per step of 100.00 ms) over 4 measured steps" in r.evidence
+    assert "1.43x" in r.expected_gain and "100.00 ms -> 70.00 ms" in r.expected_gain
+    assert recs[1].action == {"loader": "tpkit", "num_workers": 4}
+
+
+def test_data_stall_from_zero_workers_asks_for_two():
+    run = make_run(data_wait=0.02, forward=0.08)
+    assert rc.data_stall(run)[0].action == {"num_workers": 2}
+
+
+def test_data_stall_quiet_below_threshold_and_ignores_warmup():
+    assert rc.data_stall(make_run(data_wait=0.0099, forward=0.0901)) == []
+    assert rc.data_stall(make_run(data_wait=0.01, forward=0.09))  # exactly 10% fires
+
+
+def test_data_stall_with_tpkit_loader_uses_its_measured_rate():
+    # each batch takes 20 ms to make in a worker; the loop's own work is 10 ms per step:
+    # ceil(1.2 * 20 / 10) = 3 workers needed; the run used 1.
+    loader = _frame("loader", [(i, 0, 0.015, 0.005, 0.0, 0.0) for i in range(8)])
+    run = make_run(data_wait=0.01, forward=0.01, knobs={"num_workers": 1}, loader=loader)
+    recs = rc.data_stall(run)
+    assert kinds(recs) == [("data-stall", "num_workers")]  # already on tpkit's loader
+    assert recs[0].action == {"num_workers": 3}
+    assert "makes a batch in 20.00 ms per worker against 10.00 ms of work per step: 3 workers" in recs[0].evidence
+
+
+# -- copies --------------------------------------------------------------------------------------
+
+def test_copies_fire_and_skip_knobs_already_set():
+    run = make_run(h2d=0.02, forward=0.08, knobs={"pin_memory": True})
+    (r,) = rc.copies(run)
+    assert r.action == {"non_blocking": True}
+    assert r.gain == pytest.approx(0.1 / 0.08)
+    assert "20% of step time (20.00 ms per step)" in r.evidence
+    assert rc.copies(make_run(h2d=0.02, forward=0.08, knobs={"pin_memory": True, "non_blocking": True})) == []
+    assert rc.copies(make_run(h2d=0.009, forward=0.091)) == []
+
+
+# -- host optimizer / offload --------------------------------------------------------------------
+
+def test_host_optimizer_on_cpu_suggests_fused_kernel_and_core_binding():
+    run = make_run(forward=0.03, backward=0.03, optimizer=0.04)
+    recs = rc.host_step(run)
+    assert kinds(recs) == [("host-optimizer", "fused_optimizer"), ("host-optimizer", "core_binding")]
+    assert recs[0].gain == pytest.approx(0.1 / (0.06 + 0.04 / 2))
+    assert recs[1].gain == pytest.approx(0.1 / (0.06 + 0.04 / 1.3))
+    assert "host optimizer step takes 40% of step time (40.00 ms per step" in recs[0].evidence
+    assert recs[0].action == {"fused_optimizer": True} and recs[1].action == {"core_binding": True}
+
+
+def test_offload_dominant_suggests_offload_kernel():
+    run = make_run(devices=("cpu: x", "cuda:0: H100"), forward=0.01, backward=0.02, optimizer=0.01, offload=0.06)
+    recs = rc.host_step(run)
+    assert kinds(recs)[0] == ("host-optimizer", "offload_kernel")
+    assert recs[0].gain == pytest.approx(0.1 / (0.03 + 0.07 / 2))
+    assert "offloaded optimizer step takes 70%" in recs[0].evidence
+
+
+def test_host_step_quiet_for_gpu_optimizer_or_small_share():
+    assert rc.host_step(make_run(devices=("cuda:0: H100",), forward=0.03, backward=0.03, optimizer=0.04)) == []
+    assert rc.host_step(make_run(forward=0.04, backward=0.04, optimizer=0.02)) == []
+    assert rc.host_step(make_run(forward=0.03, backward=0.03, optimizer=0.04,
+                                 knobs={"fused_optimizer": True, "core_binding": True})) == []
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def memory_rows(device: str, **cat_mib):
+    rows = []
+    for c, mib in cat_mib.items():
+        rows.append((0, "forward", "enter", 0.1, device, c, 0))
+        rows.append((0, "forward", "peak", 0.2, device, c, int(mib * MIB)))
+    return rows
+
+
+def test_memory_near_capacity_suggests_offload_checkpointing_and_fused_ce():
+    mem = _frame("memory", memory_rows("cuda:0", parameters=200, gradients=200, optimizer_state=400,
+                                       activations=1000, other=100) + memory_rows("cpu", other=10))
+    run = make_run(devices=("cuda:0: x",), forward=0.1, memory=mem)
+    run.meta["memory"] = {"capacity_bytes": {"cuda:0": 2000 * MIB, "cpu": 64000 * MIB}}
+    recs = rc.memory_pressure(run)
+    assert kinds(recs) == [("memory-offload", "offload"), ("memory-activations", "activation_checkpointing"),
+                           ("memory-activations", "fused_cross_entropy")]
+    assert "peak 1,900 MiB on cuda:0 is 95% of its 2,000 MiB (activations 1,000 MiB, optimizer_state 400 MiB" \
+        in recs[0].evidence
+    assert recs[0].gain == 600 * MIB and recs[0].gain_unit == "bytes" and recs[0].action == {"offload": True}
+    assert recs[1].gain == 1000 * MIB
+
+
+def test_memory_quiet_with_headroom_or_no_capacity():
+    mem = _frame("memory", memory_rows("cuda:0", activations=1000, optimizer_state=600))
+    run = make_run(devices=("cuda:0: x",), forward=0.1, memory=mem)
+    assert rc.memory_pressure(run) == []  # no capacity known
+    run.meta["memory"] = {"capacity_bytes": {"cuda:0": 2000 * MIB}}
+    assert rc.memory_pressure(run) == []  # 1600 / 2000 = 80% < 85%
+    run.meta["memory"] = {"capacity_bytes": {"cuda:0": 1800 * MIB}}  # 89%
+    assert kinds(rc.memory_pressure(run)) == [("memory-offload", "offload"),
+                                              ("memory-activations", "activation_checkpointing"),
+                                              ("memory-activations", "fused_cross_entropy")]
+
+
+# -- clocks --------------------------------------------------------------------------------------
+
+def test_throttled_clocks_compare_throttled_with_unthrottled_steps():
+    # measured steps 0..3 at 0.1 s each start at 10.0 s (after a 10 s warmup step);
+    # sw_thermal_slowdown (0x20) during steps 2 and 3 only
+    durations = [10.0, 0.1, 0.1, 0.2, 0.2]
+    starts = np.cumsum(durations) - durations
+    clocks = [(float(s) + 0.01, "cuda:0", "throttle_reasons", 0x20 if i >= 3 else 0x1) for i, s in enumerate(starts)]
+    run = make_run(devices=("cuda:0: x",), forward=0.05, durations=durations, clocks=_frame("clocks", clocks))
+    (r,) = rc.throttled_clocks(run)
+    assert r.kind == "throttled" and r.action == {}
+    assert "2 of 4 measured steps throttled on cuda:0 (sw_thermal_slowdown)" in r.evidence
+    assert "median step 200.00 ms throttled vs 100.00 ms not" in r.evidence
+    assert r.gain == pytest.approx(0.15 / 0.1) and "thermal" in r.title
+
+
+def test_throttle_quiet_for_idle_bits_and_no_clocks():
+    clocks = _frame("clocks", [(t, "cuda:0", "throttle_reasons", 0x1) for t in np.arange(0, 11, 0.05)])
+    assert rc.throttled_clocks(make_run(forward=0.1, clocks=clocks)) == []
+    assert rc.throttled_clocks(make_run(forward=0.1)) == []
+
+
+# -- launch-bound ---------------------------------------------------------------------------------
+
+def test_tiny_gpu_steps_are_launch_bound():
+    run = make_run(devices=("cuda:0: x",), forward=0.0005, backward=0.0005, samples=8)
+    recs = rc.launch_bound(run)
+    assert kinds(recs) == [("launch-bound", "batch_size"), ("launch-bound", "cuda_graphs")]
+    assert recs[0].action == {"batch_size": 16} and recs[0].gain == pytest.approx(2.0)
+    assert "median step 1.00 ms on a GPU" in recs[0].evidence
+
+
+def test_overhead_share_suggests_larger_batch_with_fixed_cost_gain():
+    run = make_run(forward=0.03, backward=0.03, other=0.04, knobs={"batch_size": 64})
+    (r,) = rc.launch_bound(run)  # on the CPU: no CUDA graphs
+    assert r.action == {"batch_size": 128}
+    assert r.gain == pytest.approx(2 * 0.1 / (2 * 0.1 - 0.04))
+    assert "40% of step time is outside every phase (40.00 ms per step)" in r.evidence
+
+
+def test_launch_bound_quiet_for_long_steps_or_cpu_tiny_steps():
+    assert rc.launch_bound(make_run(devices=("cuda:0: x",), forward=0.05, backward=0.05)) == []
+    assert rc.launch_bound(make_run(forward=0.0005, backward=0.0005)) == []  # tiny but on the CPU
+
+
+# -- all together ---------------------------------------------------------------------------------
+
+def test_recommendations_ranked_by_gain_and_quiet_for_a_healthy_run():
+    assert rc.recommendations(make_run(forward=0.05, backward=0.05)) == []
+    run = make_run(data_wait=0.05, h2d=0.015, forward=0.02, backward=0.015)
+    recs = rc.recommendations(run)
+    assert [r.knob for r in recs] == ["num_workers", "loader", "pin_memory"]
+    assert recs[0].gain > recs[2].gain
+    df = rc.recommendations_frame(recs)
+    assert list(df["knob"]) == ["num_workers", "loader", "pin_memory"] and df.loc[0, "gain_unit"] == "x"
+    assert "try: num_workers=2" in recs[0].to_text()
+
+
+def test_a_failing_rule_is_skipped_with_a_warning(monkeypatch):
+    def broken(run):
+        raise KeyError("x")
+
+    monkeypatch.setattr(rc, "RULES", (broken, rc.data_stall))
+    with pytest.warns(RuntimeWarning, match="broken"):
+        recs = rc.recommendations(make_run(data_wait=0.05, forward=0.05))
+    assert recs and recs[0].knob == "num_workers"
+
+
+def test_no_steps_no_advice():
+    run = Run(meta={"name": "empty"})
+    assert rc.recommendations(run) == []

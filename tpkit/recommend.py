@@ -1,0 +1,373 @@
+"""Recommendations: pure functions over a Run's frames and meta, each naming a knob to turn.
+
+Every rule reads only measured steps (warmup excluded), states the numbers it saw in
+``evidence``, estimates what turning the knob could win in ``expected_gain`` (text) and
+``gain`` (a number in ``gain_unit``: ``"x"`` for a speedup of samples/s, ``"bytes"`` for memory
+freed), and proposes ``action``: knob -> new value, which the tuner applies and reruns. An
+empty ``action`` means the fix lies outside the training script (power or cooling).
+
+Knob names (the tuner's ``train_fn(**knobs)`` receives them; a user's own knobs of the same
+name are changed in place): ``num_workers``, ``loader`` ("tpkit"), ``pin_memory``,
+``non_blocking``, ``fused_optimizer``, ``offload_kernel``, ``core_binding``, ``offload``,
+``activation_checkpointing``, ``fused_cross_entropy``, ``batch_size``, ``cuda_graphs``.
+
+Speedup estimates are upper bounds from Amdahl's law on the measured totals: removing a
+phase that takes ``p`` of ``d`` seconds gives at most ``d / (d - p)``; a phase made ``f`` times
+faster gives ``d / (d - p + p / f)``. Factors that cannot be measured from the run are named
+constants below, each with where it comes from.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from . import analysis
+
+if TYPE_CHECKING:
+    from .run import Run
+
+#: A data wait of this share of step time is worth fixing (TraceML warns at 10%).
+DATA_STALL_SHARE = analysis.INPUT_LIMITED
+#: Host-to-device copies above this share of step time.
+COPY_SHARE = 0.10
+#: Optimizer or offload step above this share of step time.
+HOST_STEP_SHARE = analysis.OPTIMIZER_BOUND
+#: Peak memory at or above this share of the device's capacity.
+MEMORY_NEAR = 0.85
+#: A memory category worth freeing holds at least this share of the peak.
+MEMORY_CATEGORY_SHARE = 0.25
+#: GPU steps faster than this are dominated by kernel launches, not by the kernels.
+LAUNCH_BOUND_P50_S = 0.002
+#: Time outside every phase above this share of step time.
+OVERHEAD_SHARE = analysis.OVERHEAD_BOUND
+#: Assumed speedup of the host optimizer step from a fused kernel: conservative next to the
+#: ~4.9x measured from torch foreach to fused AdamW on 50M params (shared/MEASURED.md).
+FUSED_OPTIMIZER_FACTOR = 2.0
+#: Core binding of the host step: ~1.3x (DeepSpeed PR #7474).
+CORE_BINDING_FACTOR = 1.3
+MIB = 1024 * 1024
+
+
+@dataclass
+class Recommendation:
+    kind: str            # the rule: data-stall, data-loader, copies, host-optimizer, ...
+    knob: str            # the knob to turn
+    title: str           # one line, imperative
+    evidence: str        # what was measured, with the numbers
+    expected_gain: str   # what turning the knob could win, in words
+    gain: float          # the same as a number, in gain_unit (NaN: cannot be estimated)
+    gain_unit: str       # "x" (speedup of samples/s) or "bytes" (memory freed)
+    action: dict[str, Any] = field(default_factory=dict)  # knob -> new value for the tuner
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        act = ", ".join(f"{k}={v!r}" for k, v in self.action.items())
+        return f"{self.title}\n  evidence: {self.evidence}\n  expected: {self.expected_gain}" + (
+            f"\n  try: {act}" if act else "")
+
+
+# -- small facts about a run -----------------------------------------------------------------
+
+def amdahl(total_s: float, part_s: float, factor: float = math.inf) -> float:
+    """Speedup of the whole when ``part_s`` of ``total_s`` becomes ``factor`` times faster
+    (``inf``: removed). NaN when nothing was measured."""
+    if total_s <= 0:
+        return float("nan")
+    rest = total_s - part_s + (part_s / factor if math.isfinite(factor) else 0.0)
+    return total_s / rest if rest > 0 else float("inf")
+
+
+def _knobs(meta: dict) -> dict[str, Any]:
+    k = meta.get("knobs")
+    return dict(k) if isinstance(k, dict) else {}
+
+
+def on_gpu(meta: dict) -> bool:
+    """Whether the slice ran with a CUDA device (``meta['devices']`` lists ``cuda:N: name``)."""
+    return any(str(d).startswith("cuda") for d in meta.get("devices") or [])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+@dataclass
+class _Totals:
+    steps: int
+    total_s: float
+    phase_s: dict[str, float]
+    p50_s: float
+    samples_per_step: float
+
+    def share(self, col: str) -> float:
+        return self.phase_s.get(col, 0.0) / self.total_s if self.total_s > 0 else 0.0
+
+    def per_step_ms(self, col: str) -> str:
+        return _ms(self.phase_s.get(col, 0.0) / self.steps) if self.steps else "n/a"
+
+
+def _totals(steps: pd.DataFrame) -> _Totals:
+    m = analysis.measured(steps)
+    if m.empty:
+        return _Totals(0, 0.0, {}, float("nan"), float("nan"))
+    return _Totals(len(m), float(m["duration_s"].sum()),
+                   {c: float(m[c].sum()) for c in analysis.PHASE_COLUMNS if c in m.columns},
+                   float(m["duration_s"].median()), float(m["samples"].median()))
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+def data_stall(run: "Run") -> list[Recommendation]:
+    """The loop waits for batches: more workers (with tpkit's loader, as many as its measured
+    batch rate says are needed), or tpkit's loader when the run used another."""
+    t = _totals(run.steps)
+    share = t.share("data_wait_s")
+    if t.steps == 0 or share < DATA_STALL_SHARE:
+        return []
+    wait = t.phase_s["data_wait_s"]
+    speedup = amdahl(t.total_s, wait)
+    knobs = _knobs(run.meta)
+    cur = knobs.get("num_workers")
+    cur_n = int(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) else 0
+    workers = cur_n * 2 if cur_n else 2
+    evidence = (f"data wait is {share:.0%} of step time ({t.per_step_ms('data_wait_s')} per step of "
+                f"{_ms(t.total_s / t.steps)}) over {t.steps} measured steps")
+    tpkit_loader = not run.loader.empty
+    if tpkit_loader:
+        from .data.analysis import loader_verdict
+
+        m = analysis.measured(run.steps)
+        step_s = float((m["duration_s"] - m["data_wait_s"]).median())
+        v = loader_verdict(run.loader, step_s=step_s, num_workers=cur_n or None)
+        evidence += (f"; tpkit's loader makes a batch in {_ms(v.make_s)} per worker against "
+                     f"{_ms(step_s)} of work per step: {v.workers} workers keep up")
+        workers = max(v.workers, cur_n + 1)
+    gain = f"up to {speedup:.2f}x samples/s if the wait disappears ({_ms(t.total_s / t.steps)} -> " \
+           f"{_ms((t.total_s - wait) / t.steps)} per step)"
+    out = [Recommendation("data-stall", "num_workers", f"Use {workers} loader workers (now {cur_n})",
+                          evidence, gain, speedup, "x", {"num_workers": workers})]
+    if not tpkit_loader and knobs.get("loader") != "tpkit":
+        out.append(Recommendation(
+            "data-loader", "loader", "Load batches with tp.data.Loader (shared-memory slots, threads or processes)",
+            evidence, gain, speedup, "x", {"loader": "tpkit", "num_workers": workers}))
+    return out
+
+
+def copies(run: "Run") -> list[Recommendation]:
+    """Host-to-device copies take a visible share: pinned memory and non-blocking copies let
+    them overlap with compute."""
+    t = _totals(run.steps)
+    share = t.share("h2d_s")
+    if t.steps == 0 or share < COPY_SHARE:
+        return []
+    knobs = _knobs(run.meta)
+    action = {k: True for k in ("pin_memory", "non_blocking") if knobs.get(k) is not True}
+    if not action:
+        return []  # already pinned and non-blocking: what is left is bandwidth, not a knob
+    speedup = amdahl(t.total_s, t.phase_s["h2d_s"])
+    return [Recommendation(
+        "copies", "pin_memory", "Pin host batches and copy them with non_blocking=True",
+        f"host-to-device copies take {share:.0%} of step time ({t.per_step_ms('h2d_s')} per step)",
+        f"up to {speedup:.2f}x samples/s if the copies overlap completely with compute", speedup, "x", action)]
+
+
+def host_step(run: "Run") -> list[Recommendation]:
+    """The optimizer (on the host, or offloaded) dominates: a faster kernel, then core binding."""
+    t = _totals(run.steps)
+    if t.steps == 0:
+        return []
+    opt, off = t.share("optimizer_s"), t.share("offload_s")
+    names = " ".join(str(o) for o in run.meta.get("optimizers") or [])
+    host = not on_gpu(run.meta) or off > 0 or "CPU" in names or "Offload" in names
+    if not host or max(opt, off) < HOST_STEP_SHARE:
+        return []
+    part = t.phase_s.get("optimizer_s", 0.0) + t.phase_s.get("offload_s", 0.0)
+    what = "offloaded optimizer step" if off >= opt else "host optimizer step"
+    evidence = (f"the {what} takes {(opt + off):.0%} of step time ({_ms(part / t.steps)} per step: "
+                f"optimizer {opt:.0%}, offload {off:.0%})" + (f"; optimizers: {names}" if names else ""))
+    knobs = _knobs(run.meta)
+    out = []
+    if off >= opt:
+        if knobs.get("offload_kernel") not in ("auto", "deepspeed"):
+            s = amdahl(t.total_s, part, FUSED_OPTIMIZER_FACTOR)
+            out.append(Recommendation("host-optimizer", "offload_kernel", "Let offload pick its fastest host kernel",
+                                      evidence, f"about {s:.2f}x if the host step runs {FUSED_OPTIMIZER_FACTOR:g}x faster "
+                                      "(assumed; measure it)", s, "x", {"offload_kernel": "auto"}))
+    elif knobs.get("fused_optimizer") is not True:
+        s = amdahl(t.total_s, part, FUSED_OPTIMIZER_FACTOR)
+        out.append(Recommendation("host-optimizer", "fused_optimizer", "Use the fused optimizer kernel (fused=True)",
+                                  evidence, f"about {s:.2f}x if the step runs {FUSED_OPTIMIZER_FACTOR:g}x faster "
+                                  "(assumed; foreach -> fused measured ~4.9x on 50M params)", s, "x",
+                                  {"fused_optimizer": True}))
+    if knobs.get("core_binding") is not True:
+        s = amdahl(t.total_s, part, CORE_BINDING_FACTOR)
+        out.append(Recommendation("host-optimizer", "core_binding", "Bind the host step's threads to cores",
+                                  evidence, f"about {s:.2f}x if the host step gains {CORE_BINDING_FACTOR:g}x "
+                                  "(DeepSpeed PR #7474)", s, "x", {"core_binding": True}))
+    return out
+
+
+def capacity_bytes(meta: dict) -> dict[str, int]:
+    """device -> bytes the device can hold, from the memory probe's ``meta['memory']
+    ['capacity_bytes']`` (or a top-level ``memory_capacity_bytes``)."""
+    mem = meta.get("memory")
+    cap = mem.get("capacity_bytes") if isinstance(mem, dict) else None
+    cap = cap if cap is not None else meta.get("memory_capacity_bytes")
+    if isinstance(cap, dict):
+        return {str(k): int(v) for k, v in cap.items() if isinstance(v, (int, float)) and v > 0}
+    return {}
+
+
+def peak_by_category(memory: pd.DataFrame, device: str) -> tuple[float, dict[str, float]]:
+    """The largest total at one recorded boundary of ``device`` and its bytes by category."""
+    d = memory[memory["device"].astype(str) == device]
+    if d.empty:
+        return 0.0, {}
+    keys = ["step", "phase", "event", "t_s"]
+    groups = d.groupby(keys, sort=False)
+    totals = groups["bytes"].sum()
+    rows = groups.get_group(totals.idxmax())
+    return float(totals.max()), {str(c): float(b) for c, b in zip(rows["category"], rows["bytes"])}
+
+
+def memory_pressure(run: "Run") -> list[Recommendation]:
+    """Peak memory near the device's capacity: offload optimizer state, checkpoint
+    activations, fuse the loss so the logits never exist whole."""
+    caps = capacity_bytes(run.meta)
+    if run.memory.empty or not caps:
+        return []
+    knobs = _knobs(run.meta)
+    out = []
+    for device, cap in sorted(caps.items(), key=lambda kv: (kv[0] == "cpu", kv[0])):  # GPUs first
+        peak, cats = peak_by_category(run.memory, device)
+        if peak <= 0 or peak / cap < MEMORY_NEAR:
+            continue
+        share = {c: b / peak for c, b in cats.items()}
+        mix = ", ".join(f"{c} {b / MIB:,.0f} MiB" for c, b in sorted(cats.items(), key=lambda kv: -kv[1]) if b > 0)
+        evidence = (f"peak {peak / MIB:,.0f} MiB on {device} is {peak / cap:.0%} of its "
+                    f"{cap / MIB:,.0f} MiB ({mix})")
+        state = cats.get("optimizer_state", 0.0) + cats.get("gradients", 0.0)
+        if share.get("optimizer_state", 0.0) + share.get("gradients", 0.0) >= MEMORY_CATEGORY_SHARE \
+                and knobs.get("offload") is not True and device != "cpu":
+            out.append(Recommendation("memory-offload", "offload", "Offload optimizer state to the host "
+                                      "(tp.offload.CPUOffloadAdamW)", evidence,
+                                      f"frees up to {state / MIB:,.0f} MiB on {device} (optimizer state and "
+                                      "gradients); the host step then costs time", state, "bytes", {"offload": True}))
+        act = cats.get("activations", 0.0)
+        if share.get("activations", 0.0) >= MEMORY_CATEGORY_SHARE:
+            if knobs.get("activation_checkpointing") is not True:
+                out.append(Recommendation("memory-activations", "activation_checkpointing",
+                                          "Checkpoint activations (recompute them in backward)", evidence,
+                                          f"frees most of the {act / MIB:,.0f} MiB of activations for about one "
+                                          "extra forward per step", act, "bytes", {"activation_checkpointing": True}))
+            if knobs.get("fused_cross_entropy") is not True:
+                out.append(Recommendation("memory-activations", "fused_cross_entropy",
+                                          "Fuse the LM head with the cross-entropy (tpkit kernels)", evidence,
+                                          "the [tokens, vocab] logits and their gradient are never held whole: "
+                                          f"part of the {act / MIB:,.0f} MiB of activations", float("nan"), "bytes",
+                                          {"fused_cross_entropy": True}))
+    return out
+
+
+def throttled_clocks(run: "Run") -> list[Recommendation]:
+    """A GPU reported power or thermal slowdown during measured steps."""
+    if run.clocks.empty or not (run.clocks["metric"] == "throttle_reasons").any():
+        return []
+    from .clock_analysis import step_throttle
+
+    m = analysis.measured(run.steps)
+    thr = step_throttle(run.clocks, m)
+    if thr.empty or not thr["throttled"].any():
+        return []
+    hit = set(thr.loc[thr["throttled"], "step"])
+    reasons = sorted({r for s in thr.loc[thr["throttled"], "reasons"] for r in s.split(", ") if r})
+    devices = sorted(thr.loc[thr["throttled"], "device"].unique())
+    dur = m.set_index("step")["duration_s"]
+    slow = dur[dur.index.isin(hit)]
+    fast = dur[~dur.index.isin(hit)]
+    evidence = f"{len(hit)} of {len(m)} measured steps throttled on {', '.join(devices)} ({', '.join(reasons)})"
+    if not fast.empty:
+        speedup = float(dur.median() / fast.median())
+        evidence += f"; median step {_ms(float(slow.median()))} throttled vs {_ms(float(fast.median()))} not"
+        gain = f"about {speedup:.2f}x if every step ran like the unthrottled ones"
+    else:
+        speedup, gain = float("nan"), "unknown: every measured step was throttled"
+    thermal = any("thermal" in r for r in reasons)
+    title = ("Cool the GPU or lower its power limit: it slows itself down to stay within thermal limits"
+             if thermal else "Raise the power limit or lower the load: the GPU caps its clocks at the power limit")
+    return [Recommendation("throttled", "power_limit", title, evidence, gain, speedup, "x", {})]
+
+
+def launch_bound(run: "Run") -> list[Recommendation]:
+    """Steps so short, or so full of time outside every phase, that fixed per-step costs
+    (kernel launches, Python) dominate: larger batches, and CUDA graphs on a GPU."""
+    t = _totals(run.steps)
+    if t.steps == 0:
+        return []
+    gpu = on_gpu(run.meta)
+    other = t.share("other_s")
+    tiny = gpu and t.p50_s < LAUNCH_BOUND_P50_S
+    if not tiny and other < OVERHEAD_SHARE:
+        return []
+    knobs = _knobs(run.meta)
+    cur = knobs.get("batch_size")
+    batch = int(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) and cur > 0 \
+        else int(t.samples_per_step) if t.samples_per_step == t.samples_per_step and t.samples_per_step > 0 else 0
+    why = []
+    if tiny:
+        why.append(f"median step {_ms(t.p50_s)} on a GPU (below {_ms(LAUNCH_BOUND_P50_S)}: launch-bound)")
+    if other >= OVERHEAD_SHARE:
+        why.append(f"{other:.0%} of step time is outside every phase ({t.per_step_ms('other_s')} per step)")
+    evidence = "; ".join(why)
+    # Doubling the batch keeps a fixed per-step cost o and doubles the rest: samples/s gains
+    # 2d / (2d - o); a launch-bound step (o ~ d) gains up to 2x.
+    fixed = t.total_s if tiny else t.phase_s.get("other_s", 0.0)
+    speedup = 2 * t.total_s / (2 * t.total_s - fixed) if t.total_s > 0 else float("nan")
+    out = []
+    if batch:
+        out.append(Recommendation("launch-bound", "batch_size", f"Double the batch ({batch} -> {batch * 2})",
+                                  evidence, f"up to {speedup:.2f}x samples/s if the per-step overhead stays fixed",
+                                  speedup, "x", {"batch_size": batch * 2}))
+    if gpu and knobs.get("cuda_graphs") is not True:
+        s = amdahl(t.total_s, fixed) if not tiny else float("nan")
+        out.append(Recommendation("launch-bound", "cuda_graphs", "Capture the step in a CUDA graph "
+                                  "(torch.compile mode='reduce-overhead')", evidence,
+                                  f"up to {s:.2f}x if the overhead disappears" if s == s else
+                                  "removes per-kernel launch cost; the gain shows only when measured", s, "x",
+                                  {"cuda_graphs": True}))
+    return out
+
+
+#: Every rule, in the order their advice usually pays off.
+RULES = (data_stall, copies, host_step, memory_pressure, throttled_clocks, launch_bound)
+
+
+def recommendations(run: "Run") -> list[Recommendation]:
+    """All recommendations for a run, speedups first (largest first), then memory, then the
+    rest. A rule that fails on odd data is skipped, never raised: advice is optional."""
+    out: list[Recommendation] = []
+    for rule in RULES:
+        try:
+            out.extend(rule(run))
+        except Exception as e:  # noqa: BLE001 - a broken rule must not hide the dashboard
+            warnings.warn(f"tpkit: recommendation rule {rule.__name__} failed: {e!r}", RuntimeWarning, stacklevel=2)
+
+    def rank(r: Recommendation) -> tuple[int, float]:
+        g = r.gain if r.gain == r.gain else 0.0
+        return ({"x": 0, "bytes": 1}.get(r.gain_unit, 2) if r.gain == r.gain else 2, -g)
+
+    return sorted(out, key=rank)
+
+
+def recommendations_frame(recs: list[Recommendation]) -> pd.DataFrame:
+    """Recommendations as a frame (one row each; ``action`` kept as a dict)."""
+    cols = ["kind", "knob", "title", "evidence", "expected_gain", "gain", "gain_unit", "action"]
+    return pd.DataFrame([r.to_dict() for r in recs], columns=cols)
+
