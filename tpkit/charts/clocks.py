@@ -91,6 +91,16 @@ def _panel(series: pd.DataFrame, metric: str, bounds: pd.DataFrame, bands: pd.Da
         width=width, height=height).resolve_scale(color="independent")
 
 
+def _panels(trace: pd.DataFrame, steps: pd.DataFrame, bands: pd.DataFrame | None, width: int,
+            height: int) -> list[alt.LayerChart]:
+    bands = bands if bands is not None else pd.DataFrame(columns=["device", "start_s", "end_s", "reasons"])
+    bounds = (steps[["step", "warmup", "end_s"]].assign(duration_ms=steps["duration_s"] * 1e3) if not steps.empty
+              else pd.DataFrame(columns=["step", "warmup", "end_s", "duration_ms"]))
+    brush = _time_brush()
+    return [_panel(trace[trace["metric"] == m][["t_s", "device", "value"]], m, bounds, bands, brush, width, height)
+            for m in metric_order(list(trace["metric"].unique()))]
+
+
 def clock_traces(trace: pd.DataFrame, steps: pd.DataFrame, bands: pd.DataFrame | None = None,
                  width: int = 620, height: int = 90) -> alt.VConcatChart:
     """One panel per metric over the slice's time.
@@ -99,24 +109,17 @@ def clock_traces(trace: pd.DataFrame, steps: pd.DataFrame, bands: pd.DataFrame |
     ``steps``: ``run.steps`` (step boundaries are drawn at ``end_s``).
     ``bands``: ``clock_analysis.throttle_bands(run.clocks)`` or None.
     """
-    bands = bands if bands is not None else pd.DataFrame(columns=["device", "start_s", "end_s", "reasons"])
-    bounds = steps[["step", "warmup", "end_s", "duration_s"]].assign(duration_ms=steps["duration_s"] * 1e3) \
-        if not steps.empty else pd.DataFrame(columns=["step", "warmup", "end_s", "duration_ms"])
-    bounds = bounds.drop(columns=["duration_s"], errors="ignore")
-    brush = _time_brush()
-    panels = [_panel(trace[trace["metric"] == m][["t_s", "device", "value"]], m, bounds, bands, brush, width, height)
-              for m in metric_order(list(trace["metric"].unique()))]
-    return _vconcat(*panels, spacing=8)
+    return _vconcat(*_panels(trace, steps, bands, width, height), spacing=8)
 
 
 def clocks_with_timeline(spans: pd.DataFrame, trace: pd.DataFrame, steps: pd.DataFrame,
-                         bands: pd.DataFrame | None = None, width: int = 620) -> alt.VConcatChart:
+                         bands: pd.DataFrame | None = None, width: int = 620, height: int = 90) -> alt.VConcatChart:
     """The stall timeline on top of the clock panels, one shared time axis: zoom or pan any
     of them and the others follow. ``spans``: ``analysis.timeline_frame(run.spans)``."""
-    traces = clock_traces(trace, steps, bands, width=width)
+    panels = _panels(trace, steps, bands, width, height)
     if spans.empty:
-        return traces
-    return _vconcat(stall_timeline(spans, width=width), *traces.vconcat, spacing=10)
+        return _vconcat(*panels, spacing=8)
+    return _vconcat(stall_timeline(spans, width=width), *panels, spacing=10)
 
 
 def _vconcat(*charts: alt.TopLevelMixin, spacing: int) -> alt.VConcatChart:

@@ -10,7 +10,9 @@ recorded in ``meta()["dropped"]``.
 Devices and metrics (DESIGN.md "The Run's tables"):
 
 - host: ``cpu_freq_mhz`` and ``cpu_util_pct`` per core as ``"cpu0"``, ``"cpu1"``, ... (up to
-  ``PER_CORE_MAX`` cores) plus their mean as ``"cpu"``; ``cpu_power_w`` (all RAPL packages
+  ``PER_CORE_MAX`` cores) plus their mean as ``"cpu"``; ``cpu_util_pct`` of this process
+  alone as ``"process"`` (its CPU time over all cores' capacity, so it sits on the same
+  0-100 scale as ``"cpu"`` and stays readable on a machine other people load); ``cpu_power_w`` (all RAPL packages
   summed, from energy-counter deltas) and ``temperature_c`` (hottest CPU sensor) as ``"cpu"``.
 - NVML, per visible GPU as ``"cuda:<i>"`` (torch's numbering): ``sm_clock_mhz``,
   ``mem_clock_mhz``, ``power_w``, ``temperature_c``, ``utilization_pct``,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import time
 from time import perf_counter_ns
 from typing import Any, Callable, Protocol
 
@@ -133,8 +136,10 @@ class HostBackend:
 
         # Utilisation: deltas of psutil.cpu_times (our own baseline; psutil.cpu_percent keeps
         # one process-wide baseline that any other caller would disturb).
+        self._ncores = ncores
         self._last_times = psutil.cpu_times(percpu=True)
         self._last_times_ns = perf_counter_ns()
+        self._last_proc_ns = time.process_time_ns()
         self.sources["cpu_util_pct"] = "psutil.cpu_times deltas"
 
         # Package power: RAPL energy counters (µJ, wrapping at max_energy_range_uj).
@@ -232,6 +237,9 @@ class HostBackend:
         if (now - self._last_times_ns) / 1e9 < UTIL_MIN_WINDOW_S:
             return
         times = self._psutil.cpu_times(percpu=True)
+        proc = time.process_time_ns()
+        proc_pct = 100.0 * (proc - self._last_proc_ns) / ((now - self._last_times_ns) * self._ncores)
+        self._last_proc_ns = proc
         util = []
         for new, old in zip(times, self._last_times):
             busy_new = sum(new) - new.idle - getattr(new, "iowait", 0.0)
@@ -241,6 +249,7 @@ class HostBackend:
         self._last_times, self._last_times_ns = times, now
         if all(u is not None for u in util):
             self._per_core(rows, "cpu_util_pct", util)  # type: ignore[arg-type]
+        rows.append(("process", "cpu_util_pct", min(100.0, max(0.0, proc_pct))))
 
     def _read_power(self, rows: list[Reading]) -> None:
         assert self._last_energy is not None
@@ -268,7 +277,7 @@ class HostBackend:
         pass
 
     def meta(self) -> dict[str, Any]:
-        return {"sources": dict(self.sources), "devices": ["cpu"], "dropped": list(self.dropped)}
+        return {"sources": dict(self.sources), "devices": ["cpu", "process"], "dropped": list(self.dropped)}
 
 
 # -- NVML ---------------------------------------------------------------------------------
