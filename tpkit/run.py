@@ -174,6 +174,18 @@ class Run:
 
         return write_report(self, path)
 
+    def to_perfetto(self, path: str | Path) -> Path:
+        """A Chrome/Perfetto trace (JSON): steps, spans by depth, clock and memory counters."""
+        from .export import to_perfetto
+
+        return to_perfetto(self, path)
+
+    def to_csv(self, folder: str | Path) -> list[Path]:
+        """Every table as ``<table>.csv`` (and ``meta.json``) into ``folder``."""
+        from .export import to_csv
+
+        return to_csv(self, folder)
+
     # -- storage ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write every table as ``<table>.parquet`` and the meta as ``meta.json`` into ``path``."""
