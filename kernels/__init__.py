@@ -14,7 +14,7 @@ TRITON_INTERPRET=1, and otherwise its torch reference (with a one-time notice): 
 
 from .backend import force_backend, reference_only, select_backend
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
-from .patch import Swap, patch, patched, unpatch
+from .patch import Swap, kernels_enabled, patch, patched, unpatch
 from .rms_norm import rms_norm
 from .rope import rope
 from .swiglu import swiglu
@@ -27,6 +27,7 @@ __all__ = [
     "patch",
     "unpatch",
     "patched",
+    "kernels_enabled",
     "Swap",
     "select_backend",
     "force_backend",

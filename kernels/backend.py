@@ -201,3 +201,15 @@ def num_programs_cap(device: torch.device) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Have torch.compile call ``fn`` eagerly (a graph break) rather than trace into it.
+
+    Dynamo cannot trace Triton's interpreter (it fails on numpy uint64 pointer arithmetic),
+    and a fused loss that compile silently got wrong is exactly what users of other kernel
+    libraries report; so the kernels' autograd Functions are opaque to compile and run as
+    written. (Registering them with ``torch.library.triton_op`` would let compile see
+    through them on a GPU: not done yet.)"""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn

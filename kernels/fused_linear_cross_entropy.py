@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import cdiv, lazy_jit, next_power_of_2, tl, use_kernel
+from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, tl, use_kernel
 from .reference import linear_cross_entropy_reference
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -234,6 +234,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
+_apply = eager_only(FusedLinearCrossEntropyFunction.apply)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -250,7 +253,7 @@ def fused_linear_cross_entropy(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if use_kernel(hidden, lm_head_weight):
-        return FusedLinearCrossEntropyFunction.apply(
+        return _apply(
             hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size
         )
     return linear_cross_entropy_reference(hidden, lm_head_weight, targets, ignore_index, reduction)

@@ -19,7 +19,9 @@ puts the original module objects back.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -222,3 +224,21 @@ def unpatch(model: nn.Module) -> list[Swap]:
     if hasattr(model, _SWAPS_ATTR):
         object.__delattr__(model, _SWAPS_ATTR)
     return swaps
+
+
+@contextlib.contextmanager
+def kernels_enabled(model: nn.Module, kinds: tuple[str, ...] | list[str] = KINDS) -> Iterator[list[Swap]]:
+    """``with kernels_enabled(model) as swaps: ...`` patches for the block, then undoes exactly
+    the swaps it made (also when the block raises), e.g. for one arm of an A/B run."""
+    swaps = patch(model, kinds)
+    try:
+        yield swaps
+    finally:
+        remaining = [s for s in patched(model) if s not in swaps]
+        unpatch(model)
+        if remaining:  # swaps made before this block stay in place
+            for swap in remaining:
+                parent_name, _, child = swap.name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, child, swap.replacement)
+            object.__setattr__(model, _SWAPS_ATTR, remaining)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import cdiv, lazy_jit, next_power_of_2, num_programs_cap, tl, use_kernel
+from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, num_programs_cap, tl, use_kernel
 from .reference import rms_norm_reference
 
 
@@ -136,8 +136,11 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+_apply = eager_only(RMSNormFunction.apply)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm of x [..., C] with weight [C]; the Triton kernel when a backend can run it."""
     if use_kernel(x, weight):
-        return RMSNormFunction.apply(x, weight, eps)
+        return _apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import cdiv, lazy_jit, next_power_of_2, tl, use_kernel
+from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, tl, use_kernel
 from .reference import rope_reference
 
 
@@ -86,10 +86,13 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None
 
 
+_apply = eager_only(RoPEFunction.apply)
+
+
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k ([B, H, T, D]) by cos, sin ([T_max, D/2]); gradients flow to q and k."""
     if use_kernel(q, k):
-        return RoPEFunction.apply(q, k, cos, sin)
+        return _apply(q, k, cos, sin)
     return rope_reference(q, k, cos, sin)

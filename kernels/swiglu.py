@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import cdiv, lazy_jit, tl, use_kernel
+from .backend import cdiv, eager_only, lazy_jit, tl, use_kernel
 from .reference import swiglu_reference
 
 BLOCK_GPU = 1024
@@ -85,8 +85,11 @@ class SwiGLUFunction(torch.autograd.Function):
         return swiglu_backward(dy, gate, up)
 
 
+_apply = eager_only(SwiGLUFunction.apply)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up with autograd; the Triton kernel when a backend can run it."""
     if use_kernel(gate, up):
-        return SwiGLUFunction.apply(gate, up)
+        return _apply(gate, up)
     return swiglu_reference(gate, up)

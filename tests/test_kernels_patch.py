@@ -169,3 +169,39 @@ def test_patch_kinds_can_be_chosen():
     assert {s.kind for s in swaps} == {"rms_norm"}
     with pytest.raises(ValueError, match="unknown kinds"):
         K.patch(model, kinds=["flash_attention"])
+
+
+@pytest.mark.slow
+def test_patched_model_under_torch_compile_gives_the_same_loss_and_grads():
+    """Users of other kernel libraries report a fused loss that was silently wrong under
+    torch.compile. Here the kernels are opaque to compile (a graph break), so compiled and
+    eager agree. (~30 s: mostly torch.compile's first compile on the CPU.)"""
+    model = tiny()
+    model.blocks = model.blocks[:1]  # one block keeps compile time down
+    x, y = batch()
+    loss0, grads0 = loss_and_grads(model, x, y)
+    K.patch(model)
+    compiled = torch.compile(model)
+    model.zero_grad(set_to_none=True)
+    loss1 = compiled(x, y)
+    loss1.backward()
+    torch.testing.assert_close(loss1.detach(), loss0, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads0[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_kernels_enabled_patches_for_a_block_only():
+    model = tiny()
+    norm = model.norm
+    with K.kernels_enabled(model) as swaps:
+        assert len(swaps) == 10 and type(model.norm).__name__ == "KernelRMSNorm"
+    assert model.norm is norm and K.patched(model) == []
+    with pytest.raises(RuntimeError, match="boom"):
+        with K.kernels_enabled(model):
+            raise RuntimeError("boom")
+    assert model.norm is norm
+    K.patch(model, kinds=["swiglu"])  # swaps made before the block survive it
+    with K.kernels_enabled(model) as swaps:
+        assert {s.kind for s in swaps} == {"rms_norm", "rope", "lm_head_loss"}
+    assert [s.kind for s in K.patched(model)] == ["swiglu", "swiglu"]
+    assert model.norm is norm and type(model.blocks[0].mlp).__name__ == "KernelSwiGLU"
