@@ -3,10 +3,11 @@
     python benchmarks/loader.py [--workers 2] [--repeats 3] [--quick]
 
 Each measurement runs in a fresh subprocess (so peak memory and start-up are its own):
-time to first batch from ``iter(loader)``, then samples/s over the following batches, while
+time to first batch from constructing the loader, then samples/s over the following batches, while
 the loop touches one byte per 4 KiB page of every tensor (as training would read it).
-Peak memory is the largest sum of RSS over the main process and its workers, sampled every
-20 ms (shared pages count once per process that maps them, for both loaders alike).
+Peak memory is the largest sum of PSS (proportional set size: a shared page counts once in
+total) over the main process and its workers, sampled every 20 ms; the CSV also keeps the
+peak sum of RSS (which counts a shared page once per process mapping it).
 Prints ratios (tpkit / torch, medians over repeats) and writes long-format rows to
 benchmarks/results/loader.csv.
 """
@@ -58,6 +59,23 @@ def _rss_tree_bytes(proc) -> int:
     return total
 
 
+def _pss_tree_bytes(proc) -> int:
+    """Proportional set size of the process and its workers: shared pages (shared-memory
+    batches, pages shared since fork) are split between the processes that map them, so
+    the sum counts each page once."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            with open(f"/proc/{p.pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return total
+
+
 def measure_one(workload: str, peer: str, workers: int) -> dict:
     """Runs in the child process."""
     import psutil
@@ -68,25 +86,27 @@ def measure_one(workload: str, peer: str, workers: int) -> dict:
     cls, kw, bs, n_batches = WORKLOADS[workload]
     ds = getattr(tds, cls)(**kw)
     me = psutil.Process()
-    peak = [_rss_tree_bytes(me)]
+    peak = [_pss_tree_bytes(me)]
+    peak_rss = [_rss_tree_bytes(me)]
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.wait(0.02):
-            peak[0] = max(peak[0], _rss_tree_bytes(me))
+            peak[0] = max(peak[0], _pss_tree_bytes(me))
+            peak_rss[0] = max(peak_rss[0], _rss_tree_bytes(me))
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
+    from torch.utils.data import DataLoader
+    from tpkit.data import Loader
+    t0 = time.perf_counter()  # first batch counted from construction: nothing starts earlier
     if peer == "torch":
-        from torch.utils.data import DataLoader
         loader = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
                             generator=torch.Generator().manual_seed(0))
     elif peer == "tpkit":
-        from tpkit.data import Loader
         loader = Loader(ds, batch_size=bs, shuffle=True, num_workers=workers, seed=0)
     else:
         raise ValueError(peer)
-    t0 = time.perf_counter()
     it = iter(loader)
     b = next(it)
     _touch(b)
@@ -103,8 +123,10 @@ def measure_one(workload: str, peer: str, workers: int) -> dict:
     del b, it
     stop.set()
     th.join()
-    peak[0] = max(peak[0], _rss_tree_bytes(me))
-    return {"samples_per_s": n / dt, "first_batch_s": first_s, "peak_rss_bytes": peak[0]}
+    peak[0] = max(peak[0], _pss_tree_bytes(me))
+    peak_rss[0] = max(peak_rss[0], _rss_tree_bytes(me))
+    return {"samples_per_s": n / dt, "first_batch_s": first_s, "peak_pss_bytes": peak[0],
+            "peak_rss_bytes": peak_rss[0]}
 
 
 def _versions() -> str:
@@ -151,7 +173,7 @@ def main() -> None:
         t, k = results[(wl, "torch")], results[(wl, "tpkit")]
         rt, rk = med([m["samples_per_s"] for m in t]), med([m["samples_per_s"] for m in k])
         ft, fk = med([m["first_batch_s"] for m in t]), med([m["first_batch_s"] for m in k])
-        pt, pk = med([m["peak_rss_bytes"] for m in t]), med([m["peak_rss_bytes"] for m in k])
+        pt, pk = med([m["peak_pss_bytes"] for m in t]), med([m["peak_pss_bytes"] for m in k])
         print(f"{wl:<10} {rt:>10,.0f} {rk:>10,.0f} {rk / rt:>5.2f}x {GOALS[wl]:>4.1f}x "
               f"{ft * 1e3:>9.1f}ms {fk * 1e3:>9.1f}ms {pt / 2**20:>8.0f}MB {pk / 2**20:>8.0f}MB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

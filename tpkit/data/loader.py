@@ -315,8 +315,7 @@ class _LoaderIter:
                 loader._pool = None
             pool = loader._get_pool(self.plan["base_seed"])
             if tasks is None:
-                pool.begin_epoch(None, self.worker_batches)
-                pool.rr = self.next_worker
+                pool.begin_epoch(None, self.worker_batches, self.next_worker)
             else:
                 pool.begin_epoch(tasks)
             self.engine = pool
@@ -375,22 +374,24 @@ class _LoaderIter:
             if self.finished:
                 raise StopIteration
             raw = self._next_raw()
-            self._ahead = (pf.start(raw[0]), raw)
+            self._ahead = (pf.start(raw[0]), (None, *raw[1:]))  # staged: drop the slot views
         handle, raw = self._ahead
         self._ahead = None
         if not self.finished:
             try:
                 nxt = self._next_raw()
-                self._ahead = (pf.start(nxt[0]), nxt)  # one batch ahead, on the side stream
+                self._ahead = (pf.start(nxt[0]), (None, *nxt[1:]))  # one ahead, side stream
             except StopIteration:
                 pass  # hand out the batch in hand; the next call stops
-        dev, wait_s = pf.finish(handle)
-        return (dev, *raw[1:5], raw[5] + wait_s, raw[6])
+        return (handle, *raw[1:])  # __next__ finishes the copy, outside the data_wait span
 
     def __next__(self) -> Any:
         rec = _rec.active()
+        pf = self._prefetcher
         if rec is None:
             item = self._next_item()
+            if pf is not None:
+                item = (pf.finish(item[0])[0], *item[1:])
         else:
             tok = None if rec.is_open("data_wait") else rec.enter("data_wait", "tpkit.data")
             try:
@@ -398,6 +399,16 @@ class _LoaderIter:
             finally:
                 if tok is not None:
                     rec.exit(tok)
+            if pf is not None:
+                # The compute stream waits here for the copy started one batch ago; with CUDA
+                # event timing this span shows the part of the copy that did not overlap.
+                tok = None if rec.is_open("h2d") else rec.enter("h2d", "tpkit.data")
+                try:
+                    dev, wait_s = pf.finish(item[0])
+                finally:
+                    if tok is not None:
+                        rec.exit(tok)
+                item = (dev, *item[1:5], item[5] + wait_s, item[6])
             batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s, n = item
             rec.add_samples(n)
             rec.add_loader_batch(self.batches_done, worker, fetch_s, collate_s, queue_wait_s, transfer_s)

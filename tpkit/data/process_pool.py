@@ -5,10 +5,15 @@ One duplex pipe per worker carries tasks one way and small result tuples the oth
 once, so a worker that dies is noticed at the moment it dies, not after a timeout.
 
 Flow control, per worker: at most ``prefetch`` batches dispatched and not yet handed out,
-and ``prefetch + HOLD_SLOTS`` slots. A handed-out batch keeps its slot until the training
-loop drops every view of it; when the loop already holds ``HOLD_SLOTS`` of a worker's slots,
-the next batch from that worker is handed out as a private copy instead. So a dispatch never
-waits on the user, and no slot is overwritten while a view of it is alive.
+and ``prefetch + hold`` slots. A handed-out batch keeps its slot until the training loop
+drops every view of it; when the loop already holds ``hold`` of a worker's slots, the next
+batch from that worker is handed out as a private copy instead. So a dispatch never waits on
+the user, and no slot is overwritten while a view of it is alive.
+
+``hold`` is 1 with two or more workers: a plain ``for batch in loader`` keeps the previous
+batch alive while asking for the next, and with round-robin order those come from different
+workers. With one worker both come from the same ring, so ``hold`` is 2. A loop that keeps
+more batches alive still works; it gets copies for the extra ones.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
 from .slots import map_segment, read_slot, remove_segments, segment_path, segment_prefix
 from .worker_loop import WorkerSpec, worker_main
 
-HOLD_SLOTS = 2  # batches of one worker the training loop may keep alive before we copy
+def hold_slots(num_workers: int) -> int:
+    """Batches of one worker the training loop may keep alive before we copy (see above)."""
+    return 1 if num_workers >= 2 else 2
 _END = object()  # an iterable worker's stream ended
 _loader_ids = itertools.count()
 
@@ -98,7 +105,8 @@ class ProcessPool:
                  restart_workers: bool, timeout_s: float, context: Any = None) -> None:
         self.loader_id = next(_loader_ids)
         self.prefix = segment_prefix(os.getpid(), self.loader_id)
-        self.n_slots = prefetch + HOLD_SLOTS
+        self.hold = hold_slots(num_workers)
+        self.n_slots = prefetch + self.hold
         self.spec = WorkerSpec(**spec_args, num_workers=num_workers, seg_prefix=self.prefix,
                                n_slots=self.n_slots, parent_pid=os.getpid())
         self.num_workers, self.prefetch, self.in_order = num_workers, prefetch, in_order
@@ -124,7 +132,8 @@ class ProcessPool:
         w.held = 0
         w.inflight = {}
 
-    def begin_epoch(self, tasks: Iterator | None, skip_per_worker: list[int] | None = None) -> None:
+    def begin_epoch(self, tasks: Iterator | None, skip_per_worker: list[int] | None = None,
+                    first_worker: int = 0) -> None:
         """Start an epoch: ``tasks`` yields index lists (map-style) or is None (iterable)."""
         skips = skip_per_worker or [0] * self.num_workers
         self.tasks = tasks
@@ -132,13 +141,16 @@ class ProcessPool:
         self.epoch_first_id = self._next_id
         self.next_yield = self._next_id
         self.results: dict[int, tuple] = {}
-        self.rr = 0
+        self.rr = first_worker  # iterables: whose turn the next batch is (resume keeps it)
         for w in self.workers:
             w.buffered = 0
             w.delivered = skips[w.id]
             w.exhausted = False
             if not self._started:
                 self._start_worker(w, skips[w.id] if tasks is None else 0)
+                # Hand this worker its first batches before forking the next one: it starts
+                # working while we fork (the first batch comes sooner).
+                self._dispatch()
             elif tasks is None:
                 w.conn.send(("reset", skips[w.id]))
         self._started = True
@@ -296,7 +308,7 @@ class ProcessPool:
         (_, _, slot, gen, slot_bytes, skel, fetch_s, collate_s, write_s, done_ns, n) = msg
         t0 = perf_counter_ns()
         current = life == w.life
-        copy = (not current) or w.held >= HOLD_SLOTS
+        copy = (not current) or w.held >= self.hold
         release = None
         if not copy:
             release = self._released.append
