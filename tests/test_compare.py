@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from tpkit import compare as cmp
 from tpkit.run import Run, _frame
+
+# ``tpkit.compare`` is also the name of the function tpkit exports: take the module itself
+cmp = importlib.import_module("tpkit.compare")
 
 
 def make_run(name: str, durations, samples: int = 10, warmup: int = 0, data_share: float = 0.25, loss=None,
@@ -208,3 +212,26 @@ def test_comparison_charts_by_spec():
     assert rule["encoding"]["x"]["field"] == "ci_low" and rule["encoding"]["x2"]["field"] == "ci_high"
     assert point["encoding"]["x"]["field"] == "value"
     assert {v["metric"] for v in next(iter(spec["datasets"].values()))} == {"step_time_p50"}
+
+
+def test_tp_compare_magic_displays_table_and_warnings(ip, tmp_path, monkeypatch):
+    from IPython.core.error import UsageError
+    from IPython.utils.capture import capture_output
+
+    from tpkit import store
+
+    monkeypatch.setenv("TPKIT_RUNS", str(tmp_path))
+    monkeypatch.setattr(store, "_configured", [store._UNSET])
+    store.save(make_run("base", [0.1, 0.1, 0.1], model={"class": "A", "parameters": 1}))
+    store.save(make_run("next", [0.05, 0.05], model={"class": "B", "parameters": 1}))
+    ip.user_ns["mine"] = make_run("mine", [0.2, 0.2])
+    with capture_output() as cap:
+        ip.run_line_magic("tp_compare", "base next mine")
+    data = cap.outputs[-1].data
+    assert "WARNING: different models" in data["text/plain"] and "step_time_p50 (ms)" in data["text/plain"]
+    assert "<table>" in data["text/html"] and "different models" in data["text/html"]
+    assert ip.user_ns["_tp_compare"].labels == ["base", "next", "mine"]
+    with pytest.raises(UsageError, match=r"'nope'[\s\S]*known runs: base, next"):
+        ip.run_line_magic("tp_compare", "base nope")
+    with pytest.raises(UsageError, match="%tp_compare"):
+        ip.run_line_magic("tp_compare", "")

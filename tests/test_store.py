@@ -108,3 +108,18 @@ def test_runs_frame_dtypes_when_empty():
     df = store.runs()
     assert df.empty and list(df.columns) == list(store.RUNS_COLUMNS)
     assert isinstance(df, pd.DataFrame)
+
+
+def test_tp_runs_magic_lists_the_store(ip, tmp_store, capsys):
+    from IPython.core.error import UsageError
+
+    ip.run_line_magic("tp_runs", "")
+    assert "no runs in" in capsys.readouterr().out
+    store.save(make_run("m1", [0.1, 0.2]))
+    df = ip.run_line_magic("tp_runs", "")
+    assert list(df["name"]) == ["m1"] and not df["damaged"].any()
+    other = tmp_store.parent / "other"
+    store.save(make_run("o1", [0.1]), store=other)
+    assert list(ip.run_line_magic("tp_runs", f"--store {other}")["name"]) == ["o1"]
+    with pytest.raises(UsageError, match="%tp_runs"):
+        ip.run_line_magic("tp_runs", "--bogus")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
@@ -96,6 +96,56 @@ class TpkitMagics(Magics):
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
         return config, args.save
+
+    @magic_arguments()
+    @argument("--store", metavar="DIR", default=None, help="list this store instead of the one in use")
+    @line_magic
+    def tp_runs(self, line: str) -> Any:
+        """List the runs in the run store (``tp.runs()``): figures, verdicts, damaged folders."""
+        from .store import runs, store_path
+
+        try:
+            args = parse_argstring(self.tp_runs, line)
+        except UsageError as e:
+            raise UsageError(f"%tp_runs: {e}\n{self.tp_runs.parser.format_usage()}") from None
+        where = args.store or store_path()
+        table = runs(args.store)
+        if table.empty:
+            print(f"no runs in {where}" if where is not None else "the run store is off (tp.set_store(path) turns it on)")
+            return None
+        return table
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="runs to compare: store names, saved folders or variables holding a Run; "
+                                       "the first is the baseline")
+    @line_magic
+    def tp_compare(self, line: str) -> None:
+        """Compare runs against the first: figures with 95% intervals, deltas, significance, warnings."""
+        from .compare import compare
+        from .run import Run
+        from .store import load, names
+
+        try:
+            args = parse_argstring(self.tp_compare, line)
+        except UsageError as e:
+            raise UsageError(f"%tp_compare: {e}\n{self.tp_compare.parser.format_usage()}") from None
+        loaded = []
+        for name in args.names:
+            var = self.shell.user_ns.get(name)
+            if isinstance(var, Run):
+                loaded.append(var)
+                continue
+            try:
+                loaded.append(load(name))
+            except TpkitError as e:
+                msg = f"%tp_compare: cannot load {name!r}: {e}"
+                if "known runs" not in msg:
+                    msg += f"\nknown runs: {', '.join(names()) or 'none'}"
+                raise UsageError(msg) from None
+        comparison = compare(*loaded)
+        self.shell.user_ns["_tp_compare"] = comparison
+        display(comparison)
+
 
 
 _COUNT = [0]
