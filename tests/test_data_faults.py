@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import glob
 import os
 import signal
 import threading
@@ -171,3 +172,34 @@ def test_unsupported_collate_output_names_the_place_and_the_fix():
     assert e.value.exc_type == "UnsupportedBatchError"
     loader.close()
     assert issubclass(UnsupportedBatchError, TypeError)
+
+
+def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
+    """SIGKILL of the training process: its workers notice within seconds, exit, and remove
+    any segment the dead process had not mapped yet."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from tpkit.data import Loader\n"
+        "from tests.test_data_faults import Slow\n"
+        "it = iter(Loader(Slow(), batch_size=2, num_workers=2))\n"
+        "next(it)\n"
+        "print(' '.join(str(p.pid) for p in __import__('psutil').Process().children()), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n" % os.getcwd())
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    pids = [int(p) for p in out.split()]
+    assert len(pids) == 2 and proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive
+    from tpkit.data.slots import SHM_DIR
+    assert not glob.glob(os.path.join(SHM_DIR, f"tpk-{proc.pid}-*"))

@@ -229,6 +229,14 @@ class WorkerRing:
         skel = _respec(skel, specs)
         return skel, self.gen, self.slot_bytes
 
+    def unlink(self) -> None:
+        """Remove this ring's current file (the main process died before mapping it)."""
+        if self.gen >= 0:
+            try:
+                os.unlink(segment_path(self.prefix, self.worker, self.life, self.gen))
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         self._u8 = None
         if self._mm is not None:

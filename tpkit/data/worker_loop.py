@@ -159,8 +159,9 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
     while True:
         # Wake up now and then to notice a dead parent (its pipe end may stay open in siblings).
         while not conn.poll(1.0):
-            if os.getppid() != spec.parent_pid:
+            if os.getppid() != spec.parent_pid:  # orphaned: clean up after ourselves
                 ring.close()
+                ring.unlink()
                 return
         try:
             msg = conn.recv()
