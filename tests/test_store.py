@@ -123,3 +123,15 @@ def test_tp_runs_magic_lists_the_store(ip, tmp_store, capsys):
     assert list(ip.run_line_magic("tp_runs", f"--store {other}")["name"]) == ["o1"]
     with pytest.raises(UsageError, match="%tp_runs"):
         ip.run_line_magic("tp_runs", "--bogus")
+
+
+def test_paths_keep_run_load_errors(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(RunFormatError, match="not a folder"):
+        store.load(f)
+    with pytest.raises(RunFormatError, match="not a folder"):
+        store.load(str(tmp_path / "missing" / "run"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunFormatError, match="meta.json is missing"):
+        store.load(tmp_path / "empty")

@@ -162,8 +162,8 @@ def load(name_or_path: str | os.PathLike | Run, store: str | os.PathLike | None 
     """A stored run by name (``tp.load("baseline")``) or any folder ``run.save()`` wrote.
 
     A plain name is looked up in the store first, then as a folder; anything with a path
-    separator is a folder. An unknown name raises ``RunFormatError`` listing the names the
-    store has. A Run passes through unchanged (so ``compare`` takes names and Runs alike).
+    separator is a folder (and ``Run.load``'s errors say what is wrong with it). A name
+    found nowhere raises ``RunFormatError`` listing the names the store has. A Run passes through unchanged (so ``compare`` takes names and Runs alike).
     """
     if isinstance(name_or_path, Run):
         return name_or_path
@@ -172,8 +172,8 @@ def load(name_or_path: str | os.PathLike | Run, store: str | os.PathLike | None 
     plain = isinstance(name_or_path, str) and os.sep not in text and "/" not in text
     if plain and root is not None and (root / text).is_dir():
         return Run.load(root / text)
-    if Path(text).expanduser().is_dir():
-        return Run.load(Path(text).expanduser())
+    if not plain or Path(text).expanduser().exists():
+        return Run.load(Path(text).expanduser())  # Run.load says what is wrong with a folder
     known = names(root) if root is not None else []
     where = f"the store {root}" if root is not None else "the store (it is off)"
     listing = ", ".join(known) if known else "none"
