@@ -79,6 +79,16 @@ def shm_files() -> list[str]:
     return glob.glob(os.path.join(SHM_DIR, f"tpk-{os.getpid()}-*"))
 
 
+def _is_mp_helper(p: psutil.Process) -> bool:
+    """multiprocessing's own resource tracker / forkserver (started once per process by
+    spawn or forkserver contexts; not a loader worker)."""
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return "resource_tracker" in cmd or "forkserver" in cmd
+
+
 def live_children() -> list:
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not _is_mp_helper(p)]

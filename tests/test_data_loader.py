@@ -69,8 +69,9 @@ def test_thread_mode_and_out_of_order_yield_the_same_batches():
     assert as_lists(list(Loader(Mixed(), batch_size=3, num_workers=2, mode="thread"))) == ref
     got = as_lists(list(Loader(Mixed(), batch_size=3, num_workers=2, in_order=False)))
     assert sorted(map(repr, got)) == sorted(map(repr, ref))
-    got = as_lists(list(Loader(Shards(), batch_size=4, num_workers=2, mode="thread")))
-    assert sorted(v for b in got for v in b["i"][3]) == list(range(23))
+    for kw in (dict(mode="thread"), dict(in_order=False)):
+        got = as_lists(list(Loader(Shards(), batch_size=4, num_workers=2, **kw)))
+        assert sorted(v for b in got for v in b["i"][3]) == list(range(23))
 
 
 def test_persistent_workers_match_torch_over_epochs():
@@ -168,3 +169,11 @@ def test_state_saved_between_epochs_resumes_the_next_epoch():
     again = Loader(Mixed(20), batch_size=4, shuffle=True, seed=9, num_workers=2)
     again.load_state_dict(state)
     assert as_lists(list(again)) == epochs[1]
+
+
+@pytest.mark.slow  # a spawned worker imports torch: seconds
+def test_spawn_context_works_too():
+    """Workers started by spawn get the dataset pickled once and attach to segments by name."""
+    got = list(Loader(Mixed(9), batch_size=4, num_workers=1, multiprocessing_context="spawn"))
+    assert as_lists(got) == as_lists(list(DataLoader(Mixed(9), batch_size=4)))
+    assert not live_children() and not shm_files()

@@ -35,7 +35,8 @@ class Stack:
         return n
 
     def into(self, out: torch.Tensor) -> None:
-        torch.stack(self.tensors, out=out.view(self.dtype).view(self.shape))
+        with torch.no_grad():  # samples that require grad still stack into plain memory
+            torch.stack(self.tensors, out=out.view(self.dtype).view(self.shape))
 
     def materialize(self) -> torch.Tensor:
         return torch.stack(self.tensors)

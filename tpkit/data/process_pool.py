@@ -176,6 +176,9 @@ class ProcessPool:
     def _pick(self) -> _Worker | None:
         ws = self.workers
         if not self.in_order:
+            if self.tasks is None and all(w.exhausted for w in ws):
+                self.tasks_done = True
+                return None
             ok = [w for w in ws if self._has_room(w)]
             return min(ok, key=lambda w: len(w.inflight) + w.buffered) if ok else None
         if self.tasks is not None:  # map-style: batch b goes to worker b % W, like torch
