@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-import torch
 
 from tpkit import recorder
 from tpkit.data import Loader, loader_verdict

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from time import perf_counter
 from collections.abc import Iterable
+from time import perf_counter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,7 +23,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from tpkit import recorder as _rec
 
 from .engines import InlineEngine, ThreadEngine
-from .pinning import DevicePrefetcher, map_tensors, pin_batch, resolve_device
+from .pinning import DevicePrefetcher, pin_batch, resolve_device
 from .process_pool import ProcessPool
 
 STATE_VERSION = 1
@@ -300,7 +300,7 @@ class _LoaderIter:
         self.next_worker = resume["next_worker"] if resume else 0
         spec_args = loader._spec_args(self.plan["base_seed"])
         if W == 0:
-            from .worker_loop import WorkerSpec, seed_worker
+            from .worker_loop import WorkerSpec
             self.engine: Any = InlineEngine(WorkerSpec(**spec_args, num_workers=0, seg_prefix="",
                                                        n_slots=0, parent_pid=os.getpid()),
                                             tasks, skip_batches=skip)

@@ -312,11 +312,7 @@ class ProcessPool:
         t0 = perf_counter_ns()
         current = life == w.life
         copy = (not current) or w.held >= self.hold
-        release = None
-        if not copy:
-            release = self._released.append
-            key = (w.id, life, slot)
-            release = _Release(release, key)
+        release = None if copy else _Release(self._released.append, (w.id, life, slot))
         batch = read_slot(mm, slot, slot_bytes, skel, copy, release)
         if copy and current:
             w.free.append(slot)
