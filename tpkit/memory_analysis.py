@@ -98,7 +98,15 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
     _walk(stack, first)
     for _, b in w.iloc[1:].iterrows():
         label = stack[-1] if stack else "between"
-        deltas = [(c, int(b[c]) - int(prev[c])) for c in CATEGORIES]
+        delta = {c: int(b[c]) - int(prev[c]) for c in CATEGORIES}
+        # the same bytes change name from activations to other when forward/backward ends:
+        # only the part that really came or went is drawn
+        a, o = delta["activations"], delta["other"]
+        if a * o < 0:
+            moved = min(abs(a), abs(o))
+            delta["activations"] -= int(np.sign(a)) * moved
+            delta["other"] -= int(np.sign(o)) * moved
+        deltas = list(delta.items())
         total_before, total_after = int(prev["total_bytes"]), int(b["total_bytes"])
         if any(d for _, d in deltas):
             y = total_before

@@ -171,6 +171,7 @@ class _Boundary:
     cpu_buffer_bytes: int
     cuda: dict[str, tuple[int, int]] = field(default_factory=dict)  # device -> (allocated, peak since last)
     marker: tuple[int, int] | None = None  # (ptr, bytes)
+    n_param_storages: int = 0  # the first entries of cpu_storages are the parameters'
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -292,6 +293,25 @@ class MemoryProbe:
             except TypeError:
                 pass
         self._batch = refs
+        # Loaders report the batch right after their data_wait span closed: count it as data
+        # at that exit boundary too (the previous batch, still held by the loop, stays there).
+        last = self.bounds[-1] if self.bounds else None
+        if last is not None and last.phase == "data_wait" and last.event == "exit":
+            have = {ptr for ptr, _ in last.cpu_storages}
+            seen: set[tuple[str, int]] = set()
+            for r in refs:
+                t = r()
+                try:
+                    s = t.untyped_storage()
+                    ptr, nbytes, dev = s.data_ptr(), s.nbytes(), self._device(t)
+                except Exception:
+                    continue
+                if (dev, ptr) in seen or (dev == "cpu" and ptr in have):
+                    continue
+                seen.add((dev, ptr))
+                last.known[(dev, "data")] = last.known.get((dev, "data"), 0) + nbytes
+                if dev == "cpu":
+                    last.cpu_storages.append((ptr, nbytes))
 
     def _on_phase(self, phase: str, event: str, raw_step: int) -> None:
         t_ns = perf_counter_ns()
@@ -302,8 +322,9 @@ class MemoryProbe:
             m = torch.empty(size, dtype=torch.uint8)
             marker = (m.data_ptr(), size)
             del m
-        known, cpu_storages, buffer_bytes = self._known_sets()
-        b = _Boundary(phase, event, raw_step, t_ns, known, cpu_storages, buffer_bytes, marker=marker)
+        known, cpu_storages, buffer_bytes, n_param = self._known_sets()
+        b = _Boundary(phase, event, raw_step, t_ns, known, cpu_storages, buffer_bytes, marker=marker,
+                      n_param_storages=n_param)
         for i in self.cuda.devices():
             b.cuda[f"cuda:{i}"] = self.cuda.read(i)
         self.bounds.append(b)
@@ -335,9 +356,10 @@ class MemoryProbe:
             name = self._dev_names[dev] = "cpu" if dev.type == "cpu" else str(dev)
         return name
 
-    def _known_sets(self) -> tuple[dict[tuple[str, str], int], list[tuple[int, int]], int]:
-        """Bytes per (device, category) of unique storages, the CPU storages' addresses, and the
-        bytes of model buffers on the CPU."""
+    def _known_sets(self) -> tuple[dict[tuple[str, str], int], list[tuple[int, int]], int, int]:
+        """Bytes per (device, category) of unique storages, the CPU storages' addresses (the
+        parameters' first), the bytes of model buffers on the CPU, and how many CPU storages are
+        parameters."""
         self._refresh_params()
         seen: set[tuple[str, int]] = set()
         known: dict[tuple[str, str], int] = {}
@@ -362,6 +384,7 @@ class MemoryProbe:
         params = self._params
         for p in params:
             add(p, "parameters")
+        n_param = len(cpu)
         for p in params:
             g = p.grad
             if g is not None:
@@ -377,7 +400,7 @@ class MemoryProbe:
         buffer_bytes = 0
         for b in self._buffers:
             buffer_bytes += add(b, None)
-        return known, cpu, buffer_bytes
+        return known, cpu, buffer_bytes, n_param
 
     # -- rows -------------------------------------------------------------------------------
     def _cpu_levels(self, events: list[tuple[int, int]]) -> tuple[list[int | None], list[int | None]]:
@@ -422,10 +445,25 @@ class MemoryProbe:
                     total -= freed
         return rest, seg_peak
 
+    def _backfill_parameters(self) -> None:
+        """The model is known from its first forward (or its optimizer's first step); the
+        boundaries before that (the first data wait) get the parameters seen then, which were
+        alive already unless the model was built inside the loop after the slice began."""
+        bounds = self.bounds
+        first = next((k for k, b in enumerate(bounds) if any(c == "parameters" for _, c in b.known)), None)
+        if not first:
+            return
+        params = {key: v for key, v in bounds[first].known.items() if key[1] == "parameters"}
+        storages = bounds[first].cpu_storages[: bounds[first].n_param_storages]
+        for b in bounds[:first]:
+            b.known.update(params)
+            b.cpu_storages = storages + b.cpu_storages
+
     def _emit(self, events: list[tuple[int, int]]) -> None:
         bounds = self.bounds
         if not bounds:
             return
+        self._backfill_parameters()
         rest_cpu, seg_cpu = self._cpu_levels(events) if events else ([None] * len(bounds), [None] * len(bounds))
         devices = ["cpu"] + sorted({d for b in bounds for d in b.cuda})
 

@@ -1,0 +1,426 @@
+"""The memory probe against numbers known by hand: parameters, gradients and Adam state to the
+byte, tied weights once, activations of a model whose saved tensors are known, a leak flagged;
+mixed precision and no_grad; the CUDA boundary through a stand-in; analysis and chart specs."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from IPython.utils.capture import capture_output
+
+import tpkit as tp
+from tpkit import charts
+from tpkit import memory_analysis as ma
+from tpkit.probes import memory as mem
+
+B, D, H = 64, 32, 512
+
+
+class MLP(torch.nn.Module):
+    """Saved for backward at forward exit: relu outputs r1, r2 [B, H] (each is also the next
+    linear's input, saved once) and the output y [B, 1] (saved by pow); plus the loss scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(D, H)
+        self.l2 = torch.nn.Linear(H, H)
+        self.l3 = torch.nn.Linear(H, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r1 = torch.relu(self.l1(x))
+        r2 = torch.relu(self.l2(r1))
+        return self.l3(r2).pow(2).mean()
+
+
+def saved_bytes(itemsize: int = 4) -> int:
+    return 2 * B * H * itemsize + B * itemsize + itemsize
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def rows(run: tp.Run, phase: str, event: str, category: str, device: str = "cpu") -> pd.Series:
+    m = run.memory
+    sel = m[(m["phase"] == phase) & (m["event"] == event) & (m["category"] == category) & (m["device"] == device)]
+    return sel.set_index("step")["bytes"]
+
+
+def train_mlp(steps: int = 3, warmup: int = 1, **kwargs):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(B, D)
+
+    def step():
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=steps, warmup=warmup, progress=False, clocks=False, **kwargs)
+    return run, model, opt
+
+
+LOOP = """
+import torch
+torch.manual_seed(0)
+model = MLP()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+data = torch.utils.data.TensorDataset(torch.randn(20 * B, D))
+loader = torch.utils.data.DataLoader(data, batch_size=B)
+for (x,) in loader:
+    model(x).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_mlp_adam_exact_bytes_through_the_magic(ip):
+    ip.user_ns.update(MLP=MLP, B=B, D=D)
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 3 --warmup 1 --clock-hz 0 --name mem", LOOP)
+    run = ip.user_ns["_tp"]
+    model, opt = ip.user_ns["model"], ip.user_ns["opt"]
+    P = n_params(model)
+    m = run.memory[run.memory["device"] == "cpu"]
+    assert set(m["category"]) == set(mem.CATEGORIES) and set(m["event"]) == {"enter", "exit", "peak"}
+    assert (m[m["category"] == "parameters"]["bytes"] == 4 * P).all()
+    # gradients after every backward, none after zero_grad(set_to_none)
+    assert (rows(run, "backward", "exit", "gradients") == 4 * P).all()
+    assert (rows(run, "forward", "enter", "gradients") == 0).all()
+    # Adam: exp_avg + exp_avg_sq per parameter, plus a scalar fp32 step counter on the CPU each
+    counters = [s["step"] for s in opt.state.values()]
+    assert all(c.dtype == torch.float32 and c.numel() == 1 and c.device.type == "cpu" for c in counters)
+    adam = 8 * P + 4 * len(counters)
+    opt_exit = run.memory[(run.memory["phase"] == "optimizer") & (run.memory["event"] == "exit")
+                          & (run.memory["category"] == "optimizer_state")]
+    assert opt_exit["bytes"].iloc[0] == adam  # right after the first step
+    assert (opt_exit["bytes"] == adam).all()
+    # the batch the loader yielded is data from the data_wait exit on; there the previous batch,
+    # still held by the loop's variable, is alive too
+    assert rows(run, "data_wait", "exit", "data").tolist() == [B * D * 4] + [2 * B * D * 4] * 3
+    assert (rows(run, "forward", "exit", "data") == B * D * 4).all()
+    # what was alive at the peak
+    peak = run.memory_peak()
+    assert set(peak["category"]) == set(mem.CATEGORIES)
+    peaks = ma.wide(run.memory, ("peak",))
+    assert peak["total_bytes"].iloc[0] == peaks[peaks["device"] == "cpu"]["total_bytes"].max()
+    assert peak["bytes"].sum() == peak["total_bytes"].iloc[0]
+    assert peak.set_index("category")["bytes"]["parameters"] == 4 * P
+    assert run.meta["memory"]["capacity_bytes"]["cpu"] > 0
+    assert cap.outputs  # the dashboard was displayed; its Memory section:
+    from tpkit.report import section_charts
+
+    memory = dict(section_charts(run))["Memory"].to_dict()
+    assert "Memory waterfall, step" in str(memory["hconcat"][0]["title"])
+
+
+def test_activations_match_the_saved_tensors_within_10_percent():
+    run, _, _ = train_mlp()
+    act = rows(run, "forward", "exit", "activations")
+    want = saved_bytes()
+    assert len(act) == 4
+    assert ((act - want).abs() <= 0.10 * want).all(), (act.tolist(), want)
+    # backward frees them: only the loss scalar or so is left
+    assert (rows(run, "backward", "exit", "activations") < 64).all()
+    # the forward peak holds at least the saved tensors; the backward peak is above its exit
+    assert (rows(run, "forward", "peak", "activations") >= want - 8).all()
+
+
+def test_second_slice_with_leftover_grads_counts_the_same():
+    """Blocks allocated before the slice (or in an earlier one) must not shift the rest."""
+    run1, model, opt = train_mlp()
+    model(torch.randn(B, D)).backward()  # leave gradients behind, made outside any slice
+    x = torch.randn(B, D)
+
+    def step():
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run2 = tp.profile_fn(step, steps=3, warmup=1, progress=False, clocks=False)
+    a1, a2 = rows(run1, "forward", "exit", "activations"), rows(run2, "forward", "exit", "activations")
+    assert (a2 - a1.iloc[-1]).abs().max() <= 64
+    P = n_params(model)
+    assert (rows(run2, "backward", "exit", "gradients") == 4 * P).all()
+    assert (rows(run2, "optimizer", "enter", "activations").fillna(0) == 0).all()
+    assert (rows(run2, "optimizer", "exit", "other") < 1024).all()
+
+
+def test_tied_weights_count_once():
+    run = tp.profile_fn(_tied_step(), steps=2, warmup=0, progress=False, clocks=False)
+    V, C = 100, 16
+    unique = V * C + C  # embedding weight (shared with the head) + a norm weight
+    assert (run.memory[run.memory["category"] == "parameters"]["bytes"] == 4 * unique).all()
+    assert (rows(run, "backward", "exit", "gradients") == 4 * unique).all()
+
+
+def _tied_step():
+    V, C = 100, 16
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(V, C)
+    head = torch.nn.Linear(C, V, bias=False)
+    head.weight = emb.weight
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head, self.scale = emb, head, torch.nn.Parameter(torch.ones(C))
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(t) * self.scale).logsumexp(-1).mean()
+
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = torch.randint(0, V, (8, 4))
+
+    def step():
+        model(t).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def test_deliberate_leak_is_flagged_and_steady_loop_is_not():
+    steady, _, _ = train_mlp(steps=6, warmup=1)
+    assert not ma.growth(steady.memory)["leak"].any()
+    assert not any("grew by" in n for n in steady.summary().notes)
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(B, D)
+    kept = []
+
+    def leaky():
+        out = torch.relu(model.l1(x))  # [B, H] kept with its graph
+        kept.append(out)
+        (model(x) + out.mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(leaky, steps=6, warmup=1, progress=False, clocks=False)
+    g = ma.growth(run.memory)
+    assert g["leak"].all() and g["per_step_bytes"].iloc[0] >= B * H * 4
+    notes = run.summary().notes
+    assert any("grew by" in n and "cpu" in n for n in notes), notes
+
+
+def test_no_memory_gives_an_empty_table(ip):
+    ip.user_ns.update(MLP=MLP, B=B, D=D)
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --no-memory --clock-hz 0", LOOP)
+    run = ip.user_ns["_tp"]
+    assert run.memory.empty and list(run.memory.columns) == ["step", "phase", "event", "t_s", "device",
+                                                             "category", "bytes"]
+    assert "memory" not in run.meta
+    run2, _, _ = train_mlp(steps=1, warmup=0, memory=False)
+    assert run2.memory.empty
+
+
+def test_probe_leaves_nothing_behind():
+    from torch.autograd import profiler as autograd_profiler
+
+    run, _, _ = train_mlp(steps=1, warmup=0)
+    assert not run.memory.empty
+    assert not autograd_profiler._is_profiler_enabled
+    # a torch profiler can run again after the slice
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        torch.ones(3).sum()
+
+
+def test_bf16_parameters_are_two_bytes_each():
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D, dtype=torch.bfloat16)
+
+    def step():
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=2, warmup=1, progress=False, clocks=False)
+    P = n_params(model)
+    assert (run.memory[run.memory["category"] == "parameters"]["bytes"] == 2 * P).all()
+    assert (rows(run, "backward", "exit", "gradients") == 2 * P).all()
+    act = rows(run, "forward", "exit", "activations")
+    assert ((act - saved_bytes(2)).abs() <= 0.10 * saved_bytes(2)).all(), act.tolist()
+
+
+def test_autocast_keeps_fp32_parameters_and_counts_the_casts_as_activations():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=2, warmup=1, progress=False, clocks=False)
+    P = n_params(model)
+    assert (run.memory[run.memory["category"] == "parameters"]["bytes"] == 4 * P).all()
+    assert (rows(run, "backward", "exit", "gradients") == 4 * P).all()  # fp32 master grads
+    act = rows(run, "forward", "exit", "activations")
+    # bf16 saved activations and the bf16 weight copies autocast keeps for backward
+    low, high = saved_bytes(2), saved_bytes(2) + 2 * P + B * D * 2 + 4096
+    assert ((act >= low * 0.9) & (act <= high * 1.1)).all(), (act.tolist(), low, high)
+    assert (act < saved_bytes(4) + 2 * P).all()
+
+
+def test_no_grad_forward_saves_nothing():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(B, D)
+
+    def evaluate():
+        with torch.no_grad():
+            model(x)
+        tp.step()
+
+    run = tp.profile_fn(evaluate, steps=2, warmup=0, progress=False, clocks=False)
+    act = rows(run, "forward", "exit", "activations")
+    assert len(act) == 2 and (act <= 64).all(), act.tolist()
+    # the peak inside forward still saw the [B, H] temporaries
+    assert (rows(run, "forward", "peak", "activations") >= B * H * 4).all()
+
+
+# -- CUDA boundary, through a stand-in --------------------------------------------------------
+class FakeCuda(mem.CudaAllocator):
+    """Plays a CUDA allocator: level and peak per read, scripted."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, int]] = []
+        self.history = False
+
+    def devices(self) -> list[int]:
+        return [0]
+
+    def read(self, index: int) -> tuple[int, int]:
+        n = len(self.reads)
+        now, peak = 1000 * (n + 1), 1000 * (n + 1) + 500
+        self.reads.append((now, peak))
+        return now, peak
+
+    def capacity(self, index: int) -> int:
+        return 80 * 2**30
+
+    def start_history(self) -> None:
+        self.history = True
+
+    def stop_history(self) -> dict:
+        frames = [{"filename": "train.py", "line": 12, "name": "forward"}]
+        return {"device_traces": [[
+            {"action": "alloc", "addr": 1, "size": 100, "frames": frames},
+            {"action": "alloc", "addr": 2, "size": 300, "frames": frames},
+            {"action": "free_requested", "addr": 1, "size": 100},
+            {"action": "alloc", "addr": 3, "size": 50, "frames": []},
+            {"action": "free_completed", "addr": 1, "size": 100},
+        ]]}
+
+
+def test_cuda_rows_peaks_and_detail_through_a_stand_in():
+    fake = FakeCuda()
+    rec = tp.profiler._rec.Recorder("fake")
+    probe = mem.MemoryProbe(rec, detail=True, cuda=fake).install()
+    assert fake.history
+    rec.enter("forward", "test")  # boundary 0: read (1000, 1500)
+    tok = rec.enter("h2d", "test")  # boundary 1: (2000, 2500)
+    rec.exit(tok)  # boundary 2: (3000, 3500)
+    rec.exit(0)  # boundary 3 (forward exit): (4000, 4500)
+    probe.remove()
+    probe.remove()  # idempotent
+    m = pd.DataFrame(rec.memory, columns=["step", "phase", "event", "t_ns", "device", "category", "bytes"])
+    cuda = m[m["device"] == "cuda:0"]
+    enter = cuda[(cuda["phase"] == "forward") & (cuda["event"] == "enter")].set_index("category")["bytes"]
+    assert enter["activations"] == 1000 and enter["parameters"] == 0
+    peak = cuda[(cuda["phase"] == "forward") & (cuda["event"] == "peak")]["bytes"].sum()
+    assert peak == 4500  # the highest per-stretch peak inside forward
+    h2d_peak = cuda[(cuda["phase"] == "h2d") & (cuda["event"] == "peak")].set_index("category")["bytes"]
+    assert h2d_peak["other"] == 3500
+    meta = probe.meta()["memory"]
+    assert meta["capacity_bytes"]["cuda:0"] == 80 * 2**30
+    top = meta["top_at_peak"]["cuda:0"]
+    assert top["peak_bytes"] == 400
+    assert [a["bytes"] for a in top["allocations"]] == [300, 100]
+    assert top["allocations"][0]["stack"] == ["train.py:12 forward"]
+
+
+def test_top_allocations_at_peak_replays_frees():
+    trace = [{"action": "alloc", "addr": a, "size": s} for a, s in [(1, 10), (2, 20)]]
+    trace += [{"action": "free_requested", "addr": 2}, {"action": "alloc", "addr": 3, "size": 5}]
+    out = mem.top_allocations_at_peak(trace, n=1)
+    assert out["peak_bytes"] == 30 and [a["bytes"] for a in out["allocations"]] == [20]
+
+
+# -- analysis and charts on a hand-made frame ------------------------------------------------
+def hand_memory() -> pd.DataFrame:
+    """Two steps on the CPU: forward adds 100 of activations, backward frees them and adds 40 of
+    gradients, the optimizer frees the gradients; 'other' grows 10 per step."""
+    out = []
+    t = 0.0
+    for step in (0, 1):
+        base = {"parameters": 40, "optimizer_state": 80, "other": 10 * step}
+        seq = [("forward", "enter", {}), ("forward", "exit", {"activations": 100}),
+               ("forward", "peak", {"activations": 130}),
+               ("backward", "enter", {"activations": 100}), ("backward", "exit", {"gradients": 40}),
+               ("backward", "peak", {"activations": 60, "gradients": 40}),
+               ("optimizer", "enter", {"gradients": 40}), ("optimizer", "exit", {"other": 10 * step + 10})]
+        for phase, event, extra in seq:
+            t += 0.01
+            levels = {**base, **extra}
+            for c in mem.CATEGORIES:
+                out.append((step, phase, event, t, "cpu", c, levels.get(c, 0)))
+    return pd.DataFrame(out, columns=["step", "phase", "event", "t_s", "device", "category", "bytes"])
+
+
+def test_waterfall_frame_by_hand():
+    wf = ma.waterfall(hand_memory(), step=0)
+    start = wf[wf["phase"] == "step start"].set_index("category")["delta_bytes"]
+    assert start.to_dict() == {"parameters": 40, "optimizer_state": 80}
+    fwd = wf[wf["phase"] == "forward"]
+    assert fwd[["category", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes"]].values.tolist() == [
+        ["activations", 100, 120, 220, 220]]
+    bwd = wf[wf["phase"] == "backward"].set_index("category")
+    assert bwd.loc["gradients", "delta_bytes"] == 40 and bwd.loc["activations", "delta_bytes"] == -100
+    assert (bwd["total_bytes"] == 160).all()
+    assert wf[wf["phase"] == "optimizer"]["total_bytes"].iloc[-1] == 130
+    assert ma.step_peak(hand_memory(), 0)["total_bytes"] == 250
+    assert ma.step_peak(hand_memory(), 0)["phase"] == "forward"
+
+
+def test_across_steps_growth_and_headroom_by_hand():
+    m = hand_memory()
+    a = ma.across_steps(m)
+    assert a[a["category"] == "other"]["bytes"].tolist() == [10, 20]
+    assert a.drop_duplicates("step")["peak_bytes"].tolist() == [250, 260]
+    g = ma.growth(m)
+    assert g["growth_bytes"].iloc[0] == 10 and not g["leak"].iloc[0]  # 2 steps: too few to call
+    r = ma.headroom(m, {"memory": {"capacity_bytes": {"cpu": 1000}}})
+    assert r["headroom_bytes"].iloc[0] == 740 and r["peak_share"].iloc[0] == pytest.approx(0.26)
+    p = ma.memory_peak(m)
+    assert p["step"].iloc[0] == 1 and p["phase"].iloc[0] == "forward" and p["total_bytes"].iloc[0] == 260
+
+
+def test_chart_specs():
+    m = hand_memory()
+    chart = charts.memory_waterfall(ma.waterfall(m, 0), ma.step_peak(m, 0), headroom_bytes=2**30,
+                                    capacity_bytes=2 * 2**30, step=0)
+    spec = chart.to_dict()
+    marks = [layer["mark"]["type"] if isinstance(layer["mark"], dict) else layer["mark"] for layer in spec["layer"]]
+    assert marks == ["bar", "line", "rule", "text"]
+    bar = spec["layer"][0]["encoding"]
+    assert bar["y"]["field"] == "y0_mib" and bar["y2"]["field"] == "y1_mib"
+    assert bar["color"]["scale"]["domain"] == list(mem.CATEGORIES)
+    texts = [d for d in spec["datasets"].values() if d and "text" in d[0]]
+    assert texts and texts[0][0]["text"].startswith("peak 0.00 MiB in forward (activations")
+    assert "headroom" in spec["title"]["subtitle"][0]
+    across = charts.memory_by_step(ma.across_steps(m)).to_dict()
+    assert [layer["mark"]["type"] for layer in across["layer"]] == ["bar", "line"]
+    assert across["layer"][0]["encoding"]["y"]["stack"] == "zero"
