@@ -235,3 +235,26 @@ def test_tp_compare_magic_displays_table_and_warnings(ip, tmp_path, monkeypatch)
         ip.run_line_magic("tp_compare", "base nope")
     with pytest.raises(UsageError, match="%tp_compare"):
         ip.run_line_magic("tp_compare", "")
+
+
+def test_shared_resamples_give_the_same_intervals_as_bootstrap_ci():
+    rng = np.random.default_rng(3)
+    d = rng.normal(0.1, 0.01, 40)
+    run = make_run("a", d, data_share=0.3)
+    run.steps["data_wait_s"] = d * rng.uniform(0.1, 0.5, 40)  # shares that vary by step
+    metrics = {m.metric: m for m in cmp.run_metrics(run, n=400, seed=5)}
+    m = cmp.analysis.measured(run.steps)
+    dur = m["duration_s"].to_numpy()
+    want = cmp.bootstrap_ci(dur, "median", 400, 5)
+    assert metrics["step_time_p50"].ci == pytest.approx((want[0] * 1e3, want[1] * 1e3), rel=1e-12)
+    pairs = np.stack([m["samples"].to_numpy(dtype=float), dur], axis=1)
+    assert metrics["throughput"].ci == pytest.approx(cmp.bootstrap_ci(pairs, cmp.ratio_of_sums, 400, 5), rel=1e-12)
+    pairs = np.stack([m["data_wait_s"].to_numpy(), dur], axis=1)
+    lo, hi = cmp.bootstrap_ci(pairs, cmp.ratio_of_sums, 400, 5)
+    assert metrics["data_stall_share"].ci == pytest.approx((lo * 100, hi * 100), rel=1e-12)
+    assert lo < metrics["data_stall_share"].value / 100 < hi
+
+
+def test_long_runs_use_fewer_resamples():
+    assert cmp.resamples_for(20) == cmp.BOOTSTRAP_N
+    assert cmp.resamples_for(10_000) == 400 and cmp.resamples_for(1_000_000) == cmp.BOOTSTRAP_MIN_N

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 import numpy as np
 import pandas as pd
@@ -36,6 +36,10 @@ BOOTSTRAP_N = 2000
 BOOTSTRAP_SEED = 0
 CI_LEVEL = 0.95
 MIB = 1024 * 1024
+#: Resampled step indices a run's comparison may draw in all (n x steps): long runs get fewer
+#: resamples (never under ``BOOTSTRAP_MIN_N``), which their narrow intervals can afford.
+BOOTSTRAP_WORK = 4_000_000
+BOOTSTRAP_MIN_N = 400
 #: Resampled elements held in memory at once by ``bootstrap_ci`` (keeps 10k-step runs cheap).
 _CHUNK_ELEMENTS = 2_000_000
 
@@ -67,16 +71,58 @@ def bootstrap_ci(values: np.ndarray | list, stat: Stat = "median", n: int = BOOT
     if k == 1:
         x = float(fn(v[None, ...])[0])
         return x, x
-    rng = np.random.default_rng(seed)
-    rows = max(1, _CHUNK_ELEMENTS // (k * max(1, int(np.prod(v.shape[1:])))))
     stats = np.empty(n, dtype="float64")
-    for lo in range(0, n, rows):
-        b = min(rows, n - lo)
-        idx = rng.integers(0, k, size=(b, k))
-        stats[lo:lo + b] = fn(v[idx])
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(stats, [tail, 100 - tail])
+    for lo, idx in _resample_indices(k, n, seed, int(np.prod(v.shape[1:]))):
+        stats[lo:lo + len(idx)] = fn(v[idx])
+    low, high = _percentiles(stats, level)
     return float(low), float(high)
+
+
+def _resample_indices(k: int, n: int, seed: int, width: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+    """The resamples of ``bootstrap_ci``, in chunks: ``(first resample, indices [b, k])``.
+    Chunking keeps memory bounded and does not change the stream (numpy draws them in order)."""
+    rng = np.random.default_rng(seed)
+    rows = max(1, _CHUNK_ELEMENTS // (k * max(1, width)))
+    for lo in range(0, n, rows):
+        yield lo, rng.integers(0, k, size=(min(rows, n - lo), k))
+
+
+def _percentiles(stats: np.ndarray, level: float = CI_LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(stats, [tail, 100 - tail], axis=0)
+    return low, high
+
+
+def resamples_for(steps: int, n: int = BOOTSTRAP_N) -> int:
+    """Resamples used for a run of ``steps`` measured steps: ``n``, fewer for long runs."""
+    return int(min(n, max(BOOTSTRAP_MIN_N, BOOTSTRAP_WORK // max(1, steps))))
+
+
+def step_bootstrap(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndarray, n: int = BOOTSTRAP_N,
+                   seed: int = BOOTSTRAP_SEED, level: float = CI_LEVEL) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Intervals of a run's step statistics from one shared set of resamples (the same
+    resamples ``bootstrap_ci`` draws for this seed, so each interval equals what
+    ``bootstrap_ci`` gives for that statistic alone, up to rounding):
+
+    ``throughput`` (sum samples / sum duration), ``median_s`` (median step time) and
+    ``shares`` (sum of each column of ``parts_s [k, P]`` / sum duration). Sums over a resample
+    come from its index counts times the values (one matrix product), so a 10,000-step run
+    takes well under a second.
+    """
+    k = len(duration_s)
+    x = np.column_stack([samples, duration_s, parts_s]).astype("float64")  # [k, 2 + P]
+    thr, med = np.empty(n), np.empty(n)
+    shares = np.empty((n, x.shape[1] - 2))
+    for lo, idx in _resample_indices(k, n, seed):
+        b = len(idx)
+        counts = np.bincount((idx + (np.arange(b) * k)[:, None]).ravel(), minlength=b * k).reshape(b, k)
+        sums = counts.astype("float64") @ x  # [b, 2 + P]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            thr[lo:lo + b] = sums[:, 0] / sums[:, 1]
+            shares[lo:lo + b] = sums[:, 2:] / sums[:, 1:2]
+        med[lo:lo + b] = np.median(duration_s[idx], axis=1)
+    return {"throughput": _percentiles(thr, level), "median_s": _percentiles(med, level),
+            "shares": _percentiles(shares, level)}
 
 
 def _stat_fn(stat: Stat) -> Callable[[np.ndarray], np.ndarray]:
@@ -121,19 +167,24 @@ def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED) ->
     total = float(dur.sum())
     if dur.size:
         samples = m["samples"].to_numpy(dtype="float64")
+        cols = [c for c in analysis.PHASE_COLUMNS if c in m.columns]
+        parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((len(dur), 0))
+        if len(dur) > 1:
+            ci = step_bootstrap(samples, dur, parts, resamples_for(len(dur), n), seed)
+        else:  # one step: the interval is the point
+            one = (samples[0] / dur[0], dur[0], parts[0] / dur[0])
+            ci = {"throughput": (one[0], one[0]), "median_s": (one[1], one[1]), "shares": (one[2], one[2])}
         thr = float(samples.sum() / total) if total > 0 else float("nan")
-        out.append(Metric("throughput", "samples/s", thr,
-                          bootstrap_ci(np.stack([samples, dur], axis=1), ratio_of_sums, n, seed), "higher"))
-        lo, hi = bootstrap_ci(dur, "median", n, seed)
-        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, (lo * 1e3, hi * 1e3), "lower"))
-        for col in analysis.PHASE_COLUMNS:
-            if col not in m.columns:
-                continue
-            part = m[col].to_numpy(dtype="float64")
+        out.append(Metric("throughput", "samples/s", thr, (float(ci["throughput"][0]), float(ci["throughput"][1])),
+                          "higher"))
+        lo, hi = ci["median_s"]
+        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, (float(lo) * 1e3, float(hi) * 1e3),
+                          "lower"))
+        for j, col in enumerate(cols):
             name = "data_stall_share" if col == "data_wait_s" else f"{col[:-2]}_share"
-            lo, hi = bootstrap_ci(np.stack([part, dur], axis=1), ratio_of_sums, n, seed)
-            share = float(part.sum() / total) if total > 0 else float("nan")
-            out.append(Metric(name, "%", share * 100, (lo * 100, hi * 100),
+            share = float(parts[:, j].sum() / total) if total > 0 else float("nan")
+            lo, hi = ci["shares"][0][j], ci["shares"][1][j]
+            out.append(Metric(name, "%", share * 100, (float(lo) * 100, float(hi) * 100),
                               "lower" if col in ("data_wait_s", "h2d_s", "other_s") else ""))
     for key, nbytes in peak_memory_bytes(run.memory).items():
         out.append(Metric(f"peak_memory_{key}", "MiB", nbytes / MIB, direction="lower"))
