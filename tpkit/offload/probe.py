@@ -151,6 +151,12 @@ class OffloadProbe:
                 rec.exit(token)
             if before is None or getattr(engine, "global_steps", before) != before:
                 probe.engine_steps += 1
+                if rec.samples == 0:  # the loop's batches were not seen by a loader probe
+                    try:
+                        rec.add_samples(int(engine.train_micro_batch_size_per_gpu())
+                                        * int(engine.gradient_accumulation_steps()))
+                    except Exception:
+                        pass
                 rec.end_step()  # may raise StopSlice: the optimizer step is complete
             return out
 
