@@ -258,3 +258,12 @@ def test_shared_resamples_give_the_same_intervals_as_bootstrap_ci():
 def test_long_runs_use_fewer_resamples():
     assert cmp.resamples_for(20) == cmp.BOOTSTRAP_N
     assert cmp.resamples_for(10_000) == 400 and cmp.resamples_for(1_000_000) == cmp.BOOTSTRAP_MIN_N
+
+
+def test_comparison_charts_list_skips_empty_parts():
+    c = cmp.compare(make_run("a", [0.1, 0.2]), make_run("b", [0.1, 0.1]))
+    titles = [t for t, _ in c.charts()]
+    assert titles == ["Step time by run", "Median time per phase by run", "step_time_p50 with 95% intervals",
+                      "throughput with 95% intervals"]
+    assert all(ch.to_dict() for _, ch in c.charts())
+    assert cmp.compare(Run(meta={"name": "e"})).charts() == []

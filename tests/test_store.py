@@ -135,3 +135,13 @@ def test_paths_keep_run_load_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RunFormatError, match="meta.json is missing"):
         store.load(tmp_path / "empty")
+
+
+def test_garbled_meta_json_is_listed_as_damaged(tmp_store):
+    path = store.save(make_run("g", [0.1]))
+    (path / "meta.json").write_text("{not json")
+    other = store.save(make_run("h", [0.1]))
+    (other / "meta.json").write_text('{"name": "h"}')  # JSON, but not tpkit's
+    df = store.runs().set_index("name")
+    assert df.loc["g", "damaged"] and "JSONDecodeError" in df.loc["g", "problem"]
+    assert df.loc["h", "damaged"] and "not tpkit run metadata" in df.loc["h", "problem"]

@@ -251,6 +251,21 @@ class Comparison:
         w = self.table.pivot_table(index=["metric", "unit"], columns="run", values="value", sort=False)
         return w[self.labels] if set(self.labels) <= set(w.columns) else w
 
+    def charts(self) -> list[tuple[str, Any]]:
+        """The overlaid charts, ``(title, altair chart)``, skipping those with no data: step
+        time per step, median time per phase, and the intervals of step time and throughput."""
+        from .charts import compare as ch
+
+        out: list[tuple[str, Any]] = []
+        if not self.steps.empty:
+            out.append(("Step time by run", ch.step_time_overlay(self.steps, self.labels)))
+        if not self.phases.empty:
+            out.append(("Median time per phase by run", ch.phase_bars(self.phases, self.labels)))
+        for metric in ("step_time_p50", "throughput"):
+            if (self.table["metric"] == metric).any():
+                out.append((f"{metric} with {CI_LEVEL:.0%} intervals", ch.metric_intervals(self.table, metric, self.labels)))
+        return out
+
     def to_text(self) -> str:
         lines = [f"tpkit comparison: {', '.join(self.labels)} (deltas against '{self.labels[0]}'; "
                  f"{CI_LEVEL:.0%} bootstrap intervals)"]
