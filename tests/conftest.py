@@ -1,10 +1,13 @@
 import os
+import tempfile
 import threading
 
 import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Runs kept by the store during tests go to a temporary folder, not the checkout.
+os.environ["TPKIT_RUNS"] = tempfile.mkdtemp(prefix="tpkit-test-runs-")
 
 
 @pytest.fixture(scope="session")

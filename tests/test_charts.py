@@ -45,3 +45,21 @@ def test_timeline_frame_cuts_long_runs():
                      for i in range(2000)], ignore_index=True)
     cut = analysis.timeline_frame(big, max_rows=600)
     assert len(cut) == 594 and cut["step"].max() == 98  # whole steps only
+
+
+def test_dashboard_panel_tabs_and_plain_text():
+    import time
+
+    import tpkit as tp
+
+    run = tp.profile_fn(lambda: time.sleep(0.002), steps=2, warmup=0, progress=False, memory=False, clock_hz=0)
+    other = tp.profile_fn(lambda: time.sleep(0.004), steps=2, warmup=0, progress=False, memory=False, clock_hz=0)
+    d = tp.dashboard(other, compare_with=[run])
+    titles = [d.tab.get_title(i) for i in range(len(d.tab.children))]
+    assert titles == ["Summary", "Stall timeline", "Compare", "Export"]
+    html_of = {t: d.tab.children[i].outputs[0]["data"]["text/html"] for i, t in enumerate(titles) if t != "Export"}
+    assert "OVERHEAD-BOUND" in html_of["Summary"]
+    assert "vegaEmbed(" in html_of["Stall timeline"]
+    assert "Comparison of 2 runs" in html_of["Compare"]
+    assert "window.vegaEmbed=" in d.children[0].outputs[0]["data"]["text/html"]
+    assert d._repr_mimebundle_()["text/plain"] == other.summary().to_text()

@@ -22,7 +22,7 @@ for batch in loader:
     opt.zero_grad()
 """
 
-TOL_S = 0.006  # sleeps overshoot by a fraction of a ms; a loaded 2-core machine adds a few
+TOL_S = 0.010  # sleeps overshoot by a fraction of a ms; a loaded 2-core machine adds a few ms
 
 
 def test_phases_match_known_sleeps_and_slice_stops(ip, one_thread):
@@ -53,7 +53,7 @@ def test_phases_match_known_sleeps_and_slice_stops(ip, one_thread):
     # the cell's display: the summary as text and the dashboard as HTML with its charts
     data = cap.outputs[-1].data
     assert "INPUT-BOUND" in data["text/plain"]
-    assert "vegaEmbed(" in data["text/html"] and "Stall timeline" in data["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" in data  # the dashboard panel
     assert run.meta["model"] == {"class": "SleepyModel", "parameters": 5, "trainable": 5}
     assert run.meta["optimizers"] == ["SleepySGD"]
 

@@ -23,10 +23,17 @@ def test_magic_in_a_real_kernel():
     NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
     profile_cell = nb.cells[1].outputs
     rich = [o for o in profile_cell if o.get("output_type") == "display_data"
-            and "text/html" in o["data"] and "tpkit-dash" in o["data"]["text/html"]]
+            and "tpkit run 'nb'" in o["data"].get("text/plain", "")]
     assert len(rich) == 1  # one dashboard (the other display is the progress bar)
-    assert "text/html" in rich[0]["data"] and "vegaEmbed(" in rich[0]["data"]["text/html"]
-    assert "tpkit run 'nb'" in rich[0]["data"]["text/plain"]
+    view = rich[0]["data"]["application/vnd.jupyter.widget-view+json"]
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    assert state[view["model_id"]]["model_name"] == "VBoxModel"
+    html_outputs = [o["data"]["text/html"] for s in state.values() if s["model_name"] == "OutputModel"
+                    for o in s["state"].get("outputs", []) if "text/html" in o.get("data", {})]
+    bundles = [h for h in html_outputs if "window.vegaEmbed=" in h]
+    assert len(bundles) == 2  # vega inlined once per dashboard (the good run's and the failed one's)
+    charts = [h for h in html_outputs if "vegaEmbed(" in h and "Stall timeline" in h]
+    assert charts and "cdn.jsdelivr" not in "".join(html_outputs)
     assert nb.cells[2].outputs[0]["text"].strip() == "(4, 15) True nb"
     bad = nb.cells[3].outputs
     assert bad[-1]["output_type"] == "error" and bad[-1]["ename"] == "ValueError"

@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from .errors import TpkitError
-from .profiler import Profile, SliceConfig
+from .profiler import Profile, SliceConfig, last_run
 from .recorder import active
 
 
@@ -51,6 +51,7 @@ class TpkitMagics(Magics):
         The loop runs until warmup + steps optimizer steps are done, then stops by itself.
         """
         config, save_dir = self._config(line, cell)
+        previous = last_run()
         prof = Profile(config)
         code = self.shell.transform_cell(cell)
         filename = self.shell.compile.cache(code)
@@ -66,7 +67,9 @@ class TpkitMagics(Magics):
             if save_dir:
                 run.save(save_dir)
             if config.progress:
-                display(run)
+                from .widgets import dashboard
+
+                display(dashboard(run, compare_with=[previous] if previous is not None else []))
             else:
                 print(run.summary().to_text())
         if error is not None:
@@ -145,7 +148,6 @@ class TpkitMagics(Magics):
         comparison = compare(*loaded)
         self.shell.user_ns["_tp_compare"] = comparison
         display(comparison)
-
 
 
 _COUNT = [0]

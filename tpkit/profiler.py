@@ -49,6 +49,7 @@ class SliceConfig:
     memory_detail: bool = False  # CUDA: keep the largest allocations alive at the peak, with stacks
     clock_hz: float = 20.0
     knobs: dict[str, Any] = field(default_factory=dict)
+    save_dir: str | None = None  # save the Run under it (per rank: DIR/rank<k>); env TPKIT_SAVE_DIR
 
     def validate(self) -> "SliceConfig":
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
@@ -186,6 +187,12 @@ class Profile:
             if exc is None or isinstance(exc, StopSlice):
                 raise
             self.run = Run(meta={"name": rec.name, "complete": False, "notes": [f"building the Run failed: {e!r}"]})
+        from .ranks import finish_rank_run
+
+        finish_rank_run(self.run, cfg.save_dir)  # rank facts into meta; per-rank save; never raises
+        from .store import autosave
+
+        autosave(self.run)  # never raises; a failure is noted on the run
         _LAST_RUN = self.run
 
 
@@ -289,19 +296,21 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
 def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None = None, *,
             stop: bool = True, progress: bool = True, samples_per_step: int | None = None,
             memory: bool = True, clock_hz: float = 20.0, clocks: bool = True,
-            knobs: dict[str, Any] | None = None, memory_detail: bool = False) -> Profile:
+            knobs: dict[str, Any] | None = None, memory_detail: bool = False,
+            save_dir: str | None = None) -> Profile:
     """Profile a slice of a training loop::
 
         with tp.profile(steps=20, warmup=3, name="baseline") as prof:
             for batch in loader: ...        # stops by itself after 23 optimizer steps
         prof.run.steps
 
-    ``clocks=False`` (or ``clock_hz=0``) turns the clock/power sampler off.
+    ``clocks=False`` (or ``clock_hz=0``) turns the clock/power sampler off. ``save_dir`` (or
+    ``TPKIT_SAVE_DIR``) saves the Run there, under ``rank<k>`` in a multi-process launch.
     """
     return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,
                                samples_per_step=samples_per_step, memory=memory,
                                memory_detail=memory_detail, clock_hz=clock_hz if clocks else 0.0,
-                               knobs=dict(knobs or {})))
+                               knobs=dict(knobs or {}), save_dir=save_dir))
 
 
 def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Literal["auto"] = 3,

@@ -1,0 +1,6 @@
+"""Widgets: the dashboard panel and the tuner. They compose charts and controls and never
+measure."""
+
+from .dashboard import Dashboard, dashboard
+
+__all__ = ["Dashboard", "dashboard"]
