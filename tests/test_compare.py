@@ -110,6 +110,7 @@ def test_values_exclude_warmup_and_cover_loss_memory_energy():
         (0, "forward", "peak", 0.2, "cpu", "activations", 3 * cmp.MIB),
         (0, "backward", "exit", 0.3, "cpu", "activations", 9 * cmp.MIB),  # not a peak row: ignored
         (0, "backward", "exit", 0.3, "cpu", "gradients", 2 * cmp.MIB),      # no peak rows: max of all
+        (0, "backward", "exit", 0.3, "cpu", "data", 0),                     # zero everywhere: left out
     ])
     clocks = _frame("clocks", [(t, "cuda:0", "energy_j", 100.0 + 50.0 * t) for t in np.arange(0.0, 5.01, 0.05)])
     run = make_run("a", [5.0, 1.0, 1.0, 2.0], warmup=1, loss=[9.0, 3.0, 2.0, 1.5], memory=mem, clocks=clocks)
@@ -121,6 +122,7 @@ def test_values_exclude_warmup_and_cover_loss_memory_energy():
     assert row(c, "peak_memory_gradients", "a")["value"] == pytest.approx(2.0)
     assert row(c, "peak_memory_parameters", "a")["value"] == pytest.approx(1000 / cmp.MIB)
     assert row(c, "peak_memory_total", "a")["value"] == pytest.approx(9.0 + 2.0)  # the exit boundary
+    assert "peak_memory_data" not in set(c.table["metric"])
     # the energy counter climbs 50 J/s; measured steps last 4 s (5.0 .. 9.0) but the counter
     # stops at 5.0 s, so only the first measured step is covered... use a counter over all:
     clocks = _frame("clocks", [(t, "cuda:0", "energy_j", 100.0 + 50.0 * t) for t in np.arange(0.0, 9.01, 0.05)])

@@ -218,3 +218,9 @@ def test_a_failing_rule_is_skipped_with_a_warning(monkeypatch):
 def test_no_steps_no_advice():
     run = Run(meta={"name": "empty"})
     assert rc.recommendations(run) == []
+
+
+def test_overhead_with_unknown_batch_still_advises_without_guessing():
+    (r,) = rc.launch_bound(make_run(forward=0.03, backward=0.03, other=0.04, samples=0))
+    assert r.knob == "batch_size" and r.action == {} and "not recorded" in r.title
+    assert r.gain == pytest.approx(2 * 0.1 / (2 * 0.1 - 0.04))

@@ -360,9 +360,10 @@ def comparison_table(per_run: list[list[Metric]], labels: list[str]) -> pd.DataF
 
 
 def drop_idle_phases(table: pd.DataFrame) -> pd.DataFrame:
-    """Leave out phase-share rows that are zero in every run (the data stall share stays:
-    0% is the answer a user looks for)."""
+    """Leave out phase-share and memory-category rows that are zero in every run (the data
+    stall share stays: 0% is the answer a user looks for)."""
     share = table["metric"].str.endswith("_share") & (table["metric"] != "data_stall_share")
+    share |= table["metric"].str.startswith("peak_memory_")
     idle = table[share].groupby("metric")["value"].apply(lambda v: bool((v.fillna(0) == 0).all()))
     return table[~table["metric"].isin(idle[idle].index)].reset_index(drop=True)
 

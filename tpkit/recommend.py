@@ -331,10 +331,13 @@ def launch_bound(run: "Run") -> list[Recommendation]:
     fixed = t.total_s if tiny else t.phase_s.get("other_s", 0.0)
     speedup = 2 * t.total_s / (2 * t.total_s - fixed) if t.total_s > 0 else float("nan")
     out = []
+    gain = f"up to {speedup:.2f}x samples/s if the per-step overhead stays fixed"
     if batch:
         out.append(Recommendation("launch-bound", "batch_size", f"Double the batch ({batch} -> {batch * 2})",
-                                  evidence, f"up to {speedup:.2f}x samples/s if the per-step overhead stays fixed",
-                                  speedup, "x", {"batch_size": batch * 2}))
+                                  evidence, gain, speedup, "x", {"batch_size": batch * 2}))
+    else:  # the run does not know its batch: say so rather than guess a value
+        out.append(Recommendation("launch-bound", "batch_size", "Use a larger batch (its size was not recorded: "
+                                  "pass a batch_size knob or samples_per_step)", evidence, gain, speedup, "x", {}))
     if gpu and knobs.get("cuda_graphs") is not True:
         s = amdahl(t.total_s, fixed) if not tiny else float("nan")
         out.append(Recommendation("launch-bound", "cuda_graphs", "Capture the step in a CUDA graph "
