@@ -163,7 +163,8 @@ def load(name_or_path: str | os.PathLike | Run, store: str | os.PathLike | None 
 
     A plain name is looked up in the store first, then as a folder; anything with a path
     separator is a folder (and ``Run.load``'s errors say what is wrong with it). A name
-    found nowhere raises ``RunFormatError`` listing the names the store has. A Run passes through unchanged (so ``compare`` takes names and Runs alike).
+    found nowhere raises ``RunFormatError`` listing the names the store has. A Run passes
+    through unchanged (so ``compare`` takes names and Runs alike).
     """
     if isinstance(name_or_path, Run):
         return name_or_path
