@@ -80,6 +80,22 @@ def _memory_section(run: "Run") -> alt.TopLevelMixin | None:
 SECTIONS.append(("Memory", _memory_section))
 
 
+def _ranks_section(run: "Run") -> alt.TopLevelMixin | None:
+    """Per-rank step times and skew, for a Run merged by ``tp.load_ranks``."""
+    times = (run.meta.get("ranks") or {}).get("step_times")
+    if not times:
+        return None
+    import pandas as pd
+
+    from .ranks import rank_skew
+
+    steps = pd.DataFrame(times, columns=["rank", "step", "duration_s", "warmup"])
+    return charts.rank_step_times(steps, rank_skew(steps))
+
+
+SECTIONS.append(("Ranks", _ranks_section))
+
+
 def section_charts(run: "Run") -> list[tuple[str, alt.TopLevelMixin]]:
     """The dashboard's charts for this Run, in order, skipping sections with no data."""
     out = []

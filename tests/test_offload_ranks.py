@@ -1,0 +1,107 @@
+"""Two CPU ranks over gloo, launched like torchrun: each saves its own Run under save_dir,
+tp.load_ranks merges them (rank column, slowest rank, skew, the dashboard's Ranks section),
+and a rank that dies leaves the survivor's Run saved and marked, within a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tpkit.errors import RunFormatError
+from tpkit.ranks import load_ranks, rank_skew
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+TIMEOUT_S = 90  # both processes, imports included; the collective itself times out at 15 s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, mode: str) -> tuple[list[int], list[str], float]:
+    port = str(_free_port())
+    procs = []
+    t0 = time.monotonic()
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, TPKIT_RUNS="off", TP_TIMEOUT_S="15", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), mode], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs, codes = [], []
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank hung past {TIMEOUT_S} s")
+        outs.append(o)
+        codes.append(p.returncode)
+    return codes, outs, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_two_ranks_merged_with_skew(tmp_path):
+    codes, outs, _ = launch(tmp_path, "skew")
+    assert codes == [0, 0], outs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+    ranks = load_ranks(tmp_path)
+    assert ranks.world_size == 2 and ranks.missing == [] and ranks.incomplete == []
+    assert ranks.runs[0].meta["rank"] == 0 and ranks.runs[1].meta["world_size"] == 2
+    steps = ranks.steps
+    assert list(steps.columns[:2]) == ["rank", "step"] and len(steps) == 14
+    sk = ranks.skew
+    assert len(sk) == 6 and (sk["ranks"] == 2).all()
+    assert (sk["slowest_rank"] == 1).all()  # rank 1 sleeps 20 ms more per step
+    assert sk["skew_s"].median() == pytest.approx(0.02, abs=0.012)
+    s = ranks.summary()
+    assert s["slowest_rank"] == 1 and s["slowest_rank_steps"] == 6
+    merged = ranks.run
+    assert len(merged.meta["ranks"]["step_times"]) == 14
+    from tpkit.report import section_charts
+
+    titles = [t for t, _ in section_charts(merged)]
+    assert "Ranks" in titles
+    spec = dict(section_charts(merged))["Ranks"].to_dict()
+    assert "vconcat" in spec
+    assert "Ranks" not in [t for t, _ in section_charts(ranks.runs[0])]  # a lone rank has no section
+
+
+@pytest.mark.slow
+def test_dead_rank_survivor_saved_and_marked(tmp_path):
+    codes, outs, took_s = launch(tmp_path, "die")
+    assert codes[1] == 3 and codes[0] == 2, outs  # rank 0's slice failed instead of hanging
+    assert took_s < TIMEOUT_S
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0"]
+    ranks = load_ranks(tmp_path)
+    assert ranks.missing == [1] and ranks.incomplete == [0]
+    run0 = ranks.runs[0]
+    assert not run0.complete and run0.meta["rank_status"] == "failed" and run0.meta["stopped_by"] == "error"
+    assert len(run0.steps) >= 3  # the steps before the peer died are kept
+    notes = " ".join(ranks.run.meta["notes"])
+    assert "rank 1 of 2 left no run" in notes and "rank 0's slice ended early" in notes
+
+
+def test_skew_on_hand_made_frame():
+    steps = pd.DataFrame({"rank": [0, 1, 2] * 2, "step": [0, 0, 0, 1, 1, 1], "warmup": False,
+                          "duration_s": [0.10, 0.13, 0.11, 0.20, 0.12, 0.10]})
+    sk = rank_skew(steps)
+    assert list(sk["slowest_rank"]) == [1, 0] and list(sk["fastest_rank"]) == [0, 2]
+    assert sk["skew_s"].tolist() == pytest.approx([0.03, 0.10])
+    assert sk["skew_share"].tolist() == pytest.approx([0.03 / 0.13, 0.5])
+
+
+def test_load_ranks_errors(tmp_path):
+    with pytest.raises(RunFormatError, match="not a folder"):
+        load_ranks(tmp_path / "nope")
+    with pytest.raises(RunFormatError, match="no per-rank runs"):
+        load_ranks(tmp_path)
