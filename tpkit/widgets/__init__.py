@@ -4,3 +4,6 @@ measure."""
 from .dashboard import Dashboard, dashboard
 
 __all__ = ["Dashboard", "dashboard"]
+from .tuner import Tuner, tune  # noqa: E402
+
+__all__ += ["Tuner", "tune"]

@@ -58,22 +58,8 @@ def compare_html(runs: Sequence["Run"]) -> str:
     comp = compare(*runs)
     warn = "".join(f'<div class="tp-bad">warning: {html.escape(x)}</div>' for x in comp.warnings)
     table = comp.table.to_html(index=False, float_format=lambda v: f"{v:,.4g}", border=0, classes="tp-sum")
-    charts_html = "".join(report.chart_html(c) for c in _compare_charts(comp))
+    charts_html = "".join(f"<h3>{html.escape(t)}</h3>{report.chart_html(c)}" for t, c in comp.charts())
     return f"<h3>Comparison of {len(runs)} runs</h3>{warn}{table}{charts_html}"
-
-
-def _compare_charts(comp: Any) -> list[Any]:
-    from .. import charts
-
-    builders = [getattr(charts, n, None) for n in ("compare_step_times", "compare_phases")]
-    out = []
-    for build in builders:
-        if build is not None:
-            try:
-                out.append(build(comp))
-            except (KeyError, ValueError):  # a comparison without that data has no such chart
-                continue
-    return out
 
 
 class Dashboard(w.VBox):
