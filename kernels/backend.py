@@ -150,7 +150,9 @@ class LazyKernel:
     def jitted(self) -> Any:
         """The jitted kernel, in the mode triton.language itself runs in (see triton_mode)."""
         if triton is None:
-            raise ImportError(f"triton is not installed: {INSTALL_HINT}") from TRITON_IMPORT_ERROR
+            from tpkit.errors import MissingExtraError
+
+            raise MissingExtraError("triton", "triton", "tpkit's Triton kernels") from TRITON_IMPORT_ERROR
         interpreted = triton_mode() == "interpreted"
         if interpreted not in self._jitted:
             with _mode_scope(interpreted):
