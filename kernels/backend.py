@@ -47,7 +47,7 @@ _noticed: set[str] = set()
 
 
 class KernelBackendNotice(UserWarning):
-    """Raised as a warning (once per reason) when tpkit.kernels falls back to torch."""
+    """Issued with ``warnings.warn`` (once per reason) when tpkit.kernels falls back to torch."""
 
 
 def _notice(key: str, message: str) -> None:
@@ -103,8 +103,8 @@ def select_backend(*tensors: torch.Tensor) -> str:
     _notice(
         "no-gpu",
         "tpkit.kernels: no GPU for these tensors and TRITON_INTERPRET=1 is not set; using the "
-        "torch reference implementations (set TRITON_INTERPRET=1 to run the kernels through "
-        "Triton's interpreter, very slowly).",
+        "torch reference implementations (to run the kernels through Triton's interpreter, "
+        "very slowly, set TRITON_INTERPRET=1 before importing tpkit or triton).",
     )
     return "reference"
 

@@ -142,11 +142,9 @@ def fused_linear_cross_entropy_forward(
     loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
     in_forward = reduction != "none"
     grad_h = torch.empty_like(h) if in_forward and need_grad_hidden else None
-    grad_w = (
-        torch.zeros_like(weight)
-        if in_forward and need_grad_weight
-        else None
-    )
+    # grad_weight accumulates over chunks in weight's dtype (fp32 weights: fp32 sums; bf16
+    # weights: one bf16 rounding per chunk, a few ulps at Llama scale, like other fused losses)
+    grad_w = torch.zeros_like(weight) if in_forward and need_grad_weight else None
     _chunk_grads(h, weight, t, loss_rows, ignore_index, chunk, grad_h, grad_w)
     n_valid = (t != ignore_index).sum()  # a tensor: no host sync
     if reduction == "mean":
@@ -253,7 +251,5 @@ def fused_linear_cross_entropy(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if use_kernel(hidden, lm_head_weight):
-        return _apply(
-            hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size
-        )
+        return _apply(hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size)
     return linear_cross_entropy_reference(hidden, lm_head_weight, targets, ignore_index, reduction)
