@@ -63,3 +63,17 @@ def test_dashboard_panel_tabs_and_plain_text():
     assert "Comparison of 2 runs" in html_of["Compare"]
     assert "window.vegaEmbed=" in d.children[0].outputs[0]["data"]["text/html"]
     assert d._repr_mimebundle_()["text/plain"] == other.summary().to_text()
+
+
+def test_load_ext_makes_altair_render_offline(ip):
+    import altair as alt
+
+    from tpkit.magic import enable_offline_charts
+
+    alt.renderers.enable("default")
+    assert enable_offline_charts() == "html"
+    html = alt.Chart(pd.DataFrame({"a": [1]})).mark_point().encode(x="a")._repr_mimebundle_()["text/html"]
+    assert "window.vegaEmbed=" in html and "cdn.jsdelivr.net/npm/vega@" not in html
+    alt.renderers.enable("jupyter")  # a choice of the user's is kept
+    assert enable_offline_charts() == "jupyter"
+    alt.renderers.enable("html", template="inline")

@@ -160,6 +160,18 @@ def _next_name() -> str:
 
 def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(TpkitMagics)
+    enable_offline_charts()
+
+
+def enable_offline_charts() -> str:
+    """Make altair charts a user displays render with no network: altair's default renderer
+    loads vega from a CDN and shows "Error loading script" offline (shared/MEASURED.md).
+    A renderer the user chose is left alone. Returns the renderer in use."""
+    import altair as alt
+
+    if alt.renderers.active == "default":
+        alt.renderers.enable("html", template="inline")
+    return alt.renderers.active
 
 
 def unload_ipython_extension(ipython: Any) -> None:
