@@ -1,6 +1,6 @@
 """tpkit.data.Loader vs torch's DataLoader, same worker count, three workloads, one run.
 
-    python benchmarks/loader.py [--workers 2] [--repeats 3] [--quick]
+    python benchmarks/loader.py [--workers 2] [--repeats 3] [--workloads tiny,numpy_1ms,images]
 
 Each measurement runs in a fresh subprocess (so peak memory and start-up are its own):
 time to first batch from constructing the loader, then samples/s over the following batches, while
@@ -8,7 +8,8 @@ the loop touches one byte per 4 KiB page of every tensor (as training would read
 Peak memory is the largest sum of PSS (proportional set size: a shared page counts once in
 total) over the main process and its workers, sampled every 20 ms; the CSV also keeps the
 peak sum of RSS (which counts a shared page once per process mapping it).
-Prints ratios (tpkit / torch, medians over repeats) and writes long-format rows to
+CPU ms per 1,000 samples (main + workers) is printed too: on a shared machine it is the
+steadier measure of what each loader costs. Prints ratios (tpkit / torch, medians over repeats) and writes long-format rows to
 benchmarks/results/loader.csv.
 """
 
@@ -54,6 +55,18 @@ def _rss_tree_bytes(proc) -> int:
     for p in [proc, *proc.children(recursive=True)]:
         try:
             total += p.memory_info().rss
+        except Exception:
+            pass
+    return total
+
+
+def _cpu_tree_s(proc) -> float:
+    """User + system CPU seconds of the process and its live workers."""
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
         except Exception:
             pass
     return total
@@ -113,6 +126,7 @@ def measure_one(workload: str, peer: str, workers: int) -> dict:
     first_s = time.perf_counter() - t0
     del b
     t1 = time.perf_counter()
+    cpu0 = _cpu_tree_s(me)
     n = 0
     for i, b in enumerate(it):
         _touch(b)
@@ -120,12 +134,14 @@ def measure_one(workload: str, peer: str, workers: int) -> dict:
         if i + 1 >= n_batches:
             break
     dt = time.perf_counter() - t1
+    cpu_s = _cpu_tree_s(me) - cpu0  # workers still alive: their CPU time is still readable
     del b, it
     stop.set()
     th.join()
     peak[0] = max(peak[0], _pss_tree_bytes(me))
     peak_rss[0] = max(peak_rss[0], _rss_tree_bytes(me))
-    return {"samples_per_s": n / dt, "first_batch_s": first_s, "peak_pss_bytes": peak[0],
+    return {"samples_per_s": n / dt, "first_batch_s": first_s,
+            "cpu_ms_per_ksample": 1e6 * cpu_s / n, "peak_pss_bytes": peak[0],
             "peak_rss_bytes": peak_rss[0]}
 
 
@@ -168,14 +184,17 @@ def main() -> None:
         return xs[len(xs) // 2]
 
     print(f"{'workload':<10} {'torch/s':>10} {'tpkit/s':>10} {'ratio':>6} {'goal':>5} "
-          f"{'first torch':>11} {'first tpkit':>11} {'peak torch':>10} {'peak tpkit':>10}")
+          f"{'first torch':>11} {'first tpkit':>11} {'cpu ms/1k torch':>15} {'tpkit':>6} "
+          f"{'PSS torch':>10} {'PSS tpkit':>10}")
     for wl in args.workloads.split(","):
         t, k = results[(wl, "torch")], results[(wl, "tpkit")]
         rt, rk = med([m["samples_per_s"] for m in t]), med([m["samples_per_s"] for m in k])
         ft, fk = med([m["first_batch_s"] for m in t]), med([m["first_batch_s"] for m in k])
         pt, pk = med([m["peak_pss_bytes"] for m in t]), med([m["peak_pss_bytes"] for m in k])
+        ct, ck = med([m["cpu_ms_per_ksample"] for m in t]), med([m["cpu_ms_per_ksample"] for m in k])
         print(f"{wl:<10} {rt:>10,.0f} {rk:>10,.0f} {rk / rt:>5.2f}x {GOALS[wl]:>4.1f}x "
-              f"{ft * 1e3:>9.1f}ms {fk * 1e3:>9.1f}ms {pt / 2**20:>8.0f}MB {pk / 2**20:>8.0f}MB")
+              f"{ft * 1e3:>9.1f}ms {fk * 1e3:>9.1f}ms {ct:>15.1f} {ck:>6.1f} "
+              f"{pt / 2**20:>8.0f}MB {pk / 2**20:>8.0f}MB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -177,3 +177,13 @@ def test_spawn_context_works_too():
     got = list(Loader(Mixed(9), batch_size=4, num_workers=1, multiprocessing_context="spawn"))
     assert as_lists(got) == as_lists(list(DataLoader(Mixed(9), batch_size=4)))
     assert not live_children() and not shm_files()
+
+
+def test_persistent_workers_survive_many_abandoned_epochs():
+    """Breaking out of epochs must not leak slots: the next epochs still run to the end."""
+    loader = Loader(Mixed(40), batch_size=2, num_workers=2, persistent_workers=True, prefetch=1)
+    for _ in range(6):
+        it = iter(loader)
+        next(it)
+    assert [int(b["i"][0]) for b in loader] == list(range(0, 40, 2))
+    loader.close()

@@ -136,6 +136,10 @@ class ProcessPool:
                     first_worker: int = 0) -> None:
         """Start an epoch: ``tasks`` yields index lists (map-style) or is None (iterable)."""
         skips = skip_per_worker or [0] * self.num_workers
+        for w, life, _, msg, _ in getattr(self, "results", {}).values():
+            # Batches of an abandoned epoch that were never handed out: free their slots.
+            if msg is not _END and msg[0] == "ok" and life == w.life:
+                w.free.append(msg[2])
         self.tasks = tasks
         self.tasks_done = False
         self.epoch_first_id = self._next_id
@@ -302,8 +306,7 @@ class ProcessPool:
     # -- hand out ---------------------------------------------------------------------------------
     def _take(self, bid: int) -> tuple | None:
         w, life, mm, msg, recv_ns = self.results.pop(bid)
-        if life == w.life:
-            w.buffered -= 1
+        w.buffered -= 1
         if msg is _END:
             return None
         if msg[0] == "err":
@@ -335,6 +338,7 @@ class ProcessPool:
                     self.next_yield += 1
                     out = self._take(bid)
                     if out is not None:
+                        self._dispatch()  # refill now: the reorder slot it left is free
                         return out
                 if self.tasks_done and self.next_yield >= self._next_id:
                     raise StopIteration
@@ -343,6 +347,7 @@ class ProcessPool:
                     bid = min(self.results)
                     out = self._take(bid)
                     if out is not None:
+                        self._dispatch()  # refill now: the reorder slot it left is free
                         return out
                 if self.tasks_done and not any(w.inflight for w in self.workers):
                     raise StopIteration
