@@ -19,6 +19,7 @@ more batches alive still works; it gets copies for the extra ones.
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -125,7 +126,13 @@ class ProcessPool:
         parent, child = self.ctx.Pipe(duplex=True)
         w.proc = self.ctx.Process(target=worker_main, args=(w.id, w.life, child, self.spec, skip_batches),
                                   name=f"tpkit-data-{w.id}", daemon=True)
-        w.proc.start()
+        # Objects that exist now are left out of the child's garbage collections, so they are
+        # not written to (copied page by page) in every worker; the parent unfreezes at once.
+        gc.freeze()
+        try:
+            w.proc.start()
+        finally:
+            gc.unfreeze()
         child.close()
         w.conn = parent
         w.free = list(range(self.n_slots))
