@@ -187,3 +187,35 @@ def test_persistent_workers_survive_many_abandoned_epochs():
         next(it)
     assert [int(b["i"][0]) for b in loader] == list(range(0, 40, 2))
     loader.close()
+
+
+class SlowFirst(torch.utils.data.Dataset):
+    """Sample 0 takes a second; the rest are instant."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 0:
+            import time
+            time.sleep(1.0)
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_out_of_order_lets_batches_pass_a_slow_sample(mode):
+    got = [int(b[0]) for b in Loader(SlowFirst(), batch_size=2, num_workers=2, in_order=False, mode=mode)]
+    assert got[0] != 0 and sorted(got) == list(range(0, 16, 2))
+    assert [int(b[0]) for b in Loader(SlowFirst(), batch_size=2, num_workers=2, mode=mode)] == list(range(0, 16, 2))
+
+
+def test_resume_in_thread_mode():
+    full = [b["i"].tolist() for b in Loader(Mixed(30), batch_size=4, shuffle=True, seed=1, num_workers=2, mode="thread")]
+    loader = Loader(Mixed(30), batch_size=4, shuffle=True, seed=1, num_workers=2, mode="thread")
+    it = iter(loader)
+    head = [next(it)["i"].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    loader.close()
+    again = Loader(Mixed(30), batch_size=4, shuffle=True, seed=1, num_workers=2, mode="thread")
+    again.load_state_dict(state)
+    assert head + [b["i"].tolist() for b in again] == full
