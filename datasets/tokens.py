@@ -7,11 +7,11 @@ its loss falls.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from .cost import burn_cpu, check_cost, spend
 
 
 class SyntheticTokens(Dataset):
@@ -25,6 +25,7 @@ class SyntheticTokens(Dataset):
                  cpu_ms: float = 0.0, sleep_ms: float = 0.0) -> None:
         if n <= 0 or seq_len <= 0 or vocab_size <= 1:
             raise ValueError("SyntheticTokens needs n > 0, seq_len > 0 and vocab_size > 1")
+        check_cost(cpu_ms, sleep_ms)
         self.n, self.seq_len, self.vocab_size, self.seed = n, seq_len, vocab_size, seed
         self.cpu_ms, self.sleep_ms = cpu_ms, sleep_ms
 
@@ -40,17 +41,9 @@ class SyntheticTokens(Dataset):
         seq = np.resize(base, self.seq_len + 1)
         noise = rng.random(self.seq_len + 1) < 0.1
         seq[noise] = rng.integers(0, self.vocab_size, size=int(noise.sum()))
-        if self.cpu_ms > 0:
-            burn_cpu(self.cpu_ms / 1e3)
-        if self.sleep_ms > 0:
-            time.sleep(self.sleep_ms / 1e3)
+        spend(self.cpu_ms, self.sleep_ms)
         t = torch.from_numpy(seq.astype(np.int64))
         return {"x": t[:-1], "y": t[1:]}
 
 
-def burn_cpu(seconds: float) -> None:
-    """Hold one core for about ``seconds`` with numpy work (no BLAS, so it stays one thread)."""
-    end = time.perf_counter() + seconds
-    a = np.arange(4096, dtype=np.float64)
-    while time.perf_counter() < end:
-        a = np.sqrt(a * a + 1.0)
+__all__ = ["SyntheticTokens", "burn_cpu"]  # burn_cpu lives in .cost; kept importable from here
