@@ -358,7 +358,8 @@ def test_nvml_absent_is_a_null_backend_that_names_the_extra(nvml, monkeypatch):
     mod = nvml(fake_pynvml(init_error=LibraryNotFound))
     b = cb.NvmlBackend.open()
     assert isinstance(b, cb.NullBackend) and "NVMLError_LibraryNotFound" in b.reason
-    assert mod.log == ["init"]
+    assert cb.NvmlBackend.open().reason == b.reason
+    assert mod.log == ["init"]  # probed once: the next slice does not try again
 
     mod = nvml(fake_pynvml(gpus=[]))
     b = cb.NvmlBackend.open()

@@ -26,6 +26,7 @@ import glob
 import os
 import re
 import time
+import weakref
 from time import perf_counter_ns
 from typing import Any, Callable, Protocol
 
@@ -323,6 +324,11 @@ def _visible_indices(nvml: Any, count: int) -> list[tuple[str, Any]]:
     return out
 
 
+#: NVML start-up failures seen in this process, by pynvml module: a machine without a driver
+#: does not grow one between slices, so later slices skip the failing call (STYLE.md 4).
+_NVML_FAILED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
 class NvmlBackend:
     """NVML readings per visible GPU. Build it with ``NvmlBackend.open()``, which returns a
     ``NullBackend`` when the package, the library or a GPU is missing."""
@@ -355,10 +361,13 @@ class NvmlBackend:
         except ImportError:
             err = MissingExtraError("nvidia-ml-py", "gpu", "GPU clock and power sampling")
             return NullBackend(cls.name, str(err))
+        if nvml in _NVML_FAILED:
+            return NullBackend(cls.name, _NVML_FAILED[nvml])
         try:
             _nvml_call(nvml, "nvmlInit")
         except NvmlError as e:
-            return NullBackend(cls.name, f"NVML did not start ({e.kind}): no NVIDIA driver or GPU here")
+            reason = _NVML_FAILED[nvml] = f"NVML did not start ({e.kind}): no NVIDIA driver or GPU here"
+            return NullBackend(cls.name, reason)
         try:
             devices = _visible_indices(nvml, int(_nvml_call(nvml, "nvmlDeviceGetCount")))
             names = {}
