@@ -1,7 +1,7 @@
 """``workers="auto"``: choose the worker count from measured rates on this machine.
 
 A short trial per candidate count (0, 1, 2, ... up to the cores) reads the first batches of
-the dataset exactly as training will, and keeps the fastest; a count within 5% of a smaller
+the dataset exactly as training will and measures batches/s; a count within 5% of a smaller
 one is not worth its memory and CPU. The trial reads real data, so it also catches the
 overhead-bound case where workers cost more than they bring (tiny samples: 0 wins).
 Dataset order and the loader's randomness are untouched: the trial uses a sequential order
@@ -37,9 +37,15 @@ def _trial_rate(loader: Any, workers: int, trial_batches: int) -> float:
 
 
 def choose_workers(loader: Any, max_workers: int, trial_batches: int = 24) -> int:
-    best_w, best_rate = 0, _trial_rate(loader, 0, trial_batches)
-    for w in range(1, max_workers + 1):
-        rate = _trial_rate(loader, w, trial_batches)
-        if rate > best_rate * 1.05:
-            best_w, best_rate = w, rate
-    return best_w
+    """Fewest workers within 5% of the best worker rate; 0 only when loading in the training
+    process is so cheap (>= 1.5x the best worker rate, e.g. tiny samples) that workers would
+    mostly add hand-over cost. (In-process loading also stalls the training step, so a
+    merely equal in-process rate is not a reason to drop the workers.)"""
+    rate_0 = _trial_rate(loader, 0, trial_batches)
+    rates = {w: _trial_rate(loader, w, trial_batches) for w in range(1, max_workers + 1)}
+    if not rates:
+        return 0
+    best = max(rates.values())
+    if rate_0 >= 1.5 * best:
+        return 0
+    return min(w for w, r in rates.items() if r >= 0.95 * best)
