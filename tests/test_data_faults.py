@@ -203,3 +203,15 @@ def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
     assert not alive
     from tpkit.data.slots import SHM_DIR
     assert not glob.glob(os.path.join(SHM_DIR, f"tpk-{proc.pid}-*"))
+
+
+def _bad_init(worker_id: int) -> None:
+    raise RuntimeError("cannot open the shard")
+
+
+def test_worker_init_failure_is_reported_and_stops_the_loader():
+    loader = Loader(Mixed(8), batch_size=2, num_workers=2, worker_init_fn=_bad_init, restart_workers=True)
+    with pytest.raises(WorkerError, match="while starting.*cannot open the shard") as e:
+        list(loader)
+    assert "_bad_init" in e.value.worker_traceback
+    assert not live_children() and not shm_files()

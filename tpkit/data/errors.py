@@ -18,9 +18,11 @@ class WorkerError(LoaderError):
                  worker_traceback: str) -> None:
         self.worker, self.batch, self.index = worker, batch, index
         self.exc_type, self.worker_traceback = exc_type, worker_traceback
-        where = "in collate_fn" if index is None else f"on sample index {index!r}"
+        where = ("while starting (worker_init_fn or the dataset's __iter__)" if batch < 0
+                 else "in collate_fn" if index is None else f"on sample index {index!r}")
         super().__init__(
-            f"{exc_type} in loader worker {worker} {where} (batch {batch}): {message}\n"
+            f"{exc_type} in loader worker {worker} {where}"
+            f"{'' if batch < 0 else f' (batch {batch})'}: {message}\n"
             f"--- traceback in the worker ---\n{worker_traceback.rstrip()}")
 
 

@@ -353,7 +353,9 @@ class _LoaderIter:
             raise
         except Exception as e:
             from .errors import WorkerError
-            if not isinstance(e, WorkerError):  # died, timed out, broken pipe: nothing to continue
+            # A failed batch is skipped and the epoch goes on (as in torch); a worker that died,
+            # timed out or failed to start (worker_init_fn) leaves nothing to continue.
+            if not isinstance(e, WorkerError) or e.batch < 0:
                 self.loader.close()
             raise
 
