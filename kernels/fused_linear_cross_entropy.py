@@ -28,34 +28,42 @@ REDUCTIONS = ("mean", "sum", "none")
 def _ce_rows_kernel(
     LOGITS, stride_row,  # LOGITS: [n, V], rows strided by stride_row; overwritten by the grad
     TARGETS, LOSS,  # TARGETS: [n] int; LOSS: [n] fp32 per-row loss (0 where ignored)
-    V, ignore_index,
-    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    n_rows, V, ignore_index,
+    WRITE_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One program per row: online log-sum-exp over V in BLOCK_V blocks, then (optionally) a
-    second pass writing softmax - onehot over the row."""
-    row = tl.program_id(0).to(tl.int64)
-    ptr = LOGITS + row * stride_row
-    target = tl.load(TARGETS + row).to(tl.int64)
-    valid = target != ignore_index
+    """BLOCK_M rows per program (1 on a GPU; many in the interpreter, whose cost is per
+    program): online log-sum-exp over V in BLOCK_V column blocks, then (optionally) a second
+    pass writing softmax - onehot over the rows."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    row_mask = rows < n_rows
+    row_ptrs = LOGITS + rows[:, None].to(tl.int64) * stride_row  # [BM, 1]
+    target = tl.load(TARGETS + rows, mask=row_mask, other=ignore_index).to(tl.int64)  # [BM]
+    valid = row_mask & (target != ignore_index)
     cols = tl.arange(0, BLOCK_V)  # [BV]
-    m = float("-inf")  # running max
-    s = 0.0  # running sum of exp(x - m)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max per row
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp(x - m) per row
     for start in range(0, V, BLOCK_V):
-        x = tl.load(ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        idx = start + cols
+        mask = row_mask[:, None] & (idx < V)[None, :]  # [BM, BV]
+        x = tl.load(row_ptrs + idx[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.where(row_mask[:, None], x, 0.0)  # rows past the end: finite, never stored
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
         m = m_new
-    lse = m + tl.log(s)
-    x_target = tl.load(ptr + tl.where(valid, target, 0)).to(tl.float32)
-    tl.store(LOSS + row, tl.where(valid, lse - x_target, 0.0))
+    lse = m + tl.log(s)  # [BM]
+    x_target = tl.load(LOGITS + rows.to(tl.int64) * stride_row + tl.where(valid, target, 0),
+                       mask=valid, other=0.0).to(tl.float32)
+    tl.store(LOSS + rows, tl.where(valid, lse - x_target, 0.0), mask=row_mask)
     if WRITE_GRAD:
         for start in range(0, V, BLOCK_V):
             idx = start + cols
-            mask = idx < V
-            x = tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(idx == target, 1.0, 0.0)  # softmax - onehot
-            grad = tl.where(valid, grad, 0.0)
-            tl.store(ptr + idx, grad.to(LOGITS.dtype.element_ty), mask=mask)
+            mask = row_mask[:, None] & (idx < V)[None, :]
+            x = tl.load(row_ptrs + idx[None, :], mask=mask, other=0.0).to(tl.float32)
+            onehot = tl.where(idx[None, :] == target[:, None], 1.0, 0.0)
+            grad = tl.exp(x - lse[:, None]) - onehot  # softmax - onehot, [BM, BV]
+            grad = tl.where(valid[:, None], grad, 0.0)
+            tl.store(row_ptrs + idx[None, :], grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
 MIN_CHUNK = 512  # tokens: below this the grad-weight matmul ([V, n] @ [n, C]) gets inefficient
@@ -70,8 +78,13 @@ def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
     return max(1, min(n_tokens, max(MIN_CHUNK, by_size)))
 
 
-def _block_v(vocab_size: int, device: torch.device) -> int:
-    return min(next_power_of_2(vocab_size), 4096 if device.type == "cuda" else 16384)
+def _blocks(n_rows: int, vocab_size: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M rows, BLOCK_V columns): one row per program on a GPU; on the CPU (the
+    interpreter) as many rows as fit a 16k-element tile, since its cost is per program."""
+    if device.type == "cuda":
+        return 1, min(next_power_of_2(vocab_size), 4096)
+    block_v = min(next_power_of_2(vocab_size), 16384)
+    return min(next_power_of_2(n_rows), max(1, 16384 // block_v)), block_v
 
 
 def _ce_rows(
@@ -79,10 +92,11 @@ def _ce_rows(
 ) -> None:
     """logits: [n, V] (overwritten with softmax - onehot when write_grad); targets, loss_rows: [n]."""
     n, vocab = logits.shape
-    block_v = _block_v(vocab, logits.device)
-    _ce_rows_kernel[(n,)](
-        logits, logits.stride(0), targets, loss_rows, vocab, ignore_index,
-        WRITE_GRAD=write_grad, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+    block_m, block_v = _blocks(n, vocab, logits.device)
+    _ce_rows_kernel[(cdiv(n, block_m),)](
+        logits, logits.stride(0), targets, loss_rows, n, vocab, ignore_index,
+        WRITE_GRAD=write_grad, BLOCK_M=block_m, BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
     )
 
 

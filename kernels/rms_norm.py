@@ -76,8 +76,10 @@ def _blocks(n_cols: int, device: torch.device) -> tuple[int, int, int]:
     block_c = next_power_of_2(n_cols)
     if block_c > 65536:
         raise ValueError(f"rms_norm kernel supports up to 65536 columns, got {n_cols}")
-    budget = 4096 if device.type == "cuda" else 16384  # elements per tile
-    block_m = max(1, min(64, budget // block_c))
+    if device.type == "cuda":
+        block_m = max(1, min(64, 4096 // block_c))  # a 4k-element tile per program
+    else:  # the interpreter's cost is per program: as many rows as fit a 16k-element tile
+        block_m = max(1, 16384 // block_c)
     num_warps = 8 if block_c * block_m >= 4096 else 4
     return block_m, block_c, num_warps
 

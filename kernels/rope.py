@@ -50,8 +50,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     y = torch.empty_like(x2)
     n_rows = x2.numel() // d
     block_d = next_power_of_2(half)
-    budget = 4096 if x.device.type == "cuda" else 16384
-    block_m = max(1, min(64, budget // block_d))
+    if x.device.type == "cuda":
+        block_m = max(1, min(64, 4096 // block_d))
+    else:  # the interpreter's cost is per program: as many rows as fit a 16k-element tile
+        block_m = max(1, 16384 // block_d)
     _rope_kernel[(cdiv(n_rows, block_m),)](
         x2, cos, sin, y, n_rows, seq_len, half, cos.stride(0), sign,
         BLOCK_M=block_m, BLOCK_D=block_d,

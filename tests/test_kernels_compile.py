@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent(
     from tpkit.kernels.swiglu import _swiglu_bwd_kernel, _swiglu_fwd_kernel
 
     BF16, F32, I32 = "*bf16", "*fp32", "i32"
-    CE = dict(LOGITS=BF16, stride_row=I32, TARGETS="*i64", LOSS=F32, V=I32, ignore_index=I32)
+    CE = dict(LOGITS=BF16, stride_row=I32, TARGETS="*i64", LOSS=F32, n_rows=I32, V=I32,
+              ignore_index=I32)
     CASES = {
         "rms_norm_fwd": (_rms_norm_fwd_kernel, dict(X=BF16, W=BF16, Y=BF16, RSTD=F32, n_rows=I32,
                          n_cols=I32, eps="fp32"), dict(BLOCK_M=1, BLOCK_C=4096), 8),
@@ -42,8 +43,8 @@ SCRIPT = textwrap.dedent(
                        dict(BLOCK=1024), 4),
         "rope": (_rope_kernel, dict(X=BF16, COS=F32, SIN=F32, Y=BF16, n_rows=I32, seq_len=I32,
                  half=I32, cos_stride=I32, sign="fp32"), dict(BLOCK_M=64, BLOCK_D=64), 4),
-        "ce_rows_grad": (_ce_rows_kernel, CE, dict(WRITE_GRAD=True, BLOCK_V=4096), 8),
-        "ce_rows_loss_only": (_ce_rows_kernel, CE, dict(WRITE_GRAD=False, BLOCK_V=4096), 8),
+        "ce_rows_grad": (_ce_rows_kernel, CE, dict(WRITE_GRAD=True, BLOCK_M=1, BLOCK_V=4096), 8),
+        "ce_rows_loss_only": (_ce_rows_kernel, CE, dict(WRITE_GRAD=False, BLOCK_M=1, BLOCK_V=4096), 8),
     }
     for name, (lazy, signature, constexprs, num_warps) in CASES.items():
         fn = lazy.jitted()
