@@ -547,3 +547,38 @@ def test_clocks_survive_save_and_load(tmp_path):
     back = tp.load(run.save(tmp_path / "r"))
     pd.testing.assert_frame_equal(back.clocks, run.clocks)
     assert back.meta["clocks"] == {"hz": 20.0}
+
+
+def test_host_backend_reads_cpufreq_and_rapl_where_a_host_has_them(tmp_path):
+    """This VM has neither (shared/MEASURED.md); a tree laid out like a bare-metal host's
+    /sys stands in, to check the units, the wrap of the RAPL counter and the sources."""
+    sys_root = tmp_path / "sys"
+    for cpu, khz in enumerate([2_400_000, 3_100_000]):
+        d = sys_root / f"devices/system/cpu/cpu{cpu}/cpufreq"
+        d.mkdir(parents=True)
+        (d / "scaling_cur_freq").write_text(f"{khz}\n")
+    pkg = sys_root / "class/powercap/intel-rapl:0"
+    sub = sys_root / "class/powercap/intel-rapl:0:0"  # the cores' sub-domain: not counted twice
+    for d in (pkg, sub):
+        d.mkdir(parents=True)
+        (d / "max_energy_range_uj").write_text("1000000000\n")
+    (pkg / "energy_uj").write_text("999000000\n")
+    (sub / "energy_uj").write_text("5\n")
+    b = cb.HostBackend(sys_root=str(sys_root))
+    assert b.sources["cpu_freq_mhz"] == "cpufreq (scaling_cur_freq)"
+    assert b.sources["cpu_power_w"] == "RAPL (1 package counters)"
+    (pkg / "energy_uj").write_text("2000000\n")  # wrapped: 1,000,000 + 2,000,000 uJ = 3 J later
+    time.sleep(0.05)
+    rows = {(d, m): v for d, m, v in b.read()}
+    assert rows[("cpu0", "cpu_freq_mhz")] == 2400.0 and rows[("cpu1", "cpu_freq_mhz")] == 3100.0
+    assert rows[("cpu", "cpu_freq_mhz")] == 2750.0
+    assert 0 < rows[("cpu", "cpu_power_w")] <= 3.0 / 0.05  # 3 J over at least 50 ms
+    assert ("process", "cpu_util_pct") in rows and ("cpu", "cpu_util_pct") in rows
+
+
+def test_host_backend_on_this_machine_says_what_it_could_read():
+    b = cb.HostBackend()
+    meta = b.meta()
+    assert set(meta["sources"]) == {"cpu_freq_mhz", "cpu_util_pct", "cpu_power_w", "temperature_c"}
+    for metric, source in meta["sources"].items():  # each either read or says why not
+        assert source.startswith("unavailable: ") or metric in {m for _, m, _ in b.read()} or metric == "cpu_util_pct"
