@@ -264,6 +264,6 @@ def fused_linear_cross_entropy(
     (default: see ``default_chunk_size``)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if use_kernel(hidden, lm_head_weight):
+    if hidden.numel() and use_kernel(hidden, lm_head_weight):  # empty input: nothing to launch
         return _apply(hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size)
     return linear_cross_entropy_reference(hidden, lm_head_weight, targets, ignore_index, reduction)

@@ -143,6 +143,6 @@ _apply = eager_only(RMSNormFunction.apply)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm of x [..., C] with weight [C]; the Triton kernel when a backend can run it."""
-    if use_kernel(x, weight):
+    if x.numel() and use_kernel(x, weight):  # empty input: nothing to launch
         return _apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -90,6 +90,6 @@ _apply = eager_only(SwiGLUFunction.apply)
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up with autograd; the Triton kernel when a backend can run it."""
-    if use_kernel(gate, up):
+    if gate.numel() and use_kernel(gate, up):  # empty input: nothing to launch
         return _apply(gate, up)
     return swiglu_reference(gate, up)

@@ -223,3 +223,14 @@ def test_random_shapes_property(seed):
     chunk = rng.choice([None, 1, rng.randint(1, n)])
     check(lambda h, w: K.fused_linear_cross_entropy(h, w, t, chunk_size=chunk),
           lambda h, w: R.linear_cross_entropy_reference(h, w, t), [h, wv], torch.float32, seed)
+
+
+def test_empty_inputs_do_not_launch():
+    x = torch.randn(0, 37, requires_grad=True)
+    y = K.rms_norm(x, torch.ones(37), 1e-6)
+    y.sum().backward()
+    assert y.shape == (0, 37) and x.grad.shape == (0, 37)
+    assert K.swiglu(torch.randn(2, 0), torch.randn(2, 0)).shape == (2, 0)
+    cos, sin = rope_cache(4, 6)
+    q, k = K.rope(torch.randn(0, 2, 4, 6), torch.randn(0, 2, 4, 6), cos, sin)
+    assert q.shape == k.shape == (0, 2, 4, 6)
