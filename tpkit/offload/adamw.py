@@ -160,6 +160,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         # per-parameter host state
         self._master: list[torch.Tensor] = []
         self._alias: list[bool] = []
+        self._swap: list[bool] = []
+        self._refresh: list[bool] = []  # master must first take the parameter's values (after a swap)
         self._host_grad: list[torch.Tensor | None] = [None] * len(self._params)
         self._micro: list[int] = [0] * len(self._params)  # gradients received this step
         self._updated: list[bool] = [False] * len(self._params)  # host update done this step
@@ -195,6 +197,9 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             state["master_param"] = master
         self._master.append(master)
         self._alias.append(alias)
+        # DPU on the host: weights are handed over by swapping storages, not copied (see _copy_back)
+        self._swap.append(self.delayed_update and p.device.type == "cpu" and p.dtype == torch.float32)
+        self._refresh.append(False)
 
     def host_state_bytes(self) -> int:
         """Bytes of the host optimizer state (moments, step counters, separate master copies):
@@ -268,6 +273,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         if clip_coef is not None and clip_coef < 1.0:
             g.mul_(clip_coef)
         t = perf_counter_ns()
+        if self._refresh[i]:  # after a swap the master buffer holds old weights: bring it up to date
+            self._master[i].copy_(self._params[i].detach())
+            self._refresh[i] = False
+            t_ref = perf_counter_ns()
+            self.counters["copy_back_ns"] += t_ref - t
+            t = t_ref
         state["step"] += 1
         beta1, beta2 = group["betas"]
         self.kernel.step(self._master[i].view(-1), g.reshape(-1), state["exp_avg"].view(-1),
@@ -283,9 +294,20 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             self.counters["copy_back_ns"] += perf_counter_ns() - t2
 
     def _copy_back(self, i: int) -> None:
+        """New weights to the parameter. On the host with a delayed update this is a swap of
+        storages (O(1) on the critical path): the parameter takes the updated master buffer,
+        and its old buffer becomes the next master, refreshed by the worker in the background
+        before the next update."""
         if self._alias[i]:
             return
         p = self._params[i]
+        if self._swap[i]:
+            old = p.data
+            p.data = self._master[i]
+            self._master[i] = old
+            self.state[p]["master_param"] = old
+            self._refresh[i] = True
+            return
         if p.device.type == "cuda":
             with torch.cuda.stream(self._copy_stream):
                 p.detach().copy_(self._master[i], non_blocking=True)

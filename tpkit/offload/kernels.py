@@ -35,7 +35,7 @@ import torch
 KernelName = Literal["auto", "deepspeed", "torch"]
 
 #: Elements per chunk when bf16 moments are upcast for the fused kernel (fits in L2).
-BF16_CHUNK = 1 << 16
+BF16_CHUNK = 1 << 18
 
 _DS_LOCK = threading.Lock()
 _DS_OP: Any = None
