@@ -6,7 +6,10 @@ is the Run's own rich representation.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -44,38 +47,70 @@ class TpkitMagics(Magics):
               help="CUDA: also record the allocator history and keep the largest allocations alive at the peak, with stacks")
     @argument("--clock-hz", type=float, default=20.0, help="clock/power sampling rate, 0 turns it off (max 200); default 20")
     @argument("--samples-per-step", type=int, default=None, help="samples in one step, when the loader cannot tell")
+    @argument("--kernels", choices=["on", "off", "ab"], default=None,
+              help="tpkit's Triton kernels for the models in the notebook: on, off, or ab (the slice twice, "
+                   "without then with kernels, from the same state: time, memory and loss side by side)")
     @cell_magic
     def tp_profile(self, line: str, cell: str) -> None:
         """Profile a slice of the training loop in this cell and show where the time went.
 
         The loop runs until warmup + steps optimizer steps are done, then stops by itself.
         """
-        config, save_dir = self._config(line, cell)
+        config, save_dir, kernels = self._config(line, cell)
         previous = last_run()
-        prof = Profile(config)
         code = self.shell.transform_cell(cell)
         filename = self.shell.compile.cache(code)
-        error: BaseException | None = None
-        try:
-            with prof:
-                exec(compile(code, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
-        except BaseException as e:  # shown with the partial run below, then re-raised
-            error = e
-        run = prof.run
+        if kernels == "ab":
+            return self._run_ab(config, code, filename, save_dir)
+        with _kernels_mode(kernels, self.shell.user_ns):
+            run, error = self._run(config, code, filename)
         if run is not None:
-            self.shell.user_ns["_tp"] = run
-            if save_dir:
-                run.save(save_dir)
-            if config.progress:
-                from .widgets import dashboard
-
-                display(dashboard(run, compare_with=[previous] if previous is not None else []))
-            else:
-                print(run.summary().to_text())
+            self._show(run, config, save_dir, compare_with=[previous] if previous is not None else [])
         if error is not None:
             raise error
 
-    def _config(self, line: str, cell: str) -> tuple[SliceConfig, str | None]:
+    def _run(self, config: SliceConfig, code: str, filename: str) -> tuple[Any, BaseException | None]:
+        """Run the cell's code as one slice; the Run (partial on error) and the error."""
+        prof = Profile(config)
+        try:
+            with prof:
+                exec(compile(code, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
+        except BaseException as e:  # shown with the partial run, then re-raised by the caller
+            return prof.run, e
+        return prof.run, None
+
+    def _show(self, run: Any, config: SliceConfig, save_dir: str | None, compare_with: list, ab: Any = None) -> None:
+        self.shell.user_ns["_tp"] = run
+        if save_dir:
+            run.save(Path(save_dir) / run.name if ab is not None else save_dir)
+        if config.progress:
+            from .widgets import dashboard
+
+            display(dashboard(run, compare_with=compare_with, ab=ab))
+        else:
+            print(ab.to_text() if ab is not None else run.summary().to_text())
+
+    def _run_ab(self, config: SliceConfig, code: str, filename: str, save_dir: str | None) -> None:
+        from .kernels_ab import run_ab
+
+        def run_slice(name: str, knobs: dict[str, Any]) -> Any:
+            run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code, filename)
+            if error is not None:
+                if run is not None:
+                    self._show(run, config, None, [])
+                raise error
+            return run
+
+        try:
+            result = run_ab(run_slice, self.shell.user_ns, config.name or "ab")
+        except ValueError as e:
+            raise UsageError(f"%%tp_profile --kernels ab: {e}") from None
+        self.shell.user_ns["_tp_ab"] = result
+        if save_dir:
+            result.a.save(Path(save_dir) / result.a.name)
+        self._show(result.b, config, save_dir, compare_with=[result.a], ab=result)
+
+    def _config(self, line: str, cell: str) -> tuple[SliceConfig, str | None, str | None]:
         try:
             args = parse_argstring(self.tp_profile, line)
         except UsageError as e:
@@ -98,7 +133,7 @@ class TpkitMagics(Magics):
                                  clock_hz=args.clock_hz).validate()
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
-        return config, args.save
+        return config, args.save, args.kernels
 
     @magic_arguments()
     @argument("--store", metavar="DIR", default=None, help="list this store instead of the one in use")
@@ -148,6 +183,31 @@ class TpkitMagics(Magics):
         comparison = compare(*loaded)
         self.shell.user_ns["_tp_compare"] = comparison
         display(comparison)
+
+
+@contextmanager
+def _kernels_mode(mode: str | None, ns: dict[str, Any]) -> Iterator[None]:
+    """``on``: patch the notebook's models for the slice; ``off``: unpatch models the user had
+    patched, for the slice. Either way they are as before afterwards."""
+    if mode is None:
+        yield
+        return
+    from .kernels import patch, patched, unpatch
+    from .kernels_ab import models_in
+
+    models = models_in(ns)
+    if not models:
+        raise UsageError(f"--kernels {mode}: no torch.nn.Module among the notebook's variables")
+    before = {id(m): bool(patched(m)) for m in models}
+    for m in models:
+        patch(m) if mode == "on" else unpatch(m)
+    try:
+        yield
+    finally:
+        for m in models:
+            unpatch(m)
+            if before[id(m)]:
+                patch(m)
 
 
 _COUNT = [0]

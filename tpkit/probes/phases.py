@@ -26,6 +26,7 @@ import torch
 import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
+from ..errors import StopSlice
 from ..recorder import Recorder
 
 #: Phases during which a module call is not "the forward pass" (a transform in data loading,
@@ -169,7 +170,15 @@ class PhaseProbe:
         self.rec.exit(self._opt_tokens.pop())
         rec = self.rec
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not rec.explicit_steps:
-            rec.end_step()  # may raise StopSlice: the step is complete, parameters updated
+            try:
+                rec.end_step()  # may raise StopSlice: the step is complete, parameters updated
+            except StopSlice:
+                # The loop stops right after optimizer.step(), before its own zero_grad():
+                # the update has consumed the gradients, so drop them as the loop would have,
+                # or the next slice's first backward would add onto stale ones.
+                zero_grad = type(opt).zero_grad
+                getattr(zero_grad, "__wrapped__", zero_grad)(opt, set_to_none=True)
+                raise
 
     # -- wrappers ---------------------------------------------------------------------------
     def _wrap_phase(self, fn: Any, phase: str, source: str) -> Any:

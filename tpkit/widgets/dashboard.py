@@ -62,14 +62,27 @@ def compare_html(runs: Sequence["Run"]) -> str:
     return f"<h3>Comparison of {len(runs)} runs</h3>{warn}{table}{charts_html}"
 
 
+def ab_html(ab: Any) -> str:
+    """The kernels A/B view: the verdict on the loss, speed and memory side by side."""
+    from ..charts.ab import loss_ab
+
+    cls = "tp-verdict" if ab.verdict.ok else "tp-verdict tp-bad"
+    text = html.escape(ab.to_text()).replace("\n", "<br>")
+    return (f'<h3>Kernels A/B</h3><div class="{cls}">{html.escape(ab.verdict.message)}</div>'
+            f'<div class="tp-note">{text}</div>' + report.chart_html(loss_ab(ab.losses))
+            + compare_html([ab.a, ab.b]))
+
+
 class Dashboard(w.VBox):
     """``tp.dashboard(run)``: Summary, one tab per chart section with data, Compare (when
     other runs are given), Export. Its plain-text form is the run's summary."""
 
-    def __init__(self, run: "Run", compare_with: Sequence["Run"] = ()) -> None:
+    def __init__(self, run: "Run", compare_with: Sequence["Run"] = (), ab: Any = None) -> None:
         self.run = run
         tabs: list[tuple[str, w.Widget]] = [
             ("Summary", html_output(_styled(report.summary_html(run) + recommendations_html(run))))]
+        if ab is not None:
+            tabs.insert(0, ("Kernels A/B", html_output(_styled(ab_html(ab)))))
         for title, chart in report.section_charts(run):
             tabs.append((title, html_output(_styled(report.chart_html(chart)))))
         others = [r for r in compare_with if r is not run]
@@ -112,7 +125,7 @@ class Dashboard(w.VBox):
         return bundle
 
 
-def dashboard(run: "Run | None" = None, compare_with: Sequence["Run"] = ()) -> Dashboard:
+def dashboard(run: "Run | None" = None, compare_with: Sequence["Run"] = (), ab: Any = None) -> Dashboard:
     """The dashboard of ``run`` (default: the last run), optionally compared with others."""
     from ..profiler import last_run
 
@@ -121,4 +134,4 @@ def dashboard(run: "Run | None" = None, compare_with: Sequence["Run"] = ()) -> D
         from ..errors import TpkitError
 
         raise TpkitError("no run yet: profile a slice first (%%tp_profile or tp.profile)")
-    return Dashboard(run, compare_with)
+    return Dashboard(run, compare_with, ab)

@@ -1,0 +1,61 @@
+"""%%tp_profile --kernels on|off|ab through a real IPython shell, kernels under Triton's
+interpreter: the same starting state and batches for A and B, the loss checked, models left
+as they were."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+SETUP = """
+import torch
+from tpkit.models import TinyConfig, TinyTransformer
+from tpkit.datasets import SyntheticTokens
+from tpkit.kernels import patched
+torch.manual_seed(0)
+cfg = TinyConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=32)
+model = TinyTransformer(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+loader = torch.utils.data.DataLoader(SyntheticTokens(n=256, seq_len=8, vocab_size=64), batch_size=4, shuffle=True,
+                                     generator=torch.Generator().manual_seed(1))
+"""
+LOOP = "for b in loader:\n    model(b['x'], b['y']).backward()\n    opt.step()\n    opt.zero_grad()\n"
+
+
+@pytest.mark.slow
+def test_kernels_ab_same_start_same_batches_loss_checked(ip):
+    ip.run_cell(SETUP)
+    w0 = ip.user_ns["model"].embed.weight.detach().clone()
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 1 --kernels ab --name kab --quiet", LOOP)
+    ab = ip.user_ns["_tp_ab"]
+    assert ab.a.meta["knobs"]["kernels"] == "off" and ab.b.meta["knobs"]["kernels"] == "on"
+    assert (ab.a.name, ab.b.name) == ("kab-A", "kab-B") and ip.user_ns["_tp"] is ab.b
+    assert len(ab.a.steps) == len(ab.b.steps) == 3
+    kinds = {s.rsplit("(", 1)[1] for s in ab.swapped}
+    assert kinds >= {"rms_norm)", "swiglu)"}
+    assert ab.verdict.ok and ab.verdict.n_steps == 3, ab.verdict.message
+    # the same start: the first losses agree to float rounding, not just within tolerance
+    assert abs(ab.losses["loss_a"].iloc[0] - ab.losses["loss_b"].iloc[0]) < 1e-4
+    assert ab.losses["loss_a"].iloc[0] != ab.losses["loss_a"].iloc[1]  # and the model did train
+    assert not ip.user_ns["patched"](ip.user_ns["model"])  # kernels taken out again
+    assert not ip.user_ns["model"].embed.weight.detach().equal(w0)
+    assert "loss matches" in cap.stdout
+
+
+def test_kernels_flag_needs_a_model_and_a_valid_mode(ip):
+    with pytest.raises(UsageError, match="invalid choice"):
+        ip.run_cell_magic("tp_profile", "--kernels maybe", "x = 1")
+    saved = {k: v for k, v in ip.user_ns.items() if k in ("model",)}
+    ip.user_ns.pop("model", None)
+    try:
+        import torch
+
+        ns_models = [k for k, v in ip.user_ns.items() if isinstance(v, torch.nn.Module) and not k.startswith("_")]
+        for k in ns_models:
+            saved[k] = ip.user_ns.pop(k)
+        with pytest.raises(UsageError, match="no torch.nn.Module"):
+            ip.run_cell_magic("tp_profile", "--kernels ab --quiet", "x = 1")
+    finally:
+        ip.user_ns.update(saved)
