@@ -120,7 +120,7 @@ def _step(fn: Callable[..., object], inputs: list[torch.Tensor], backward: bool)
     return fwd_bwd
 
 
-def _time_cpu(step: Callable[[], None], reps: int) -> list[float]:
+def _time_cpu(step: Callable[[], None], reps: int) -> tuple[list[float], str]:
     step()  # warm-up
     times = []
     for _ in range(reps):
@@ -128,10 +128,11 @@ def _time_cpu(step: Callable[[], None], reps: int) -> list[float]:
         step()
         times.append((time.perf_counter() - t0) * 1e3)
     qs = statistics.quantiles(times, n=10, method="inclusive")  # deciles
-    return [qs[1], statistics.median(times), qs[7]]
+    return [qs[1], statistics.median(times), qs[7]], ""  # peak: not tracked on the CPU
 
 
 def _time_gpu(step: Callable[[], None]) -> tuple[list[float], int]:
+    """do_bench quantiles, and the peak memory of one call beyond what was held before it."""
     from triton.testing import do_bench
 
     step()  # warm-up (and torch.compile's first compile)
@@ -173,34 +174,34 @@ def versions() -> str:
     return " ".join(parts)
 
 
-def run(cpu_smoke: bool, ops: set[str] | None, reps: int) -> list[dict[str, object]]:
-    device = torch.device("cpu" if cpu_smoke else "cuda")
-    dtype = torch.float32 if cpu_smoke else torch.bfloat16
+def run(
+    case_list: list[Case],
+    device: torch.device,
+    dtype: torch.dtype,
+    with_compile: bool,
+    measure: Callable[[Callable[[], None]], tuple[list[float], int | str]],
+    note: str = "",
+) -> list[dict[str, object]]:
+    """Measure every case x mode x peer; one row each. ``measure(step)`` -> ([p20, p50, p80]
+    in ms, peak bytes or "" where unknown)."""
     machine, vers = machine_name(device), versions()
     rows: list[dict[str, object]] = []
-    for case in cases(cpu_smoke):
-        if ops and case.op not in ops:
-            continue
+    for case in case_list:
         peers: dict[str, Callable[..., object]] = {"tpkit": case.tpkit, "eager": case.eager}
-        if not cpu_smoke:
+        if with_compile:
             peers["compile"] = torch.compile(case.eager, dynamic=False)
         for mode in ("fwd", "fwd_bwd"):
             for peer, fn in peers.items():
                 row: dict[str, object] = dict(
                     op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""), mode=mode,
-                    peer=peer, machine=machine, versions=vers, note="", peak_bytes="",
-                    p20_ms=math.nan, p50_ms=math.nan, p80_ms=math.nan,
+                    peer=peer, machine=machine, versions=vers, note=note if peer == "tpkit" else "",
+                    peak_bytes="", p20_ms=math.nan, p50_ms=math.nan, p80_ms=math.nan,
                 )
-                if cpu_smoke and peer == "tpkit":
-                    row["note"] = "torch reference path (no GPU)"
                 inputs = None
                 try:
                     inputs = case.make(device, dtype)
                     step = _step(fn, inputs, backward=mode == "fwd_bwd")
-                    if cpu_smoke:
-                        row["p20_ms"], row["p50_ms"], row["p80_ms"] = _time_cpu(step, reps)
-                    else:
-                        (row["p20_ms"], row["p50_ms"], row["p80_ms"]), row["peak_bytes"] = _time_gpu(step)
+                    (row["p20_ms"], row["p50_ms"], row["p80_ms"]), row["peak_bytes"] = measure(step)
                 except torch.cuda.OutOfMemoryError:
                     row["note"] = "out of memory"
                 del inputs
@@ -268,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     ops = {o.strip() for o in args.ops.split(",") if o.strip()} or None
+    case_list = [c for c in cases(args.cpu_smoke) if not ops or c.op in ops]
     if args.cpu_smoke:  # no GPU: tpkit's ops take their torch reference path, without a notice
         torch.set_num_threads(1)  # a 2-thread pool wakes late after idle gaps (MEASURED.md)
         with K.reference_only():
-            rows = run(True, ops, args.reps)
+            rows = run(case_list, torch.device("cpu"), torch.float32, False,
+                       lambda step: _time_cpu(step, args.reps), note="torch reference path (no GPU)")
     else:
-        rows = run(False, ops, args.reps)
+        rows = run(case_list, torch.device("cuda"), torch.bfloat16, True, _time_gpu)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
