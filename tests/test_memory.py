@@ -231,6 +231,34 @@ def test_probe_leaves_nothing_behind():
         torch.ones(3).sum()
 
 
+def test_a_running_torch_profiler_leaves_the_known_sets_and_a_note():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run, model, _ = train_mlp(steps=1, warmup=0)
+    assert any(e.name == "aten::addmm" for e in prof.events())  # the user's profiler kept its session
+    assert set(run.memory["category"]) == {"parameters", "gradients", "optimizer_state", "data"}
+    assert (rows(run, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+    assert any("could not start" in n for n in run.meta["notes"])
+    assert run.meta["memory"]["cpu_source"] == "known sets only"
+
+
+def test_a_torch_profiler_inside_the_slice_runs_and_is_noted():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D)
+
+    def step():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            model(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=1, warmup=0, progress=False, clocks=False)
+    assert (rows(run, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+    assert "activations" not in set(run.memory["category"])
+    assert any("another profiler" in n for n in run.meta["notes"]), run.meta["notes"]
+
+
 def test_bf16_parameters_are_two_bytes_each():
     torch.manual_seed(0)
     model = MLP().to(torch.bfloat16)

@@ -70,6 +70,9 @@ class CpuAllocatorStream:
         from torch.autograd.profiler import (ProfilerConfig, ProfilerState, _disable_profiler,
                                              _enable_profiler, _ExperimentalConfig, _prepare_profiler)
 
+        if torch._C._autograd._profiler_enabled():
+            # starting a second session would end the user's without a word
+            raise RuntimeError("a torch profiler is already running")
         cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         activities = {ProfilerActivity.CPU}
         scopes = {RecordScope.LITE_INTERPRETER}  # no aten op runs in this scope: no op events
@@ -83,6 +86,9 @@ class CpuAllocatorStream:
         if not self.active:
             return []
         self.active = False
+        if not torch._C._autograd._profiler_enabled():
+            raise RuntimeError("another profiler started and stopped during the slice and ended "
+                               "tpkit's allocator stream with it")
         result = self._disable()
         out = []
         for ev in sorted(result.experimental_event_tree(), key=lambda e: e.start_time_ns):
@@ -97,8 +103,13 @@ class CpuAllocatorStream:
 class CudaAllocator:
     """The CUDA caching allocator's counters; every call here is free of syncs."""
 
+    _available: bool | None = None
+
     def devices(self) -> list[int]:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        """Devices to read: none until CUDA is initialised (reading would initialise it)."""
+        if self._available is None:
+            self._available = torch.cuda.is_available()
+        if not self._available or not torch.cuda.is_initialized():
             return []
         return list(range(torch.cuda.device_count()))
 
@@ -247,7 +258,13 @@ class MemoryProbe:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        events = self.cpu.stop() if self.cpu.active else []
+        events: list[tuple[int, int]] = []
+        if self.cpu.active:
+            try:
+                events = self.cpu.stop()
+            except Exception as e:
+                self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
+                                  f"was not measured: {e}")
         if self._history:
             self._history = False
             try:
