@@ -219,3 +219,25 @@ def test_resume_in_thread_mode():
     again = Loader(Mixed(30), batch_size=4, shuffle=True, seed=1, num_workers=2, mode="thread")
     again.load_state_dict(state)
     assert head + [b["i"].tolist() for b in again] == full
+
+
+class Growing(torch.utils.data.Dataset):
+    """Sample i has i+1 values: later batches outgrow the slots sized on the first."""
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.arange(i + 1, dtype=torch.float64)
+
+
+def pad_collate(samples: list) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+
+
+def test_batches_larger_than_the_first_regrow_the_ring():
+    kept = list(Loader(Growing(), batch_size=6, num_workers=2, collate_fn=pad_collate))
+    ref = list(DataLoader(Growing(), batch_size=6, collate_fn=pad_collate))
+    assert [b.shape for b in kept] == [b.shape for b in ref] and kept[-1].shape == (6, 60)
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref))
+    assert not shm_files() and not live_children()
