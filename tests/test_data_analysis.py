@@ -80,3 +80,15 @@ def test_workers_auto_picks_a_count_and_loads_correctly():
     assert isinstance(loader.num_workers, int) and 0 <= loader.num_workers <= 2
     assert got == [list(range(i, i + 8)) for i in range(0, 64, 8)]
     assert Loader(Mixed(64), batch_size=8).autotune(max_workers=1, trial_batches=3) in (0, 1)
+
+
+def test_step_time_from_run_steps_ignores_warmup_and_data_wait():
+    from tpkit.data import loop_step_s
+
+    steps = pd.DataFrame({"warmup": [True, False, False, False],
+                          "duration_s": [1.0, 0.030, 0.040, 0.050],
+                          "data_wait_s": [0.0, 0.020, 0.030, 0.040]})
+    assert loop_step_s(steps) == pytest.approx(0.010)
+    v = loader_verdict(_frame(fetch_s=0.030, collate_s=0.002, transfer_s=0.001), steps=steps)
+    assert v.verdict == "queue empty" and v.workers == 4
+    assert loop_step_s(pd.DataFrame()) is None

@@ -19,9 +19,9 @@ count, and a ``run.loader`` row (worker, fetch_s, collate_s, queue_wait_s, trans
 ``loader_verdict`` turns those rows into a verdict and a worker count.
 """
 
-from .analysis import LoaderVerdict, loader_verdict
+from .analysis import LoaderVerdict, loader_verdict, loop_step_s
 from .errors import LoaderError, LoaderTimeoutError, UnsupportedBatchError, WorkerDiedError, WorkerError
 from .loader import Loader
 
-__all__ = ["Loader", "LoaderVerdict", "loader_verdict", "LoaderError", "LoaderTimeoutError",
+__all__ = ["Loader", "LoaderVerdict", "loader_verdict", "loop_step_s", "LoaderError", "LoaderTimeoutError",
            "UnsupportedBatchError", "WorkerDiedError", "WorkerError"]

@@ -32,16 +32,29 @@ class LoaderVerdict:
     ready_fraction: float  # batches that were waiting when the loop asked
 
 
+def loop_step_s(steps: pd.DataFrame) -> float | None:
+    """The training loop's own time per step, data wait excluded: the median of
+    ``duration_s - data_wait_s`` over the measured (non-warmup) rows of ``run.steps``."""
+    if steps is None or steps.empty or not {"duration_s", "data_wait_s"} <= set(steps.columns):
+        return None
+    rows = steps[~steps["warmup"]] if "warmup" in steps.columns else steps
+    if rows.empty:
+        return None
+    return float((rows["duration_s"] - rows["data_wait_s"].fillna(0.0)).median())
+
+
 def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
                    num_workers: int | None = None, ready_wait_s: float = 1e-3,
-                   max_workers: int | None = None) -> LoaderVerdict:
+                   max_workers: int | None = None, steps: pd.DataFrame | None = None) -> LoaderVerdict:
     """Judge one run's loader.
 
     loader: rows of ``run.loader``. step_s: the training loop's own time per batch, data wait
-    excluded (median of ``duration_s - data_wait_s`` in ``run.steps``); without it the verdict
-    relies on queue waits alone. num_workers: workers the run used (default: distinct
+    excluded; or pass ``steps=run.steps`` to derive it (``loop_step_s``). Without either the
+    verdict relies on queue waits alone. num_workers: workers the run used (default: distinct
     ``worker`` values). ready_wait_s: a batch counts as "was ready" above this wait.
     """
+    if step_s is None and steps is not None:
+        step_s = loop_step_s(steps)
     missing = [c for c in COLUMNS if c not in loader.columns]
     if missing:
         raise ValueError(f"loader frame lacks columns {missing}; expected {list(COLUMNS)}")
