@@ -7,7 +7,7 @@ Wall time on a shared 2-core VM moves by several percent from round to round, mo
 effect measured, so the script also prints the sampler's own CPU time (``thread_time`` of
 the sampler thread, from ``run.meta["clocks"]``): the cost it can put on the machine at most.
 
-    python benchmarks/clocks_overhead.py [--rounds 8] [--steps 30] [--hz 20]
+    python benchmarks/clocks_overhead.py [--rounds 6] [--steps 20] [--hz 20]
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def make_step():
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--hz", type=float, default=20.0)
     args = ap.parse_args()
     on, off = f"clocks {args.hz:g} Hz", "clocks off"

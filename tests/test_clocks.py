@@ -133,6 +133,15 @@ for i in range(100):
 """
 
 
+def _busy_steps_show_more_cpu(run: Run) -> None:
+    """Odd steps spin, even steps sleep: this process's CPU share per step must tell them
+    apart. A ratio, not a level: on a machine others load, a busy step may get little CPU."""
+    per = ca.step_clocks(run.clocks, run.measured_steps)
+    util = per[(per["device"] == "process") & (per["metric"] == "cpu_util_pct")].set_index("step")["mean"]
+    busy, idle = util[util.index % 2 == 1].mean(), util[util.index % 2 == 0].mean()
+    assert busy > 2 * idle and busy > 1.0, (busy, idle)
+
+
 def test_host_readings_change_during_a_cpu_heavy_slice_through_the_magic(ip, one_thread):
     with capture_output() as cap:
         ip.run_cell_magic("tp_profile", "--steps 6 --warmup 0 --clock-hz 20 --name clocks_magic", BUSY_IDLE_CELL)
@@ -144,7 +153,8 @@ def test_host_readings_change_during_a_cpu_heavy_slice_through_the_magic(ip, one
     # people's work shares these cores); the machine's per-core and mean rows are there and sane
     util = c[(c["device"] == "process") & (c["metric"] == "cpu_util_pct")]["value"]
     assert len(util) >= 20  # ~3 s at 20 Hz
-    assert util.nunique() > 1 and util.max() - util.min() > 10  # busy and idle steps differ: real readings
+    assert util.nunique() > 1
+    _busy_steps_show_more_cpu(run)
     assert {"cpu", "cpu0", "cpu1"} <= set(c.loc[c["metric"] == "cpu_util_pct", "device"])
     host = c.loc[c["metric"] == "cpu_util_pct", "value"]
     assert ((host >= 0) & (host <= 100)).all() and host.max() > 10
@@ -179,7 +189,8 @@ def test_host_backend_through_tp_profile_and_the_probe_shows_during_the_slice(on
     assert not _clock_threads()
     c = prof.run.clocks
     util = c[(c["device"] == "process") & (c["metric"] == "cpu_util_pct")]["value"]
-    assert util.max() - util.min() > 10
+    assert util.nunique() > 1
+    _busy_steps_show_more_cpu(prof.run)
     assert prof.run.meta["clocks"]["samples"] >= 20
     s = analysis.summarize(prof.run.steps, prof.run.meta, c)
     assert s.clocks["metric"] == "cpu_freq_mhz" and s.clock_lines

@@ -104,6 +104,13 @@ _MHZ_RE = re.compile(rb"^cpu MHz\s*:\s*([0-9.]+)", re.M)
 _CPU_TEMP_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal", "acpitz")
 
 
+def _busy_total(t: Any) -> tuple[float, float]:
+    """(busy, total) seconds of one ``psutil.cpu_times`` entry. Linux counts guest time inside
+    user/nice already, so it is taken out of the total once; iowait is idle."""
+    total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+    return total - t.idle - getattr(t, "iowait", 0.0), total
+
+
 class HostBackend:
     """CPU frequency, utilisation, package power and temperature, each from the first source
     that reads on this machine. Sources are probed once, at construction."""
@@ -243,9 +250,8 @@ class HostBackend:
         self._last_proc_ns = proc
         util = []
         for new, old in zip(times, self._last_times):
-            busy_new = sum(new) - new.idle - getattr(new, "iowait", 0.0)
-            busy_old = sum(old) - old.idle - getattr(old, "iowait", 0.0)
-            total = sum(new) - sum(old)
+            (busy_new, total_new), (busy_old, total_old) = _busy_total(new), _busy_total(old)
+            total = total_new - total_old
             util.append(100.0 * min(1.0, max(0.0, (busy_new - busy_old) / total)) if total > 0 else None)
         self._last_times, self._last_times_ns = times, now
         if all(u is not None for u in util):
