@@ -13,7 +13,7 @@ import traceback
 from time import perf_counter_ns
 from typing import Any, Iterator
 
-from .errors import WorkerError
+from .errors import LoaderTimeoutError, WorkerError
 from .worker_loop import BatchMaker, WorkerSpec
 
 
@@ -57,12 +57,13 @@ class ThreadEngine:
     """
 
     def __init__(self, spec: WorkerSpec, tasks: Iterator | None, num_workers: int, prefetch: int,
-                 in_order: bool, skip_batches: int = 0) -> None:
-        self.spec, self.tasks, self.in_order = spec, tasks, in_order
+                 in_order: bool, skip_batches: int = 0, timeout_s: float = 0.0) -> None:
+        self.spec, self.tasks, self.in_order, self.timeout_s = spec, tasks, in_order, timeout_s
         n = num_workers if tasks is not None else 1
         self.pool = cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="tpkit-data")
         self.depth = n * prefetch
         self.pending: collections.deque = collections.deque()
+        self.hung = False  # a timed-out thread cannot be stopped; do not wait for it
         self.tasks_done = False
         self.batch = 0
         self._stream_maker = None
@@ -106,10 +107,22 @@ class ThreadEngine:
             if self.in_order:
                 fut = self.pending.popleft()
             else:
-                done, _ = cf.wait(self.pending, return_when=cf.FIRST_COMPLETED)
+                done, _ = cf.wait(self.pending, timeout=self.timeout_s or None,
+                                  return_when=cf.FIRST_COMPLETED)
+                if not done:
+                    self.hung = True
+                    raise LoaderTimeoutError(f"no batch came from the loader threads for "
+                                             f"{self.timeout_s} s; raise timeout= or look for a hang")
                 fut = next(f for f in self.pending if f in done)
                 self.pending.remove(fut)
-            made, w, done_ns = fut.result()
+            try:
+                made, w, done_ns = fut.result(timeout=self.timeout_s or None)
+            except cf.TimeoutError:
+                self.hung = True
+                raise LoaderTimeoutError(
+                    f"no batch came from the loader threads for {self.timeout_s} s. Raise "
+                    f"timeout= if a batch legitimately takes longer, or look for a hang in "
+                    f"the dataset's __getitem__ / collate_fn.") from None
             self.batch += 1
             if made is None:  # the iterable stream ended
                 self.tasks_done = True
@@ -122,4 +135,4 @@ class ThreadEngine:
             return batch, w, fetch_s, collate_s, queue_wait_s, 0.0, n
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=not self.hung, cancel_futures=True)

@@ -308,7 +308,8 @@ class _LoaderIter:
             from .worker_loop import WorkerSpec
             self.engine = ThreadEngine(WorkerSpec(**spec_args, num_workers=W, seg_prefix="", n_slots=0,
                                                   parent_pid=os.getpid()),
-                                       tasks, W, loader.prefetch, loader.in_order, skip_batches=skip)
+                                       tasks, W, loader.prefetch, loader.in_order, skip_batches=skip,
+                                       timeout_s=loader.timeout)
         else:
             if not loader.persistent_workers and loader._pool is not None:
                 loader._pool.shutdown()
