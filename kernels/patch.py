@@ -11,7 +11,9 @@
 
 A user module is swapped only if it *behaves* like the pattern: before swapping, patch runs
 it once on a small random input and compares with the torch reference (so a Gemma-style
-RMSNorm that scales by 1 + weight, or an MLP with GELU, is left alone). The twins hold the
+RMSNorm that scales by 1 + weight, or an MLP with GELU, is left alone; the twins of
+tpkit.models' Attention and LMHeadLoss are checked the same way against the originals, in
+case their forward changes). The twins hold the
 very same submodules and Parameters (shared, never copied), under the same attribute names,
 so ``state_dict()`` keys and optimizer parameter groups are unchanged. ``unpatch(model)``
 puts the original module objects back.
@@ -127,6 +129,19 @@ def _probe_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
 
 
+def _twin_agrees(original: nn.Module, twin: nn.Module, *inputs: torch.Tensor) -> bool:
+    """The twin (run on the torch reference path: this checks its structure, not the kernels)
+    computes what the original does. Guards the tpkit.models twins, which re-state their
+    original's forward, against that forward changing."""
+    from .backend import reference_only
+
+    try:
+        with torch.no_grad(), reference_only():
+            return _probe_close(twin(*inputs), original(*inputs))
+    except Exception:
+        return False
+
+
 def _rms_norm_eps(module: nn.Module) -> float | None:
     """eps if ``module`` looks like, and computes, an RMSNorm; else None."""
     if isinstance(module, _Twin) or "rmsnorm" not in type(module).__name__.lower():
@@ -166,9 +181,17 @@ def _twin_for(module: nn.Module, kinds: tuple[str, ...]) -> tuple[str, nn.Module
     from tpkit import models  # late: tpkit.models imports nothing from here, but keep it lazy
 
     if "lm_head_loss" in kinds and type(module) is models.LMHeadLoss:
-        return "lm_head_loss", KernelLMHeadLoss(module)
+        twin = KernelLMHeadLoss(module)
+        h = _probe_input((1, 3, module.weight.shape[1]), module.weight)  # [1, 3, C]
+        targets = torch.tensor([[0, module.weight.shape[0] - 1, 1 % module.weight.shape[0]]],
+                               device=module.weight.device)  # [1, 3]
+        return ("lm_head_loss", twin) if _twin_agrees(module, twin, h, targets) else None
     if "rope" in kinds and type(module) is models.Attention:
-        return "rope", KernelRoPEAttention(module)
+        twin = KernelRoPEAttention(module)
+        c = module.qkv.in_features
+        x = _probe_input((1, 4, c), module.qkv.weight)  # [1, T=4, C]
+        cos, sin = (t.to(x.device) for t in models.rope_cache(4, c // module.n_head))
+        return ("rope", twin) if _twin_agrees(module, twin, x, cos, sin) else None
     if "rms_norm" in kinds:
         eps = _rms_norm_eps(module)
         if eps is not None:

@@ -205,3 +205,20 @@ def test_kernels_enabled_patches_for_a_block_only():
         assert {s.kind for s in swaps} == {"rms_norm", "rope", "lm_head_loss"}
     assert [s.kind for s in K.patched(model)] == ["swiglu", "swiglu"]
     assert model.norm is norm and type(model.blocks[0].mlp).__name__ == "KernelSwiGLU"
+
+
+def test_a_tpkit_module_whose_forward_changed_is_left_alone(monkeypatch):
+    """The RoPE attention twin re-states tpkit.models.Attention.forward; if that forward
+    changes (here: no RoPE at all), the probe sees it and patch leaves the module alone."""
+    from tpkit import models
+
+    def no_rope(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    monkeypatch.setattr(models.Attention, "forward", no_rope)
+    swaps = K.patch(tiny())
+    assert "rope" not in {s.kind for s in swaps} and "lm_head_loss" in {s.kind for s in swaps}
