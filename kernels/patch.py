@@ -9,14 +9,13 @@
 - tpkit.models.Attention, whose RoPE becomes the rope kernel;
 - tpkit.models.LMHeadLoss, whose head + loss becomes fused_linear_cross_entropy.
 
-A user module is swapped only if it *behaves* like the pattern: before swapping, patch runs
-it once on a small random input and compares with the torch reference (so a Gemma-style
-RMSNorm that scales by 1 + weight, or an MLP with GELU, is left alone; the twins of
-tpkit.models' Attention and LMHeadLoss are checked the same way against the originals, in
-case their forward changes). The twins hold the
-very same submodules and Parameters (shared, never copied), under the same attribute names,
-so ``state_dict()`` keys and optimizer parameter groups are unchanged. ``unpatch(model)``
-puts the original module objects back.
+A module is swapped only if it *behaves* like the pattern: before swapping, patch runs it
+once on a small random input (from a private generator: the global RNG does not move) and
+compares with the torch reference. So a Gemma-style RMSNorm that scales by 1 + weight, or an
+MLP with GELU, is left alone, and so is a tpkit.models module whose forward has changed since
+its twin was written. The twins hold the very same submodules and Parameters (shared, never
+copied), under the same attribute names, so ``state_dict()`` keys and optimizer parameter
+groups are unchanged. ``unpatch(model)`` puts the original module objects back.
 """
 
 from __future__ import annotations
