@@ -31,6 +31,7 @@ THREAD_NAME = "tpkit-clocks"
 MAX_HZ = 200.0
 #: About 3.5 hours at 20 Hz with a 2-core host and one GPU; ~40 MB of tuples at worst.
 MAX_ROWS = 1_000_000
+MAX_ERRORS = 20
 START_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 2.0
 
@@ -58,7 +59,8 @@ def _sample_once(state: _SamplerState) -> None:
         try:
             readings = backend.read()
         except Exception as e:  # a backend bug must not kill the sampler; keep the others
-            state.errors.append(f"{backend.name}: {type(e).__name__}: {e}")
+            if len(state.errors) < MAX_ERRORS:  # a backend failing every tick must not grow memory
+                state.errors.append(f"{backend.name}: {type(e).__name__}: {e}")
             continue
         if len(state.rows) + len(readings) > MAX_ROWS:
             if state.full_at_ns is None:
