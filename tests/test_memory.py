@@ -445,6 +445,7 @@ def test_chart_specs():
     assert marks == ["bar", "line", "rule", "text"]
     bar = spec["layer"][0]["encoding"]
     assert bar["y"]["field"] == "y0_mib" and bar["y2"]["field"] == "y1_mib"
+    assert bar["xOffset"]["field"] == "direction"  # rises and falls side by side
     assert bar["color"]["scale"]["domain"] == list(mem.CATEGORIES)
     texts = [d for d in spec["datasets"].values() if d and "text" in d[0]]
     assert texts and texts[0][0]["text"].startswith("peak 0.00 MiB in forward (activations")

@@ -36,12 +36,15 @@ def memory_waterfall(wf: pd.DataFrame, peak: dict[str, Any] | None = None, headr
     ``wf``: ``memory_analysis.waterfall``; ``peak``: ``memory_analysis.step_peak``.
     """
     data = wf.assign(label=wf["order"].astype(str).str.zfill(2) + " " + wf["phase"].astype(str),
+                     direction=["fall" if d < 0 else "rise" for d in wf["delta_bytes"]],
                      y0_mib=wf["y0_bytes"] / MIB, y1_mib=wf["y1_bytes"] / MIB,
                      delta_mib=wf["delta_bytes"] / MIB, total_mib=wf["total_bytes"] / MIB)
     labels = list(dict.fromkeys(data.sort_values("order")["label"]))
     x = alt.X("label:N", sort=labels, title=None, axis=alt.Axis(labelAngle=-40))
-    bars = alt.Chart(data).mark_bar(size=18).encode(
-        x=x, y=alt.Y("y0_mib:Q", title="MiB"), y2="y1_mib:Q",
+    # a stretch that both allocates and frees draws its rises and falls side by side
+    bars = alt.Chart(data).mark_bar().encode(
+        x=x, xOffset=alt.XOffset("direction:N", sort=["rise", "fall"]),
+        y=alt.Y("y0_mib:Q", title="MiB"), y2="y1_mib:Q",
         color=alt.Color("category:N", scale=category_scale(), legend=alt.Legend(title="category")),
         tooltip=[alt.Tooltip("phase:N"), alt.Tooltip("category:N"),
                  alt.Tooltip("delta_mib:Q", format="+,.3f", title="change (MiB)"),
