@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia", reason="triton built without its NVIDIA backend")
 
 SCRIPT = textwrap.dedent(
     """
