@@ -174,6 +174,7 @@ def test_unsupported_collate_output_names_the_place_and_the_fix():
     assert issubclass(UnsupportedBatchError, TypeError)
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: seconds
 def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
     """SIGKILL of the training process: its workers notice within seconds, exit, and remove
     any segment the dead process had not mapped yet."""
