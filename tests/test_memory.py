@@ -323,12 +323,18 @@ def test_no_grad_forward_saves_nothing():
 class FakeCuda(mem.CudaAllocator):
     """Plays a CUDA allocator: level and peak per read, scripted."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready_after: int = 0) -> None:
         self.reads: list[tuple[int, int]] = []
         self.history = False
+        self.asked = 0
+        self.ready_after = ready_after  # devices() calls before CUDA counts as initialised
+
+    def available(self) -> bool:
+        return True
 
     def devices(self) -> list[int]:
-        return [0]
+        self.asked += 1
+        return [0] if self.asked > self.ready_after else []
 
     def read(self, index: int) -> tuple[int, int]:
         n = len(self.reads)
@@ -357,27 +363,43 @@ def test_cuda_rows_peaks_and_detail_through_a_stand_in():
     fake = FakeCuda()
     rec = tp.profiler._rec.Recorder("fake")
     probe = mem.MemoryProbe(rec, detail=True, cuda=fake).install()
-    assert fake.history
-    rec.enter("forward", "test")  # boundary 0: read (1000, 1500)
-    tok = rec.enter("h2d", "test")  # boundary 1: (2000, 2500)
-    rec.exit(tok)  # boundary 2: (3000, 3500)
-    rec.exit(0)  # boundary 3 (forward exit): (4000, 4500)
+    assert fake.history and fake.reads == [(1000, 1500)]  # install resets the peak
+    rec.enter("forward", "test")  # boundary 0: read (2000, 2500)
+    tok = rec.enter("h2d", "test")  # boundary 1: (3000, 3500)
+    rec.exit(tok)  # boundary 2: (4000, 4500)
+    rec.exit(0)  # boundary 3 (forward exit): (5000, 5500)
     probe.remove()
     probe.remove()  # idempotent
     m = pd.DataFrame(rec.memory, columns=["step", "phase", "event", "t_ns", "device", "category", "bytes"])
     cuda = m[m["device"] == "cuda:0"]
     enter = cuda[(cuda["phase"] == "forward") & (cuda["event"] == "enter")].set_index("category")["bytes"]
-    assert enter["activations"] == 1000 and enter["parameters"] == 0
+    assert enter["activations"] == 2000 and enter["parameters"] == 0
     peak = cuda[(cuda["phase"] == "forward") & (cuda["event"] == "peak")]["bytes"].sum()
-    assert peak == 4500  # the highest per-stretch peak inside forward
+    assert peak == 5500  # the highest per-stretch peak inside forward
     h2d_peak = cuda[(cuda["phase"] == "h2d") & (cuda["event"] == "peak")].set_index("category")["bytes"]
-    assert h2d_peak["other"] == 3500
+    assert h2d_peak["other"] == 4500
     meta = probe.meta()["memory"]
     assert meta["capacity_bytes"]["cuda:0"] == 80 * 2**30
     top = meta["top_at_peak"]["cuda:0"]
     assert top["peak_bytes"] == 400
     assert [a["bytes"] for a in top["allocations"]] == [300, 100]
     assert top["allocations"][0]["stack"] == ["train.py:12 forward"]
+
+
+def test_cuda_first_seen_mid_slice_does_not_trust_the_old_peak():
+    fake = FakeCuda(ready_after=2)  # install and the first boundary see no CUDA yet
+    rec = tp.profiler._rec.Recorder("fake")
+    probe = mem.MemoryProbe(rec, cuda=fake).install()
+    rec.enter("forward", "test")  # no CUDA reading
+    tok = rec.enter("h2d", "test")  # first reading (1000, 1500): peak not trusted -> 1000
+    rec.exit(tok)  # (2000, 2500)
+    rec.exit(0)
+    probe.remove()
+    m = pd.DataFrame(rec.memory, columns=["step", "phase", "event", "t_ns", "device", "category", "bytes"])
+    cuda = m[m["device"] == "cuda:0"]
+    assert set(cuda["phase"]) == {"h2d", "forward"}
+    assert cuda[(cuda["phase"] == "h2d") & (cuda["event"] == "peak")]["bytes"].sum() == 2500
+    assert cuda[(cuda["phase"] == "forward") & (cuda["event"] == "peak")].empty  # its enter had no reading
 
 
 def test_top_allocations_at_peak_replays_frees():

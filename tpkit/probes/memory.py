@@ -105,11 +105,14 @@ class CudaAllocator:
 
     _available: bool | None = None
 
-    def devices(self) -> list[int]:
-        """Devices to read: none until CUDA is initialised (reading would initialise it)."""
+    def available(self) -> bool:
         if self._available is None:
             self._available = torch.cuda.is_available()
-        if not self._available or not torch.cuda.is_initialized():
+        return self._available
+
+    def devices(self) -> list[int]:
+        """Devices to read: none until CUDA is initialised (reading would initialise it)."""
+        if not self.available() or not torch.cuda.is_initialized():
             return []
         return list(range(torch.cuda.device_count()))
 
@@ -218,7 +221,7 @@ class MemoryProbe:
         self._history = False
         self._cpu_note: str | None = None
         self._detail: dict[str, Any] = {}
-        self._capacity: dict[str, int] = {}
+        self._cuda_seen: set[str] = set()
         self.installed = False
         self._finished = False
 
@@ -234,8 +237,10 @@ class MemoryProbe:
             except Exception as e:  # e.g. a torch.profiler already running
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
                                   f"was not measured: the allocator stream could not start ({e})")
+            for i in self.cuda.devices():
+                self._read_cuda(i)  # resets the peak: what came before the slice is not its peak
             if self.detail:
-                if self.cuda.devices():
+                if self.cuda.available():
                     try:
                         self.cuda.start_history()
                         self._history = True
@@ -343,8 +348,18 @@ class MemoryProbe:
         b = _Boundary(phase, event, raw_step, t_ns, known, cpu_storages, buffer_bytes, marker=marker,
                       n_param_storages=n_param)
         for i in self.cuda.devices():
-            b.cuda[f"cuda:{i}"] = self.cuda.read(i)
+            b.cuda[f"cuda:{i}"] = self._read_cuda(i)
         self.bounds.append(b)
+
+    def _read_cuda(self, index: int) -> tuple[int, int]:
+        """(allocated, peak since the previous read); a device first seen mid-slice (CUDA
+        initialised by the loop) has no previous read, so its peak counter is not trusted."""
+        name = f"cuda:{index}"
+        now, peak = self.cuda.read(index)
+        if name not in self._cuda_seen:
+            self._cuda_seen.add(name)
+            peak = now
+        return now, peak
 
     # -- the known sets ---------------------------------------------------------------------
     def _refresh_params(self) -> None:
