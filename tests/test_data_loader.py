@@ -241,3 +241,26 @@ def test_batches_larger_than_the_first_regrow_the_ring():
     assert [b.shape for b in kept] == [b.shape for b in ref] and kept[-1].shape == (6, 60)
     assert all(torch.equal(a, b) for a, b in zip(kept, ref))
     assert not shm_files() and not live_children()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_fast_start_splits_the_first_batch_and_changes_nothing_else(in_order):
+    plain = Loader(Mixed(), batch_size=5, shuffle=True, seed=4, num_workers=2)  # == torch's
+    fast = Loader(Mixed(), batch_size=5, shuffle=True, seed=4, num_workers=2, fast_start=True,
+                  in_order=in_order)
+    for _ in range(2):  # each epoch's first batch is split again
+        ref, got = as_lists(list(plain)), as_lists(list(fast))
+        if in_order:
+            assert got == ref
+        else:
+            assert sorted(map(repr, got)) == sorted(map(repr, ref))
+    assert not live_children() and not shm_files()
+
+
+def test_fast_start_failure_in_one_part_names_the_sample():
+    from tests.test_data_faults import Fails
+    from tpkit.data import WorkerError
+    it = iter(Loader(Fails(), batch_size=10, num_workers=2, fast_start=True))
+    with pytest.raises(WorkerError, match="sample index 7"):
+        next(it)
+    assert next(it).flatten().tolist() == list(range(10, 20))

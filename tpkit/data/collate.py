@@ -61,6 +61,33 @@ SLOT_COLLATE_MAP[torch.Tensor] = _stack_tensors
 SLOT_COLLATE_MAP[np.ndarray] = _stack_arrays
 
 
+def merge_parts(parts: list) -> Any:
+    """Join batches that default_collate made from consecutive slices of one batch, so that
+    the result equals default_collate of the whole batch: tensors are concatenated along
+    the batch dimension, lists of strings are concatenated, containers are joined field by
+    field (default_collate turns a tuple sample into a list of fields)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        joined = {k: merge_parts([p[k] for p in parts]) for k in first}
+        if type(first) is dict:
+            return joined
+        try:
+            return type(first)(joined)
+        except Exception:
+            return joined
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(merge_parts(list(f)) for f in zip(*parts)))
+    if isinstance(first, (list, tuple)):
+        if all(isinstance(x, (str, bytes)) for p in parts for x in p):
+            return [x for p in parts for x in p]
+        return type(first)(merge_parts(list(f)) for f in zip(*parts))
+    raise TypeError(f"cannot join batch parts of type {type(first).__name__}")
+
+
 def deferred_collate(samples: list) -> Any:
     """default_collate(samples), except that stacks are ``Stack`` placeholders."""
     return collate(samples, collate_fn_map=SLOT_COLLATE_MAP)

@@ -58,6 +58,10 @@ class Loader:
       restart_workers: replace a worker that dies (signal, OOM kill) and re-send its batches.
       timeout: seconds to wait for one batch before raising LoaderTimeoutError (0: forever).
       device: with CUDA, copy batches to this device on a side stream, one batch ahead.
+      fast_start: all workers make the epoch's first batch together (each a contiguous part,
+        joined in the main process), so it arrives sooner when samples are expensive. Needs
+        the default collate_fn and 2+ process workers. Samples are the same; random
+        transforms in workers then draw from different worker RNG streams than torch's.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
@@ -70,7 +74,8 @@ class Loader:
                  *, prefetch: int | None = None, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, seed: int | None = None,
                  in_order: bool = True, mode: str = "process", restart_workers: bool = False,
-                 workers: int | str | None = None, device: Any = None) -> None:
+                 workers: int | str | None = None, device: Any = None,
+                 fast_start: bool = False) -> None:
         if workers is not None:
             num_workers = workers
         self._check_args(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
@@ -83,6 +88,7 @@ class Loader:
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
         self.persistent_workers, self.in_order, self.mode = persistent_workers, in_order, mode
         self.restart_workers = restart_workers
+        self.fast_start = fast_start
         self.device, self.pin = resolve_device(device, pin_memory)
         self.pin_memory = pin_memory
 
@@ -318,7 +324,9 @@ class _LoaderIter:
             if tasks is None:
                 pool.begin_epoch(None, self.worker_batches, self.next_worker)
             else:
-                pool.begin_epoch(tasks)
+                split = (loader.fast_start and loader.auto_collate
+                         and loader.collate_fn is default_collate)
+                pool.begin_epoch(tasks, split_first=split)
             self.engine = pool
         self._prefetcher = DevicePrefetcher(loader.device) if loader.device is not None else None
         self._ahead: Any = None

@@ -32,6 +32,7 @@ from time import perf_counter, perf_counter_ns
 from typing import Any, Iterator
 
 from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
+from .collate import merge_parts
 from .slots import map_segment, read_slot, remove_segments, segment_path, segment_prefix
 from .worker_loop import WorkerSpec, worker_main
 
@@ -55,6 +56,16 @@ class _Worker:
     delivered: int = 0  # batches answered this epoch (iterables: where a restart resumes)
     exhausted: bool = False
     maps: dict = field(default_factory=dict)  # (life, gen) -> mmap
+
+
+@dataclass
+class _Split:
+    """The first batch of an epoch, made in parts by all workers (``fast_start``)."""
+
+    parts: list  # index list per worker
+    sent: set = field(default_factory=set)
+    got: dict = field(default_factory=dict)  # worker -> (worker, life, mmap, msg), None if it failed
+    err: tuple | None = None  # (worker, "err" message) of the first failed part
 
 
 def _signal_name(code: int | None) -> str:
@@ -140,17 +151,35 @@ class ProcessPool:
         w.inflight = {}
 
     def begin_epoch(self, tasks: Iterator | None, skip_per_worker: list[int] | None = None,
-                    first_worker: int = 0) -> None:
-        """Start an epoch: ``tasks`` yields index lists (map-style) or is None (iterable)."""
+                    first_worker: int = 0, split_first: bool = False) -> None:
+        """Start an epoch: ``tasks`` yields index lists (map-style) or is None (iterable).
+
+        split_first: the epoch's first batch is made by all workers at once, each fetching
+        and collating a contiguous part; the parts are joined in the main process (only valid
+        with torch's default_collate, which the caller checks)."""
         skips = skip_per_worker or [0] * self.num_workers
-        for w, life, _, msg, _ in getattr(self, "results", {}).values():
-            # Batches of an abandoned epoch that were never handed out: free their slots.
+        # Batches of an abandoned epoch that were never handed out: free their slots.
+        old = [(w, life, msg) for w, life, _, msg, _ in getattr(self, "results", {}).values()
+               if w is not None]
+        old += [r[0:2] + (r[3],) for sp in getattr(self, "splits", {}).values()
+                for r in sp.got.values() if r is not None]
+        for w, life, msg in old:
             if msg is not _END and msg[0] == "ok" and life == w.life:
                 w.free.append(msg[2])
-        self.tasks = tasks
-        self.tasks_done = False
         self.epoch_first_id = self._next_id
         self.next_yield = self._next_id
+        self.splits: dict[int, _Split] = {}
+        if split_first and tasks is not None and self.num_workers >= 2:
+            first = next(tasks, None)
+            if first is not None and len(first) >= self.num_workers:
+                n, W = len(first), self.num_workers
+                parts = [list(first[k * n // W:(k + 1) * n // W]) for k in range(W)]
+                self.splits[self._next_id] = _Split(parts)
+                self._next_id += 1
+            elif first is not None:
+                tasks = itertools.chain([first], tasks)
+        self.tasks = tasks
+        self.tasks_done = False
         self.results: dict[int, tuple] = {}
         self.rr = first_worker  # iterables: whose turn the next batch is (resume keeps it)
         for w in self.workers:
@@ -207,6 +236,14 @@ class ProcessPool:
 
     def _dispatch(self) -> None:
         self._drain_released()
+        for bid, split in self.splits.items():  # parts of a split first batch go first
+            for k, part in enumerate(split.parts):
+                w = self.workers[k]
+                if k not in split.sent and w.proc is not None and w.free:
+                    msg = ("map", bid, part, w.free.pop())
+                    w.inflight[bid] = msg
+                    split.sent.add(k)
+                    w.conn.send(msg)
         while not self.tasks_done:
             w = self._pick()
             if w is None:
@@ -242,17 +279,34 @@ class ProcessPool:
                 return
             w.delivered += 1
             w.buffered += 1
+            split = self.splits.get(bid)
+            if split is not None:
+                split.got[w.id] = (w, w.life, mm, msg)
+                self._maybe_complete(bid, split)
+                return
             self.results[bid] = (w, w.life, mm, msg, perf_counter_ns())
             return
         if task is not None:  # "end" or "err": the slot given with the task was not used
             w.free.append(task[-1])
         if bid < self.epoch_first_id:
             return
+        split = self.splits.get(bid)
+        if split is not None:  # an "err" for one part of a split batch
+            split.err = split.err or (w.id, msg)
+            split.got[w.id] = None
+            self._maybe_complete(bid, split)
+            return
+        w.buffered += 1
         if kind == "end":
             w.exhausted = True
             self.results[bid] = (w, w.life, None, _END, 0)
         else:
             self.results[bid] = (w, w.life, None, msg, 0)
+
+    def _maybe_complete(self, bid: int, split: "_Split") -> None:
+        if len(split.got) == len(split.parts):
+            del self.splits[bid]
+            self.results[bid] = (None, 0, None, split, 0)
 
     def _on_death(self, w: _Worker) -> None:
         try:
@@ -311,8 +365,33 @@ class ProcessPool:
         return bool(ready)
 
     # -- hand out ---------------------------------------------------------------------------------
+    def _take_split(self, bid: int, split: "_Split") -> tuple:
+        """Join the parts of a split batch (private copies; their slots are freed at once)."""
+        t0 = perf_counter_ns()
+        parts, fetch_s, collate_s, write_s, done_ns, n = [], 0.0, 0.0, 0.0, 0, 0
+        for k in sorted(split.got):
+            got = split.got[k]
+            if got is None:
+                continue
+            w, life, mm, msg = got
+            w.buffered -= 1
+            (_, _, slot, gen, slot_bytes, skel, f_s, c_s, wr_s, d_ns, m) = msg
+            parts.append(read_slot(mm, slot, slot_bytes, skel, True, None))
+            if life == w.life:
+                w.free.append(slot)
+            fetch_s, collate_s, write_s = max(fetch_s, f_s), max(collate_s, c_s), max(write_s, wr_s)
+            done_ns, n = max(done_ns, d_ns), n + m
+        if split.err is not None:
+            wid, msg = split.err
+            raise WorkerError(wid, bid - self.epoch_first_id, msg[2], msg[3], msg[4], msg[5])
+        batch = merge_parts(parts)
+        t1 = perf_counter_ns()
+        return batch, 0, fetch_s, collate_s, max(0.0, (t0 - done_ns) / 1e9), write_s + (t1 - t0) / 1e9, n
+
     def _take(self, bid: int) -> tuple | None:
         w, life, mm, msg, recv_ns = self.results.pop(bid)
+        if w is None:
+            return self._take_split(bid, msg)
         w.buffered -= 1
         if msg is _END:
             return None
