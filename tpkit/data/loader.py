@@ -25,6 +25,7 @@ from tpkit import recorder as _rec
 from .engines import InlineEngine, ThreadEngine
 from .pinning import DevicePrefetcher, pin_batch, resolve_device
 from .process_pool import ProcessPool
+from .worker_loop import WorkerSpec
 
 STATE_VERSION = 1
 
@@ -302,16 +303,15 @@ class _LoaderIter:
         tasks, skip, self.plan = loader._start_epoch(resume)
         self.batches_done = skip
         W = loader._workers_int()
-        self.worker_batches = list(resume["worker_batches"]) if resume and resume.get("worker_batches") else [0] * W
+        saved = resume.get("worker_batches") if resume else None
+        self.worker_batches = list(saved) if saved else [0] * W  # iterables: where each stream is
         self.next_worker = resume["next_worker"] if resume else 0
         spec_args = loader._spec_args(self.plan["base_seed"])
         if W == 0:
-            from .worker_loop import WorkerSpec
             self.engine: Any = InlineEngine(WorkerSpec(**spec_args, num_workers=0, seg_prefix="",
                                                        n_slots=0, parent_pid=os.getpid()),
                                             tasks, skip_batches=skip)
         elif loader.mode == "thread":
-            from .worker_loop import WorkerSpec
             self.engine = ThreadEngine(WorkerSpec(**spec_args, num_workers=W, seg_prefix="", n_slots=0,
                                                   parent_pid=os.getpid()),
                                        tasks, W, loader.prefetch, loader.in_order, skip_batches=skip,
