@@ -88,8 +88,12 @@ def test_deepspeed_engine_loop_profiled(ip, single_process_env, stage, offload):
     assert ds["zero_stage"] == stage and ds["offload_optimizer"] is offload and ds["engine_steps"] == 5
     basic = engine.optimizer.optimizer
     assert ds["basic_optimizer"] == type(basic).__name__
-    if offload:
+    if offload:  # ZeRO-Offload's host step is the offload phase, inside engine.step
         assert ds["basic_optimizer"] == "DeepSpeedCPUAdam" and ds["optimizer_state_devices"] == ["cpu"]
+        assert (m["offload_s"] > 0).all()
+        assert set(run.spans[run.spans["phase"] == "offload"]["source"]) == {"DeepSpeedCPUAdam.step"}
+    else:
+        assert (m["offload_s"] == 0).all()
     # what DeepSpeed holds: Adam's two moments per fp32 partition element
     held = sum(t.untyped_storage().nbytes() for s in basic.state.values() for t in s.values()
                if isinstance(t, torch.Tensor))

@@ -159,7 +159,9 @@ def verdict(shares: dict[str, float]) -> Verdict:
                        "the device (pin_memory, non_blocking copies, prefetch)")
     if shares.get("offload_s", 0.0) >= OFFLOAD_BOUND:
         return Verdict("offload-bound", f"OFFLOAD-BOUND: {shares['offload_s']:.0%} of step time moves or "
-                       "updates offloaded optimizer state")
+                       "updates offloaded optimizer state on the host (hide it: the streaming step or "
+                       "delayed_update=True of tp.offload.CPUOffloadAdamW; shorten it: all cores in "
+                       "torch.set_num_threads, cores bound to the rank, bf16 moments, kernel='auto')")
     if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
         return Verdict("optimizer-bound", f"OPTIMIZER-BOUND: {shares['optimizer_s']:.0%} of step time is "
                        "the optimizer (fused/foreach kernels, fewer parameter tensors)")

@@ -94,6 +94,7 @@ class OffloadProbe:
         self._start: dict[int, dict[str, int]] = {}
         self._patched: list[tuple[Any, str, Any]] = []
         self.engines: dict[int, Any] = {}
+        self._handles: list[Any] = []
         self.engine_steps = 0
 
     def install(self) -> "OffloadProbe":
@@ -121,6 +122,8 @@ class OffloadProbe:
             self._patch_deepspeed()
 
     def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
         if self._late_patch in self.rec.phase_listeners:
             self.rec.phase_listeners.remove(self._late_patch)
         while self._patched:
@@ -142,7 +145,9 @@ class OffloadProbe:
             if threading.get_ident() != rec.thread_id:
                 return fn(engine, *args, **kwargs)
             rec.explicit_steps = True  # the engine ends steps, not the optimizers inside it
-            probe.engines[id(engine)] = engine
+            if id(engine) not in probe.engines:
+                probe.engines[id(engine)] = engine
+                probe._hook_host_optimizer(engine)
             before = getattr(engine, "global_steps", None)
             token = rec.enter("optimizer", "DeepSpeedEngine.step")
             try:
@@ -162,6 +167,25 @@ class OffloadProbe:
 
         step.__wrapped__ = fn  # type: ignore[attr-defined]
         return step
+
+    def _hook_host_optimizer(self, engine: Any) -> None:
+        """ZeRO-Offload's host step (DeepSpeedCPUAdam.step, inside engine.step) is the
+        ``offload`` phase. Instance step hooks run inside the global ones, so the span nests
+        inside the optimizer span and takes its time."""
+        basic = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+        if basic is None or type(basic).__name__ != "DeepSpeedCPUAdam":
+            return
+        rec, tokens = self.rec, []
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            if threading.get_ident() == rec.thread_id:
+                tokens.append(rec.enter("offload", "DeepSpeedCPUAdam.step"))
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            if tokens and threading.get_ident() == rec.thread_id:
+                rec.exit(tokens.pop())
+
+        self._handles += [basic.register_step_pre_hook(pre), basic.register_step_post_hook(post)]
 
     def _wrap_backward(self, fn: Any) -> Any:
         rec = self.rec
@@ -210,6 +234,13 @@ class OffloadProbe:
                 "host_state_bytes": sum(o.host_state_bytes() for o in opts),
                 "torch_threads": torch.get_num_threads(),
             }
+            o = out["offload"]
+            steps = max(1, tot["steps"])
+            self.rec.note(
+                f"offload ({o['mode']}, {o['kernel']} kernel, {o['torch_threads']} threads): host step "
+                f"{o['host_step_s'] / steps * 1e3:.2f} ms/step, {o['overlap_share']:.0%} of the offload work "
+                f"overlapped the rest of the step, {o['exposed_s'] / steps * 1e3:.2f} ms/step exposed; host "
+                f"optimizer state {o['host_state_bytes'] / 2**20:.1f} MiB, pinned buffers {o['pinned_bytes'] / 2**20:.1f} MiB")
         if self.engines:
             engine = next(iter(self.engines.values()))
             out["deepspeed"] = {**deepspeed_holdings(engine), "engine_steps": self.engine_steps,
