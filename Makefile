@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean notebooks docs-image
 
 demo: $(STAMP)
 	$(BIN)/python -m tpkit demo --steps 20 --warmup 3 --out tpkit_report
@@ -13,6 +13,14 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
 setup: $(STAMP)
+
+# The tutorials, executed with outputs into notebooks/executed/ (gitignored; git keeps them clean).
+notebooks: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python notebooks/nbtool.py run
+
+# The README's picture of the dashboard, rendered offline by vl-convert.
+docs-image: $(STAMP)
+	$(BIN)/python docs/make_image.py
 
 # torch is installed first and pinned, so pip takes the CPU wheel instead of a CUDA build.
 $(STAMP): pyproject.toml

@@ -1,0 +1,127 @@
+"""The tutorial notebooks run top to bottom in a real kernel (nbclient) with their default
+parameters, and say what their stories claim: no error output, the dashboard's charts drawn
+offline (vega inlined in the widget state, no CDN), and the figures each story prints.
+
+Each notebook also checks its own claims in ``assert`` cells (e.g. the loader fix really
+raised throughput in that run); a failing assert is an error output here. The working
+directory and the run store are temporary folders, so nothing is written into the checkout.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+sys.path.insert(0, str(NB_DIR))
+import nbtool  # noqa: E402
+
+NOTEBOOKS = [p.name for p in nbtool.notebooks()]
+EXPECTED = ["01_quickstart.ipynb", "02_data_stalls.ipynb", "03_memory_waterfall_and_offload.ipynb",
+            "04_triton_kernels.ipynb", "05_clocks_and_energy.ipynb", "06_deepspeed_and_ranks.ipynb",
+            "07_tuning.ipynb"]
+CELL_TIMEOUT_S = 600  # generous: the first DeepSpeed build alone can take two minutes
+
+
+def widget_html(nb: nbformat.NotebookNode) -> list[str]:
+    """Every text/html output held by Output widgets (where the dashboard draws its charts)."""
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    return [o["data"]["text/html"] for s in state.values() if s.get("model_name") == "OutputModel"
+            for o in s["state"].get("outputs", []) if "text/html" in o.get("data", {})]
+
+
+def text(nb: nbformat.NotebookNode) -> str:
+    """All printed text and plain-text results, in order."""
+    parts = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o["output_type"] == "stream" and o["name"] == "stdout":
+                parts.append(o["text"])
+            elif o["output_type"] in ("execute_result", "display_data"):
+                parts.append(o["data"].get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def figure(out: str, pattern: str) -> float:
+    m = re.search(pattern, out)
+    assert m, f"the notebook did not print {pattern!r}"
+    return float(m.group(1).replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Run each notebook once (lazily) and keep the result for its test."""
+    cache: dict[str, nbformat.NotebookNode] = {}
+
+    def run(name: str) -> nbformat.NotebookNode:
+        if name not in cache:
+            cwd = tmp_path_factory.mktemp(name.split("_")[0])
+            cache[name] = nbtool.execute(NB_DIR / name, cwd, CELL_TIMEOUT_S,
+                                         env={"TPKIT_RUNS": str(cwd / "tpkit_runs")})
+        return cache[name]
+
+    return run
+
+
+def test_notebooks_are_committed_without_outputs():
+    assert NOTEBOOKS and set(NOTEBOOKS) <= set(EXPECTED), NOTEBOOKS
+    for name in NOTEBOOKS:
+        nb = nbformat.read(NB_DIR / name, as_version=4)
+        assert not nbtool.strip(nb), f"{name} has outputs: run `python notebooks/nbtool.py strip`"
+        first_code = next(c for c in nb.cells if c.cell_type == "code")
+        assert "parameters" in first_code.metadata.get("tags", []), f"{name}: first code cell must be tagged parameters"
+
+
+def check_common(nb: nbformat.NotebookNode, charts: int = 1) -> str:
+    errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(nb.cells) for o in c.get("outputs", [])
+              if o["output_type"] == "error"]
+    assert not errors, errors
+    html = widget_html(nb)
+    drawn = [h for h in html if "vegaEmbed(" in h]
+    assert len(drawn) >= charts, f"{len(drawn)} charts drawn, wanted {charts}"
+    assert any("window.vegaEmbed=" in h for h in html)  # vega inlined: renders offline
+    assert "cdn.jsdelivr" not in "".join(html)
+    return text(nb)
+
+
+@pytest.mark.slow
+def test_01_quickstart(executed):
+    out = check_common(executed("01_quickstart.ipynb"), charts=3)
+    assert "tpkit run 'quickstart'" in out and "verdict:" in out
+    assert figure(out, r"throughput from the frame: ([\d,.]+) samples/s") > 0
+    # parameters counted exactly: 4 bytes per fp32 parameter
+    m = re.search(r"parameters: ([\d,]+) bytes = 4 bytes x ([\d,]+) fp32", out)
+    assert m and int(m.group(1).replace(",", "")) == 4 * int(m.group(2).replace(",", ""))
+    assert "identical" in out and "timeline.png" in out
+
+
+@pytest.mark.slow
+def test_02_data_stalls(executed):
+    out = check_common(executed("02_data_stalls.ipynb"), charts=4)  # 3 dashboards + a comparison
+    assert figure(out, r"data stall: (\d+)% of step time") >= 25
+    assert "INPUT-BOUND" in out and "knob: num_workers" in out
+    assert figure(out, r"more workers: ([\d.]+)x samples/s") >= 1.2  # the notebook asserts it too
+    assert figure(out, r"tp.data.Loader: ([\d.]+)x samples/s") >= 1.2
+    assert "loader verdict:" in out and "tpkit comparison: starved" in out
+
+
+@pytest.mark.slow
+def test_07_tuning(executed):
+    out = check_common(executed("07_tuning.ipynb"), charts=2)  # trade-off chart + comparison
+    assert figure(out, r"(\d+) settings ran") == 4
+    assert re.search(r"best setting: \{'num_workers': [1-9]", out)
+    assert figure(out, r"workers at batch \d+: ([\d.]+)x samples/s") >= 1.2
+    assert "rerun of" in out
+
+
+@pytest.mark.slow
+def test_03_memory_waterfall_and_offload(executed):
+    out = check_common(executed("03_memory_waterfall_and_offload.ipynb"), charts=4)
+    assert "during optimizer" in out  # AdamW's peak is its step
+    assert figure(out, r"optimizer state = ([\d.]+) bytes per parameter") == pytest.approx(8.0, abs=0.01)
+    assert figure(out, r"bf16 moments: optimizer state ([\d.]+)x of AdamW's") <= 0.55
+    assert figure(out, r"host step [\d.]+ ms/step, (\d+)% of it overlapped backward") >= 50
