@@ -125,3 +125,12 @@ def test_03_memory_waterfall_and_offload(executed):
     assert figure(out, r"optimizer state = ([\d.]+) bytes per parameter") == pytest.approx(8.0, abs=0.01)
     assert figure(out, r"bf16 moments: optimizer state ([\d.]+)x of AdamW's") <= 0.55
     assert figure(out, r"host step [\d.]+ ms/step, (\d+)% of it overlapped backward") >= 50
+
+
+@pytest.mark.slow
+def test_04_triton_kernels(executed):
+    out = check_common(executed("04_triton_kernels.ipynb"), charts=2)
+    assert "kernels run as: interpreter" in out or "kernels run as: triton" in out
+    assert figure(out, r"rms_norm  max \|diff\|: output ([\d.e+-]+)") < 1e-4
+    assert figure(out, r"on: (\d+) modules swapped") >= 4
+    assert "loss verdict: loss matches" in out
