@@ -156,6 +156,24 @@ def test_tied_weights_count_once():
     assert (rows(run, "backward", "exit", "gradients") == 4 * unique).all()
 
 
+def test_parameters_found_through_the_optimizer_when_no_module_runs():
+    w = torch.randn(D, H, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    x = torch.randn(B, D)
+
+    def step():
+        with tp.phase("forward"):
+            loss = (x @ w).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=2, warmup=1, progress=False, clocks=False)
+    assert (run.memory[run.memory["category"] == "parameters"]["bytes"] == 4 * D * H).all()  # backfilled
+    # gradients are known once the optimizer has stepped: from the first step after warmup here
+    assert rows(run, "backward", "exit", "gradients").tolist() == [0, 4 * D * H, 4 * D * H]
+
+
 def _tied_step():
     V, C = 100, 16
     torch.manual_seed(0)

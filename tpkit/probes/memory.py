@@ -215,7 +215,7 @@ class MemoryProbe:
         self._batch: list[weakref.ref] = []
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
-        self._seen_key: tuple[int, int] = (-1, -1)
+        self._seen_key: tuple[int, int] = (-1, -1)  # (models, optimizer parameters) last counted
         self._dev_names: dict[torch.device, str] = {}
         self._handle: Any = None
         self._history = False
@@ -363,7 +363,8 @@ class MemoryProbe:
 
     # -- the known sets ---------------------------------------------------------------------
     def _refresh_params(self) -> None:
-        key = (len(self.rec.models), len(self.optimizers))
+        opts = list(self.optimizers.values())
+        key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
         if key == self._seen_key:
             return
         self._seen_key = key
@@ -374,7 +375,7 @@ class MemoryProbe:
                 params.setdefault(id(p), p)
             for b in model.buffers():
                 buffers.setdefault(id(b), b)
-        for opt in list(self.optimizers.values()):
+        for opt in opts:
             for group in opt.param_groups:
                 for p in group["params"]:
                     params.setdefault(id(p), p)
