@@ -4,8 +4,8 @@ One duplex pipe per worker carries tasks one way and small result tuples the oth
 (see ``worker_loop``); the main process waits on all pipes *and* all process sentinels at
 once, so a worker that dies is noticed at the moment it dies, not after a timeout.
 
-Flow control, per worker: at most ``prefetch`` batches dispatched and not yet handed out,
-and ``prefetch + hold`` slots. A handed-out batch keeps its slot until the training loop
+Flow control, per worker: at most ``prefetch`` batches dispatched and not yet answered,
+within ``prefetch + hold`` slots. A handed-out batch keeps its slot until the training loop
 drops every view of it; when the loop already holds ``hold`` of a worker's slots, the next
 batch from that worker is handed out as a private copy instead. So a dispatch never waits on
 the user, and no slot is overwritten while a view of it is alive.
@@ -210,8 +210,10 @@ class ProcessPool:
                 w.held -= 1
 
     def _has_room(self, w: _Worker) -> bool:
+        # Like torch, count batches the worker still owes; a finished batch waiting in the
+        # reorder buffer holds a slot (the hard limit) but must not idle its worker.
         return (w.proc is not None and not w.exhausted and bool(w.free)
-                and len(w.inflight) + w.buffered < self.prefetch)
+                and len(w.inflight) < self.prefetch)
 
     def _pick(self) -> _Worker | None:
         ws = self.workers
