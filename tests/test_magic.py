@@ -43,7 +43,9 @@ def test_phases_match_known_sleeps_and_slice_stops(ip, one_thread):
              "backward_s": sleepy.BACKWARD_S, "optimizer_s": sleepy.OPTIMIZER_S}
     for col, want in truth.items():
         got = m[col].to_numpy()
-        assert (got >= want - 0.0005).all() and (got <= want + TOL_S).all(), (col, got, want)
+        # lower bound tight (a sleep never ends early); upper bound allows a loaded machine's
+        # late wake-ups but not a neighbouring phase's time (the smallest neighbour is 15 ms)
+        assert (got >= want - 0.0005).all() and (got <= want + max(TOL_S, 0.3 * want)).all(), (col, got, want)
     assert (m["other_s"] < TOL_S).all()
     assert (m["h2d_s"] == 0).all()
     total = sum(truth.values())

@@ -123,7 +123,7 @@ class Summary:
             lines.append("  no measured steps")
         else:
             lines.append(f"  {self.steps} steps (+{self.warmup_steps} warmup), "
-                         f"{self.throughput:,.1f} samples/s, step p50 {self.step_p50_s * 1e3:.2f} ms, "
+                         f"{_rate(self.throughput)}, step p50 {self.step_p50_s * 1e3:.2f} ms, "
                          f"p95 {self.step_p95_s * 1e3:.2f} ms")
             shares = ", ".join(f"{c[:-2]} {v:.0%}" for c, v in self.phase_share.items() if v >= 0.005)
             lines.append(f"  time: {shares}")
@@ -131,6 +131,12 @@ class Summary:
         lines += [f"  {c}" for c in self.clock_lines]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _rate(throughput: float) -> str:
+    if throughput != throughput:  # NaN: no loader batch was seen
+        return "samples/s unknown (no batch seen: use a DataLoader, tp.watch, or samples_per_step)"
+    return f"{throughput:,.1f} samples/s"
 
 
 def measured(steps: pd.DataFrame) -> pd.DataFrame:
@@ -201,7 +207,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         complete=bool(meta.get("complete", True)),
         samples=samples,
         total_s=total,
-        throughput=samples / total if total > 0 else float("nan"),
+        throughput=samples / total if total > 0 and samples > 0 else float("nan"),
         step_p50_s=float(np.percentile(dur, 50)) if dur.size else float("nan"),
         step_p95_s=float(np.percentile(dur, 95)) if dur.size else float("nan"),
         phase_share=shares,

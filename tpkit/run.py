@@ -149,7 +149,7 @@ class Run:
         return analysis.measured(self.steps)
 
     def summary(self) -> analysis.Summary:
-        return analysis.summarize(self.steps, self.meta, memory=self.memory)
+        return analysis.summarize(self.steps, self.meta, clocks=self.clocks, memory=self.memory)
 
     def memory_peak(self, device: str | None = None) -> pd.DataFrame:
         """What was alive at the memory peak: one row per (device, category) with ``bytes``, and
