@@ -134,3 +134,12 @@ def test_04_triton_kernels(executed):
     assert figure(out, r"rms_norm  max \|diff\|: output ([\d.e+-]+)") < 1e-4
     assert figure(out, r"on: (\d+) modules swapped") >= 4
     assert "loss verdict: loss matches" in out
+
+
+@pytest.mark.slow
+def test_05_clocks_and_energy(executed):
+    out = check_common(executed("05_clocks_and_energy.ipynb"), charts=2)
+    assert "cpu_freq_mhz" in out and "cpu_util_pct" in out
+    assert "unavailable" in out or "nvml" in out  # what the machine lacks is said, not faked
+    assert figure(out, r"process CPU share while waiting on IO: ([\d.]+)x") < 0.8
+    assert "reference runs shipped:" in out
