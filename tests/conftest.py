@@ -31,6 +31,12 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
+def fresh_store(tmp_path, monkeypatch):
+    """Each test keeps its runs in a store of its own, so run names never collide."""
+    monkeypatch.setenv("TPKIT_RUNS", str(tmp_path / "tpkit_runs"))
+
+
+@pytest.fixture(autouse=True)
 def no_leftovers():
     """Every test leaves no slice running and no extra thread behind."""
     from tpkit import recorder

@@ -98,16 +98,18 @@ class Tuner(w.VBox):
         label = f"{self.name}-{len(self.runs) + 1}"
         self._busy(True, f"running <b>{html.escape(label)}</b> with {html.escape(_fmt(knobs))}...")
         self.progress.clear_output()
-        try:
-            with self.progress:
+        error: Exception | None = None
+        with self.progress:  # (an Output widget swallows exceptions under IPython: catch inside)
+            try:
                 with profile(steps=self.steps, warmup=self.warmup, name=label, knobs=knobs,
                              memory=self.memory, clock_hz=self.clock_hz) as prof:
                     self.train_fn(**knobs)
-        except Exception as e:  # shown in the panel; earlier runs and the controls are untouched
-            self._busy(False, _error_html(label, e))
+            except Exception as e:  # shown in the panel; earlier runs and the controls are untouched
+                error = e
+        self._busy(False)
+        if error is not None:
+            self.status.value = _error_html(label, error)
             return None
-        finally:
-            self._busy(False)
         run = prof.run
         assert run is not None
         self.runs.append(run)
