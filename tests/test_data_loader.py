@@ -264,3 +264,34 @@ def test_fast_start_failure_in_one_part_names_the_sample():
     with pytest.raises(WorkerError, match="sample index 7"):
         next(it)
     assert next(it).flatten().tolist() == list(range(10, 20))
+
+
+def test_random_mix_of_options_breaks_and_kept_batches():
+    """Seeded mix of worker counts, prefetch, order, persistence, fast start and early breaks:
+    every full epoch covers the dataset once, kept batches stay intact, nothing leaks."""
+    import random
+    rnd = random.Random(0)
+    for trial in range(8):
+        kw = dict(batch_size=rnd.choice([1, 3, 8]), num_workers=rnd.choice([1, 2, 3]),
+                  persistent_workers=rnd.random() < 0.5, in_order=rnd.random() < 0.7,
+                  prefetch=rnd.choice([1, 2, 3]), timeout=30)
+        iterable = rnd.random() < 0.3
+        ds = Shards(29) if iterable else Mixed(50)
+        if not iterable:
+            kw.update(shuffle=True, seed=trial, fast_start=rnd.random() < 0.3)
+        loader, kept = Loader(ds, **kw), []
+        for _ in range(3):
+            stop, seen = rnd.choice([None, 0, 2, 5]), []
+            for n, b in enumerate(loader):
+                seen += b["i"].reshape(-1).tolist()
+                if rnd.random() < 0.2:
+                    kept.append(b)
+                if stop is not None and n >= stop:
+                    break
+            else:
+                assert sorted(seen) == list(range(29 if iterable else 50)), kw
+        for b in kept:
+            first = b["v"][:, 0] if iterable else b["x"][:, 0, 0]
+            assert torch.equal(first, b["i"].float()), kw
+        loader.close()
+    assert not live_children() and not shm_files()
