@@ -96,6 +96,22 @@ def _ranks_section(run: "Run") -> alt.TopLevelMixin | None:
 SECTIONS.append(("Ranks", _ranks_section))
 
 
+def _loader_section(run: "Run") -> alt.TopLevelMixin | None:
+    """tpkit's loader: per-batch stages, and its verdict with the worker count it would choose."""
+    if run.loader.empty:
+        return None
+    from .charts.loader import loader_batches
+    from .data.analysis import loader_verdict
+
+    v = loader_verdict(run.loader, steps=run.steps)
+    return loader_batches(run.loader).properties(
+        title=alt.TitleParams(f"loader: {v.verdict}; would use {v.workers} workers", subtitle=[v.reason],
+                              anchor="start"))
+
+
+SECTIONS.append(("Loader", _loader_section))
+
+
 def section_charts(run: "Run") -> list[tuple[str, alt.TopLevelMixin]]:
     """The dashboard's charts for this Run, in order, skipping sections with no data."""
     out = []
