@@ -335,7 +335,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        """What is left of the step once backward is done. Work that has to wait for it anyway
+        runs right here on the calling thread once the worker is idle (a hop to the worker
+        would only add a thread handover and a second OpenMP team competing for the cores);
+        only DPU's update goes back to the worker, to run behind the next forward/backward."""
         w = self._worker
+        w.wait()  # streamed gradients and updates are in (DPU: update t-1 too)
         # gradients the hooks never saw (set by hand, or a parameter without requires_grad)
         for i, p in enumerate(self._params):
             if p.grad is not None and self._micro[i] == 0:
@@ -343,11 +348,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 grad = p.grad
                 if self.offload_gradients:
                     p.grad = None
-                w.submit(lambda i=i, grad=grad: self._take_grad(i, grad, None if grad.device.type != "cuda"
-                                                                 else _recorded_event(), True, True, False))
+                self._take_grad(i, grad, None if grad.device.type != "cuda" else _recorded_event(),
+                                True, True, False)
         if self.delayed_update:
-            w.wait()  # update t-1 and the gradients of t are in
-            self._updated = [False] * len(self._params)
+            self._updated = [False] * len(self._params)  # update t-1 is done; t's are due now
             if self._pending_copy_back:
                 for i in range(len(self._params)):
                     self._copy_back(i)
@@ -361,34 +365,28 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             self._pending_copy_back = bool(due)
             return
         due = self._consume_due()
-        if due and not self.streaming:
-            w.wait()  # every gradient is on the host
+        if due:  # not streamed (clipping, streaming=False): the whole host step, exposed
             coef = self._clip_coef(due)
             for i in due:
-                w.submit(lambda i=i: self._update(i, coef))
-        w.wait()
+                self._update(i, coef)
         self._updated = [False] * len(self._params)
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # weights back before forward
 
     def _consume_due(self) -> list[int]:
-        """Indices whose gradient arrived this step and which still need their update; resets
-        the per-step bookkeeping. Streaming updates that already ran are not due again."""
-        self._worker.wait()
+        """Indices whose gradient arrived this step and which still need their update (the
+        worker is idle here); resets the per-step gradient counts. A streamed parameter whose
+        last micro-batch never came (``step()`` called early) is updated here."""
         due = [i for i in range(len(self._params)) if self._micro[i] > 0 and not self._updated[i]]
         for i in due:  # gradients still in p.grad (offload_gradients=False, last micro-batch missing)
             p = self._params[i]
             if self._host_grad[i] is None and p.grad is not None:
                 grad = p.grad
-                self._worker.submit(lambda i=i, grad=grad: self._take_grad(
-                    i, grad, None if grad.device.type != "cuda" else _recorded_event(), True, True, False))
-        if due:
-            self._worker.wait()
-        # a streamed parameter whose final micro-batch never came (step() called early)
+                self._take_grad(i, grad, None if grad.device.type != "cuda" else _recorded_event(),
+                                True, True, False)
         if self.streaming:
             for i in due:
-                self._worker.submit(lambda i=i: self._update(i, None))
-            self._worker.wait()
+                self._update(i, None)
             due = []
         self._micro = [0] * len(self._params)
         return due
