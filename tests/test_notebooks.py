@@ -9,6 +9,7 @@ directory and the run store are temporary folders, so nothing is written into th
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ EXPECTED = ["01_quickstart.ipynb", "02_data_stalls.ipynb", "03_memory_waterfall_
             "04_triton_kernels.ipynb", "05_clocks_and_energy.ipynb", "06_deepspeed_and_ranks.ipynb",
             "07_tuning.ipynb"]
 CELL_TIMEOUT_S = 600  # generous: the first DeepSpeed build alone can take two minutes
+# DeepSpeed's JIT-built ops are cached where the offload tests cache them: built once per checkout.
+EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(NB_DIR.parent / "build" / "torch_extensions")
 
 
 def widget_html(nb: nbformat.NotebookNode) -> list[str]:
@@ -60,8 +63,8 @@ def executed(tmp_path_factory):
     def run(name: str) -> nbformat.NotebookNode:
         if name not in cache:
             cwd = tmp_path_factory.mktemp(name.split("_")[0])
-            cache[name] = nbtool.execute(NB_DIR / name, cwd, CELL_TIMEOUT_S,
-                                         env={"TPKIT_RUNS": str(cwd / "tpkit_runs")})
+            env = {"TPKIT_RUNS": str(cwd / "tpkit_runs"), "TORCH_EXTENSIONS_DIR": EXTENSIONS}
+            cache[name] = nbtool.execute(NB_DIR / name, cwd, CELL_TIMEOUT_S, env=env)
         return cache[name]
 
     return run
@@ -143,3 +146,18 @@ def test_05_clocks_and_energy(executed):
     assert "unavailable" in out or "nvml" in out  # what the machine lacks is said, not faked
     assert figure(out, r"process CPU share while waiting on IO: ([\d.]+)x") < 0.8
     assert "reference runs shipped:" in out
+
+
+@pytest.mark.slow
+def test_06_deepspeed_and_ranks(executed):
+    out = check_common(executed("06_deepspeed_and_ranks.ipynb"), charts=3)
+    assert "optimizer DeepSpeedCPUAdam (offload: True)" in out
+    assert figure(out, r"gradient memory: [\d,.]+ -> [\d,.]+ MiB \(([\d,]+)x less\)") >= 10
+    assert "2 ranks finished" in out and "<tpkit.RankRuns: 2/2 ranks" in out
+    assert figure(out, r"rank 1 waits ([\d.]+) ms more per step for data") > 0
+
+
+def test_every_notebook_has_a_test():
+    assert NOTEBOOKS == EXPECTED
+    tested = {name[5:] for name in globals() if name.startswith("test_0")}
+    assert tested == {n[:-6] for n in EXPECTED}
