@@ -57,6 +57,9 @@ class TorchFusedKernel:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # bf16 moments only
+
     def step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float,
              eps: float, weight_decay: float) -> None:
@@ -66,11 +69,17 @@ class TorchFusedKernel:
         if exp_avg.dtype == param.dtype:
             torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], **kw)
             return
-        # low-precision moments: upcast a chunk, update, round back (nearest-even)
+        # low-precision moments: upcast a chunk into reused scratch buffers (a fresh 1 MB
+        # tensor per chunk would be an mmap + page faults + munmap each time), update, round back
         p, g, m, v = param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+        if self._scratch is None or self._scratch[0].dtype != param.dtype:
+            self._scratch = (torch.empty(BF16_CHUNK, dtype=param.dtype), torch.empty(BF16_CHUNK, dtype=param.dtype))
+        m_buf, v_buf = self._scratch
         for lo in range(0, p.numel(), BF16_CHUNK):
             hi = min(lo + BF16_CHUNK, p.numel())
-            m32, v32 = m[lo:hi].to(param.dtype), v[lo:hi].to(param.dtype)
+            m32, v32 = m_buf[: hi - lo], v_buf[: hi - lo]
+            m32.copy_(m[lo:hi])
+            v32.copy_(v[lo:hi])
             torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m32], [v32], [], [step_t], **kw)
             m[lo:hi].copy_(m32)
             v[lo:hi].copy_(v32)
