@@ -4,6 +4,8 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, like torchrun does).
 mode "skew": no collective inside the loop; rank 1 sleeps 20 ms more per step.
 mode "die": an all_reduce every step; rank 1 exits abruptly at its 4th step, so rank 0's
 collective fails (peer gone) or times out, and its slice ends in an error.
+mode "hang": as "die", but rank 1 first hangs for HANG_S (alive, so gloo sees nothing): rank 0's
+watchdog (TPKIT_RANK_TIMEOUT_S) must save its partial Run while the collective still blocks.
 """
 
 import datetime
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import tpkit as tp
 
 EXTRA_S = 0.02
+HANG_S = 8.0
 
 
 def main() -> None:
@@ -31,13 +34,15 @@ def main() -> None:
 
     def step() -> None:
         nonlocal k
-        if mode == "die" and rank == 1 and k == 3:
+        if mode in ("die", "hang") and rank == 1 and k == 3:
+            if mode == "hang":
+                time.sleep(HANG_S)
             os._exit(3)  # no cleanup, like a crash
         k += 1
         time.sleep(0.005 + (EXTRA_S if rank == 1 else 0.0))
         loss = model(torch.randn(4, 8)).pow(2).mean()
         loss.backward()
-        if mode == "die":
+        if mode in ("die", "hang"):
             for p in model.parameters():
                 dist.all_reduce(p.grad)
         opt.step()
@@ -46,7 +51,7 @@ def main() -> None:
     try:
         tp.profile_fn(step, steps=6, warmup=1, name="ranks", progress=False, clocks=False, memory=False,
                       save_dir=out)
-    except Exception as e:
+    except BaseException as e:  # the watchdog's KeyboardInterrupt included
         print(f"rank {rank}: slice failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         os._exit(2)  # a broken process group can hang at interpreter exit
     if mode == "skew":

@@ -27,15 +27,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, mode: str) -> tuple[list[int], list[str], float]:
+def start(out: Path, mode: str, **extra_env: str) -> list[subprocess.Popen]:
     port = str(_free_port())
     procs = []
-    t0 = time.monotonic()
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, TPKIT_RUNS="off", TP_TIMEOUT_S="15", PYTHONUNBUFFERED="1")
+                   MASTER_PORT=port, TPKIT_RUNS="off", TP_TIMEOUT_S="15", PYTHONUNBUFFERED="1", **extra_env)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def launch(out: Path, mode: str, **extra_env: str) -> tuple[list[int], list[str], float]:
+    t0 = time.monotonic()
+    procs = start(out, mode, **extra_env)
     outs, codes = [], []
     for p in procs:
         try:
@@ -89,6 +94,32 @@ def test_dead_rank_survivor_saved_and_marked(tmp_path):
     assert len(run0.steps) >= 3  # the steps before the peer died are kept
     notes = " ".join(ranks.run.meta["notes"])
     assert "rank 1 of 2 left no run" in notes and "rank 0's slice ended early" in notes
+
+
+@pytest.mark.slow
+def test_hung_peer_watchdog_saves_the_survivor_before_the_collective_gives_up(tmp_path):
+    """Rank 1 hangs (alive: gloo notices nothing) for 8 s; rank 0's watchdog (2 s without a
+    step) saves its partial Run, marked stalled, while rank 1 still hangs."""
+    t0 = time.monotonic()
+    procs = start(tmp_path, "hang", TPKIT_RANK_TIMEOUT_S="2")
+    meta = tmp_path / "rank0" / "meta.json"
+    try:
+        while not meta.is_file() and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        assert meta.is_file(), "the watchdog saved nothing"
+        saved_while_peer_hung = procs[1].poll() is None
+        time.sleep(0.3)  # meta.json is written last; let the save finish
+        early = load_ranks(tmp_path).runs[0]
+    finally:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    assert saved_while_peer_hung, outs
+    assert early.meta["stopped_by"] == "stalled" and not early.complete and len(early.steps) >= 3
+    assert "stalled" in " ".join(early.meta["notes"])
+    final = load_ranks(tmp_path).runs[0]  # the slice's own save afterwards keeps the mark
+    assert final.meta["stopped_by"] == "stalled" and final.meta["rank_status"] == "failed"
+    assert procs[0].returncode == 2, outs
+    # the hung rank's own watchdog fired as well: it saved and interrupted its long step
+    assert procs[1].returncode == 2 and load_ranks(tmp_path).runs[1].meta["stopped_by"] == "stalled", outs
 
 
 def test_skew_on_hand_made_frame():

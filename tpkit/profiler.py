@@ -243,6 +243,15 @@ def _offload_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 PROBE_FACTORIES.append(_offload_probe)
 
 
+def _rank_watchdog(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    from .ranks import rank_watchdog  # a thread only in a multi-process launch with a timeout
+
+    return rank_watchdog(rec, cfg)
+
+
+PROBE_FACTORIES.append(_rank_watchdog)
+
+
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
     from tqdm.auto import tqdm
 

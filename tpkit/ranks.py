@@ -75,6 +75,8 @@ def finish_rank_run(run: Run, save_dir: str | os.PathLike | None = None) -> Path
         run.meta.update(info)
         if info and not run.complete:
             run.meta["rank_status"] = "failed"
+            if run.meta.get("rank_watchdog_fired"):
+                run.meta["stopped_by"] = "stalled"
         target = save_dir if save_dir is not None else os.environ.get(ENV_SAVE_DIR) or None
         if target is None:
             return None
@@ -192,3 +194,79 @@ def load_ranks(path: str | os.PathLike) -> RankRuns:
                              f"or {ENV_SAVE_DIR}=DIR in each rank's environment")
     return RankRuns(runs=runs, world_size=world, missing=[k for k in range(world) if k not in runs],
                     incomplete=[k for k, r in sorted(runs.items()) if not r.complete])
+
+
+# -- the stall watchdog -----------------------------------------------------------------------
+ENV_TIMEOUT = "TPKIT_RANK_TIMEOUT_S"
+
+
+class RankWatchdog:
+    """In a multi-process launch, saves this rank's partial Run if no step ends for
+    ``timeout_s`` (a peer died and a collective hangs instead of failing), marked
+    ``stopped_by: "stalled"``, then raises KeyboardInterrupt in the main thread so the slice
+    ends as soon as control returns to Python. A collective that fails by itself (gloo sees
+    the peer's socket close) ends the slice through the normal error path first.
+
+    Daemon thread, stop event, ``remove`` idempotent; nothing runs outside a launch."""
+
+    def __init__(self, rec: Any, save_dir: str | os.PathLike, timeout_s: float, warmup_steps: int = 0,
+                 poll_s: float = 0.2) -> None:
+        import threading
+
+        self.rec, self.save_dir, self.timeout_s, self.poll_s = rec, save_dir, float(timeout_s), poll_s
+        self.warmup_steps = warmup_steps
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tpkit-rank-watchdog", daemon=True)
+
+    def install(self) -> "RankWatchdog":
+        self._thread.start()
+        return self
+
+    def remove(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def meta(self) -> dict[str, Any]:
+        return {"rank_watchdog_fired": True} if self.fired else {}
+
+    def _loop(self) -> None:
+        from time import perf_counter_ns
+
+        while not self._stop.wait(self.poll_s):
+            ends = self.rec.step_ends
+            last_ns = ends[-1][0] if ends else self.rec.t0_ns
+            if (perf_counter_ns() - last_ns) / 1e9 >= self.timeout_s:
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        import _thread
+
+        self.fired = True
+        rec = self.rec
+        try:
+            snap = copy.copy(rec)  # lists copied: the main thread may still append to the originals
+            for name in ("spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
+                setattr(snap, name, list(getattr(rec, name)))
+            snap.cuda_timer = None  # CUDA events are resolved by the main thread only
+            msg = (f"no step ended for {self.timeout_s:g} s: this rank stalled (a peer died or hangs); "
+                   "the Run holds the steps before the stall")
+            snap.notes.append(msg)
+            warmup = min(self.warmup_steps, len(snap.step_ends))
+            run = Run.from_recorder(snap, warmup, {"complete": False, "stopped_by": "stalled", "error": msg})
+            finish_rank_run(run, self.save_dir)
+        finally:
+            _thread.interrupt_main()  # ends the slice once the main thread is back in Python
+
+
+def rank_watchdog(rec: Any, cfg: Any) -> RankWatchdog | None:
+    """Factory for ``PROBE_FACTORIES``: only in a multi-process launch with a save folder and a
+    timeout (``TPKIT_RANK_TIMEOUT_S``)."""
+    timeout = os.environ.get(ENV_TIMEOUT)
+    save_dir = getattr(cfg, "save_dir", None) or os.environ.get(ENV_SAVE_DIR)
+    if not timeout or not save_dir or int(rank_meta().get("world_size") or 1) < 2:
+        return None
+    warmup = cfg.warmup if isinstance(getattr(cfg, "warmup", None), int) else 0
+    return RankWatchdog(rec, save_dir, float(timeout), warmup)
