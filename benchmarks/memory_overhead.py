@@ -14,6 +14,11 @@ figure is the median over every step of every round, plus the median of per-roun
 
     python benchmarks/memory_overhead.py [--rounds 6] [--steps 30] [--peers] [--threads 1] [--cpu-time]
 
+Measured on the 2-core dev VM (tiny transformer, 1 torch thread): tpkit +4.5% wall, +0.5% to
++4.6% main-thread CPU time; torch.profiler with memory +3% to +8%; the dispatch tracker +20% to
++26%. With torch's 2 default threads on a shared 2-core VM the wall times are dominated by the
+thread pool waking late (shared/MEASURED.md): p20 37 ms against p80 440 ms, no usable ratio.
+
 ``--cpu-time`` (with ``--threads 1``) times each step by the main thread's CPU time instead of
 the wall clock: on a shared machine whose neighbours come and go, that is the figure that
 stays put (with one torch thread, all of the step's work runs on that thread).
