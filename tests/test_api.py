@@ -141,3 +141,20 @@ def test_forward_inside_data_loading_is_not_forward():
             opt.step()
     fwd = prof.run.spans[prof.run.spans["phase"] == "forward"]
     assert len(fwd) == 2 and set(fwd["source"]) == {"Linear"}
+
+
+def test_collector_pauses_are_gc_spans_and_the_callback_is_removed():
+    import gc
+
+    before = list(gc.callbacks)
+    junk = []
+
+    def step():
+        junk.extend([[i] for i in range(50_000)])
+        gc.collect()  # a full collection over ~50k containers takes well over 1 ms
+
+    run = tp.profile_fn(step, steps=2, warmup=0, progress=False, memory=False, clock_hz=0)
+    gcs = run.spans[run.spans["phase"] == "gc"]
+    assert set(gcs["step"]) == {0, 1} and (gcs["duration_s"] >= 0.001).all()
+    assert gcs["source"].str.startswith("gc gen").all()
+    assert gc.callbacks == before

@@ -46,7 +46,10 @@ def test_phases_match_known_sleeps_and_slice_stops(ip, one_thread):
         # lower bound tight (a sleep never ends early); upper bound allows a loaded machine's
         # late wake-ups but not a neighbouring phase's time (the smallest neighbour is 15 ms)
         assert (got >= want - 0.0005).all() and (got <= want + max(TOL_S, 0.3 * want)).all(), (col, got, want)
-    assert (m["other_s"] < TOL_S).all()
+    # time outside every phase is small, once Python's own collector pauses (recorded as
+    # "gc" spans) are set aside
+    gc_s = run.spans[run.spans["phase"] == "gc"].groupby("step")["duration_s"].sum()
+    assert ((m["other_s"] - m["step"].map(gc_s).fillna(0.0)) < TOL_S).all()
     assert (m["h2d_s"] == 0).all()
     total = sum(truth.values())
     assert m["duration_s"].median() == pytest.approx(total, abs=TOL_S * 2)

@@ -423,6 +423,8 @@ class _LoaderIter:
             batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s, n = item
             rec.add_samples(n)
             rec.add_loader_batch(self.batches_done, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
+            if rec.batch_listeners and tok is not None:
+                rec.yielded(batch)  # the memory probe counts the batch's tensors as data
         self.batches_done += 1
         w = item[1]
         if self.worker_batches:

@@ -34,10 +34,13 @@ gradients and optimizer state from then on.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.optim.optimizer as _optim
@@ -55,6 +58,29 @@ MARKER_BASE_BYTES = 4099
 #: Allocator history entries kept with ``--memory-detail`` (CUDA ring buffer).
 HISTORY_ENTRIES = 200_000
 TOP_AT_PEAK = 10
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Send C-level writes to fd 2 to /dev/null for the block: kineto announces every
+    profiler start and stop there, and ipykernel forwards fd 2 into the notebook."""
+    try:
+        fd = sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else 2
+    except (OSError, ValueError):  # a captured stream without a descriptor (ipykernel, pytest)
+        fd = 2
+    try:
+        saved = os.dup(fd)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
 
 
 def rest_category(phase: str) -> str:
@@ -79,8 +105,9 @@ class CpuAllocatorStream:
         cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         activities = {ProfilerActivity.CPU}
         scopes = {RecordScope.LITE_INTERPRETER}  # no aten op runs in this scope: no op events
-        _prepare_profiler(cfg, activities)
-        _enable_profiler(cfg, activities, scopes)
+        with quiet_stderr():  # kineto prints "USDT ... profiler_start" on fd 2
+            _prepare_profiler(cfg, activities)
+            _enable_profiler(cfg, activities, scopes)
         self._disable = _disable_profiler
         self.active = True
 
@@ -92,7 +119,8 @@ class CpuAllocatorStream:
         if not torch._C._autograd._profiler_enabled():
             raise RuntimeError("another profiler started and stopped during the slice and ended "
                                "tpkit's allocator stream with it")
-        result = self._disable()
+        with quiet_stderr():
+            result = self._disable()
         out = []
         for ev in sorted(result.experimental_event_tree(), key=lambda e: e.start_time_ns):
             f = ev.extra_fields

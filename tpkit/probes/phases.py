@@ -19,7 +19,10 @@ registry and attribute exactly and is safe to call twice.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -28,6 +31,10 @@ import torch.utils.data.dataloader as _dl
 
 from ..errors import StopSlice
 from ..recorder import Recorder
+
+#: Collections shorter than this are not recorded as ``gc`` spans (a young-generation pass
+#: takes microseconds and happens every few hundred allocations).
+GC_SPAN_MIN_NS = 1_000_000
 
 #: Phases during which a module call is not "the forward pass" (a transform in data loading,
 #: recomputation in backward, a module used inside an optimizer).
@@ -88,6 +95,8 @@ class PhaseProbe:
         self.optimizers: dict[int, str] = {}
         self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
         self.installed = False
+        self._gc_installed = False
+        self._gc_start = 0
 
     # -- life cycle -------------------------------------------------------------------------
     def install(self) -> "PhaseProbe":
@@ -109,6 +118,8 @@ class PhaseProbe:
                         self._wrap_next(_dl._BaseDataLoaderIter.__next__, "DataLoader"))
             self._patch(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
             self._patch(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
+            gc.callbacks.append(self._gc)
+            self._gc_installed = True
         except BaseException:
             self.remove()
             raise
@@ -116,6 +127,10 @@ class PhaseProbe:
 
     def remove(self) -> None:
         """Undo every hook and patch, newest first. Idempotent."""
+        if self._gc_installed:
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(self._gc)
+            self._gc_installed = False
         while self._handles:
             self._handles.pop().remove()
         while self._patched:
@@ -132,6 +147,23 @@ class PhaseProbe:
         orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
         self._patched.append((owner, attr, orig))
         setattr(owner, attr, new)
+
+    # -- garbage collection -------------------------------------------------------------------
+    def _gc(self, event: str, info: dict) -> None:
+        """Python's collector pausing the loop: a ``gc`` span (nested in whatever phase it
+        interrupted, so it also shows which phase paid for it). Recorded without phase
+        listeners: nothing may allocate tensors inside a collection."""
+        if threading.get_ident() != self.tid:
+            return
+        if event == "start":
+            self._gc_start = perf_counter_ns()
+        elif self._gc_start:
+            end = perf_counter_ns()
+            if end - self._gc_start >= GC_SPAN_MIN_NS:  # young collections are many and tiny
+                rec = self.rec
+                rec.add_span("gc", self._gc_start, end, f"gc gen{info.get('generation', '?')}",
+                             depth=len(rec._stack))
+            self._gc_start = 0
 
     # -- forward ----------------------------------------------------------------------------
     def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
