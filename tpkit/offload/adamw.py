@@ -66,7 +66,8 @@ class _Worker:
     ``stop`` is safe to call twice and from ``weakref.finalize``.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int) -> None:
+        self.threads = threads
         self.jobs: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
         self.error: BaseException | None = None
         self.busy_ns = 0
@@ -74,6 +75,7 @@ class _Worker:
         self._thread.start()
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP's team size is per thread: the main one keeps its own
         while True:
             job = self.jobs.get()
             try:
@@ -113,6 +115,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     ``state`` holds the host tensors (``exp_avg``, ``exp_avg_sq``, ``step``, and
     ``master_param`` when the master copy is separate from the parameter), so memory probes
     count them as optimizer state. ``state_dict()`` is in ``torch.optim.AdamW``'s format.
+    ``worker_threads``: the host worker's OpenMP team (default: every core when the parameters
+    are on a GPU, half of them when the "device" is this CPU and backward needs the rest).
     Call ``close()`` (or use it as a context manager) to stop its worker thread early; it also
     stops when the optimizer is garbage-collected.
     """
@@ -121,7 +125,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
                  accumulation_steps: int = 1, offload_gradients: bool = True, streaming: bool = True,
                  delayed_update: bool = False, moments_dtype: torch.dtype = torch.float32,
-                 kernel: KernelName = "auto", pin_memory: bool | None = None) -> None:
+                 kernel: KernelName = "auto", pin_memory: bool | None = None,
+                 worker_threads: int | None = None) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0; got {lr}, {eps}, {weight_decay}")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -172,7 +177,11 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         # accounting (nanoseconds, totals since construction; the slice probe takes deltas)
         self.counters: dict[str, int] = dict(copy_out_ns=0, host_step_ns=0, copy_back_ns=0,
                                              exposed_ns=0, steps=0, grads=0)
-        self._worker = _Worker(f"tpkit-offload-{id(self):x}")
+        if worker_threads is None:  # a CPU-only "device" shares the cores with backward
+            n = torch.get_num_threads()
+            worker_threads = n if cuda else max(1, n // 2)
+        self.worker_threads = int(worker_threads)
+        self._worker = _Worker(f"tpkit-offload-{id(self):x}", self.worker_threads)
         self._finalizer = weakref.finalize(self, _stop_worker, self._worker, self.kernel)
         self._pending_copy_back = False
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), i))
@@ -517,6 +526,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 "moments_dtype": str(self.moments_dtype).replace("torch.", ""),
                 "clipping": self.max_grad_norm, "accumulation_steps": self.accumulation_steps,
                 "offload_gradients": self.offload_gradients, "pin_memory": self.pin_memory,
+                "worker_threads": self.worker_threads,
                 "parameters": sum(p.numel() for p in self._params),
                 "pinned_bytes": self.pinned_bytes, "host_state_bytes": self.host_state_bytes(),
                 "host_grad_bytes": self.host_grad_bytes()}
