@@ -9,7 +9,7 @@ runs measured on real GPUs. Installed as ``tpkit.datasets``.
 from .cost import burn_cpu, spend
 from .images import SyntheticImages
 from .loader_workloads import Images, NumpyWork, TinySamples
-from .samples import ArrayDataset, load_reference_run, load_sample, reference_runs, sample_dataset, samples
+from .shipped import ArrayDataset, load_reference_run, load_sample, reference_runs, sample_dataset, samples
 from .tabular import SyntheticTabular
 from .tokens import SyntheticTokens
 

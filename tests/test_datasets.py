@@ -87,7 +87,7 @@ def test_burn_cpu_returns():
 def test_shipped_samples_match_the_generators_and_stay_small():
     files = resources.files("tpkit.datasets") / "samples"
     assert tds.samples() == ["images", "tabular", "tokens"]
-    from tpkit.datasets.samples import make_samples
+    from tpkit.datasets.shipped import make_samples
 
     made = make_samples()
     for name in tds.samples():
