@@ -150,6 +150,7 @@ def test_05_clocks_and_energy(executed):
 
 @pytest.mark.slow
 def test_06_deepspeed_and_ranks(executed):
+    pytest.importorskip("deepspeed", reason="notebook 06 needs deepspeed (pip install 'tpkit[deepspeed]')")
     out = check_common(executed("06_deepspeed_and_ranks.ipynb"), charts=3)
     assert "optimizer DeepSpeedCPUAdam (offload: True)" in out
     assert figure(out, r"gradient memory: [\d,.]+ -> [\d,.]+ MiB \(([\d,]+)x less\)") >= 10
