@@ -481,6 +481,8 @@ def test_correlation_and_slowest_steps():
     r = ca.clock_correlation(steps["duration_s"].to_numpy(), np.array(clock_by_step))
     assert r == pytest.approx(-1.0)
     assert np.isnan(ca.clock_correlation(np.array([1.0, 2.0, 3.0]), np.array([2596.0] * 3)))  # flat: says nothing
+    noisy_flat = np.array([2596.1280000000006, 2596.1279999999997, 2596.128])  # means of a flat clock
+    assert np.isnan(ca.clock_correlation(np.array([1.0, 2.0, 3.0]), noisy_flat))
     assert np.isnan(ca.clock_correlation(np.array([1.0, 2.0]), np.array([1.0, 2.0])))  # too few steps
     s = ca.clock_summary(clocks, steps)
     assert s.correlation == pytest.approx(-1.0, abs=1e-3) and s.clock_moved and s.slowest[0]["step"] == 3
