@@ -85,6 +85,7 @@ class _Worker:
                     t = perf_counter_ns()
                     job()
                     self.busy_ns += perf_counter_ns() - t
+                job = None  # drop the closure (and the tensors it holds) now, not at the next job
             except BaseException as e:  # reported to the main thread at the next wait
                 self.error = e
             finally:
@@ -171,6 +172,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self._micro: list[int] = [0] * len(self._params)  # gradients received this step
         self._updated: list[bool] = [False] * len(self._params)  # host update done this step
         self._norm_sq: list[torch.Tensor | None] = [None] * len(self._params)
+        # tensors the worker is done with, freed by the main thread at the next step(): a tensor
+        # allocated on the main thread is then also freed there, where memory trackers (torch's
+        # profiler memory events) see it, as they would see p.grad freed by zero_grad
+        self._spent: list[torch.Tensor] = []
         self.pinned_bytes = 0
         for p in self._params:
             self._init_host_state(p)
@@ -258,6 +263,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             self._host_grad[i] = grad if grad.dtype == torch.float32 else grad.float()
         else:
             self._host_grad[i].add_(grad)
+        if grad.device.type == "cpu":  # a device gradient is freed at once: that is the point
+            self._spent.append(grad)
         self.counters["copy_out_ns"] += perf_counter_ns() - t
         self.counters["grads"] += 1
         if final and self.max_grad_norm is not None:
@@ -297,6 +304,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self.counters["host_step_ns"] += t2 - t
         self._updated[i] = True
         if g.device.type == "cpu" and not self.pin_memory:
+            self._spent.append(g)
             self._host_grad[i] = None  # a host gradient we own is dropped like p.grad would be
         if not self.delayed_update:
             self._copy_back(i)
@@ -367,6 +375,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 if self._copy_stream is not None:
                     self._copy_stream.synchronize()  # the worker may overwrite master next
                 self._pending_copy_back = False
+            self._spent.clear()  # update t-1's gradients; t's stay until the next step
             due = self._consume_due()
             coef = self._clip_coef(due)
             for i in due:
@@ -379,6 +388,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             for i in due:
                 self._update(i, coef)
         self._updated = [False] * len(self._params)
+        self._spent.clear()  # the worker is idle: consumed gradients are freed here, on this thread
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # weights back before forward
 
@@ -423,6 +433,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             if self._copy_stream is not None:
                 self._copy_stream.synchronize()
             self._pending_copy_back = False
+        self._spent.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
