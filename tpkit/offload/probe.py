@@ -237,7 +237,8 @@ class OffloadProbe:
             o = out["offload"]
             steps = max(1, tot["steps"])
             self.rec.note(
-                f"offload ({o['mode']}, {o['kernel']} kernel, {o['torch_threads']} threads): host step "
+                f"offload ({o['mode']}, {o['kernel']} kernel, worker {o['worker_threads']} of {o['torch_threads']} "
+                f"threads): host step "
                 f"{o['host_step_s'] / steps * 1e3:.2f} ms/step, {o['overlap_share']:.0%} of the offload work "
                 f"overlapped the rest of the step, {o['exposed_s'] / steps * 1e3:.2f} ms/step exposed; host "
                 f"optimizer state {o['host_state_bytes'] / 2**20:.1f} MiB, pinned buffers {o['pinned_bytes'] / 2**20:.1f} MiB")
