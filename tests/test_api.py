@@ -24,8 +24,9 @@ def test_profile_fn_counts_calls_as_steps_and_keeps_returned_loss():
     run = tp.profile_fn(step, steps=4, warmup=1, progress=False)
     assert len(calls) == 5
     assert list(run.steps["loss"]) == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert set(run.spans["phase"]) == {"work"}
-    assert (run.spans["source"] == "tp.phase").all()
+    spans = run.spans[run.spans["phase"] != "gc"]  # a collector pause may land in any slice
+    assert set(spans["phase"]) == {"work"}
+    assert (spans["source"] == "tp.phase").all()
 
 
 def test_profile_fn_with_an_optimizer_inside_counts_optimizer_steps():

@@ -245,7 +245,7 @@ class ProcessPool:
                     msg = ("map", bid, part, w.free.pop())
                     w.inflight[bid] = msg
                     split.sent.add(k)
-                    w.conn.send(msg)
+                    self._send(w, msg)
         while not self.tasks_done:
             w = self._pick()
             if w is None:
@@ -262,7 +262,17 @@ class ProcessPool:
                 msg = ("iter", bid, w.free.pop())
             w.inflight[bid] = msg
             self._next_id += 1
+            self._send(w, msg)
+
+    @staticmethod
+    def _send(w: "_Worker", msg: tuple) -> None:
+        """Send a task; a worker that already died (e.g. its worker_init_fn raised) closed its
+        pipe. The task stays in ``inflight``, and the receive loop reports the death (with the
+        worker's own error when it sent one) or, with restart_workers, re-sends it."""
+        try:
             w.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     # -- receive --------------------------------------------------------------------------------
     def _receive(self, w: _Worker, msg: tuple) -> None:
