@@ -77,3 +77,18 @@ def test_load_ext_makes_altair_render_offline(ip):
     alt.renderers.enable("jupyter")  # a choice of the user's is kept
     assert enable_offline_charts() == "jupyter"
     alt.renderers.enable("html", template="inline")
+
+
+def test_long_runs_reach_the_browser_thinned():
+    """10,000-step runs must not hit altair's 5,000-row limit nor ship every row: each
+    section's data is aggregated or thinned in analysis (benchmarks/render.py times it)."""
+    from tpkit import report
+    from tpkit.datasets.synthetic_run import synthetic_run
+
+    run = synthetic_run(steps=6000, clock_rows=40_000, memory_rows=80_000)
+    titles = []
+    for title, chart in report.section_charts(run):
+        spec = chart.to_dict()
+        titles.append(title)
+        assert all(len(v) <= 5000 for v in spec.get("datasets", {}).values()), title
+    assert titles == ["Stall timeline", "Clocks and power", "Memory"]

@@ -238,13 +238,29 @@ def timeline_frame(spans: pd.DataFrame, max_rows: int = 4000) -> pd.DataFrame:
     return s.assign(duration_ms=s["duration_s"] * 1e3, warmup=s["step"] < 0)
 
 
-def breakdown_long(steps: pd.DataFrame) -> pd.DataFrame:
-    """``run.steps`` melted to one row per (step, phase) with seconds, for stacked bars."""
+def breakdown_long(steps: pd.DataFrame, max_bars: int = 500) -> pd.DataFrame:
+    """``run.steps`` melted to one row per (step, phase) with seconds, for stacked bars.
+
+    A run of more than ``max_bars`` steps is averaged over runs of consecutive steps (a bar is
+    then labelled with its first step), so a 10,000-step run still draws quickly."""
     cols = [c for c in PHASE_COLUMNS if c in steps.columns]
+    if len(steps) > max_bars:
+        group = np.arange(len(steps)) * max_bars // len(steps)
+        agg = steps.groupby(group).agg({"step": "first", "warmup": "all", **{c: "mean" for c in cols}})
+        steps = agg.reset_index(drop=True)
     long = steps.melt(id_vars=["step", "warmup"], value_vars=cols, var_name="phase", value_name="seconds")
     long["phase"] = long["phase"].str[:-2]
     long["ms"] = long["seconds"] * 1e3
     return long
+
+
+def thin_steps(steps: pd.DataFrame, max_rows: int = 400) -> pd.DataFrame:
+    """Every k-th row of ``run.steps`` so that at most ``max_rows`` remain (step boundaries
+    drawn as rules on a long run: more than a few hundred is a grey wash and a slow chart)."""
+    if len(steps) <= max_rows:
+        return steps
+    k = -(-len(steps) // max_rows)
+    return steps.iloc[::k]
 
 
 def settled(durations: list[float], window: int = 3, tolerance: float = 0.2) -> bool:

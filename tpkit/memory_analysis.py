@@ -163,6 +163,19 @@ def across_steps(memory: pd.DataFrame, device: str | None = None) -> pd.DataFram
     return pd.DataFrame(rows, columns=cols)
 
 
+def thin_across(across: pd.DataFrame, max_steps: int = 400) -> pd.DataFrame:
+    """``across_steps`` rows for at most ``max_steps`` steps: every k-th step, the first and
+    last, and the step of the highest peak (a long run still draws quickly, and its peak and
+    trend stay visible)."""
+    steps = np.sort(across["step"].unique()) if not across.empty else np.array([])
+    if len(steps) <= max_steps:
+        return across
+    k = -(-len(steps) // max_steps)
+    keep = set(steps[::k]) | {steps[0], steps[-1]}
+    keep.add(across.loc[across["peak_bytes"].idxmax(), "step"])
+    return across[across["step"].isin(keep)]
+
+
 def growth(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
     """Step-to-step growth of the end-of-step level over measured steps, per device: ``device,
     steps, first_bytes, last_bytes, growth_bytes, per_step_bytes, rising_share, top_category,

@@ -46,7 +46,7 @@ def _clocks_section(run: "Run") -> alt.TopLevelMixin | None:
     from . import clock_analysis as ca
 
     return charts.clocks_with_timeline(analysis.timeline_frame(run.spans), ca.trace_frame(run.clocks),
-                                       run.steps, ca.throttle_bands(run.clocks))
+                                       analysis.thin_steps(run.steps), ca.throttle_bands(run.clocks))
 
 
 SECTIONS.append(("Clocks and power", _clocks_section))
@@ -74,7 +74,7 @@ def _memory_section(run: "Run") -> alt.TopLevelMixin | None:
         headroom_bytes=None if head is None or head["headroom_bytes"] != head["headroom_bytes"] else float(head["headroom_bytes"]),
         capacity_bytes=None if head is None or head["capacity_bytes"] != head["capacity_bytes"] else float(head["capacity_bytes"]),
         step=step, device=device)
-    return alt.hconcat(wf, charts.memory_by_step(across))
+    return alt.hconcat(wf, charts.memory_by_step(ma.thin_across(across)))
 
 
 SECTIONS.append(("Memory", _memory_section))
