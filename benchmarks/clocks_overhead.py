@@ -16,28 +16,13 @@ import argparse
 import os
 import statistics
 
-from common import machine, quantiles, step_times, versions, write_rows
+from common import machine, quantiles, step_times, transformer_step, versions, write_rows
 
 import tpkit as tp
-from tpkit.demo import make_training
 
 
 def make_step():
-    model, loader, opt = make_training()
-    it = iter(loader)
-
-    def step() -> None:
-        nonlocal it
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
-        model(batch["x"], batch["y"]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return transformer_step()
 
 
 def main() -> None:

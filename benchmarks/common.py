@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -54,3 +54,28 @@ def write_rows(name: str, rows: list[dict]) -> Path:
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+def training_step(model: Any, loader: Any, opt: Any, loss_fn: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """One optimizer step per call over ``loader``, restarting it when an epoch ends."""
+    it = iter(loader)
+
+    def step() -> None:
+        nonlocal it
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def transformer_step() -> Callable[[], None]:
+    """A training step of tpkit's built-in slice (the tiny transformer on synthetic tokens)."""
+    from tpkit.demo import make_training
+
+    return training_step(*make_training(), lambda m, b: m(b["x"], b["y"]))

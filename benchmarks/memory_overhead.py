@@ -33,32 +33,17 @@ import time
 import weakref
 
 import torch
-from common import machine, quantiles, step_times, versions, write_rows
+from common import machine, quantiles, step_times, transformer_step, versions, write_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpkit as tp
-from tpkit.demo import make_training
 
 OFF, ON = "memory off", "memory on (tpkit)"
 PROFILER, DISPATCH = "torch.profiler profile_memory", "dispatch-mode tracker"
 
 
 def make_step():
-    model, loader, opt = make_training()
-    it = iter(loader)
-
-    def step() -> None:
-        nonlocal it
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
-        model(batch["x"], batch["y"]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return transformer_step()
 
 
 class DispatchTracker(TorchDispatchMode):

@@ -14,7 +14,7 @@ import statistics
 from contextlib import nullcontext
 
 import torch
-from common import machine, quantiles, step_times, versions, write_rows
+from common import machine, quantiles, step_times, training_step, versions, write_rows
 
 import tpkit as tp
 from tpkit.demo import make_training
@@ -34,23 +34,6 @@ def transformer_setup():
     return model, loader, opt, lambda m, b: m(b["x"], b["y"])
 
 
-def make_step(model, loader, opt, loss_fn):
-    it = iter(loader)
-
-    def step():
-        nonlocal it
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
-        loss_fn(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
 MODES = {
     "plain": lambda n: nullcontext(),
     "tpkit (phases)": lambda n: tp.profile(steps=n, warmup=0, stop=False, progress=False, memory=False, clock_hz=0),
@@ -66,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for workload, setup in [("mlp 512-1024-512 b64", mlp_setup), ("tiny transformer", transformer_setup)]:
-        step = make_step(*setup())
+        step = training_step(*setup())
         step_times(step, 10)  # warm caches and the allocator
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for _ in range(args.rounds):
