@@ -87,7 +87,8 @@ def test_interrupt_mid_slice(ip):
     run = tp.last_run()
     assert run.meta["stopped_by"] == "interrupt" and len(run.steps) == 1
     # the interrupted step's forward and backward are kept in spans
-    assert set(run.spans[run.spans["step"] == 1]["phase"]) == {"data_wait", "forward", "backward", "optimizer"}
+    phases = set(run.spans[run.spans["step"] == 1]["phase"]) - {"tpkit", "gc"}  # tpkit: the memory probe's own work
+    assert phases == {"data_wait", "forward", "backward", "optimizer"}
 
 
 def test_loop_that_ends_early_keeps_its_steps(ip):

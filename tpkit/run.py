@@ -24,7 +24,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "step": "int64", "warmup": "bool", "start_s": "float64", "end_s": "float64",
         "duration_s": "float64", "samples": "int64", "data_wait_s": "float64", "h2d_s": "float64",
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
-        "offload_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
+        "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import altair as alt
 
-PHASE_ORDER: list[str] = ["data_wait", "h2d", "forward", "backward", "optimizer", "offload", "other"]
+PHASE_ORDER: list[str] = ["data_wait", "h2d", "forward", "backward", "optimizer", "offload", "tpkit", "other"]
 PHASE_COLORS: dict[str, str] = {
     "data_wait": "#d62728",  # red: the stall the eye must find first
     "h2d": "#ff7f0e",
@@ -12,6 +12,7 @@ PHASE_COLORS: dict[str, str] = {
     "backward": "#6a51a3",
     "optimizer": "#2ca02c",
     "offload": "#8c564b",
+    "tpkit": "#e7ba52",  # tpkit's own probe work
     "other": "#b0b0b0",
 }
 _USER_COLORS = ["#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#9edae5", "#c49c94"]
