@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..probes.patching import Patches
 from ..recorder import Recorder
 
 
@@ -92,7 +93,7 @@ class OffloadProbe:
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
         self._start: dict[int, dict[str, int]] = {}
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._patched = Patches()
         self.engines: dict[int, Any] = {}
         self._handles: list[Any] = []
         self.engine_steps = 0
@@ -112,8 +113,8 @@ class OffloadProbe:
         if engine_mod is None or not hasattr(engine_mod, "DeepSpeedEngine"):
             return False
         cls = engine_mod.DeepSpeedEngine
-        self._patch(cls, "step", self._wrap_step(cls.step))
-        self._patch(cls, "backward", self._wrap_backward(cls.backward))
+        self._patched.set(cls, "step", self._wrap_step(cls.step))
+        self._patched.set(cls, "backward", self._wrap_backward(cls.backward))
         return True
 
     def _late_patch(self, phase: str, event: str, raw_step: int) -> None:
@@ -126,16 +127,8 @@ class OffloadProbe:
             self._handles.pop().remove()
         if self._late_patch in self.rec.phase_listeners:
             self.rec.phase_listeners.remove(self._late_patch)
-        while self._patched:
-            owner, attr, orig = self._patched.pop()
-            if orig is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, orig)
+        self._patched.restore()
 
-    def _patch(self, owner: type, attr: str, new: Any) -> None:
-        self._patched.append((owner, attr, owner.__dict__.get(attr)))
-        setattr(owner, attr, new)
 
     # -- DeepSpeed --------------------------------------------------------------------------
     def _wrap_step(self, fn: Any) -> Any:

@@ -31,6 +31,7 @@ import torch.utils.data.dataloader as _dl
 
 from ..errors import StopSlice
 from ..recorder import Recorder
+from .patching import Patches
 
 #: Collections shorter than this are not recorded as ``gc`` spans (a young-generation pass
 #: takes microseconds and happens every few hundred allocations).
@@ -64,6 +65,15 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def handed_out(rec: Recorder, batch: Any) -> None:
+    """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners."""
+    n = batch_size_of(batch)
+    if n:
+        rec.add_samples(n)
+    if rec.batch_listeners:
+        rec.yielded(batch)
+
+
 def _leaves_host(args: tuple, kwargs: dict) -> bool:
     """Whether ``Tensor.to(*args, **kwargs)`` targets a device other than the CPU."""
     dev = kwargs.get("device")
@@ -87,7 +97,7 @@ class PhaseProbe:
         self.rec = rec
         self.tid = rec.thread_id
         self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+        self._patched = Patches()
         self._fwd_depth = 0
         self._fwd_token: int | None = None
         self._opt_tokens: list[int] = []
@@ -109,15 +119,15 @@ class PhaseProbe:
             self._handles.append(mm.register_module_forward_hook(self._fwd_post, always_call=True))
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._opt_pre))
             self._handles.append(_optim.register_optimizer_step_post_hook(self._opt_post))
-            self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
-            self._patch(torch.optim.Optimizer, "zero_grad",
+            self._patched.set(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+            self._patched.set(torch.optim.Optimizer, "zero_grad",
                         self._wrap_phase(torch.optim.Optimizer.zero_grad, "optimizer", "zero_grad"))
-            self._patch(torch.nn.Module, "zero_grad",
+            self._patched.set(torch.nn.Module, "zero_grad",
                         self._wrap_phase(torch.nn.Module.zero_grad, "optimizer", "zero_grad"))
-            self._patch(_dl._BaseDataLoaderIter, "__next__",
+            self._patched.set(_dl._BaseDataLoaderIter, "__next__",
                         self._wrap_next(_dl._BaseDataLoaderIter.__next__, "DataLoader"))
-            self._patch(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
-            self._patch(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
+            self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
+            self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
             gc.callbacks.append(self._gc)
             self._gc_installed = True
         except BaseException:
@@ -133,20 +143,8 @@ class PhaseProbe:
             self._gc_installed = False
         while self._handles:
             self._handles.pop().remove()
-        while self._patched:
-            owner, attr, orig = self._patched.pop()
-            if orig is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, orig)
+        self._patched.restore()
         self.installed = False
-
-    def _patch(self, owner: Any, attr: str, new: Any) -> None:
-        # Keep what the class itself held (None if the attribute was inherited), so that
-        # removal puts back exactly the same dict entry.
-        orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
-        self._patched.append((owner, attr, orig))
-        setattr(owner, attr, new)
 
     # -- garbage collection -------------------------------------------------------------------
     def _gc(self, event: str, info: dict) -> None:
@@ -261,11 +259,7 @@ class PhaseProbe:
                 batch = fn(it)
             finally:
                 rec.exit(token)
-            n = batch_size_of(batch)
-            if n:
-                rec.add_samples(n)
-            if rec.batch_listeners:
-                rec.yielded(batch)
+            handed_out(rec, batch)
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -316,9 +310,5 @@ def _timed_iter(it: Any, name: str) -> Any:
                 return
             finally:
                 rec.exit(token)
-            n = batch_size_of(item)
-            if n:
-                rec.add_samples(n)
-            if rec.batch_listeners:
-                rec.yielded(item)
+            handed_out(rec, item)
         yield item
