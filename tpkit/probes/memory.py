@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import weakref
 from dataclasses import dataclass, field
 from time import perf_counter_ns
@@ -64,10 +63,8 @@ TOP_AT_PEAK = 10
 def quiet_stderr() -> Iterator[None]:
     """Send C-level writes to fd 2 to /dev/null for the block: kineto announces every
     profiler start and stop there, and ipykernel forwards fd 2 into the notebook."""
-    try:
-        fd = sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else 2
-    except (OSError, ValueError):  # a captured stream without a descriptor (ipykernel, pytest)
-        fd = 2
+    fd = 2  # C++ writes to fd 2 itself (ipykernel pipes fd 2 into the notebook; its
+    # sys.stderr.fileno() is a copy of the terminal's, so silencing that would miss them)
     try:
         saved = os.dup(fd)
     except OSError:
