@@ -39,3 +39,6 @@ def test_magic_in_a_real_kernel():
     assert bad[-1]["output_type"] == "error" and bad[-1]["ename"] == "ValueError"
     assert any(o.get("output_type") == "display_data" and "INCOMPLETE" in o["data"]["text/plain"] for o in bad)
     assert nb.cells[4].outputs[0]["text"].strip() == "bad False"
+    # nothing of tpkit's (or kineto's, which prints on fd 2) leaks into the notebook as stderr
+    stderr = [o["text"] for c in nb.cells for o in c.outputs if o.get("name") == "stderr"]
+    assert not any("USDT" in t or "profiler_start" in t for t in stderr), stderr
