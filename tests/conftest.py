@@ -37,6 +37,23 @@ def fresh_store(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def deepspeed_shm_cleanup():
+    """DeepSpeed's CPU accelerator leaves a ~64 MiB /dev/shm/deepspeed_allreduce_buffer_* per
+    engine (its shm_comm op never unlinks it); remove the ones a test created, or every run of
+    the suite would keep ~400 MiB of RAM-backed files."""
+    shm = "/dev/shm"
+    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    yield
+    if os.path.isdir(shm):
+        for name in set(os.listdir(shm)) - before:
+            if name.startswith("deepspeed_"):
+                try:
+                    os.unlink(os.path.join(shm, name))
+                except OSError:
+                    pass
+
+
+@pytest.fixture(autouse=True)
 def no_leftovers():
     """Every test leaves no slice running and no extra thread behind."""
     from tpkit import recorder
