@@ -111,10 +111,7 @@ class TpkitMagics(Magics):
         self._show(result.b, config, save_dir, compare_with=[result.a], ab=result)
 
     def _config(self, line: str, cell: str) -> tuple[SliceConfig, str | None, str | None]:
-        try:
-            args = parse_argstring(self.tp_profile, line)
-        except UsageError as e:
-            raise UsageError(f"%%tp_profile: {e}\n{self.tp_profile.parser.format_usage()}") from None
+        args = _parse(self.tp_profile, line, "%%tp_profile")
         if args.steps < 1:
             raise UsageError(f"--steps takes a whole number >= 1, got {args.steps}")
         if args.samples_per_step is not None and args.samples_per_step < 1:
@@ -142,10 +139,7 @@ class TpkitMagics(Magics):
         """List the runs in the run store (``tp.runs()``): figures, verdicts, damaged folders."""
         from .store import runs, store_path
 
-        try:
-            args = parse_argstring(self.tp_runs, line)
-        except UsageError as e:
-            raise UsageError(f"%tp_runs: {e}\n{self.tp_runs.parser.format_usage()}") from None
+        args = _parse(self.tp_runs, line, "%tp_runs")
         where = args.store or store_path()
         table = runs(args.store)
         if table.empty:
@@ -163,10 +157,7 @@ class TpkitMagics(Magics):
         from .run import Run
         from .store import load, names
 
-        try:
-            args = parse_argstring(self.tp_compare, line)
-        except UsageError as e:
-            raise UsageError(f"%tp_compare: {e}\n{self.tp_compare.parser.format_usage()}") from None
+        args = _parse(self.tp_compare, line, "%tp_compare")
         loaded = []
         for name in args.names:
             var = self.shell.user_ns.get(name)
@@ -183,6 +174,14 @@ class TpkitMagics(Magics):
         comparison = compare(*loaded)
         self.shell.user_ns["_tp_compare"] = comparison
         display(comparison)
+
+
+def _parse(magic: Any, line: str, prefix: str) -> Any:
+    """Parse a magic's arguments; a bad line raises UsageError with the allowed usage."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as e:
+        raise UsageError(f"{prefix}: {e}\n{magic.parser.format_usage()}") from None
 
 
 @contextmanager
