@@ -9,10 +9,14 @@
 
 Each op runs compiled Triton on a GPU, Triton's interpreter on the CPU when
 TRITON_INTERPRET=1, and otherwise its torch reference (with a one-time notice): see
-``backend.py``. triton itself is optional (``pip install tpkit[triton]``).
+``backend.py``. triton itself is optional (``pip install tpkit[triton]``). Inputs are
+checked as torch checks them; errors are ``tpkit.errors.TpkitError`` subclasses that keep
+torch's builtin base (``errors.py``).
 """
 
 from .backend import force_backend, reference_only, select_backend
+from .errors import (KernelArgumentError, KernelBackendError, KernelError, KernelIndexError,
+                     KernelTensorError, KernelTypeError)
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .patch import Swap, kernels_enabled, patch, patched, unpatch
 from .rms_norm import rms_norm
@@ -32,4 +36,10 @@ __all__ = [
     "select_backend",
     "force_backend",
     "reference_only",
+    "KernelError",
+    "KernelTensorError",
+    "KernelArgumentError",
+    "KernelIndexError",
+    "KernelTypeError",
+    "KernelBackendError",
 ]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from .errors import KernelArgumentError
+
 COLUMNS = ["step", "loss_a", "loss_b", "diff", "abs_diff", "rel_diff", "within_tol"]
 
 
@@ -38,9 +40,9 @@ def _as_losses(losses: pd.DataFrame | pd.Series, name: str) -> pd.Series:
     elif {"step", "loss"} <= set(losses.columns):
         s = losses.set_index("step")["loss"]
     else:
-        raise ValueError(f"run {name}: expected columns 'step' and 'loss', got {list(losses.columns)}")
+        raise KernelArgumentError(f"run {name}: expected columns 'step' and 'loss', got {list(losses.columns)}")
     if s.index.has_duplicates:
-        raise ValueError(f"run {name}: duplicate steps {sorted(set(s.index[s.index.duplicated()]))}")
+        raise KernelArgumentError(f"run {name}: duplicate steps {sorted(set(s.index[s.index.duplicated()]))}")
     return s.astype("float64").rename(f"loss_{name}")
 
 

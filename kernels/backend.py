@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .errors import KernelArgumentError, KernelBackendError
+
 try:  # triton is an optional extra: tpkit[triton]
     import triton
     import triton.language as tl
@@ -118,7 +120,7 @@ def force_backend(name: str | None) -> None:
     """Force ``"reference"`` for every call (``None`` restores automatic selection)."""
     global _forced
     if name not in (None, "reference"):
-        raise ValueError(f"only 'reference' or None can be forced, got {name!r}")
+        raise KernelArgumentError(f"only 'reference' or None can be forced, got {name!r}")
     _forced = name
 
 
@@ -162,12 +164,56 @@ class LazyKernel:
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         kernel = self.jitted()
         interpreted = triton_mode() == "interpreted"
+        name = self.__name__
 
         def launch(*args: Any, **kwargs: Any) -> Any:
-            with _mode_scope(interpreted):  # Triton re-reads the mode while launching
-                return kernel[grid](*args, **kwargs)
+            # Triton launches on the *current* device's current stream: make that the
+            # tensors' device, or a tensor on cuda:1 runs on cuda:0's stream (issue 17, 7).
+            with device_guard(launch_device(args)), _mode_scope(interpreted):
+                try:
+                    return kernel[grid](*args, **kwargs)
+                except triton_errors() as exc:
+                    raise KernelBackendError(
+                        f"tpkit.kernels: Triton could not compile or launch {name} "
+                        f"({type(exc).__name__}: {exc}). TPKIT_KERNELS=reference (or "
+                        f"tpkit.kernels.force_backend('reference')) runs the torch reference instead."
+                    ) from exc
 
         return launch
+
+
+def launch_device(args: tuple[Any, ...]) -> torch.device | None:
+    """The CUDA device of a launch: the first CUDA tensor among its arguments (None: none)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_cuda:
+            return a.device
+    return None
+
+
+def device_guard(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(device)`` for a CUDA device, else nothing to do."""
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+_TRITON_ERRORS: tuple[type[BaseException], ...] | None = None
+
+
+def triton_errors() -> tuple[type[BaseException], ...]:
+    """Triton's own exception classes (compile errors, out of resources, ...), as this
+    triton version has them."""
+    global _TRITON_ERRORS
+    if _TRITON_ERRORS is None:
+        import importlib
+
+        found: list[type[BaseException]] = []
+        for module, name in (("triton.errors", "TritonError"), ("triton.runtime.errors", "OutOfResources"),
+                             ("triton.compiler.errors", "CompilationError")):
+            try:
+                found.append(getattr(importlib.import_module(module), name))
+            except (ImportError, AttributeError):
+                pass
+        _TRITON_ERRORS = tuple(found)
+    return _TRITON_ERRORS
 
 
 def _mode_scope(interpreted: bool) -> contextlib.AbstractContextManager[None]:
@@ -203,6 +249,17 @@ def num_programs_cap(device: torch.device) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def num_warps_for(tile_elements: int, per_thread: int = 8) -> int:
+    """Warps for a tile of ``tile_elements`` values per tensor, so each thread holds about
+    ``per_thread`` of each (4 to 32 warps). A kernel that keeps several tile-sized tensors
+    live at once spills registers when this is too high: at 16 per thread, RMSNorm's backward
+    (x, dy, w, xn, dx live together) needed 213 registers at 8192 columns and spilled 464 B
+    at 16384 on sm_90 (issue 17, 15; measured with tests/test_kernels_compile.py's
+    ahead-of-time compile)."""
+    warps = tile_elements // (32 * per_thread)
+    return max(4, min(32, next_power_of_2(max(1, warps))))
 
 
 def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,6 +10,21 @@ memory is one chunk of logits plus the grads, instead of eager's several [N, V] 
 (logits, their fp32 copy, softmax, its grad). With ``reduction="none"`` the per-token grad
 scales are unknown in forward, so backward recomputes each chunk's logits instead.
 
+Grad buffers are made only when a gradient will be asked for: grad mode on *and* the input
+requiring grad (``torch.is_grad_enabled()``, decided before autograd is entered, since
+``ctx.needs_input_grad`` follows ``requires_grad`` alone). Under ``no_grad`` or
+``inference_mode`` the loss costs one matmul per chunk and no [N, C] or [V, C] buffer.
+
+Under ``torch.autocast`` the matmuls run in the autocast dtype, as eager's ``hidden @ W.T``
+does: hidden and weight are cast once and every matmul (with an ``out=`` or in place, which
+autocast does not cover) sees one dtype; the grads come back in the inputs' dtypes. grad
+weight then accumulates over chunks in the autocast dtype (one rounding per chunk).
+
+Inputs are checked as torch checks them (``errors.py``): shapes, dtypes, devices, and the
+class indices: out of range raises ``IndexError`` on the CPU like ``F.cross_entropy``, and on
+a GPU an asynchronous device-side assert (no host sync), again like torch; ``ignore_index``
+entries are skipped, whatever their value.
+
 Layers: ``_ce_rows_kernel`` (Triton), ``fused_linear_cross_entropy_forward`` / ``_backward``
 (host), ``FusedLinearCrossEntropyFunction`` (autograd), ``fused_linear_cross_entropy``.
 """
@@ -19,6 +34,8 @@ from __future__ import annotations
 import torch
 
 from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, tl, use_kernel
+from .errors import (KernelArgumentError, KernelIndexError, KernelTensorError, check_floating, check_same_device,
+                     check_tensor)
 from .reference import linear_cross_entropy_reference
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -39,7 +56,8 @@ def _ce_rows_kernel(
     row_mask = rows < n_rows
     row_ptrs = LOGITS + rows[:, None].to(tl.int64) * stride_row  # [BM, 1]
     target = tl.load(TARGETS + rows, mask=row_mask, other=ignore_index).to(tl.int64)  # [BM]
-    valid = row_mask & (target != ignore_index)
+    kept = row_mask & (target != ignore_index)
+    valid = kept & (target >= 0) & (target < V)  # an index out of range is never read
     cols = tl.arange(0, BLOCK_V)  # [BV]
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max per row
     s = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp(x - m) per row
@@ -54,7 +72,8 @@ def _ce_rows_kernel(
     lse = m + tl.log(s)  # [BM]
     x_target = tl.load(LOGITS + rows.to(tl.int64) * stride_row + tl.where(valid, target, 0),
                        mask=valid, other=0.0).to(tl.float32)
-    tl.store(LOSS + rows, tl.where(valid, lse - x_target, 0.0), mask=row_mask)
+    # out of range (the host raised, or a device assert fired): NaN, never a made-up number
+    tl.store(LOSS + rows, tl.where(valid, lse - x_target, tl.where(kept, float("nan"), 0.0)), mask=row_mask)
     if WRITE_GRAD:
         for start in range(0, V, BLOCK_V):
             idx = start + cols
@@ -130,6 +149,23 @@ def _chunk_grads(
         del logits
 
 
+AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (not fp64)
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the matmuls run in: the autocast dtype when autocast is on for hidden's
+    device (as ``hidden @ weight.T`` would), else hidden's (which must then be weight's)."""
+    dev = hidden.device.type
+    if (torch.is_autocast_enabled(dev) and hidden.dtype in AUTOCAST_CASTS
+            and weight.dtype in AUTOCAST_CASTS):
+        return torch.get_autocast_dtype(dev)
+    return hidden.dtype
+
+
+def _no_autocast(device: torch.device) -> "torch.autocast":
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def fused_linear_cross_entropy_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -139,34 +175,37 @@ def fused_linear_cross_entropy_forward(
     chunk_size: int | None = None,
     need_grad_hidden: bool = True,
     need_grad_weight: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """hidden: [..., C], weight: [V, C], targets: [...] ->
     (loss, grad_hidden [N, C] | None, grad_weight [V, C] | None, n_valid).
 
-    For "mean"/"sum" the grads are d(sum of per-token losses) and are computed here; for
-    "none" they are None (backward recomputes) and loss has one entry per token."""
+    For "mean"/"sum" the grads are d(sum of per-token losses), in ``dtype`` (the matmuls'
+    dtype, default hidden's), and are computed here when asked for; for "none" they are None
+    (backward recomputes) and loss has one entry per token."""
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, C]
+        raise KernelArgumentError(f"{reduction} is not a valid value for reduction (one of {REDUCTIONS})")
+    dtype = dtype or hidden.dtype
     t = targets.reshape(-1).contiguous()  # [N]
-    if t.shape[0] != h.shape[0]:
-        raise ValueError(f"{h.shape[0]} tokens of hidden but {t.shape[0]} targets")
-    n_tokens, vocab = h.shape[0], weight.shape[0]
-    chunk = chunk_size or default_chunk_size(n_tokens, h.shape[1], vocab)
-    loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
-    in_forward = reduction != "none"
-    grad_h = torch.empty_like(h) if in_forward and need_grad_hidden else None
-    # grad_weight accumulates over chunks in weight's dtype (fp32 weights: fp32 sums; bf16
-    # weights: one bf16 rounding per chunk, a few ulps at Llama scale, like other fused losses)
-    grad_w = torch.zeros_like(weight) if in_forward and need_grad_weight else None
-    _chunk_grads(h, weight, t, loss_rows, ignore_index, chunk, grad_h, grad_w)
-    n_valid = (t != ignore_index).sum()  # a tensor: no host sync
-    if reduction == "mean":
-        loss = loss_rows.sum() / n_valid
-    elif reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = loss_rows
+    n_tokens, vocab = t.shape[0], weight.shape[0]
+    with _no_autocast(hidden.device):
+        h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # [N, C]
+        w = weight.to(dtype)  # [V, C]: a copy only under autocast, as eager's matmul makes
+        chunk = chunk_size or default_chunk_size(n_tokens, h.shape[1], vocab)
+        loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
+        in_forward = reduction != "none"
+        grad_h = torch.empty_like(h) if in_forward and need_grad_hidden else None
+        # grad_weight accumulates over chunks in the matmuls' dtype (fp32: fp32 sums; bf16:
+        # one bf16 rounding per chunk, a few ulps at Llama scale, like other fused losses)
+        grad_w = torch.zeros_like(w) if in_forward and need_grad_weight else None
+        _chunk_grads(h, w, t, loss_rows, ignore_index, chunk, grad_h, grad_w)
+        n_valid = (t != ignore_index).sum()  # a tensor: no host sync
+        if reduction == "mean":
+            loss = loss_rows.sum() / n_valid  # no valid token: nan, as F.cross_entropy
+        elif reduction == "sum":
+            loss = loss_rows.sum()
+        else:
+            loss = loss_rows
     return loss, grad_h, grad_w, n_valid
 
 
@@ -181,28 +220,34 @@ def fused_linear_cross_entropy_backward(
     chunk_size: int | None,
     need_grad_hidden: bool = True,
     need_grad_weight: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """-> (grad wrt hidden, shaped like hidden; grad wrt weight, in weight's dtype).
 
     ``saved`` is (grad_h, grad_w, n_valid) from forward for "mean"/"sum", and
-    (hidden, weight, targets) for "none", whose chunks are recomputed here."""
+    (hidden, weight, targets) for "none", whose chunks are recomputed here in ``dtype``."""
     if reduction != "none":
         grad_h, grad_w, n_valid = saved
-        scale = grad_loss.float() / n_valid if reduction == "mean" else grad_loss.float()  # []
+        # no valid token: the loss is nan but the grads are zeros, as F.cross_entropy's
+        count = n_valid.clamp_min(1) if reduction == "mean" else None
+        scale = grad_loss.float() / count if count is not None else grad_loss.float()  # []
         gh = (grad_h * scale).to(hidden_dtype).view(hidden_shape) if grad_h is not None else None
         gw = (grad_w * scale).to(weight_dtype) if grad_w is not None else None
         return gh, gw
     hidden, weight, targets = saved
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, C]
-    t = targets.reshape(-1).contiguous()  # [N]
-    chunk = chunk_size or default_chunk_size(h.shape[0], h.shape[1], weight.shape[0])
-    loss_rows = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-    gh = torch.empty_like(h) if need_grad_hidden else None
-    gw = torch.zeros_like(weight) if need_grad_weight else None
-    row_scale = grad_loss.reshape(-1).float()  # [N] d total / d loss_row
-    _chunk_grads(h, weight, t, loss_rows, ignore_index, chunk, gh, gw, row_scale=row_scale)
+    dtype = dtype or hidden.dtype
+    with _no_autocast(hidden.device):
+        h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # [N, C]
+        w = weight.to(dtype)  # [V, C]
+        t = targets.reshape(-1).contiguous()  # [N]
+        chunk = chunk_size or default_chunk_size(h.shape[0], h.shape[1], w.shape[0])
+        loss_rows = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        gh = torch.empty_like(h) if need_grad_hidden else None
+        gw = torch.zeros_like(w) if need_grad_weight else None
+        row_scale = grad_loss.reshape(-1).float()  # [N] d total / d loss_row
+        _chunk_grads(h, w, t, loss_rows, ignore_index, chunk, gh, gw, row_scale=row_scale)
     return (
-        gh.view(hidden_shape) if gh is not None else None,
+        gh.to(hidden_dtype).view(hidden_shape) if gh is not None else None,
         gw.to(weight_dtype) if gw is not None else None,
     )
 
@@ -217,12 +262,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ignore_index: int,
         reduction: str,
         chunk_size: int | None,
+        need_h: bool,  # decided by the caller from grad mode and requires_grad (issue 17, 6)
+        need_w: bool,
+        dtype: torch.dtype,  # the matmuls' dtype (autocast's, or the inputs')
     ) -> torch.Tensor:
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, grad_h, grad_w, n_valid = fused_linear_cross_entropy_forward(
-            hidden, weight, targets, ignore_index, reduction, chunk_size, need_h, need_w
+            hidden, weight, targets, ignore_index, reduction, chunk_size, need_h, need_w, dtype
         )
-        ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, ignore_index, reduction, chunk_size, need_h, need_w)
+        ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, ignore_index, reduction, chunk_size, need_h, need_w,
+                    dtype)
         if reduction == "none":
             ctx.save_for_backward(hidden, weight, targets)
         else:  # the grads are already computed: keep them, not the inputs
@@ -235,18 +283,69 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
-        shape, h_dtype, w_dtype, ignore_index, reduction, chunk_size, need_h, need_w = ctx.meta
+        shape, h_dtype, w_dtype, ignore_index, reduction, chunk_size, need_h, need_w, dtype = ctx.meta
         saved: tuple[torch.Tensor | None, ...] = ctx.saved_tensors
         if reduction != "none":
             has_h, has_w = ctx.has_grads
             saved = (saved[0] if has_h else None, saved[1] if has_w else None, saved[2])
         gh, gw = fused_linear_cross_entropy_backward(
-            grad_loss, saved, shape, h_dtype, w_dtype, ignore_index, reduction, chunk_size, need_h, need_w
+            grad_loss, saved, shape, h_dtype, w_dtype, ignore_index, reduction, chunk_size, need_h, need_w, dtype
         )
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 _apply = eager_only(FusedLinearCrossEntropyFunction.apply)
+_forward_only = eager_only(fused_linear_cross_entropy_forward)
+
+
+def check_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+    chunk_size: int | None,
+) -> None:
+    """What ``F.cross_entropy(hidden @ weight.T, targets)`` would refuse, refused with the same
+    kind of error: ValueError for arguments and a batch-size mismatch, RuntimeError for
+    shapes, dtypes and devices, IndexError for class indices out of range (see check_targets)."""
+    op = "fused_linear_cross_entropy"
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        check_tensor(op, name, t)
+    if reduction not in REDUCTIONS:
+        raise KernelArgumentError(f"{reduction} is not a valid value for reduction (one of {REDUCTIONS})")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise KernelArgumentError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise KernelArgumentError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise KernelTensorError(
+            f"{op}: hidden {list(hidden.shape)} and lm_head_weight {list(weight.shape)} cannot be "
+            f"multiplied (expected weight [V, {hidden.shape[-1] if hidden.dim() else '?'}])")
+    if weight.shape[0] < 1:
+        raise KernelTensorError(f"{op}: lm_head_weight has no rows (vocab size 0)")
+    n_tokens = hidden.shape[:-1].numel()
+    if targets.numel() != n_tokens:
+        raise KernelArgumentError(f"Expected input batch_size ({n_tokens}) to match target batch_size "
+                                  f"({targets.numel()}).")
+    check_floating(op, (("hidden", hidden), ("lm_head_weight", weight)))
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise KernelTensorError(f"{op}: targets must hold class indices (an integer dtype), got {targets.dtype}")
+    check_same_device(op, (("hidden", hidden), ("lm_head_weight", weight), ("targets", targets)))
+    if hidden.dtype != weight.dtype and compute_dtype(hidden, weight) == hidden.dtype:
+        raise KernelTensorError(f"{op}: expected hidden and lm_head_weight to have the same dtype, but got: "
+                                f"{hidden.dtype} != {weight.dtype} (or run under torch.autocast)")
+
+
+def check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Every class index not equal to ``ignore_index`` is in [0, vocab_size). On the CPU: one
+    pass over the targets, and ``IndexError`` as ``F.cross_entropy`` raises. On a GPU an
+    asynchronous device-side assert, as torch's own loss does: no host sync."""
+    t = targets.reshape(-1)
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab_size))  # [N] bool
+    if t.is_cuda:
+        torch._assert_async(~bad.any(), f"fused_linear_cross_entropy: a target is out of bounds "
+                                        f"[0, {vocab_size}) and is not ignore_index={ignore_index}")
+        return
+    if bad.any():
+        raise KernelIndexError(f"Target {int(t[bad][0])} is out of bounds.")
 
 
 def fused_linear_cross_entropy(
@@ -262,8 +361,15 @@ def fused_linear_cross_entropy(
     hidden: [..., C]; lm_head_weight: [V, C]; targets: [...] (same leading shape). The loss is
     fp32 like ``F.cross_entropy(logits.float(), ...)``; ``chunk_size`` tokens per chunk
     (default: see ``default_chunk_size``)."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if hidden.numel() and use_kernel(hidden, lm_head_weight):  # empty input: nothing to launch
-        return _apply(hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size)
-    return linear_cross_entropy_reference(hidden, lm_head_weight, targets, ignore_index, reduction)
+    check_inputs(hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size)
+    check_targets(targets, lm_head_weight.shape[0], ignore_index)
+    if not (hidden.numel() and use_kernel(hidden, lm_head_weight)):  # empty input: nothing to launch
+        return linear_cross_entropy_reference(hidden, lm_head_weight, targets, ignore_index, reduction)
+    dtype = compute_dtype(hidden, lm_head_weight)
+    grad_on = torch.is_grad_enabled()  # False under no_grad and inference_mode
+    need_h = grad_on and hidden.requires_grad
+    need_w = grad_on and lm_head_weight.requires_grad
+    if not (need_h or need_w):  # no gradient will be asked for: no grad buffers, no grad GEMMs
+        return _forward_only(hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size,
+                             False, False, dtype)[0]
+    return _apply(hidden, lm_head_weight, targets, ignore_index, reduction, chunk_size, need_h, need_w, dtype)

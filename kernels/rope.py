@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, tl, use_kernel
+from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, num_warps_for, tl, use_kernel
+from .errors import KernelTensorError, check_floating, check_same_device, check_tensor
 from .reference import rope_reference
 
 
@@ -37,26 +38,33 @@ def _rope_kernel(
     tl.store(Y + offs + half, (x1 * s + x2 * c).to(Y.dtype.element_ty), mask=mask)
 
 
+#: Elements of one half-tile (BLOCK_M rows x BLOCK_D columns) a GPU program holds. With
+#: 64 x 64 at 4 warps the kernel needed 254 registers on sm_90 (issue 17, 15): the warps now
+#: follow the tile (``num_warps_for``: 16 here, 60 registers; 8 would need 122).
+GPU_TILE = 4096
+CPU_TILE = 16384  # the interpreter's cost is per program: as many rows as fit this tile
+
+
+def _blocks(half: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_D columns of one half, num_warps)."""
+    block_d = next_power_of_2(half)
+    tile = GPU_TILE if device.type == "cuda" else CPU_TILE
+    block_m = max(1, min(64 if device.type == "cuda" else tile, tile // block_d))
+    return block_m, block_d, num_warps_for(block_m * block_d)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     """x: [B, H, T, D] (any strides) -> rotated copy, contiguous [B, H, T, D]."""
-    if x.dim() != 4 or x.shape[-1] % 2:
-        raise ValueError(f"rope expects [B, H, T, D] with even D, got {tuple(x.shape)}")
     seq_len, d = x.shape[-2], x.shape[-1]
     half = d // 2
-    if cos.shape[0] < seq_len or cos.shape[-1] != half or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin must be [>= {seq_len}, {half}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     x2 = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x2)
     n_rows = x2.numel() // d
-    block_d = next_power_of_2(half)
-    if x.device.type == "cuda":
-        block_m = max(1, min(64, 4096 // block_d))
-    else:  # the interpreter's cost is per program: as many rows as fit a 16k-element tile
-        block_m = max(1, 16384 // block_d)
+    block_m, block_d, num_warps = _blocks(half, x.device)
     _rope_kernel[(cdiv(n_rows, block_m),)](
         x2, cos, sin, y, n_rows, seq_len, half, cos.stride(0), sign,
-        BLOCK_M=block_m, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
     )
     return y
 
@@ -91,10 +99,30 @@ class RoPEFunction(torch.autograd.Function):
 _apply = eager_only(RoPEFunction.apply)
 
 
+def check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q, k: [B, H, T, D] with the same B, T and even D (H may differ: grouped-query
+    attention); cos, sin: [>= T, D/2]; floating point, one device. RuntimeError kind, as the
+    torch reference would raise for mismatched shapes."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_tensor("rope", name, t)
+    if q.dim() != 4 or k.dim() != 4 or q.shape[-1] % 2:
+        raise KernelTensorError(f"rope: expected q and k of shape [B, H, T, D] with even D, got "
+                                f"{list(q.shape)} and {list(k.shape)}")
+    B, _, T, D = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (B, T, D):
+        raise KernelTensorError(f"rope: q {list(q.shape)} and k {list(k.shape)} must agree on B, T and D")
+    if cos.dim() != 2 or cos.shape[0] < T or cos.shape[1] != D // 2 or sin.shape != cos.shape:
+        raise KernelTensorError(f"rope: cos and sin must both be [>= {T}, {D // 2}], got "
+                                f"{list(cos.shape)} and {list(sin.shape)}")
+    check_floating("rope", (("q", q), ("k", k), ("cos", cos), ("sin", sin)))
+    check_same_device("rope", (("q", q), ("k", k), ("cos", cos), ("sin", sin)))
+
+
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k ([B, H, T, D]) by cos, sin ([T_max, D/2]); gradients flow to q and k."""
+    check_inputs(q, k, cos, sin)
     if q.numel() and k.numel() and use_kernel(q, k):  # empty input: nothing to launch
         return _apply(q, k, cos, sin)
     return rope_reference(q, k, cos, sin)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .backend import cdiv, eager_only, lazy_jit, tl, use_kernel
+from .errors import KernelTensorError, check_floating, check_same_device, check_tensor
 from .reference import swiglu_reference
 
 BLOCK_GPU = 1024
@@ -51,13 +52,11 @@ def _block(device: torch.device) -> int:
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up: [..., H] (same shape) -> silu(gate) * up, [..., H]."""
-    if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape, got {gate.shape} and {up.shape}")
     g, u = gate.contiguous(), up.contiguous()
     y = torch.empty(g.shape, dtype=torch.promote_types(g.dtype, u.dtype), device=g.device)
     n = g.numel()
     block = _block(g.device)
-    _swiglu_fwd_kernel[(cdiv(n, block),)](g, u, y, n, BLOCK=block)
+    _swiglu_fwd_kernel[(cdiv(n, block),)](g, u, y, n, BLOCK=block, num_warps=4)
     return y
 
 
@@ -69,7 +68,7 @@ def swiglu_backward(
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
     block = _block(g.device)
-    _swiglu_bwd_kernel[(cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block)
+    _swiglu_bwd_kernel[(cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block, num_warps=4)
     return dg, du
 
 
@@ -88,8 +87,25 @@ class SwiGLUFunction(torch.autograd.Function):
 _apply = eager_only(SwiGLUFunction.apply)
 
 
+def check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Floating point, one device, shapes that broadcast (as ``F.silu(gate) * up`` wants;
+    RuntimeError kind)."""
+    check_tensor("swiglu", "gate", gate)
+    check_tensor("swiglu", "up", up)
+    check_floating("swiglu", (("gate", gate), ("up", up)))
+    check_same_device("swiglu", (("gate", gate), ("up", up)))
+    if gate.shape != up.shape:
+        try:
+            torch.broadcast_shapes(gate.shape, up.shape)
+        except RuntimeError:
+            raise KernelTensorError(f"swiglu: the shapes of gate {list(gate.shape)} and up "
+                                    f"{list(up.shape)} do not broadcast") from None
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up with autograd; the Triton kernel when a backend can run it."""
-    if gate.numel() and use_kernel(gate, up):  # empty input: nothing to launch
+    """silu(gate) * up with autograd; the Triton kernel when a backend can run it (gate and
+    up of one shape; shapes that only broadcast take the torch reference)."""
+    check_inputs(gate, up)
+    if gate.shape == up.shape and gate.numel() and use_kernel(gate, up):  # empty: nothing to launch
         return _apply(gate, up)
     return swiglu_reference(gate, up)
