@@ -1,0 +1,552 @@
+"""The communication probe: how long a rank is blocked in collectives, and which collectives ran
+behind compute.
+
+Standalone (imports only torch and the standard library), so it can be loaded and tested before
+it is wired into the Recorder. It calls ``on_span("comm", start_ns, end_ns, detail)`` for every
+*exposed* wait (the rank could not go on until a collective finished) and keeps every collective's
+*overlapped* time (in flight while the rank computed) in ``overlapped()``. Times are
+``time.perf_counter_ns`` (the Recorder's clock).
+
+How collectives are seen, without replacing anything the user or a framework installed:
+
+- **Every collective is issued through the dispatcher.** Since torch 2.0, ``ProcessGroup``'s
+  methods call the ``c10d::*`` operators (``c10d::allreduce_``, ``c10d::_allgather_base_``,
+  ``c10d::reduce_scatter_tensor_coalesced_`` ...), whoever calls them: DDP's C++ Reducer for its
+  gradient buckets (with the built-in all-reduce or any comm hook), FSDP2's all-gathers and
+  reduce-scatters, DeepSpeed (``deepspeed.comm`` calls ``torch.distributed``), functional
+  collectives (DTensor), and direct ``torch.distributed`` calls. The probe registers a kernel for
+  those operators at the ``ADInplaceOrView`` key, one step above the backend kernels and after the
+  autograd fallback (so autograd's behaviour is untouched): it stamps the issue, redispatches to
+  the real kernel, and on gloo asks the returned Work's future for its completion time.
+  ``remove()`` destroys that registration and the operators dispatch as before (a fallthrough).
+  DDP's ``register_comm_hook`` (one per model, never removable) is left to the user.
+- **Exposed waits.** ``Work.wait`` is patched (Python ``torch.distributed`` calls it for every
+  synchronous collective and for ``async_op=True`` handles; FSDP2 and DeepSpeed call it), and so
+  is ``_c10d_functional::wait_tensor``. Two C++ entry points that block on broadcasts are wrapped
+  as well: ``torch.distributed._broadcast_coalesced`` (DDP's buffer/parameter sync) and
+  ``Reducer._rebuild_buckets`` (DDP's bucket-order broadcast on its second iteration).
+- **The end of backward.** DDP waits for its buckets inside a callback the autograd engine runs
+  after the last gradient (``Reducer::finalize_backward``, C++); FSDP2's final callback waits for
+  its reduce-scatters the same way. When a collective is issued during a backward pass, the probe
+  queues an engine callback (A); A runs once the graph's compute is done and queues a second one
+  (B), which runs after every callback queued before it. [A, B] is the time the backward pass was
+  held by those callbacks: the rank waiting for its gradient collectives (plus their small copies
+  back into ``.grad``). It is reported as one exposed span of kind ``end_of_backward``.
+
+Nested waits (a ``Work.wait`` inside ``_broadcast_coalesced``) are reported once, by the outer one.
+
+On CUDA (guarded by ``torch.cuda.is_available()``, never a sync per step): a NCCL wait does not
+block the host, it makes the current stream wait. Each exposed wait therefore also records a CUDA
+event before and after it on the current stream (``detail["start_event"]`` / ``["end_event"]``:
+the stream's stall is the time between them, resolved after the slice like the Recorder's own
+span events), and each collective records an event at issue; ``overlapped(resolve=...)`` turns
+[issue, first wait] into host time. Completion times from futures are not used on CUDA (a NCCL
+future is marked complete when the kernel is enqueued). FSDP2 on CUDA waits with
+``Stream.wait_event`` rather than ``Work.wait``; that stall is not seen here. The CUDA path has not
+been run on a GPU yet.
+
+Use::
+
+    probe = CommProbe(on_span=lambda phase, s, e, d: spans.append((phase, s, e, d))).install()
+    try:
+        train()
+    finally:
+        probe.remove()
+    probe.overlapped()   # [(start_ns, end_ns, detail)] of collectives in flight behind compute
+    probe.totals()       # {"exposed_s", "overlapped_s", "ops", "bytes", "by_op": {...}}
+"""
+
+from __future__ import annotations
+
+import threading
+from time import perf_counter_ns
+from typing import Any, Callable
+
+import torch
+
+OnSpan = Callable[[str, int, int, dict], None]
+
+PHASE = "comm"
+
+#: ``c10d`` operators and the collective each one is. ``check_for_nan`` is not a collective.
+C10D_OPS: dict[str, str] = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_": "reduce", "broadcast_": "broadcast", "gather_": "gather", "scatter_": "scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "barrier": "barrier",
+    "monitored_barrier_": "barrier", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+}
+
+#: Kernel key: above the backends, below autograd (see the module docstring).
+DISPATCH_KEY = "ADInplaceOrView"
+
+#: Collectives remembered for ``overlapped()``; past this the oldest are dropped (a note says so).
+MAX_OPS = 200_000
+#: Work handles kept to match a later ``wait()`` with its collective: in flight (gloo) or not
+#: waited yet (CUDA), pruned past this many.
+MAX_PENDING = 512
+#: Handles of completed, not yet waited collectives kept (a ``wait()`` right after issue must find
+#: the same Python object); only this many, so the probe keeps almost no tensor alive.
+MAX_COMPLETED = 16
+
+_ACTIVE: "CommProbe | None" = None
+
+
+class Collective:
+    """One collective as issued: what, how big, when it was issued and when it completed."""
+
+    __slots__ = ("op", "bytes", "device", "issue_ns", "done_ns", "wait_ns", "in_backward",
+                 "issue_event", "wait_event")
+
+    def __init__(self, op: str, nbytes: int, device: str, issue_ns: int, in_backward: bool) -> None:
+        self.op, self.bytes, self.device = op, nbytes, device
+        self.issue_ns = issue_ns
+        self.done_ns: int | None = None  # completion (gloo: the Work's future), host clock
+        self.wait_ns: int | None = None  # first wait on it from Python, host clock
+        self.in_backward = in_backward
+        self.issue_event: Any = None  # CUDA event on the issuing stream
+        self.wait_event: Any = None  # CUDA event on the waiting stream, before the wait
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "bytes": self.bytes, "device": self.device,
+                "issue_ns": self.issue_ns, "done_ns": self.done_ns, "wait_ns": self.wait_ns,
+                "in_backward": self.in_backward}
+
+
+def _tensor_bytes(args: tuple) -> tuple[int, str]:
+    """Bytes of the first argument's tensors (the collective's input; a list of lists for
+    all_gather's outputs is not the payload) and their device type."""
+    first = args[0] if args else None
+    tensors = first if isinstance(first, (list, tuple)) else [first]
+    total, device = 0, "cpu"
+    for t in tensors:
+        if isinstance(t, (list, tuple)):  # allgather_'s output lists come second; a nested first arg
+            t = t[0] if t else None
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+            device = t.device.type
+    return total, device
+
+
+def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def subtract(start: int, end: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` minus merged, sorted ``holes``: the pieces left, in order."""
+    pieces, cur = [], start
+    for hs, he in holes:
+        if he <= cur:
+            continue
+        if hs >= end:
+            break
+        if hs > cur:
+            pieces.append((cur, hs))
+        cur = max(cur, he)
+    if cur < end:
+        pieces.append((cur, end))
+    return pieces
+
+
+class _CudaClock:
+    """Events on the host clock: one reference event recorded right after a synchronisation at
+    install, one synchronisation in ``finish()``; nothing in between."""
+
+    def __init__(self) -> None:
+        torch.cuda.synchronize()
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref_ns = perf_counter_ns()
+        self.ref.record()
+        self.finished = False
+
+    @staticmethod
+    def mark() -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def finish(self) -> None:
+        if not self.finished:
+            torch.cuda.synchronize()
+            self.finished = True
+
+    def resolve(self, ev: Any) -> int:
+        self.finish()
+        return self.ref_ns + int(self.ref.elapsed_time(ev) * 1e6)
+
+
+class CommProbe:
+    """Times collectives; ``install()`` / ``remove()`` (idempotent, exact, safe after a failed
+    install). One probe may be installed at a time."""
+
+    def __init__(self, on_span: OnSpan | None = None, *, max_ops: int = MAX_OPS) -> None:
+        self.on_span = on_span
+        self.max_ops = max_ops
+        self.ops: list[Collective] = []
+        self.exposed: list[tuple[int, int, dict]] = []  # every exposed span reported, host clock
+        self.notes: list[str] = []
+        self.installed = False
+        self.hooked: list[str] = []  # what install() caught, for run.meta
+        self._libs: list[Any] = []
+        self._patched: list[tuple[Any, str, Any, bool]] = []  # (owner, attr, original, owned)
+        self._pending: dict[int, tuple[Any, Collective]] = {}  # id(Work) -> (Work, collective)
+        # Completed on gloo before anyone waited, the newest MAX_COMPLETED: id(Work) -> (Work,
+        # collective). The handle is kept so that the caller gets this same Python object (pybind
+        # returns the live instance of a C++ object) when the collective completed before the
+        # call returned, and its id stays valid.
+        self._completed: dict[int, tuple[Any, Collective]] = {}
+        self._tls = threading.local()  # .depth: open exposed waits on this thread
+        self._graph_tasks: set[int] = set()  # backward passes that already queued callback A
+        self._cuda: _CudaClock | None = None
+        self._issued = 0  # collectives issued since install, kept or not
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def install(self) -> "CommProbe":
+        global _ACTIVE
+        if self.installed:
+            return self
+        if _ACTIVE is not None:
+            raise RuntimeError("a CommProbe is already installed; remove it first")
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            self._note("torch.distributed is not available in this build: no collective is timed")
+            return self
+        self.installed = True
+        _ACTIVE = self
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._cuda = _CudaClock()
+            from torch._C import _distributed_c10d as c10d
+
+            lib = torch.library.Library("c10d", "IMPL")
+            self._libs.append(lib)
+            for name, kind in C10D_OPS.items():
+                packet = getattr(torch.ops.c10d, name, None)
+                if packet is None:
+                    continue
+                lib.impl(name, self._issue_kernel(packet.default, kind, c10d.Work), DISPATCH_KEY,
+                         with_keyset=True)
+                self.hooked.append(f"c10d::{name}")
+            wait_tensor = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+            if wait_tensor is not None:
+                flib = torch.library.Library("_c10d_functional", "IMPL")
+                self._libs.append(flib)
+                flib.impl("wait_tensor", self._wait_tensor_kernel(wait_tensor.default), DISPATCH_KEY,
+                          with_keyset=True)
+                self.hooked.append("_c10d_functional::wait_tensor")
+            self._patch(c10d.Work, "wait", self._wrap_wait(c10d.Work.wait))
+            self.hooked.append("Work.wait")
+            if hasattr(dist, "_broadcast_coalesced"):
+                self._patch(dist, "_broadcast_coalesced",
+                            self._wrap_blocking(dist._broadcast_coalesced, "broadcast", "_broadcast_coalesced"))
+                self.hooked.append("torch.distributed._broadcast_coalesced")
+            reducer = getattr(c10d, "Reducer", None)
+            if reducer is not None and hasattr(reducer, "_rebuild_buckets"):
+                self._patch(reducer, "_rebuild_buckets",
+                            self._wrap_blocking(reducer._rebuild_buckets, "broadcast", "Reducer._rebuild_buckets"))
+                self.hooked.append("Reducer._rebuild_buckets")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Undo every registration and patch, newest first. Idempotent."""
+        global _ACTIVE
+        self.installed = False  # kernels still called during the teardown just pass through
+        errors: list[BaseException] = []
+        while self._patched:
+            owner, attr, orig, owned = self._patched.pop()
+            try:
+                if owned:
+                    setattr(owner, attr, orig)
+                else:
+                    delattr(owner, attr)
+            except Exception as e:  # keep undoing the rest
+                errors.append(e)
+        while self._libs:
+            try:
+                self._libs.pop()._destroy()
+            except Exception as e:
+                errors.append(e)
+        self._pending.clear()  # drop every Work handle: the probe keeps no tensor alive
+        self._completed.clear()
+        self._graph_tasks.clear()
+        if _ACTIVE is self:
+            _ACTIVE = None
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> "CommProbe":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def _patch(self, owner: Any, attr: str, new: Any) -> None:
+        owned = attr in owner.__dict__ if isinstance(owner, type) else True
+        orig = owner.__dict__[attr] if isinstance(owner, type) and owned else getattr(owner, attr)
+        self._patched.append((owner, attr, orig, owned))
+        setattr(owner, attr, new)
+
+    # -- results ------------------------------------------------------------------------------
+    def overlapped(self, resolve: Callable[[Any], int] | None = None) -> list[tuple[int, int, dict]]:
+        """Collectives' time in flight that no exposed wait covers: ``(start_ns, end_ns, detail)``
+        pieces, host clock. A collective's interval is [issue, completion] where completion is
+        known (gloo), else [issue, first wait] (an upper bound; on CUDA from the events, with
+        ``resolve(event) -> host ns``, by default the probe's own reference)."""
+        holes = _merge([(s, e) for s, e, d in self._exposed_resolved(resolve)])
+        out = []
+        for c in list(self.ops):
+            start, end, bound = c.issue_ns, c.done_ns, "completed"
+            if c.issue_event is not None and c.wait_event is not None:
+                res = resolve or (self._cuda.resolve if self._cuda is not None else None)
+                if res is None:
+                    continue
+                start, end, bound = res(c.issue_event), res(c.wait_event), "waited"
+            elif end is None:
+                end, bound = c.wait_ns, "waited"
+            if end is None or end <= start:
+                continue
+            for s, e in subtract(start, end, holes):
+                out.append((s, e, {"op": c.op, "bytes": c.bytes, "end": bound, "in_backward": c.in_backward}))
+        return out
+
+    def _exposed_resolved(self, resolve: Callable[[Any], int] | None) -> list[tuple[int, int, dict]]:
+        res = resolve or (self._cuda.resolve if self._cuda is not None else None)
+        out = []
+        for s, e, d in self.exposed:
+            if res is not None and d.get("start_event") is not None and d.get("end_event") is not None:
+                s, e = res(d["start_event"]), res(d["end_event"])
+            out.append((s, e, d))
+        return out
+
+    def totals(self, resolve: Callable[[Any], int] | None = None) -> dict[str, Any]:
+        """Seconds exposed and overlapped, collectives and bytes issued, by collective."""
+        exposed = _merge([(s, e) for s, e, _ in self._exposed_resolved(resolve)])
+        over = self.overlapped(resolve)
+        by_op: dict[str, dict[str, float]] = {}
+        for c in list(self.ops):
+            row = by_op.setdefault(c.op, {"ops": 0, "bytes": 0})
+            row["ops"] += 1
+            row["bytes"] += c.bytes
+        return {"exposed_s": sum(e - s for s, e in exposed) / 1e9,
+                "overlapped_s": sum(e - s for s, e in _merge([(s, e) for s, e, _ in over])) / 1e9,
+                "ops": len(self.ops), "bytes": sum(c.bytes for c in list(self.ops)), "by_op": by_op}
+
+    def meta(self) -> dict[str, Any]:
+        notes = list(self.notes)
+        if self._issued > len(self.ops):
+            notes.append(f"{self._issued - len(self.ops)} collectives beyond the first {self.max_ops} "
+                         "were not kept for overlap")
+        return {"comm": {"hooked": list(self.hooked), "cuda_events": self._cuda is not None, "notes": notes}}
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _emit(self, start_ns: int, end_ns: int, detail: dict) -> None:
+        detail["thread_id"] = threading.get_ident()
+        self.exposed.append((start_ns, end_ns, detail))
+        if self.on_span is not None:
+            try:
+                self.on_span(PHASE, start_ns, end_ns, detail)
+            except Exception as e:  # a failing consumer must not break a collective
+                self._note(f"on_span failed: {e!r}")
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def _begin(self) -> bool:
+        """Enter a wait on this thread; True when it is the one to report: the outermost, and not
+        inside an end-of-backward window of the same backward pass (that window reports it)."""
+        tls = self._tls
+        depth = getattr(tls, "depth", 0)
+        tls.depth = depth + 1
+        if depth:
+            return False
+        window = getattr(tls, "window", None)
+        return window is None or window != torch._C._current_graph_task_id()
+
+    def _end(self) -> None:
+        self._tls.depth = max(0, getattr(self._tls, "depth", 1) - 1)
+
+    def _mark(self, device: str) -> Any:
+        return self._cuda.mark() if (self._cuda is not None and device == "cuda") else None
+
+    # -- issue: the dispatcher kernel ----------------------------------------------------------
+    def _issue_kernel(self, op: Any, kind: str, work_cls: Any) -> Callable[..., Any]:
+        after = torch._C._after_ADInplaceOrView_keyset
+        graph_task = torch._C._current_graph_task_id
+
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.installed:
+                return op.redispatch(keyset & after, *args, **kwargs)
+            nbytes, device = _tensor_bytes(args)
+            gt = graph_task()
+            rec = Collective(kind, nbytes, device, perf_counter_ns(), gt != -1)
+            rec.issue_event = self._mark(device)
+            out = op.redispatch(keyset & after, *args, **kwargs)
+            self._track(rec, out, work_cls)
+            if gt != -1 and gt not in self._graph_tasks:
+                self._graph_tasks.add(gt)
+                self._queue_end_of_backward(gt, device)
+            return out
+
+        return kernel
+
+    def _track(self, rec: Collective, out: Any, work_cls: Any) -> None:
+        self._issued += 1
+        if len(self.ops) < self.max_ops:
+            self.ops.append(rec)
+        work = out[-1] if isinstance(out, (tuple, list)) and out else out
+        try:
+            handle = work_cls.unbox(work)  # the same Python object Work.wait will be called on
+        except Exception:
+            return
+        if rec.device == "cuda":
+            # No completion callback on CUDA (a NCCL future completes at enqueue): keep the
+            # handle until it is waited, bounded, pruning the ones that finished.
+            if len(self._pending) >= MAX_PENDING:
+                for key, (h, _) in list(self._pending.items()):
+                    if h.is_completed():
+                        self._pending.pop(key, None)
+                while len(self._pending) >= MAX_PENDING:
+                    self._pending.pop(next(iter(self._pending)), None)
+            self._pending[id(handle)] = (handle, rec)
+            return
+        self._pending[id(handle)] = (handle, rec)
+        key = id(handle)
+
+        def done(_fut: Any) -> None:
+            rec.done_ns = perf_counter_ns()
+            # gloo's thread; single dict operations are atomic under the GIL
+            entry = self._pending.pop(key, None)
+            if entry is not None and rec.wait_ns is None:
+                self._completed[key] = entry
+                while len(self._completed) > MAX_COMPLETED:
+                    self._completed.pop(next(iter(self._completed)), None)
+
+        try:
+            handle.get_future().add_done_callback(done)
+        except Exception:  # a backend without futures: matched at wait, if waited
+            pass
+
+    # -- the end of a backward pass --------------------------------------------------------------
+    def _queue_end_of_backward(self, gt: int, device: str) -> None:
+        """Callback A (queued now, at the first collective of this backward pass) runs when the
+        graph's compute is done and queues B, which runs after every callback queued before it
+        (DDP's finalize_backward among them). [A, B] is reported as one exposed span."""
+        engine = torch.autograd.Variable._execution_engine
+        first = len(self.ops) - 1  # this collective's index
+
+        def callback_b(start_ns: int, start_ev: Any) -> None:
+            end_ns = perf_counter_ns()
+            end_ev = self._mark(device)
+            self._tls.window = None
+            self._graph_tasks.discard(gt)
+            if not self.installed:
+                return
+            ops = [c for c in self.ops[max(0, first):] if c.in_backward]
+            kinds = {c.op for c in ops}
+            self._emit(start_ns, end_ns, {
+                "kind": "end_of_backward", "source": "autograd final callbacks",
+                "op": kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "unknown"),
+                "ops": len(ops), "bytes": sum(c.bytes for c in ops), "device": device,
+                "start_event": start_ev, "end_event": end_ev})
+
+        def callback_a() -> None:
+            start_ns = perf_counter_ns()
+            start_ev = self._mark(device)
+            self._tls.window = gt  # waits inside the window are part of it
+            engine.queue_callback(lambda: callback_b(start_ns, start_ev))
+
+        try:
+            engine.queue_callback(callback_a)
+        except Exception as e:  # not inside a backward pass after all
+            self._graph_tasks.discard(gt)
+            self._note(f"end-of-backward callback not queued: {e!r}")
+
+    # -- exposed waits ---------------------------------------------------------------------------
+    def _timed(self, call: Callable[[], Any], detail: Callable[[], dict], device: str,
+               rec: Collective | None = None) -> Any:
+        """Run a blocking ``call``; report it as exposed when it is the outermost wait."""
+        if not self.installed:
+            return call()
+        if not self._begin():
+            try:
+                return call()
+            finally:
+                self._end()
+        start_ev = self._mark(device)
+        if rec is not None and rec.wait_ns is None:
+            rec.wait_event = start_ev
+        start = perf_counter_ns()
+        try:
+            return call()
+        finally:
+            end = perf_counter_ns()
+            end_ev = self._mark(device)
+            self._end()
+            if rec is not None and rec.wait_ns is None:
+                rec.wait_ns = start
+            d = detail()
+            if d:
+                d.update(device=device, start_event=start_ev, end_event=end_ev)
+                self._emit(start, end, d)
+
+    def _wrap_wait(self, orig: Any) -> Callable[..., Any]:
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            rec = None
+            if self.installed:
+                entry = self._pending.pop(id(work), None) or self._completed.pop(id(work), None)
+                rec = entry[1] if entry is not None and entry[0] is work else None
+            return self._timed(lambda: orig(work, *args, **kwargs),
+                               lambda: {"kind": "wait", "source": "Work.wait", "op": rec.op if rec else "unknown",
+                                        "ops": 1, "bytes": rec.bytes if rec else 0},
+                               rec.device if rec is not None else "cpu", rec)
+
+        wait.__wrapped__ = orig  # type: ignore[attr-defined]
+        wait.__doc__ = getattr(orig, "__doc__", None)
+        return wait
+
+    def _wait_tensor_kernel(self, op: Any) -> Callable[..., Any]:
+        after = torch._C._after_ADInplaceOrView_keyset
+
+        def kernel(keyset: Any, tensor: Any) -> Any:
+            device = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
+            return self._timed(lambda: op.redispatch(keyset & after, tensor),
+                               lambda: {"kind": "wait", "source": "wait_tensor", "op": "functional",
+                                        "ops": 1, "bytes": 0}, device)
+
+        return kernel
+
+    def _wrap_blocking(self, orig: Any, kind: str, source: str) -> Callable[..., Any]:
+        """A C++ call that issues collectives and waits for them before it returns: exposed as a
+        whole when it issued any."""
+
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            n0 = self._issued
+
+            def detail() -> dict:
+                n = self._issued - n0
+                if n == 0:
+                    return {}
+                issued = self.ops[-n:] if n <= len(self.ops) else list(self.ops)
+                return {"kind": "blocking_call", "source": source, "op": kind, "ops": n,
+                        "bytes": sum(c.bytes for c in issued)}
+
+            return self._timed(lambda: orig(*args, **kwargs), detail, "cpu")
+
+        blocking.__wrapped__ = orig  # type: ignore[attr-defined]
+        blocking.__doc__ = getattr(orig, "__doc__", None)
+        return blocking
