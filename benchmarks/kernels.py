@@ -81,7 +81,7 @@ def cases(cpu_smoke: bool) -> list[Case]:
         ))
     for b, nh, tt, hd in rope:
         def make_rope(d, t, b=b, nh=nh, tt=tt, hd=hd):
-            from tpkit.models import rope_cache
+            from tpkit.demo.models import rope_cache
 
             cos, sin = rope_cache(tt, hd)
             return [_randn(b, nh, tt, hd, device=d, dtype=t), _randn(b, nh, tt, hd, device=d, dtype=t),

@@ -123,7 +123,7 @@ def model_modes(steps: int, rounds: int, rows: list[dict]) -> None:
     compared with the host step measured alone (the not-streamed mode's host step), since a
     streamed host step shares the cores with backward and its own duration stretches."""
     from tpkit.demo import make_training
-    from tpkit.models import TinyConfig
+    from tpkit.demo.models import TinyConfig
 
     cfg = TinyConfig(vocab_size=4096, seq_len=64, n_layer=4, n_head=8, d_model=256)
     modes = {

@@ -13,7 +13,7 @@ import time
 
 from common import machine, versions, write_rows
 
-from tpkit import report
+from tpkit.views import html as report
 from tpkit.datasets.synthetic_run import synthetic_run
 
 def main() -> None:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from tpkit.analysis import PHASE_COLUMNS
-from tpkit.run import Run, _frame
+from tpkit.run import Run
+from tpkit.schema import MEMORY_CATEGORIES, PHASE_COLUMNS, frame
 
 PHASES = ["data_wait", "forward", "backward", "optimizer"]
-CATEGORIES = ["parameters", "gradients", "optimizer_state", "activations", "data", "other"]
 
 
 def synthetic_run(steps: int = 1000, clock_rows: int = 40_000, memory_rows: int = 60_000, seed: int = 0) -> Run:
@@ -38,16 +37,16 @@ def synthetic_run(steps: int = 1000, clock_rows: int = 40_000, memory_rows: int 
         ("cpu", "cpu_util_pct", lambda t: 80 + 20 * np.sin(t)),
         ("cpu0", "cpu_util_pct", lambda t: 70 + 30 * np.cos(t)),
         ("cpu1", "cpu_util_pct", lambda t: 60 + 40 * np.sin(2 * t))]], ignore_index=True)
-    bounds = max(1, -(-memory_rows // (steps * len(CATEGORIES))))  # boundaries per step
+    bounds = max(1, -(-memory_rows // (steps * len(MEMORY_CATEGORIES))))  # boundaries per step
     b = np.arange(bounds)
-    step_idx = np.repeat(np.arange(steps), bounds * len(CATEGORIES))
-    b_idx = np.tile(np.repeat(b, len(CATEGORIES)), steps)
+    step_idx = np.repeat(np.arange(steps), bounds * len(MEMORY_CATEGORIES))
+    b_idx = np.tile(np.repeat(b, len(MEMORY_CATEGORIES)), steps)
     memory = pd.DataFrame({
         "step": step_idx, "phase": np.array(PHASES)[(b_idx // 2) % len(PHASES)],
         "event": np.where(b_idx % 2 == 0, "enter", "exit"),
         "t_s": starts[step_idx] + b_idx * 1e-4, "device": "cpu",
-        "category": np.tile(CATEGORIES, steps * bounds),
+        "category": np.tile(MEMORY_CATEGORIES, steps * bounds),
         "bytes": rng.integers(1 << 20, 1 << 26, size=len(step_idx))})
     meta = {"name": "synthetic", "warmup_steps": 0, "complete": True, "notes": []}
-    return Run(_frame("steps", s), _frame("spans", spans), _frame("memory", memory), _frame("clocks", clocks),
+    return Run(frame("steps", s), frame("spans", spans), frame("memory", memory), frame("clocks", clocks),
                None, meta)

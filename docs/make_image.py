@@ -14,9 +14,9 @@ import altair as alt
 import torch
 
 import tpkit as tp
-from tpkit import report
+from tpkit.views import html as report
 from tpkit.demo import make_training, train
-from tpkit.export import to_png
+from tpkit.views.export import to_png
 
 OUT = Path(__file__).resolve().parent / "dashboard.png"
 SECTIONS = ("Stall timeline", "Memory")

@@ -2,12 +2,12 @@
 
 ``patch(model)`` replaces, in place:
 
-- RMSNorm modules: tpkit.models.RMSNorm and any module whose class name contains "RMSNorm",
+- RMSNorm modules: tpkit.demo.models.RMSNorm and any module whose class name contains "RMSNorm",
   with a 1-D ``.weight`` and an ``.eps`` (or Hugging Face's ``.variance_epsilon``);
 - SwiGLU MLPs: modules with ``gate``/``up``/``down`` (or ``gate_proj``/``up_proj``/
   ``down_proj``) Linears computing down(silu(gate(x)) * up(x));
-- tpkit.models.Attention, whose RoPE becomes the rope kernel;
-- tpkit.models.LMHeadLoss, whose head + loss becomes fused_linear_cross_entropy.
+- tpkit.demo.models.Attention, whose RoPE becomes the rope kernel;
+- tpkit.demo.models.LMHeadLoss, whose head + loss becomes fused_linear_cross_entropy.
 
 A module is swapped only if it *behaves* like the pattern: before swapping, patch runs it
 once on a small random input (from a private generator: the global RNG does not move) and
@@ -86,7 +86,7 @@ class KernelSwiGLU(_Twin):
 
 
 class KernelRoPEAttention(_Twin):
-    """tpkit.models.Attention with the rope kernel in place of apply_rope."""
+    """tpkit.demo.models.Attention with the rope kernel in place of apply_rope."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__(original)
@@ -104,7 +104,7 @@ class KernelRoPEAttention(_Twin):
 
 
 class KernelLMHeadLoss(_Twin):
-    """tpkit.models.LMHeadLoss whose loss never materialises the [B*T, V] logits."""
+    """tpkit.demo.models.LMHeadLoss whose loss never materialises the [B*T, V] logits."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__(original)
@@ -177,7 +177,7 @@ def _swiglu_names(module: nn.Module) -> tuple[str, str, str] | None:
 
 
 def _twin_for(module: nn.Module, kinds: tuple[str, ...]) -> tuple[str, nn.Module] | None:
-    from tpkit import models  # late: tpkit.models imports nothing from here, but keep it lazy
+    from tpkit.demo import models  # late: tpkit.models imports nothing from here, but keep it lazy
 
     if "lm_head_loss" in kinds and type(module) is models.LMHeadLoss:
         twin = KernelLMHeadLoss(module)

@@ -56,7 +56,7 @@ def deepspeed_shm_cleanup():
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Every test leaves no slice running and no extra thread behind."""
-    from tpkit import recorder
+    from tpkit.capture import recorder
 
     before = {t.ident for t in threading.enumerate()}
     yield

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from tpkit import analysis
+from tpkit.analysis import steps as analysis
+from tpkit.capture import build
+from tpkit.capture import slice as slice_mod
 
 
 def spans(rows):
@@ -24,7 +26,7 @@ def test_innermost_builtin_phase_gets_the_time():
         (0, "optimizer", 8.0, 9.0, 0),
         (1, "optimizer", 9.0, 9.5, 0),
     ])
-    out = analysis.exclusive_phase_times(s).set_index("step")
+    out = build.exclusive_phase_times(s).set_index("step")
     assert out.loc[0, "data_wait_s"] == 1.0
     assert out.loc[0, "h2d_s"] == 0.75
     assert out.loc[0, "forward_s"] == 3.25
@@ -37,7 +39,7 @@ def test_user_phase_around_builtins_falls_to_other():
     s = spans([(0, "train_step", 0.0, 10.0, 0), (0, "forward", 1.0, 4.0, 1), (0, "backward", 4.0, 9.0, 1)])
     bounds = pd.DataFrame({"step": [0], "warmup": [False], "start_s": [0.0], "end_s": [10.0],
                            "samples": [5], "loss": [1.0]})
-    out = analysis.step_breakdown(s, bounds).iloc[0]
+    out = build.step_breakdown(s, bounds).iloc[0]
     assert (out.forward_s, out.backward_s, out.other_s, out.duration_s) == (3.0, 5.0, 2.0, 10.0)
     assert out.throughput == 0.5
 
@@ -89,4 +91,4 @@ def test_summary_figures():
     ([0.5, 0.3, 0.1, 0.11, 0.13], False),
 ])
 def test_warmup_settled_rule(durations, expected):
-    assert analysis.settled(durations) is expected
+    assert slice_mod.settled(durations) is expected

@@ -65,7 +65,7 @@ def test_warmup_auto_cap():
         time.sleep(0.02 if len(n) % 2 else 0.06)  # alternating 20 ms / 60 ms never settles
 
     run = tp.profile_fn(step, steps=2, warmup="auto", progress=False)
-    assert run.meta["warmup_steps"] == tp.profiler.WARMUP_AUTO_CAP
+    assert run.meta["warmup_steps"] == tp.capture.slice.WARMUP_AUTO_CAP
     assert len(run.measured_steps) == 2
 
 
@@ -121,7 +121,7 @@ def test_bad_config_is_refused():
 def test_phase_and_step_are_free_outside_a_slice():
     with tp.phase("x"):
         tp.step()
-    assert tp.recorder.active() is None
+    assert tp.capture.recorder.active() is None
 
 
 def test_forward_inside_data_loading_is_not_forward():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from tpkit import analysis, charts
+from tpkit import charts
+from tpkit.analysis import steps as analysis
 
 
 def spans():
@@ -68,7 +69,7 @@ def test_dashboard_panel_tabs_and_plain_text():
 def test_load_ext_makes_altair_render_offline(ip):
     import altair as alt
 
-    from tpkit.magic import enable_offline_charts
+    from tpkit.views.magic import enable_offline_charts
 
     alt.renderers.enable("default")
     assert enable_offline_charts() == "html"
@@ -82,7 +83,7 @@ def test_load_ext_makes_altair_render_offline(ip):
 def test_long_runs_reach_the_browser_thinned():
     """10,000-step runs must not hit altair's 5,000-row limit nor ship every row: each
     section's data is aggregated or thinned in analysis (benchmarks/render.py times it)."""
-    from tpkit import report
+    from tpkit.views import html as report
     from tpkit.datasets.synthetic_run import synthetic_run
 
     run = synthetic_run(steps=6000, clock_rows=40_000, memory_rows=80_000)

@@ -18,15 +18,18 @@ import torch
 from IPython.utils.capture import capture_output
 
 import tpkit as tp
-from tpkit import analysis, clock_analysis as ca, report
+from tpkit.analysis import clocks as ca
+from tpkit.analysis import steps as analysis
+from tpkit.views import html as report
 from tpkit.charts import clock_traces, clocks_with_timeline
 from tpkit.charts.timeline import TIME_BRUSH_NAME
 from tpkit.errors import MissingExtraError, NvmlError, TpkitError
-from tpkit.probes import clock_backends as cb
-from tpkit.probes import clocks as clocks_mod
-from tpkit.recorder import Recorder
+from tpkit.capture.probes import clock_backends as cb
+from tpkit.schema import decode_throttle
+from tpkit.capture.probes import clocks as clocks_mod
+from tpkit.capture.recorder import Recorder
 from tpkit.run import SCHEMAS, Run
-from tpkit.run import _frame as run_frame
+from tpkit.schema import frame as run_frame
 
 
 def _clock_threads() -> list[threading.Thread]:
@@ -319,8 +322,8 @@ def test_nvml_backend_replays_a_recording_in_tpkit_units(nvml):
     assert reads[0][("cuda:0", "mem_clock_mhz")] == 3201 and reads[0][("cuda:0", "temperature_c")] == 44
     assert reads[0][("cuda:0", "utilization_pct")] == 100
     assert b.meta()["devices"] == ["cuda:0: Fake H200"] and b.meta()["dropped"] == []
-    assert cb.decode_throttle(36) == ["sw_power_cap", "sw_thermal_slowdown"]
-    assert cb.decode_throttle(0x1 | 0x400) == ["gpu_idle", "bit_0x400"]
+    assert decode_throttle(36) == ["sw_power_cap", "sw_thermal_slowdown"]
+    assert decode_throttle(0x1 | 0x400) == ["gpu_idle", "bit_0x400"]
 
 
 def test_nvml_missing_metric_and_error_mid_run_are_dropped_and_noted_never_invented(nvml):

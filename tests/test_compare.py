@@ -8,10 +8,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tpkit.run import Run, _frame
+from tpkit.run import Run
+from tpkit.schema import frame as _frame
 
 # ``tpkit.compare`` is also the name of the function tpkit exports: take the module itself
-cmp = importlib.import_module("tpkit.compare")
+cmp = importlib.import_module("tpkit.analysis.compare")
+st = importlib.import_module("tpkit.analysis.stats")
+analysis_steps = importlib.import_module("tpkit.analysis.steps")
+MIB = 1024 * 1024
 
 
 def make_run(name: str, durations, samples: int = 10, warmup: int = 0, data_share: float = 0.25, loss=None,
@@ -38,38 +42,38 @@ def test_bootstrap_ci_matches_the_documented_procedure():
     rng = np.random.default_rng(7)
     idx = rng.integers(0, len(x), size=(500, len(x)))
     want = np.percentile(np.median(x[idx], axis=1), [2.5, 97.5])
-    assert cmp.bootstrap_ci(x, "median", n=500, seed=7) == (want[0], want[1])
-    assert cmp.bootstrap_ci(x, lambda a: np.median(a, axis=1), 500, 7) == (want[0], want[1])
-    assert cmp.bootstrap_ci(x, "median", n=500, seed=8) != (want[0], want[1])  # the seed matters
+    assert st.bootstrap_ci(x, "median", n=500, seed=7) == (want[0], want[1])
+    assert st.bootstrap_ci(x, lambda a: np.median(a, axis=1), 500, 7) == (want[0], want[1])
+    assert st.bootstrap_ci(x, "median", n=500, seed=8) != (want[0], want[1])  # the seed matters
 
 
 def test_bootstrap_ci_chunking_does_not_change_the_answer(monkeypatch):
     x = np.arange(50, dtype="float64") ** 1.5
-    whole = cmp.bootstrap_ci(x, "mean", n=300, seed=1)
-    monkeypatch.setattr(cmp, "_CHUNK_ELEMENTS", 120)  # 2 resamples per chunk
-    assert cmp.bootstrap_ci(x, "mean", n=300, seed=1) == pytest.approx(whole, rel=1e-12)
+    whole = st.bootstrap_ci(x, "mean", n=300, seed=1)
+    monkeypatch.setattr(st, "CHUNK_ELEMENTS", 120)  # 2 resamples per chunk
+    assert st.bootstrap_ci(x, "mean", n=300, seed=1) == pytest.approx(whole, rel=1e-12)
 
 
 def test_bootstrap_ci_of_the_mean_has_the_normal_width():
     x = np.random.default_rng(0).normal(10.0, 2.0, size=400)
-    lo, hi = cmp.bootstrap_ci(x, "mean", n=4000, seed=0)
+    lo, hi = st.bootstrap_ci(x, "mean", n=4000, seed=0)
     half = 1.96 * x.std(ddof=1) / np.sqrt(len(x))  # 0.196 for sd 2
     assert lo < x.mean() < hi
     assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
 
 
 def test_bootstrap_ci_edge_cases():
-    assert all(np.isnan(cmp.bootstrap_ci([], "median")))
-    assert cmp.bootstrap_ci([4.0], "median") == (4.0, 4.0)
-    assert cmp.bootstrap_ci([2.0] * 10, "median") == (2.0, 2.0)
+    assert all(np.isnan(st.bootstrap_ci([], "median")))
+    assert st.bootstrap_ci([4.0], "median") == (4.0, 4.0)
+    assert st.bootstrap_ci([2.0] * 10, "median") == (2.0, 2.0)
     with pytest.raises(ValueError):
-        cmp.bootstrap_ci([1.0, 2.0], "mode")
+        st.bootstrap_ci([1.0, 2.0], "mode")
 
 
 def test_ratio_bootstrap_keeps_steps_together():
     # every step has samples / duration == 100: every resample gives exactly 100
     pairs = np.array([[10, 0.1], [20, 0.2], [5, 0.05]])
-    assert cmp.bootstrap_ci(pairs, cmp.ratio_of_sums, n=200, seed=0) == pytest.approx((100.0, 100.0))
+    assert st.bootstrap_ci(pairs, st.ratio_of_sums, n=200, seed=0) == pytest.approx((100.0, 100.0))
 
 
 def test_overlapping_runs_are_no_significant_difference():
@@ -107,9 +111,9 @@ def test_values_exclude_warmup_and_cover_loss_memory_energy():
         (0, "forward", "enter", 0.1, "cpu", "parameters", 1000),
         (0, "forward", "enter", 0.1, "cpu", "activations", 0),
         (0, "forward", "peak", 0.2, "cpu", "parameters", 1000),
-        (0, "forward", "peak", 0.2, "cpu", "activations", 3 * cmp.MIB),
-        (0, "backward", "exit", 0.3, "cpu", "activations", 9 * cmp.MIB),  # not a peak row: ignored
-        (0, "backward", "exit", 0.3, "cpu", "gradients", 2 * cmp.MIB),      # no peak rows: max of all
+        (0, "forward", "peak", 0.2, "cpu", "activations", 3 * MIB),
+        (0, "backward", "exit", 0.3, "cpu", "activations", 9 * MIB),  # not a peak row: ignored
+        (0, "backward", "exit", 0.3, "cpu", "gradients", 2 * MIB),      # no peak rows: max of all
         (0, "backward", "exit", 0.3, "cpu", "data", 0),                     # zero everywhere: left out
     ])
     clocks = _frame("clocks", [(t, "cuda:0", "energy_j", 100.0 + 50.0 * t) for t in np.arange(0.0, 5.01, 0.05)])
@@ -120,7 +124,7 @@ def test_values_exclude_warmup_and_cover_loss_memory_energy():
     assert row(c, "loss_final", "a")["value"] == 1.5
     assert row(c, "peak_memory_activations", "a")["value"] == pytest.approx(3.0)
     assert row(c, "peak_memory_gradients", "a")["value"] == pytest.approx(2.0)
-    assert row(c, "peak_memory_parameters", "a")["value"] == pytest.approx(1000 / cmp.MIB)
+    assert row(c, "peak_memory_parameters", "a")["value"] == pytest.approx(1000 / MIB)
     assert row(c, "peak_memory_total", "a")["value"] == pytest.approx(9.0 + 2.0)  # the exit boundary
     assert "peak_memory_data" not in set(c.table["metric"])
     # the energy counter climbs 50 J/s; measured steps last 4 s (5.0 .. 9.0) but the counter
@@ -245,21 +249,21 @@ def test_shared_resamples_give_the_same_intervals_as_bootstrap_ci():
     run = make_run("a", d, data_share=0.3)
     run.steps["data_wait_s"] = d * rng.uniform(0.1, 0.5, 40)  # shares that vary by step
     metrics = {m.metric: m for m in cmp.run_metrics(run, n=400, seed=5)}
-    m = cmp.analysis.measured(run.steps)
+    m = analysis_steps.measured(run.steps)
     dur = m["duration_s"].to_numpy()
-    want = cmp.bootstrap_ci(dur, "median", 400, 5)
+    want = st.bootstrap_ci(dur, "median", 400, 5)
     assert metrics["step_time_p50"].ci == pytest.approx((want[0] * 1e3, want[1] * 1e3), rel=1e-12)
     pairs = np.stack([m["samples"].to_numpy(dtype=float), dur], axis=1)
-    assert metrics["throughput"].ci == pytest.approx(cmp.bootstrap_ci(pairs, cmp.ratio_of_sums, 400, 5), rel=1e-12)
+    assert metrics["throughput"].ci == pytest.approx(st.bootstrap_ci(pairs, st.ratio_of_sums, 400, 5), rel=1e-12)
     pairs = np.stack([m["data_wait_s"].to_numpy(), dur], axis=1)
-    lo, hi = cmp.bootstrap_ci(pairs, cmp.ratio_of_sums, 400, 5)
+    lo, hi = st.bootstrap_ci(pairs, st.ratio_of_sums, 400, 5)
     assert metrics["data_stall_share"].ci == pytest.approx((lo * 100, hi * 100), rel=1e-12)
     assert lo < metrics["data_stall_share"].value / 100 < hi
 
 
 def test_long_runs_use_fewer_resamples():
-    assert cmp.resamples_for(20) == cmp.BOOTSTRAP_N
-    assert cmp.resamples_for(10_000) == 400 and cmp.resamples_for(1_000_000) == cmp.BOOTSTRAP_MIN_N
+    assert st.resamples_for(20) == st.BOOTSTRAP_N
+    assert st.resamples_for(10_000) == 400 and st.resamples_for(1_000_000) == st.BOOTSTRAP_MIN_N
 
 
 def test_comparison_charts_list_skips_empty_parts():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from tpkit import recorder
-from tpkit.data import Loader, loader_verdict
+from tpkit.capture import recorder
+from tpkit.analysis.loader import loader_verdict
+from tpkit.data import Loader
 from tests.data_helpers import Mixed
 
 
@@ -50,7 +51,7 @@ def test_frame_checks():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_records_data_wait_samples_and_batches_into_the_active_recorder(workers):
     rec = recorder.Recorder("t")
-    recorder._set_active(rec)
+    recorder.set_active(rec)
     try:
         loader = Loader(Mixed(10), batch_size=4, num_workers=workers)
         batches = list(loader)
@@ -59,7 +60,7 @@ def test_loader_records_data_wait_samples_and_batches_into_the_active_recorder(w
         next(iter(loader))
         rec.exit(tok)
     finally:
-        recorder._set_active(None)
+        recorder.set_active(None)
     assert len(batches) == 3
     spans = [s for s in rec.spans if s[0] == "data_wait"]
     # 3 batches + the call that found the epoch over (also time the loop waited), then the probe's.
@@ -83,7 +84,7 @@ def test_workers_auto_picks_a_count_and_loads_correctly():
 
 
 def test_step_time_from_run_steps_ignores_warmup_and_data_wait():
-    from tpkit.data import loop_step_s
+    from tpkit.analysis.loader import loop_step_s
 
     steps = pd.DataFrame({"warmup": [True, False, False, False],
                           "duration_s": [1.0, 0.030, 0.040, 0.050],

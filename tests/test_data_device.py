@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpkit import recorder
+from tpkit.capture import recorder
 from tpkit.data import Loader
 from tests.data_helpers import Mixed, as_lists, live_children
 
@@ -32,11 +32,11 @@ def test_copies_run_one_batch_ahead_and_every_batch_is_finished(workers):
     it = iter(loader)
     it._prefetcher = fake = FakePrefetcher()
     rec = recorder.Recorder("t")
-    recorder._set_active(rec)
+    recorder.set_active(rec)
     try:
         got = list(it)
     finally:
-        recorder._set_active(None)
+        recorder.set_active(None)
     assert as_lists(got) == as_lists(list(Loader(Mixed(10), batch_size=4)))
     # batch k+1's copy starts before batch k is handed out
     assert fake.log == [("start", 0), ("start", 4), ("finish", 0), ("start", 8), ("finish", 4),

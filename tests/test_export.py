@@ -8,8 +8,9 @@ import altair as alt
 import pandas as pd
 import pytest
 
-from tpkit import export
-from tpkit.run import TABLES, Run, _frame
+from tpkit.views import export
+from tpkit.run import TABLES, Run
+from tpkit.schema import frame as _frame
 
 
 def make_run() -> Run:

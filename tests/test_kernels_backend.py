@@ -85,7 +85,7 @@ NO_INTERPRETER = textwrap.dedent(
     import torch
     import tpkit.kernels as K
     from tpkit.kernels import backend, reference as R
-    from tpkit.models import TinyConfig, TinyTransformer
+    from tpkit.demo.models import TinyConfig, TinyTransformer
 
     assert backend.triton_mode() == "compiled" and not torch.cuda.is_available()
     with warnings.catch_warnings(record=True) as caught:
@@ -128,7 +128,7 @@ NO_TRITON = textwrap.dedent(
     import torch
     import tpkit.kernels as K
     from tpkit.kernels import backend, reference as R
-    from tpkit.models import TinyConfig, TinyTransformer
+    from tpkit.demo.models import TinyConfig, TinyTransformer
 
     assert not backend.triton_available()
     with warnings.catch_warnings(record=True) as caught:

@@ -10,7 +10,7 @@ from IPython.utils.capture import capture_output
 
 SETUP = """
 import torch
-from tpkit.models import TinyConfig, TinyTransformer
+from tpkit.demo.models import TinyConfig, TinyTransformer
 from tpkit.datasets import SyntheticTokens
 from tpkit.kernels import patched
 torch.manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 
 import tpkit.kernels as K
 from tpkit.kernels import reference as R
-from tpkit.models import rope_cache
+from tpkit.demo.models import rope_cache
 
 # the package exports the function under the module's name: reach the module itself
 flce_mod = importlib.import_module("tpkit.kernels.fused_linear_cross_entropy")

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tpkit.kernels as K
-from tpkit.models import TinyConfig, TinyTransformer
+from tpkit.demo.models import TinyConfig, TinyTransformer
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +210,7 @@ def test_kernels_enabled_patches_for_a_block_only():
 def test_a_tpkit_module_whose_forward_changed_is_left_alone(monkeypatch):
     """The RoPE attention twin re-states tpkit.models.Attention.forward; if that forward
     changes (here: no RoPE at all), the probe sees it and patch leaves the module alone."""
-    from tpkit import models
+    from tpkit.demo import models
 
     def no_rope(self, x, cos, sin):
         B, T, C = x.shape

@@ -11,8 +11,10 @@ from IPython.utils.capture import capture_output
 
 import tpkit as tp
 from tpkit import charts
-from tpkit import memory_analysis as ma
-from tpkit.probes import memory as mem
+from tpkit.analysis import memory as ma
+from tpkit.capture.probes import memory as mem
+from tpkit.capture.recorder import Recorder
+from tpkit.schema import MEMORY_CATEGORIES
 
 B, D, H = 64, 32, 512
 
@@ -84,7 +86,7 @@ def test_mlp_adam_exact_bytes_through_the_magic(ip):
     model, opt = ip.user_ns["model"], ip.user_ns["opt"]
     P = n_params(model)
     m = run.memory[run.memory["device"] == "cpu"]
-    assert set(m["category"]) == set(mem.CATEGORIES) and set(m["event"]) == {"enter", "exit", "peak"}
+    assert set(m["category"]) == set(MEMORY_CATEGORIES) and set(m["event"]) == {"enter", "exit", "peak"}
     assert (m[m["category"] == "parameters"]["bytes"] == 4 * P).all()
     # gradients after every backward, none after zero_grad(set_to_none)
     assert (rows(run, "backward", "exit", "gradients") == 4 * P).all()
@@ -103,14 +105,14 @@ def test_mlp_adam_exact_bytes_through_the_magic(ip):
     assert (rows(run, "forward", "exit", "data") == B * D * 4).all()
     # what was alive at the peak
     peak = run.memory_peak()
-    assert set(peak["category"]) == set(mem.CATEGORIES)
+    assert set(peak["category"]) == set(MEMORY_CATEGORIES)
     peaks = ma.wide(run.memory, ("peak",))
     assert peak["total_bytes"].iloc[0] == peaks[peaks["device"] == "cpu"]["total_bytes"].max()
     assert peak["bytes"].sum() == peak["total_bytes"].iloc[0]
     assert peak.set_index("category")["bytes"]["parameters"] == 4 * P
     assert run.meta["memory"]["capacity_bytes"]["cpu"] > 0
     assert cap.outputs  # the dashboard was displayed; its Memory section:
-    from tpkit.report import section_charts
+    from tpkit.views.html import section_charts
 
     memory = dict(section_charts(run))["Memory"].to_dict()
     assert "Memory waterfall, step" in str(memory["hconcat"][0]["title"])
@@ -379,7 +381,7 @@ class FakeCuda(mem.CudaAllocator):
 
 def test_cuda_rows_peaks_and_detail_through_a_stand_in():
     fake = FakeCuda()
-    rec = tp.profiler._rec.Recorder("fake")
+    rec = Recorder("fake")
     probe = mem.MemoryProbe(rec, detail=True, cuda=fake).install()
     assert fake.history and fake.reads == [(1000, 1500)]  # install resets the peak
     rec.enter("forward", "test")  # boundary 0: read (2000, 2500)
@@ -406,7 +408,7 @@ def test_cuda_rows_peaks_and_detail_through_a_stand_in():
 
 def test_cuda_first_seen_mid_slice_does_not_trust_the_old_peak():
     fake = FakeCuda(ready_after=2)  # install and the first boundary see no CUDA yet
-    rec = tp.profiler._rec.Recorder("fake")
+    rec = Recorder("fake")
     probe = mem.MemoryProbe(rec, cuda=fake).install()
     rec.enter("forward", "test")  # no CUDA reading
     tok = rec.enter("h2d", "test")  # first reading (1000, 1500): peak not trusted -> 1000
@@ -443,7 +445,7 @@ def hand_memory() -> pd.DataFrame:
         for phase, event, extra in seq:
             t += 0.01
             levels = {**base, **extra}
-            for c in mem.CATEGORIES:
+            for c in MEMORY_CATEGORIES:
                 out.append((step, phase, event, t, "cpu", c, levels.get(c, 0)))
     return pd.DataFrame(out, columns=["step", "phase", "event", "t_s", "device", "category", "bytes"])
 
@@ -486,7 +488,7 @@ def test_chart_specs():
     bar = spec["layer"][0]["encoding"]
     assert bar["y"]["field"] == "y0_mib" and bar["y2"]["field"] == "y1_mib"
     assert bar["xOffset"]["field"] == "direction"  # rises and falls side by side
-    assert bar["color"]["scale"]["domain"] == list(mem.CATEGORIES)
+    assert bar["color"]["scale"]["domain"] == list(MEMORY_CATEGORIES)
     texts = [d for d in spec["datasets"].values() if d and "text" in d[0]]
     assert texts and texts[0][0]["text"].startswith("peak 0.00 MiB in forward (activations")
     assert "headroom" in spec["title"]["subtitle"][0]

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from tpkit.errors import RunFormatError
-from tpkit.ranks import load_ranks, rank_skew
+from tpkit.analysis.ranks import rank_skew
+from tpkit.ranks import load_ranks
 
 WORKER = Path(__file__).with_name("rank_worker.py")
 TIMEOUT_S = 90  # both processes, imports included; the collective itself times out at 15 s
@@ -72,7 +73,7 @@ def test_two_ranks_merged_with_skew(tmp_path):
     assert s["slowest_rank"] == 1 and s["slowest_rank_steps"] == 6
     merged = ranks.run
     assert len(merged.meta["ranks"]["step_times"]) == 14
-    from tpkit.report import section_charts
+    from tpkit.views.html import section_charts
 
     titles = [t for t, _ in section_charts(merged)]
     assert "Ranks" in titles

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tpkit import recommend as rc
-from tpkit.run import Run, _frame
+from tpkit.analysis import recommend as rc
+from tpkit.run import Run
+from tpkit.schema import frame as _frame
 
 MIB = 1024 * 1024
 

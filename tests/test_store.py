@@ -7,8 +7,10 @@ import pandas as pd
 import pytest
 
 from tpkit import store
+from tpkit.analysis import catalog
 from tpkit.errors import RunFormatError
-from tpkit.run import Run, _frame
+from tpkit.run import Run
+from tpkit.schema import frame as _frame
 
 
 def make_run(name: str, durations: list[float], samples: int = 10, **meta) -> Run:
@@ -55,8 +57,8 @@ def test_runs_lists_figures_and_flags_damaged_folders(tmp_store):
     half = store.save(make_run("half", [0.1]))
     (half / "clocks.parquet").unlink()                        # a save cut short
     (tmp_store / "notes.txt").write_text("a file, not a run")
-    df = store.runs()
-    assert list(df.columns) == list(store.RUNS_COLUMNS)
+    df = catalog.runs()
+    assert list(df.columns) == list(catalog.RUNS_COLUMNS)
     assert list(df["name"][:2]) == ["slow", "fast"]           # oldest first
     fast = df.set_index("name").loc["fast"]
     assert fast["steps"] == 3 and fast["throughput"] == pytest.approx(30 / 0.5)
@@ -86,7 +88,7 @@ def test_store_off_and_set_store(tmp_path, monkeypatch):
     assert store.store_path() is None
     run = make_run("x", [0.1])
     assert store.autosave(run) is None
-    assert store.runs().empty
+    assert catalog.runs().empty
     with pytest.raises(RunFormatError, match="store is off"):
         store.save(run)
     assert store.set_store(tmp_path / "mine") == tmp_path / "mine"
@@ -105,8 +107,8 @@ def test_autosave_never_raises(tmp_path):
 
 
 def test_runs_frame_dtypes_when_empty():
-    df = store.runs()
-    assert df.empty and list(df.columns) == list(store.RUNS_COLUMNS)
+    df = catalog.runs()
+    assert df.empty and list(df.columns) == list(catalog.RUNS_COLUMNS)
     assert isinstance(df, pd.DataFrame)
 
 
@@ -142,6 +144,6 @@ def test_garbled_meta_json_is_listed_as_damaged(tmp_store):
     (path / "meta.json").write_text("{not json")
     other = store.save(make_run("h", [0.1]))
     (other / "meta.json").write_text('{"name": "h"}')  # JSON, but not tpkit's
-    df = store.runs().set_index("name")
+    df = catalog.runs().set_index("name")
     assert df.loc["g", "damaged"] and "JSONDecodeError" in df.loc["g", "problem"]
     assert df.loc["h", "damaged"] and "not tpkit run metadata" in df.loc["h", "problem"]

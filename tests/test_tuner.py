@@ -7,7 +7,7 @@ import time
 import pytest
 
 import tpkit as tp
-from tpkit import tuning
+from tpkit.analysis import tuning
 
 
 def train_fn(workers_ms, fail=False):

@@ -1,9 +1,9 @@
 """Chart builders: pure functions from frames to ``altair.Chart``. They never measure."""
 
-from .style import PHASE_COLORS, PHASE_ORDER, phase_scale
 from .clocks import clock_traces, clocks_with_timeline
 from .memory import memory_by_step, memory_waterfall
 from .ranks import rank_step_times
+from .style import PHASE_COLORS, PHASE_ORDER, phase_scale
 from .timeline import stall_timeline, step_breakdown
 from .tuning import tradeoff
 

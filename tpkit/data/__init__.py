@@ -16,12 +16,11 @@ left clean even after a crash.
 
 While a tpkit profile runs, each ``next()`` records a ``data_wait`` span, the batch's sample
 count, and a ``run.loader`` row (worker, fetch_s, collate_s, queue_wait_s, transfer_s);
-``loader_verdict`` turns those rows into a verdict and a worker count.
+``tpkit.analysis.loader.loader_verdict`` turns those rows into a verdict and a worker count.
 """
 
-from .analysis import LoaderVerdict, loader_verdict, loop_step_s
 from .errors import LoaderError, LoaderTimeoutError, UnsupportedBatchError, WorkerDiedError, WorkerError
 from .loader import Loader
 
-__all__ = ["Loader", "LoaderVerdict", "loader_verdict", "loop_step_s", "LoaderError", "LoaderTimeoutError",
+__all__ = ["Loader", "LoaderError", "LoaderTimeoutError",
            "UnsupportedBatchError", "WorkerDiedError", "WorkerError"]

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from tpkit import recorder as _rec
+from tpkit.capture import recorder as _rec
 
 from .engines import InlineEngine, ThreadEngine
 from .pinning import DevicePrefetcher, pin_batch, resolve_device

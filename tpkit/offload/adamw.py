@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import recorder as _rec
+from ..capture import recorder as _rec
 from ..errors import TpkitError
 from .kernels import HostKernel, KernelName, select_kernel
 

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "data", "other")
+from ..schema import MEMORY_CATEGORIES, fmt_bytes
+
 _GROUP = ["step", "t_s", "phase", "event", "device"]
 
 #: Growth rule: over at least LEAK_MIN_STEPS measured steps, the end-of-step level rose in at
@@ -28,15 +29,15 @@ def wide(memory: pd.DataFrame, events: tuple[str, ...] = ("enter", "exit")) -> p
     """One row per (boundary, device): ``step, t_s, phase, event, device``, one column per
     category (bytes) and ``total_bytes``, in time order."""
     m = memory[memory["event"].isin(events)] if not memory.empty else memory
-    cols = [*_GROUP, *CATEGORIES, "total_bytes"]
+    cols = [*_GROUP, *MEMORY_CATEGORIES, "total_bytes"]
     if m.empty:
         return pd.DataFrame(columns=cols)
     w = m.pivot_table(index=_GROUP, columns="category", values="bytes", aggfunc="sum", fill_value=0)
-    for c in CATEGORIES:
+    for c in MEMORY_CATEGORIES:
         if c not in w.columns:
             w[c] = 0
-    w = w[list(CATEGORIES)].astype("int64").reset_index()
-    w["total_bytes"] = w[list(CATEGORIES)].sum(axis=1)
+    w = w[list(MEMORY_CATEGORIES)].astype("int64").reset_index()
+    w["total_bytes"] = w[list(MEMORY_CATEGORIES)].sum(axis=1)
     order = {"enter": 0, "exit": 1, "peak": 2}
     w = w.assign(_o=w["event"].map(order)).sort_values(["t_s", "_o"], kind="stable").drop(columns="_o")
     return w.reset_index(drop=True)[cols]
@@ -62,7 +63,7 @@ def memory_peak(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame
     out = []
     for dev, g in w.groupby("device", sort=True):
         top = g.loc[g["total_bytes"].idxmax()]
-        for c in CATEGORIES:
+        for c in MEMORY_CATEGORIES:
             out.append((dev, int(top["step"]), top["phase"], c, int(top[c]), int(top["total_bytes"])))
     return pd.DataFrame(out, columns=cols)
 
@@ -88,7 +89,7 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
     first = w.iloc[0]
     y = 0
     start_total = int(first["total_bytes"])
-    for c in CATEGORIES:
+    for c in MEMORY_CATEGORIES:
         if first[c]:
             rows.append((0, "step start", c, int(first[c]), y, y + int(first[c]), start_total))
             y += int(first[c])
@@ -98,7 +99,7 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
     _walk(stack, first)
     for _, b in w.iloc[1:].iterrows():
         label = stack[-1] if stack else "between"
-        delta = {c: int(b[c]) - int(prev[c]) for c in CATEGORIES}
+        delta = {c: int(b[c]) - int(prev[c]) for c in MEMORY_CATEGORIES}
         # the same bytes change name from activations to other when forward/backward ends:
         # only the part that really came or went is drawn
         a, o = delta["activations"], delta["other"]
@@ -142,7 +143,7 @@ def step_peak(memory: pd.DataFrame, step: int, device: str = "cpu") -> dict[str,
         return {}
     top = w.loc[w["total_bytes"].idxmax()]
     return {"total_bytes": int(top["total_bytes"]), "phase": str(top["phase"]),
-            "by_category": {c: int(top[c]) for c in CATEGORIES}}
+            "by_category": {c: int(top[c]) for c in MEMORY_CATEGORIES}}
 
 
 def across_steps(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
@@ -159,7 +160,7 @@ def across_steps(memory: pd.DataFrame, device: str | None = None) -> pd.DataFram
     last = levels.groupby(["device", "step"], sort=True).tail(1).set_index(["device", "step"])
     peak = w.groupby(["device", "step"])["total_bytes"].max()
     rows = [(dev, int(step), c, int(r[c]), int(r["total_bytes"]), int(peak.loc[(dev, step)]))
-            for (dev, step), r in last.iterrows() for c in CATEGORIES]
+            for (dev, step), r in last.iterrows() for c in MEMORY_CATEGORIES]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -226,12 +227,3 @@ def memory_notes(memory: pd.DataFrame) -> list[str]:
                      f"(+{fmt_bytes(r.per_step_bytes)} per step, mostly {r.top_category}): a leak, or a "
                      "cache that never settles (a list keeping outputs or losses with their graph?)")
     return notes
-
-
-def fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

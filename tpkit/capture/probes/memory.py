@@ -44,10 +44,9 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.optim.optimizer as _optim
 
+from ...schema import KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES
 from ..recorder import Recorder
 
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "data", "other")
-KNOWN: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "data")
 #: Phases during which what the allocator holds beyond the known sets is called activations.
 ACTIVATION_PHASES: frozenset[str] = frozenset({"forward", "backward"})
 
@@ -93,8 +92,14 @@ class CpuAllocatorStream:
 
     def start(self) -> None:
         from torch._C._profiler import ProfilerActivity, RecordScope
-        from torch.autograd.profiler import (ProfilerConfig, ProfilerState, _disable_profiler,
-                                             _enable_profiler, _ExperimentalConfig, _prepare_profiler)
+        from torch.autograd.profiler import (
+            ProfilerConfig,
+            ProfilerState,
+            _disable_profiler,
+            _enable_profiler,
+            _ExperimentalConfig,
+            _prepare_profiler,
+        )
 
         if torch._C._autograd._profiler_enabled():
             # starting a second session would end the user's without a word
@@ -533,7 +538,7 @@ class MemoryProbe:
         def level(k: int, dev: str) -> tuple[dict[str, int], int | None]:
             """Known bytes by category and the rest (None: not measured) at boundary k."""
             b = bounds[k]
-            known = {c: b.known.get((dev, c), 0) for c in KNOWN}
+            known = {c: b.known.get((dev, c), 0) for c in KNOWN_MEMORY_CATEGORIES}
             if dev == "cpu":
                 r = rest_cpu[k]
                 rest = None if r is None else max(0, r + b.cpu_buffer_bytes)
@@ -547,7 +552,7 @@ class MemoryProbe:
         def rows(k: int, event: str, dev: str, known: dict[str, int], rest: int | None, phase: str,
                  raw_step: int, t_ns: int) -> None:
             rc = rest_category(phase)
-            for c in CATEGORIES:
+            for c in MEMORY_CATEGORIES:
                 if c in known:
                     add(phase, event, dev, c, int(known[c]), t_ns=t_ns, raw_step=raw_step)
                 elif rest is not None:

@@ -1,7 +1,7 @@
 """The Recorder: the one place probes write to while a slice runs.
 
 Probes append small tuples here and nothing else; the Run is built from these lists once,
-when the slice ends (see ``tpkit.run``). Everything on this path is plain Python lists and
+when the slice ends (see ``tpkit.capture.build``). Everything on this path is plain Python lists and
 ints from ``time.perf_counter_ns``: no pandas, no locks (``list.append`` is atomic in
 CPython, which is all the sampler thread needs).
 
@@ -21,11 +21,6 @@ import threading
 from time import perf_counter_ns
 from typing import Any, Callable
 
-#: Phases with a fixed column in ``run.steps``; every other phase name is a user phase.
-#: ``tpkit`` is tpkit's own probe work (memory accounting at phase boundaries), shown so that
-#: what tpkit costs is measured in every run instead of hiding in ``other``.
-BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "tpkit")
-
 PhaseListener = Callable[[str, str, int], None]
 StepListener = Callable[[int, int], None]
 
@@ -37,7 +32,7 @@ def active() -> "Recorder | None":
     return _ACTIVE
 
 
-def _set_active(rec: "Recorder | None") -> None:
+def set_active(rec: "Recorder | None") -> None:
     global _ACTIVE
     _ACTIVE = rec
 

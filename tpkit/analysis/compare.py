@@ -20,28 +20,17 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from . import analysis
+from ..schema import MIB, PHASE_COLUMNS
+from .stats import BOOTSTRAP_N, BOOTSTRAP_SEED, CI_LEVEL, cis_overlap, resamples_for, step_bootstrap
+from .steps import measured
 
 if TYPE_CHECKING:
-    from .run import Run
-
-Stat = Union[str, Callable[[np.ndarray], np.ndarray]]
-
-BOOTSTRAP_N = 2000
-BOOTSTRAP_SEED = 0
-CI_LEVEL = 0.95
-MIB = 1024 * 1024
-#: Resampled step indices a run's comparison may draw in all (n x steps): long runs get fewer
-#: resamples (never under ``BOOTSTRAP_MIN_N``), which their narrow intervals can afford.
-BOOTSTRAP_WORK = 4_000_000
-BOOTSTRAP_MIN_N = 400
-#: Resampled elements held in memory at once by ``bootstrap_ci`` (keeps 10k-step runs cheap).
-_CHUNK_ELEMENTS = 2_000_000
+    from ..run import Run
 
 TABLE_COLUMNS: tuple[str, ...] = ("metric", "unit", "run", "value", "ci_low", "ci_high", "delta", "delta_pct",
                                   "significant", "direction")
@@ -50,105 +39,6 @@ SIGNIFICANT = "significant"
 BASELINE = "baseline"
 NOT_TESTED = "n/a"
 
-
-def bootstrap_ci(values: np.ndarray | list, stat: Stat = "median", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
-                 level: float = CI_LEVEL) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of ``stat`` over ``values``.
-
-    ``values`` has one observation per row (shape ``[k]`` or ``[k, m]``: a row keeps
-    several numbers of one step together). Each of the ``n`` resamples draws ``k`` rows
-    with replacement from ``numpy.random.default_rng(seed)``, in order, ``integers(0, k,
-    size=(rows, k))``; ``stat`` is ``"median"``, ``"mean"`` or a function from the
-    resampled batch ``[b, k, ...]`` to ``[b]``. Returns ``(low, high)``, the
-    ``(1 - level) / 2`` and ``(1 + level) / 2`` percentiles (numpy's linear rule).
-    NaN bounds for no values; both bounds equal the statistic for a single value.
-    """
-    v = np.asarray(values, dtype="float64")
-    k = v.shape[0] if v.ndim else 0
-    if k == 0:
-        return float("nan"), float("nan")
-    fn = _stat_fn(stat)
-    if k == 1:
-        x = float(fn(v[None, ...])[0])
-        return x, x
-    stats = np.empty(n, dtype="float64")
-    for lo, idx in _resample_indices(k, n, seed, int(np.prod(v.shape[1:]))):
-        stats[lo:lo + len(idx)] = fn(v[idx])
-    low, high = _percentiles(stats, level)
-    return float(low), float(high)
-
-
-def _resample_indices(k: int, n: int, seed: int, width: int = 1) -> Iterator[tuple[int, np.ndarray]]:
-    """The resamples of ``bootstrap_ci``, in chunks: ``(first resample, indices [b, k])``.
-    Chunking keeps memory bounded and does not change the stream (numpy draws them in order)."""
-    rng = np.random.default_rng(seed)
-    rows = max(1, _CHUNK_ELEMENTS // (k * max(1, width)))
-    for lo in range(0, n, rows):
-        yield lo, rng.integers(0, k, size=(min(rows, n - lo), k))
-
-
-def _percentiles(stats: np.ndarray, level: float = CI_LEVEL) -> tuple[np.ndarray, np.ndarray]:
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(stats, [tail, 100 - tail], axis=0)
-    return low, high
-
-
-def resamples_for(steps: int, n: int = BOOTSTRAP_N) -> int:
-    """Resamples used for a run of ``steps`` measured steps: ``n``, fewer for long runs."""
-    return int(min(n, max(BOOTSTRAP_MIN_N, BOOTSTRAP_WORK // max(1, steps))))
-
-
-def step_bootstrap(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndarray, n: int = BOOTSTRAP_N,
-                   seed: int = BOOTSTRAP_SEED, level: float = CI_LEVEL) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Intervals of a run's step statistics from one shared set of resamples (the same
-    resamples ``bootstrap_ci`` draws for this seed, so each interval equals what
-    ``bootstrap_ci`` gives for that statistic alone, up to rounding):
-
-    ``throughput`` (sum samples / sum duration), ``median_s`` (median step time) and
-    ``shares`` (sum of each column of ``parts_s [k, P]`` / sum duration). Sums over a resample
-    come from its index counts times the values (one matrix product), so a 10,000-step run
-    takes well under a second.
-    """
-    k = len(duration_s)
-    x = np.column_stack([samples, duration_s, parts_s]).astype("float64")  # [k, 2 + P]
-    thr, med = np.empty(n), np.empty(n)
-    shares = np.empty((n, x.shape[1] - 2))
-    for lo, idx in _resample_indices(k, n, seed):
-        b = len(idx)
-        counts = np.bincount((idx + (np.arange(b) * k)[:, None]).ravel(), minlength=b * k).reshape(b, k)
-        sums = counts.astype("float64") @ x  # [b, 2 + P]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            thr[lo:lo + b] = sums[:, 0] / sums[:, 1]
-            shares[lo:lo + b] = sums[:, 2:] / sums[:, 1:2]
-        med[lo:lo + b] = np.median(duration_s[idx], axis=1)
-    return {"throughput": _percentiles(thr, level), "median_s": _percentiles(med, level),
-            "shares": _percentiles(shares, level)}
-
-
-def _stat_fn(stat: Stat) -> Callable[[np.ndarray], np.ndarray]:
-    if stat == "median":
-        return lambda a: np.median(a, axis=1)
-    if stat == "mean":
-        return lambda a: np.mean(a, axis=1)
-    if callable(stat):
-        return stat
-    raise ValueError(f"stat must be 'median', 'mean' or a function, got {stat!r}")
-
-
-def ratio_of_sums(a: np.ndarray) -> np.ndarray:
-    """Bootstrap statistic for ``[b, k, 2]`` batches: ``sum(col 0) / sum(col 1)`` per resample."""
-    den = a[:, :, 1].sum(axis=1)
-    return np.divide(a[:, :, 0].sum(axis=1), den, out=np.full(den.shape, np.nan), where=den > 0)
-
-
-def cis_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool | None:
-    """Whether two intervals share a point; None when either is unknown (NaN)."""
-    if any(np.isnan(x) for x in (*a, *b)):
-        return None
-    return bool(a[0] <= b[1] and b[0] <= a[1])
-
-
-# -- per-run metrics ---------------------------------------------------------------------------
 
 @dataclass
 class Metric:
@@ -161,13 +51,13 @@ class Metric:
 
 def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED) -> list[Metric]:
     """Every comparable figure of one run, with confidence intervals where steps give them."""
-    m = analysis.measured(run.steps)
+    m = measured(run.steps)
     out: list[Metric] = []
     dur = m["duration_s"].to_numpy(dtype="float64") if not m.empty else np.array([])
     total = float(dur.sum())
     if dur.size:
         samples = m["samples"].to_numpy(dtype="float64")
-        cols = [c for c in analysis.PHASE_COLUMNS if c in m.columns]
+        cols = [c for c in PHASE_COLUMNS if c in m.columns]
         parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((len(dur), 0))
         if len(dur) > 1:
             ci = step_bootstrap(samples, dur, parts, resamples_for(len(dur), n), seed)
@@ -224,7 +114,7 @@ def energy_per_sample_j(run: "Run") -> dict[str, float]:
     clocks = run.clocks
     if clocks is None or clocks.empty or not (clocks["metric"] == "energy_j").any():
         return {}
-    from .clock_analysis import clock_summary
+    from .clocks import clock_summary
 
     cs = clock_summary(clocks, run.steps)
     if cs is None:
@@ -254,17 +144,9 @@ class Comparison:
     def charts(self) -> list[tuple[str, Any]]:
         """The overlaid charts, ``(title, altair chart)``, skipping those with no data: step
         time per step, median time per phase, and the intervals of step time and throughput."""
-        from .charts import compare as ch
+        from ..views.compare import comparison_charts  # a rich-display hook: drawing is the views' job
 
-        out: list[tuple[str, Any]] = []
-        if not self.steps.empty:
-            out.append(("Step time by run", ch.step_time_overlay(self.steps, self.labels)))
-        if not self.phases.empty:
-            out.append(("Median time per phase by run", ch.phase_bars(self.phases, self.labels)))
-        for metric in ("step_time_p50", "throughput"):
-            if (self.table["metric"] == metric).any():
-                out.append((f"{metric} with {CI_LEVEL:.0%} intervals", ch.metric_intervals(self.table, metric, self.labels)))
-        return out
+        return comparison_charts(self)
 
     def to_text(self) -> str:
         lines = [f"tpkit comparison: {', '.join(self.labels)} (deltas against '{self.labels[0]}'; "
@@ -380,7 +262,7 @@ def comparison_warnings(runs: list["Run"], labels: list[str]) -> list[str]:
         desc = ", ".join(f"{k}: {c} with {p:,} parameters" if isinstance(p, int) else f"{k}: {c}"
                          for k, (c, p) in models.items())
         out.append(f"different models ({desc}): differences may come from the model, not the knob")
-    counts = {label: len(analysis.measured(r.steps)) for r, label in zip(runs, labels)}
+    counts = {label: len(measured(r.steps)) for r, label in zip(runs, labels)}
     if len(set(counts.values())) > 1:
         out.append("different numbers of measured steps ("
                    + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "): intervals differ in width")
@@ -410,9 +292,9 @@ def phases_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
     ``run, phase, median_ms, share``. Phases no run spent time in are left out."""
     rows = []
     for r, label in zip(runs, labels):
-        m = analysis.measured(r.steps)
+        m = measured(r.steps)
         total = float(m["duration_s"].sum()) if not m.empty else 0.0
-        for col in analysis.PHASE_COLUMNS:
+        for col in PHASE_COLUMNS:
             if col in m.columns and not m.empty:
                 rows.append((label, col[:-2], float(m[col].median()) * 1e3,
                              float(m[col].sum()) / total if total > 0 else float("nan")))
@@ -427,7 +309,7 @@ def compare(*runs: "Run | str", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED
     ``tp.compare(base, other)``: ``.table`` per (metric, run), ``.warnings``, ``.to_text()``;
     charts from ``tpkit.charts.compare``.
     """
-    from .store import load
+    from ..store import load
 
     if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
         runs = tuple(runs[0])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import make_training, train
-    from .profiler import profile
+    from ..capture.slice import profile
+    from ..demo import make_training, train
 
     model, loader, opt = make_training(batch_size=args.batch_size, num_workers=args.workers, cpu_ms=args.cpu_ms)
     warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .run import Run
+    from ..run import Run
 
     run = Run.load(args.run_dir)
     path = run.to_html(args.out or Path(args.run_dir) / "report.html")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except Exception as e:  # the CLI prints tpkit's errors plainly
-        from .errors import TpkitError
+        from ..errors import TpkitError
 
         if isinstance(e, TpkitError):
             print(f"tpkit: {e}", file=sys.stderr)

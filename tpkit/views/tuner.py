@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ipywidgets as w
 
-from .. import report, tuning
+from ..analysis import tuning
+from ..capture.slice import profile
 from ..charts import tradeoff
-from ..profiler import profile
+from . import html as report
 from .dashboard import _styled, compare_html, html_output
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class Tuner(w.VBox):
             self.status.value = f'<span style="color:#b00020">{html.escape(str(e))}</span>'
             return []
         done = []
-        for i, setting in enumerate(settings, 1):
+        for setting in settings:
             run = self.run_slice(**setting)
             if run is not None:
                 done.append(run)
@@ -161,7 +162,7 @@ class Tuner(w.VBox):
             self.compare.outputs = html_output(_styled(compare_html(self.runs))).outputs
 
     def _rec_widgets(self, run: "Run") -> tuple[w.Widget, ...]:
-        from ..recommend import recommendations
+        from ..analysis.recommend import recommendations
 
         recs = recommendations(run)
         if not recs:

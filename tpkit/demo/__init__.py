@@ -27,7 +27,7 @@ class DemoKnobs:
 
 def make_training(knobs: DemoKnobs | None = None, **overrides: Any) -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
     """(model, loader, optimizer) for the built-in slice."""
-    from .datasets import SyntheticTokens
+    from ..datasets import SyntheticTokens
 
     k = knobs or DemoKnobs()
     for key, value in overrides.items():

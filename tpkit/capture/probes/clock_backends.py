@@ -30,7 +30,7 @@ import weakref
 from time import perf_counter_ns
 from typing import Any, Callable, Protocol
 
-from ..errors import MissingExtraError, NvmlError
+from ...errors import MissingExtraError, NvmlError
 
 Reading = tuple[str, str, float]  # (device, metric, value)
 
@@ -40,37 +40,6 @@ PER_CORE_MAX = 16
 #: Utilisation needs a window of a few jiffies (10 ms each) to mean anything; at higher
 #: sampling rates it is emitted at most this often.
 UTIL_MIN_WINDOW_S = 0.03
-
-#: NVML clock-event ("throttle") reason bits, from nvml.h.
-THROTTLE_BITS: dict[int, str] = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
-#: The bits that mean the GPU ran slower than it could: idle and the clock settings are not
-#: slowdowns, so a step is "throttled" only when one of these was set.
-SLOWDOWN_MASK = 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x80
-
-
-def decode_throttle(mask: float | int) -> list[str]:
-    """Names of the bits set in an NVML clock-event bitmask (unknown bits as ``bit_0x...``)."""
-    m = int(mask)
-    names = [name for bit, name in THROTTLE_BITS.items() if m & bit]
-    rest = m & ~sum(THROTTLE_BITS)
-    bit = 1
-    while rest:
-        if rest & bit:
-            names.append(f"bit_{bit:#x}")
-            rest &= ~bit
-        bit <<= 1
-    return names
-
 
 class Backend(Protocol):
     name: str

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from .probes.clock_backends import SLOWDOWN_MASK, decode_throttle
+from ..schema import SLOWDOWN_MASK, decode_throttle
 
 #: Clock metrics in order of preference for "the" clock of a run.
 PRIMARY_CLOCKS: tuple[str, ...] = ("sm_clock_mhz", "cpu_freq_mhz")

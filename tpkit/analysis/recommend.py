@@ -26,17 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from . import analysis
+from ..schema import MIB, PHASE_COLUMNS
+from .steps import INPUT_LIMITED, OPTIMIZER_BOUND, OVERHEAD_BOUND, measured
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..run import Run
 
 #: A data wait of this share of step time is worth fixing (TraceML warns at 10%).
-DATA_STALL_SHARE = analysis.INPUT_LIMITED
+DATA_STALL_SHARE = INPUT_LIMITED
 #: Host-to-device copies above this share of step time.
 COPY_SHARE = 0.10
 #: Optimizer or offload step above this share of step time.
-HOST_STEP_SHARE = analysis.OPTIMIZER_BOUND
+HOST_STEP_SHARE = OPTIMIZER_BOUND
 #: Peak memory at or above this share of the device's capacity.
 MEMORY_NEAR = 0.85
 #: A memory category worth freeing holds at least this share of the peak.
@@ -44,13 +45,12 @@ MEMORY_CATEGORY_SHARE = 0.25
 #: GPU steps faster than this are dominated by kernel launches, not by the kernels.
 LAUNCH_BOUND_P50_S = 0.002
 #: Time outside every phase above this share of step time.
-OVERHEAD_SHARE = analysis.OVERHEAD_BOUND
+OVERHEAD_SHARE = OVERHEAD_BOUND
 #: Assumed speedup of the host optimizer step from a fused kernel: conservative next to the
 #: ~4.9x measured from torch foreach to fused AdamW on 50M params (shared/MEASURED.md).
 FUSED_OPTIMIZER_FACTOR = 2.0
 #: Core binding of the host step: ~1.3x (DeepSpeed PR #7474).
 CORE_BINDING_FACTOR = 1.3
-MIB = 1024 * 1024
 
 
 @dataclass
@@ -114,11 +114,11 @@ class _Totals:
 
 
 def _totals(steps: pd.DataFrame) -> _Totals:
-    m = analysis.measured(steps)
+    m = measured(steps)
     if m.empty:
         return _Totals(0, 0.0, {}, float("nan"), float("nan"))
     return _Totals(len(m), float(m["duration_s"].sum()),
-                   {c: float(m[c].sum()) for c in analysis.PHASE_COLUMNS if c in m.columns},
+                   {c: float(m[c].sum()) for c in PHASE_COLUMNS if c in m.columns},
                    float(m["duration_s"].median()), float(m["samples"].median()))
 
 
@@ -141,9 +141,9 @@ def data_stall(run: "Run") -> list[Recommendation]:
                 f"{_ms(t.total_s / t.steps)}) over {t.steps} measured steps")
     tpkit_loader = not run.loader.empty
     if tpkit_loader:
-        from .data.analysis import loader_verdict
+        from .loader import loader_verdict
 
-        m = analysis.measured(run.steps)
+        m = measured(run.steps)
         step_s = float((m["duration_s"] - m["data_wait_s"]).median())
         v = loader_verdict(run.loader, step_s=step_s, num_workers=cur_n or None)
         evidence += (f"; tpkit's loader makes a batch in {_ms(v.make_s)} per worker against "
@@ -280,9 +280,9 @@ def throttled_clocks(run: "Run") -> list[Recommendation]:
     """A GPU reported power or thermal slowdown during measured steps."""
     if run.clocks.empty or not (run.clocks["metric"] == "throttle_reasons").any():
         return []
-    from .clock_analysis import step_throttle
+    from .clocks import step_throttle
 
-    m = analysis.measured(run.steps)
+    m = measured(run.steps)
     thr = step_throttle(run.clocks, m)
     if thr.empty or not thr["throttled"].any():
         return []

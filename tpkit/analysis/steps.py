@@ -1,4 +1,4 @@
-"""Analysis: pure functions from frames to frames (and small summaries).
+"""Per-step analysis: shares, verdicts and the summary, as pure functions from frames.
 
 Nothing here measures or draws. Every function takes the Run's tables (or a hand-made frame
 with the same columns) so tests can check each rule on numbers chosen by hand.
@@ -11,10 +11,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from .recorder import BUILTIN_PHASES
-
-#: The per-phase columns of ``run.steps``, in the order a step usually runs.
-PHASE_COLUMNS: tuple[str, ...] = tuple(f"{p}_s" for p in BUILTIN_PHASES) + ("other_s",)
+from ..schema import PHASE_COLUMNS
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
 INPUT_BOUND = 0.20
@@ -23,57 +20,6 @@ COPY_BOUND = 0.15
 OPTIMIZER_BOUND = 0.30
 OFFLOAD_BOUND = 0.30
 OVERHEAD_BOUND = 0.30
-
-
-def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
-    """Seconds of each built-in phase per step, each instant charged to the innermost
-    built-in phase open at that instant (an h2d copy inside forward is h2d, not forward).
-
-    User phases (``tp.phase``) do not take time from built-in phases: a built-in phase
-    inside a user phase keeps its time, and a user phase's own time falls to ``other``.
-    Returns one row per step with columns ``step`` and ``<phase>_s`` for built-in phases.
-    """
-    cols = [f"{p}_s" for p in BUILTIN_PHASES]
-    if spans.empty:
-        return pd.DataFrame(columns=["step", *cols])
-    builtin = set(BUILTIN_PHASES)
-    rows: dict[int, dict[str, float]] = {}
-    ordered = spans.sort_values(["step", "start_s", "depth"], kind="stable")
-    for step, group in ordered.groupby("step", sort=True):
-        acc = dict.fromkeys(BUILTIN_PHASES, 0.0)
-        stack: list[tuple[float, str]] = []  # (end_s, phase) of open ancestors
-        for start, end, phase in zip(group["start_s"].to_numpy(), group["end_s"].to_numpy(),
-                                     group["phase"].to_numpy()):
-            while stack and stack[-1][0] <= start:
-                stack.pop()
-            if phase in builtin:
-                dur = float(end - start)
-                acc[phase] += dur
-                for _, anc in reversed(stack):  # nearest built-in ancestor loses this time
-                    if anc in builtin:
-                        acc[anc] -= dur
-                        break
-            stack.append((float(end), str(phase)))
-        rows[int(step)] = {f"{p}_s": max(0.0, v) for p, v in acc.items()}
-    out = pd.DataFrame.from_dict(rows, orient="index")
-    out.index.name = "step"
-    return out.reset_index()
-
-
-def step_breakdown(spans: pd.DataFrame, bounds: pd.DataFrame) -> pd.DataFrame:
-    """``run.steps`` from spans and step bounds (columns: step, warmup, start_s, end_s,
-    samples, loss). ``other_s`` is what no built-in phase covered."""
-    phases = exclusive_phase_times(spans)
-    phases["step"] = phases["step"].astype("int64")
-    out = bounds.merge(phases, on="step", how="left")
-    for c in PHASE_COLUMNS[:-1]:
-        out[c] = out[c].astype("float64").fillna(0.0)
-    out["duration_s"] = out["end_s"] - out["start_s"]
-    covered = out[list(PHASE_COLUMNS[:-1])].sum(axis=1)
-    out["other_s"] = (out["duration_s"] - covered).clip(lower=0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out["throughput"] = np.where(out["duration_s"] > 0, out["samples"] / out["duration_s"], np.nan)
-    return out
 
 
 @dataclass
@@ -97,7 +43,7 @@ class Summary:
     data_stall_share: float = 0.0
     verdict: Verdict = field(default_factory=lambda: Verdict("no-steps", ""))
     notes: list[str] = field(default_factory=list)
-    clocks: dict = field(default_factory=dict)  # clock_analysis.ClockSummary.to_dict(), when clocks were sampled
+    clocks: dict = field(default_factory=dict)  # analysis.clocks.ClockSummary.to_dict(), when clocks were sampled
     clock_lines: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -216,13 +162,13 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         notes=list(meta.get("notes", [])),
     )
     if clocks is not None and not clocks.empty:
-        from .clock_analysis import clock_summary  # only runs with clock rows pay for it
+        from .clocks import clock_summary  # only runs with clock rows pay for it
 
         cs = clock_summary(clocks, steps)
         if cs is not None:
             out.clocks, out.clock_lines = cs.to_dict(), cs.lines()
     if memory is not None and not memory.empty:
-        from .memory_analysis import memory_notes
+        from .memory import memory_notes
 
         out.notes += [n for n in memory_notes(memory) if n not in out.notes]
     return out
@@ -261,13 +207,3 @@ def thin_steps(steps: pd.DataFrame, max_rows: int = 400) -> pd.DataFrame:
         return steps
     k = -(-len(steps) // max_rows)
     return steps.iloc[::k]
-
-
-def settled(durations: list[float], window: int = 3, tolerance: float = 0.2) -> bool:
-    """Whether the last ``window`` step times agree within ``tolerance`` of their median
-    (the rule of ``--warmup auto``)."""
-    if len(durations) < window + 1:  # the first step always pays one-time costs
-        return False
-    last = np.asarray(durations[-window:])
-    med = float(np.median(last))
-    return med > 0 and float(last.max() - last.min()) <= tolerance * med

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import ipywidgets as w
 
-from .. import report
+from . import html as report
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -37,7 +37,7 @@ def _styled(body: str) -> str:
 
 def recommendations_html(run: "Run") -> str:
     try:
-        from ..recommend import recommendations
+        from ..analysis.recommend import recommendations
     except ImportError:  # the recommendation rules are optional for a bare dashboard
         return ""
     recs = recommendations(run)
@@ -53,7 +53,7 @@ def recommendations_html(run: "Run") -> str:
 
 def compare_html(runs: Sequence["Run"]) -> str:
     """The comparison of several runs as HTML: warnings first, then the table, then charts."""
-    from ..compare import compare
+    from ..analysis.compare import compare
 
     comp = compare(*runs)
     warn = "".join(f'<div class="tp-bad">warning: {html.escape(x)}</div>' for x in comp.warnings)
@@ -127,7 +127,7 @@ class Dashboard(w.VBox):
 
 def dashboard(run: "Run | None" = None, compare_with: Sequence["Run"] = (), ab: Any = None) -> Dashboard:
     """The dashboard of ``run`` (default: the last run), optionally compared with others."""
-    from ..profiler import last_run
+    from ..capture.slice import last_run
 
     run = run if run is not None else last_run()
     if run is None:

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..run import Run
 
 _STATEFUL = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
 

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import altair as alt
 
-from . import analysis, charts
+from .. import charts
+from ..analysis import steps as analysis
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..run import Run
 
 
 def _timeline_section(run: "Run") -> alt.TopLevelMixin | None:
@@ -43,7 +44,7 @@ def _clocks_section(run: "Run") -> alt.TopLevelMixin | None:
     """Clock, power and temperature panels under the stall timeline, on one time axis."""
     if run.clocks.empty:
         return None
-    from . import clock_analysis as ca
+    from ..analysis import clocks as ca
 
     return charts.clocks_with_timeline(analysis.timeline_frame(run.spans), ca.trace_frame(run.clocks),
                                        analysis.thin_steps(run.steps), ca.throttle_bands(run.clocks))
@@ -57,7 +58,7 @@ def _memory_section(run: "Run") -> alt.TopLevelMixin | None:
     on the device whose memory matters most (the GPU when one was used)."""
     if run.memory.empty:
         return None
-    from . import memory_analysis as ma
+    from ..analysis import memory as ma
 
     device = ma.main_device(run.memory)
     if device is None:
@@ -87,7 +88,7 @@ def _ranks_section(run: "Run") -> alt.TopLevelMixin | None:
         return None
     import pandas as pd
 
-    from .ranks import rank_skew
+    from ..analysis.ranks import rank_skew
 
     steps = pd.DataFrame(times, columns=["rank", "step", "duration_s", "warmup"])
     return charts.rank_step_times(steps, rank_skew(steps))
@@ -100,8 +101,8 @@ def _loader_section(run: "Run") -> alt.TopLevelMixin | None:
     """tpkit's loader: per-batch stages, and its verdict with the worker count it would choose."""
     if run.loader.empty:
         return None
-    from .charts.loader import loader_batches
-    from .data.analysis import loader_verdict
+    from ..analysis.loader import loader_verdict
+    from ..charts.loader import loader_batches
 
     v = loader_verdict(run.loader, steps=run.steps)
     return loader_batches(run.loader).properties(

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import pandas as pd
 
+from ..schema import MIB
 from .compare import peak_memory_bytes
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..run import Run
 
-MIB = 1024 * 1024
 RESULT_COLUMNS = ("run", "throughput", "step_p50_ms", "data_stall_pct", "peak_mib", "verdict", "complete", "best")
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
-from ..errors import StopSlice
+from ...errors import StopSlice
 from ..recorder import Recorder
 from .patching import Patches
 

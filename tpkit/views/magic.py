@@ -16,9 +16,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from .errors import TpkitError
-from .profiler import Profile, SliceConfig, last_run
-from .recorder import active
+from ..capture.recorder import active
+from ..capture.slice import Profile, SliceConfig, last_run
+from ..errors import TpkitError
 
 
 def _warmup(value: str) -> int | str:
@@ -84,14 +84,14 @@ class TpkitMagics(Magics):
         if save_dir:
             run.save(Path(save_dir) / run.name if ab is not None else save_dir)
         if config.progress:
-            from .widgets import dashboard
+            from .dashboard import dashboard
 
             display(dashboard(run, compare_with=compare_with, ab=ab))
         else:
             print(ab.to_text() if ab is not None else run.summary().to_text())
 
     def _run_ab(self, config: SliceConfig, code: str, filename: str, save_dir: str | None) -> None:
-        from .kernels_ab import run_ab
+        from ..capture.ab import run_ab
 
         def run_slice(name: str, knobs: dict[str, Any]) -> Any:
             run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code, filename)
@@ -137,7 +137,8 @@ class TpkitMagics(Magics):
     @line_magic
     def tp_runs(self, line: str) -> Any:
         """List the runs in the run store (``tp.runs()``): figures, verdicts, damaged folders."""
-        from .store import runs, store_path
+        from ..analysis.catalog import runs
+        from ..store import store_path
 
         args = _parse(self.tp_runs, line, "%tp_runs")
         where = args.store or store_path()
@@ -153,9 +154,9 @@ class TpkitMagics(Magics):
     @line_magic
     def tp_compare(self, line: str) -> None:
         """Compare runs against the first: figures with 95% intervals, deltas, significance, warnings."""
-        from .compare import compare
-        from .run import Run
-        from .store import load, names
+        from ..analysis.compare import compare
+        from ..run import Run
+        from ..store import load, names
 
         args = _parse(self.tp_compare, line, "%tp_compare")
         loaded = []
@@ -191,8 +192,8 @@ def _kernels_mode(mode: str | None, ns: dict[str, Any]) -> Iterator[None]:
     if mode is None:
         yield
         return
-    from .kernels import patch, patched, unpatch
-    from .kernels_ab import models_in
+    from ..capture.ab import models_in
+    from ..kernels import patch, patched, unpatch
 
     models = models_in(ns)
     if not models:

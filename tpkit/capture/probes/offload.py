@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..probes.patching import Patches
 from ..recorder import Recorder
+from .patching import Patches
 
 
 def tensor_bytes(obj: Any) -> int:

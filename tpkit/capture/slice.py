@@ -2,7 +2,7 @@
 take every probe out again, and build the Run.
 
 ``tp.profile`` (a context manager) and ``tp.profile_fn`` are the Python API; the magic in
-``tpkit.magic`` is a thin layer over ``Profile``.
+``tpkit.views.magic`` is a thin layer over ``Profile``.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from contextlib import ContextDecorator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+import numpy as np
 import torch
 
-from . import __version__, analysis
+from .._version import __version__
+from ..errors import ProfileActiveError, StopSlice, TpkitError
+from ..run import Run
 from . import recorder as _rec
-from .errors import ProfileActiveError, StopSlice, TpkitError
+from .build import build_run
 from .probes.cuda_timing import maybe_cuda_timer
 from .probes.phases import PhaseProbe
-from .run import Run
 
 #: ``--warmup auto`` gives up waiting for step times to settle after this many steps.
 WARMUP_AUTO_CAP = 20
@@ -103,7 +105,7 @@ class Profile:
             self._probes += _optional_probes(rec, cfg)
             if cfg.progress:
                 self._bar = _progress_bar(cfg, self.warmup_steps)
-            _rec._set_active(rec)
+            _rec.set_active(rec)
         except BaseException:
             self._teardown()
             raise
@@ -117,7 +119,7 @@ class Profile:
     def _teardown(self) -> None:
         """Take every probe out; safe to run twice and after a partial start."""
         if self.rec is not None and _rec.active() is self.rec:
-            _rec._set_active(None)
+            _rec.set_active(None)
         while self._probes:
             probe = self._probes.pop()
             self._removed.append(probe)
@@ -137,7 +139,7 @@ class Profile:
         self._last_end_ns = end_ns
         if self.warmup_steps is None:  # --warmup auto
             done = len(self._durations)
-            if analysis.settled(self._durations) or done >= WARMUP_AUTO_CAP:
+            if settled(self._durations) or done >= WARMUP_AUTO_CAP:
                 self.warmup_steps = done
                 how = "step times settled" if done < WARMUP_AUTO_CAP else "cap reached before step times settled"
                 self.rec.note(f"warmup auto: ended after {done} steps ({how})")
@@ -182,7 +184,7 @@ class Profile:
             elif hasattr(probe, "meta"):
                 meta.update(probe.meta())
         try:
-            self.run = Run.from_recorder(rec, warmup, meta)
+            self.run = build_run(rec, warmup, meta)
         except Exception as e:  # never lose the user's error to a failure of ours
             if exc is None or isinstance(exc, StopSlice):
                 raise
@@ -190,7 +192,7 @@ class Profile:
         from .ranks import finish_rank_run
 
         finish_rank_run(self.run, cfg.save_dir)  # rank facts into meta; per-rank save; never raises
-        from .store import autosave
+        from ..store import autosave
 
         autosave(self.run)  # never raises; a failure is noted on the run
         _LAST_RUN = self.run
@@ -235,7 +237,7 @@ PROBE_FACTORIES.append(_memory_probe)
 
 
 def _offload_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
-    from .offload.probe import offload_probe  # imports neither deepspeed nor the optimizer
+    from .probes.offload import offload_probe  # imports neither deepspeed nor the optimizer
 
     return offload_probe(rec, cfg)
 
@@ -388,3 +390,13 @@ def step() -> None:
     if rec is not None and threading.get_ident() == rec.thread_id:
         rec.explicit_steps = True
         rec.end_step()
+
+
+def settled(durations: list[float], window: int = 3, tolerance: float = 0.2) -> bool:
+    """Whether the last ``window`` step times agree within ``tolerance`` of their median
+    (the rule of ``--warmup auto``)."""
+    if len(durations) < window + 1:  # the first step always pays one-time costs
+        return False
+    last = np.asarray(durations[-window:])
+    med = float(np.median(last))
+    return med > 0 and float(last.max() - last.min()) <= tolerance * med

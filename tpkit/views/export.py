@@ -14,17 +14,18 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..schema import MIB, TABLES, jsonable
+
 if TYPE_CHECKING:
     import altair as alt
 
-    from .run import Run
+    from ..run import Run
 
 US_PER_S = 1e6
 PID = 1
 STEPS_TID = 0
 #: Span depth d goes on thread id ``SPAN_TID0 + d`` (the steps track is 0).
 SPAN_TID0 = 1
-MIB = 1024 * 1024
 
 
 def _us(seconds: float) -> float:
@@ -33,7 +34,6 @@ def _us(seconds: float) -> float:
 
 def trace_events(run: "Run") -> list[dict[str, Any]]:
     """The run as Trace Event Format events (see the module docstring for the layout)."""
-    from .run import _jsonable
 
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": PID, "tid": STEPS_TID, "name": "process_name", "args": {"name": f"tpkit {run.name}"}},
@@ -48,7 +48,7 @@ def trace_events(run: "Run") -> list[dict[str, Any]]:
             args["loss"] = r["loss"]
         events.append({"ph": "X", "pid": PID, "tid": STEPS_TID, "cat": "step",
                        "name": f"step {int(r['step'])}" + (" (warmup)" if r["warmup"] else ""),
-                       "ts": _us(r["start_s"]), "dur": _us(r["duration_s"]), "args": _jsonable(args)})
+                       "ts": _us(r["start_s"]), "dur": _us(r["duration_s"]), "args": jsonable(args)})
     for depth in sorted({int(d) for d in run.spans["depth"]}) if not run.spans.empty else []:
         tid = SPAN_TID0 + depth
         events.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": f"depth {depth}"}})
@@ -72,12 +72,11 @@ def trace_events(run: "Run") -> list[dict[str, Any]]:
 
 def to_perfetto(run: "Run", path: str | Path) -> Path:
     """Write the run as a Chrome/Perfetto trace (JSON) and return the path."""
-    from .run import _jsonable
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"traceEvents": trace_events(run), "displayTimeUnit": "ms",
-           "otherData": _jsonable({"tpkit_run": run.name, "meta": run.meta})}
+           "otherData": jsonable({"tpkit_run": run.name, "meta": run.meta})}
     out.write_text(json.dumps(doc, allow_nan=False))
     return out
 
@@ -92,7 +91,6 @@ def to_png(chart: "alt.TopLevelMixin", path: str | Path, scale_factor: float = 2
 
 def to_csv(run: "Run", folder: str | Path) -> list[Path]:
     """Every table as ``<table>.csv`` plus ``meta.json`` into ``folder``; returns the paths."""
-    from .run import TABLES, _jsonable
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,13 +100,12 @@ def to_csv(run: "Run", folder: str | Path) -> list[Path]:
         getattr(run, table).to_csv(p, index=False)
         paths.append(p)
     meta = out / "meta.json"
-    meta.write_text(json.dumps(_jsonable(run.meta), indent=2))
+    meta.write_text(json.dumps(jsonable(run.meta), indent=2))
     return [*paths, meta]
 
 
 def to_parquet(run: "Run", folder: str | Path) -> list[Path]:
     """Every table as ``<table>.parquet`` plus ``meta.json`` (the folder ``tp.load`` reads)."""
-    from .run import TABLES
 
     out = run.save(folder)
     return [*(out / f"{t}.parquet" for t in TABLES), out / "meta.json"]

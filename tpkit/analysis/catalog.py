@@ -1,0 +1,59 @@
+"""``tp.runs()``: the run store as a table, one row per stored run, damaged ones flagged.
+
+Reads each folder's ``meta.json`` and ``steps.parquet`` only (never the big tables), so a store
+of hundreds of runs lists quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..store import store_path, stored_folders
+from .steps import summarize
+
+#: Columns of ``tp.runs()``, in order.
+RUNS_COLUMNS: tuple[str, ...] = ("name", "start_time", "steps", "throughput", "step_p50_ms", "verdict",
+                                 "complete", "damaged", "path", "knobs", "problem")
+
+
+def _row(folder: Path) -> dict[str, Any]:
+    """One ``tp.runs()`` row, read from meta.json and steps.parquet only (never the big tables)."""
+    row: dict[str, Any] = dict.fromkeys(RUNS_COLUMNS)
+    row.update(name=folder.name, path=str(folder), damaged=True, complete=False, knobs="", problem="")
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if not isinstance(meta, dict) or "tpkit_format" not in meta:
+            raise ValueError("meta.json is not tpkit run metadata")
+        steps = pd.read_parquet(folder / "steps.parquet")
+        missing = [t for t in ("spans", "memory", "clocks", "loader") if not (folder / f"{t}.parquet").is_file()]
+        if missing:
+            raise FileNotFoundError(f"missing {', '.join(t + '.parquet' for t in missing)}")
+        s = summarize(steps, meta)
+    except FileNotFoundError as e:
+        row["problem"] = f"incomplete folder: {Path(e.filename).name if e.filename else e}"
+        return row
+    except Exception as e:  # noqa: BLE001 - a damaged folder is listed, never raised
+        row["problem"] = f"{type(e).__name__}: {e}"[:300]
+        return row
+    knobs = meta.get("knobs") or {}
+    row.update(start_time=meta.get("start_time"), steps=s.steps, throughput=s.throughput,
+               step_p50_ms=s.step_p50_s * 1e3, verdict=s.verdict.kind, complete=s.complete, damaged=False,
+               knobs=", ".join(f"{k}={v}" for k, v in knobs.items()) if isinstance(knobs, dict) else str(knobs))
+    return row
+
+
+def runs(store: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Every run in the store, oldest first: ``name, start_time, steps, throughput``
+    (samples/s), ``step_p50_ms, verdict, complete, damaged, path, knobs`` (as text) and
+    ``problem`` (why a damaged one cannot be read). Empty when the store is off or empty."""
+    root = Path(store).expanduser() if store is not None else store_path()
+    rows = [_row(f) for f in stored_folders(root)] if root is not None else []
+    df = pd.DataFrame(rows, columns=list(RUNS_COLUMNS))
+    df = df.astype({"steps": "Int64", "throughput": "float64", "step_p50_ms": "float64",
+                    "complete": "bool", "damaged": "bool"})
+    return df.sort_values(["start_time", "name"], na_position="last", kind="stable").reset_index(drop=True)

@@ -1,0 +1,123 @@
+"""From the Recorder's buffers to the Run's tables, once, when a slice ends.
+
+The steps table is made here: each instant of a step is charged to the innermost built-in
+phase open at that instant (``exclusive_phase_times``), and ``other_s`` is what no built-in
+phase covered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..run import Run
+from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, frame, jsonable
+from .recorder import Recorder
+
+
+def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
+    """Seconds of each built-in phase per step, each instant charged to the innermost
+    built-in phase open at that instant (an h2d copy inside forward is h2d, not forward).
+
+    User phases (``tp.phase``) do not take time from built-in phases: a built-in phase
+    inside a user phase keeps its time, and a user phase's own time falls to ``other``.
+    Returns one row per step with columns ``step`` and ``<phase>_s`` for built-in phases.
+    """
+    cols = [f"{p}_s" for p in BUILTIN_PHASES]
+    if spans.empty:
+        return pd.DataFrame(columns=["step", *cols])
+    builtin = set(BUILTIN_PHASES)
+    rows: dict[int, dict[str, float]] = {}
+    ordered = spans.sort_values(["step", "start_s", "depth"], kind="stable")
+    for step, group in ordered.groupby("step", sort=True):
+        acc = dict.fromkeys(BUILTIN_PHASES, 0.0)
+        stack: list[tuple[float, str]] = []  # (end_s, phase) of open ancestors
+        for start, end, phase in zip(group["start_s"].to_numpy(), group["end_s"].to_numpy(),
+                                     group["phase"].to_numpy()):
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if phase in builtin:
+                dur = float(end - start)
+                acc[phase] += dur
+                for _, anc in reversed(stack):  # nearest built-in ancestor loses this time
+                    if anc in builtin:
+                        acc[anc] -= dur
+                        break
+            stack.append((float(end), str(phase)))
+        rows[int(step)] = {f"{p}_s": max(0.0, v) for p, v in acc.items()}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.index.name = "step"
+    return out.reset_index()
+
+
+def step_breakdown(spans: pd.DataFrame, bounds: pd.DataFrame) -> pd.DataFrame:
+    """``run.steps`` from spans and step bounds (columns: step, warmup, start_s, end_s,
+    samples, loss). ``other_s`` is what no built-in phase covered."""
+    phases = exclusive_phase_times(spans)
+    phases["step"] = phases["step"].astype("int64")
+    out = bounds.merge(phases, on="step", how="left")
+    for c in PHASE_COLUMNS[:-1]:
+        out[c] = out[c].astype("float64").fillna(0.0)
+    out["duration_s"] = out["end_s"] - out["start_s"]
+    covered = out[list(PHASE_COLUMNS[:-1])].sum(axis=1)
+    out["other_s"] = (out["duration_s"] - covered).clip(lower=0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["throughput"] = np.where(out["duration_s"] > 0, out["samples"] / out["duration_s"], np.nan)
+    return out
+
+
+def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run:
+    """The Run of a finished (or interrupted) slice, from its Recorder's buffers. Warmup
+    steps are renumbered ``-warmup .. -1``; CUDA events are resolved here, once."""
+    t0 = rec.t0_ns
+    timer = rec.cuda_timer
+    if timer is not None:
+        timer.finish()
+
+    def at(ns: int, ev: Any) -> float:
+        return ((timer.resolve(ev) if (timer is not None and ev is not None) else ns) - t0) / 1e9
+
+    spans = frame("spans", [
+        (step - warmup_steps, phase, at(s, sev), at(e, eev), 0.0, depth, source)
+        for phase, s, e, depth, source, step, sev, eev in rec.spans
+    ])
+    spans["duration_s"] = spans["end_s"] - spans["start_s"]
+    spans = spans.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True)
+
+    # Step bounds: a step runs from the end of the previous one (slice start for the
+    # first) to the end of its optimizer step. On a GPU, the end is the GPU's.
+    ends = [(e - t0) / 1e9 for e, _ in rec.step_ends]
+    if timer is not None:
+        ends = _gpu_step_ends(spans, ends, warmup_steps)
+    losses: dict[int, list[float]] = {}
+    for raw, value in rec.losses:
+        losses.setdefault(raw, []).append(float(value))  # a tensor: one sync, after the slice
+    bounds = pd.DataFrame({
+        "step": np.arange(len(ends), dtype="int64") - warmup_steps,
+        "warmup": np.arange(len(ends)) < warmup_steps,
+        "start_s": [0.0, *ends[:-1]] if ends else [],
+        "end_s": ends,
+        "samples": np.array([n for _, n in rec.step_ends], dtype="int64"),
+        "loss": [float(np.mean(losses[i])) if i in losses else float("nan") for i in range(len(ends))],
+    })
+    steps = frame("steps", step_breakdown(spans, bounds)[list(SCHEMAS["steps"])])
+
+    memory = frame("memory", [
+        (step - warmup_steps, phase, event, (t - t0) / 1e9, device, category, nbytes)
+        for step, phase, event, t, device, category, nbytes in rec.memory
+    ])
+    clocks = frame("clocks", [((t - t0) / 1e9, d, m, v) for t, d, m, v in rec.clocks])
+    loader = frame("loader", rec.loader)
+    full_meta = {**rec.meta, **(meta or {})}
+    full_meta.setdefault("name", rec.name)
+    full_meta["warmup_steps"] = warmup_steps
+    full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
+    return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
+
+
+def _gpu_step_ends(spans: pd.DataFrame, host_ends: list[float], warmup_steps: int) -> list[float]:
+    """On a GPU, step k ends when its last optimizer span ends on the GPU."""
+    opt = spans[spans["phase"] == "optimizer"].groupby("step")["end_s"].max()
+    return [float(max(h, opt.get(i - warmup_steps, h))) for i, h in enumerate(host_ends)]

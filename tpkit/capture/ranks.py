@@ -1,0 +1,154 @@
+"""Capture in several processes: every rank of a ``torchrun`` / ``deepspeed`` launch records
+its own Run.
+
+Each rank's slice is an ordinary slice; what is added here:
+
+- ``rank_meta()``: rank, local rank and world size (from ``torch.distributed`` when it is
+  initialised, else from the launcher's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``), written
+  into ``run.meta``.
+- ``finish_rank_run(run, save_dir)``: called by the profiler when a slice ends, however it
+  ends. With ``tp.profile(..., save_dir=DIR)`` or ``TPKIT_SAVE_DIR=DIR`` in the launch
+  environment, the Run goes to ``DIR/rank<k>`` (``DIR/<name>`` for a single process). A rank
+  whose slice ended by an error (a peer died and the collective timed out) is saved the same
+  way, marked ``complete: false`` with the error, so the survivors' runs are never lost.
+- ``rank_watchdog``: a thread that saves a rank's partial Run while a collective hangs.
+
+Loading and merging the ranks' runs is ``tpkit.ranks``; the arithmetic is ``tpkit.analysis.ranks``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+from ..run import Run
+from ..schema import ENV_SAVE_DIR
+from .build import build_run
+
+
+def rank_meta() -> dict[str, Any]:
+    """``{"rank", "local_rank", "world_size"}`` of this process, or ``{}`` when it is not part of
+    a multi-process launch."""
+    rank = world = None
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+    except Exception:  # a broken process group must not stop the run from being kept
+        pass
+    env = os.environ
+    if rank is None and "RANK" in env and "WORLD_SIZE" in env:
+        try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        except ValueError:
+            return {}
+    if rank is None:
+        return {}
+    local = env.get("LOCAL_RANK")
+    return {"rank": int(rank), "world_size": int(world),
+            "local_rank": int(local) if local is not None and local.isdigit() else None}
+
+
+def rank_folder(save_dir: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Where a rank's Run is saved under ``save_dir``."""
+    if meta.get("world_size") is not None and meta.get("rank") is not None:
+        return Path(save_dir) / f"rank{int(meta['rank'])}"
+    return Path(save_dir) / str(meta.get("name", "run"))
+
+
+def finish_rank_run(run: Run, save_dir: str | os.PathLike | None = None) -> Path | None:
+    """Put rank facts into ``run.meta`` and, when a save folder is given (argument or
+    ``TPKIT_SAVE_DIR``), save the Run there. Never raises: a failed save is a note on the run."""
+    try:
+        info = rank_meta()
+        run.meta.update(info)
+        if info and not run.complete:
+            run.meta["rank_status"] = "failed"
+            if run.meta.get("rank_watchdog_fired"):
+                run.meta["stopped_by"] = "stalled"
+        target = save_dir if save_dir is not None else os.environ.get(ENV_SAVE_DIR) or None
+        if target is None:
+            return None
+        return run.save(rank_folder(target, run.meta))
+    except Exception as e:
+        run.meta.setdefault("notes", []).append(f"saving the rank's run failed: {e!r}")
+        return None
+
+
+# -- the stall watchdog -----------------------------------------------------------------------
+ENV_TIMEOUT = "TPKIT_RANK_TIMEOUT_S"
+
+
+class RankWatchdog:
+    """In a multi-process launch, saves this rank's partial Run if no step ends for
+    ``timeout_s`` (a peer died and a collective hangs instead of failing), marked
+    ``stopped_by: "stalled"``, then raises KeyboardInterrupt in the main thread so the slice
+    ends as soon as control returns to Python. A collective that fails by itself (gloo sees
+    the peer's socket close) ends the slice through the normal error path first.
+
+    Daemon thread, stop event, ``remove`` idempotent; nothing runs outside a launch."""
+
+    def __init__(self, rec: Any, save_dir: str | os.PathLike, timeout_s: float, warmup_steps: int = 0,
+                 poll_s: float = 0.2) -> None:
+        import threading
+
+        self.rec, self.save_dir, self.timeout_s, self.poll_s = rec, save_dir, float(timeout_s), poll_s
+        self.warmup_steps = warmup_steps
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tpkit-rank-watchdog", daemon=True)
+
+    def install(self) -> "RankWatchdog":
+        self._thread.start()
+        return self
+
+    def remove(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def meta(self) -> dict[str, Any]:
+        return {"rank_watchdog_fired": True} if self.fired else {}
+
+    def _loop(self) -> None:
+        from time import perf_counter_ns
+
+        while not self._stop.wait(self.poll_s):
+            ends = self.rec.step_ends
+            last_ns = ends[-1][0] if ends else self.rec.t0_ns
+            if (perf_counter_ns() - last_ns) / 1e9 >= self.timeout_s:
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        import _thread
+
+        self.fired = True
+        rec = self.rec
+        try:
+            snap = copy.copy(rec)  # lists copied: the main thread may still append to the originals
+            for name in ("spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
+                setattr(snap, name, list(getattr(rec, name)))
+            snap.cuda_timer = None  # CUDA events are resolved by the main thread only
+            msg = (f"no step ended for {self.timeout_s:g} s: this rank stalled (a peer died or hangs); "
+                   "the Run holds the steps before the stall")
+            snap.notes.append(msg)
+            warmup = min(self.warmup_steps, len(snap.step_ends))
+            run = build_run(snap, warmup, {"complete": False, "stopped_by": "stalled", "error": msg})
+            finish_rank_run(run, self.save_dir)
+        finally:
+            _thread.interrupt_main()  # ends the slice once the main thread is back in Python
+
+
+def rank_watchdog(rec: Any, cfg: Any) -> RankWatchdog | None:
+    """Factory for ``PROBE_FACTORIES``: only in a multi-process launch with a save folder and a
+    timeout (``TPKIT_RANK_TIMEOUT_S``)."""
+    timeout = os.environ.get(ENV_TIMEOUT)
+    save_dir = getattr(cfg, "save_dir", None) or os.environ.get(ENV_SAVE_DIR)
+    if not timeout or not save_dir or int(rank_meta().get("world_size") or 1) < 2:
+        return None
+    warmup = cfg.warmup if isinstance(getattr(cfg, "warmup", None), int) else 0
+    return RankWatchdog(rec, save_dir, float(timeout), warmup)

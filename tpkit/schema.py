@@ -1,0 +1,162 @@
+"""The one vocabulary of tpkit: the Run's tables and their columns, phases, memory categories,
+clock metrics and their units, NVML throttle bits, and how bytes are written for people.
+
+Every layer imports its names from here (capture writes them, analysis reads them, charts
+colour them); nothing here imports another tpkit module.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+# -- phases ---------------------------------------------------------------------------------
+#: Phases with a fixed column in ``run.steps``; every other phase name is a user phase.
+#: ``tpkit`` is tpkit's own probe work, shown so that what tpkit costs is measured in every
+#: run instead of hiding in ``other``.
+BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "tpkit")
+#: Time no built-in phase covered.
+OTHER = "other"
+#: Every phase in the order a step usually runs, ``other`` last.
+PHASE_ORDER: tuple[str, ...] = (*BUILTIN_PHASES, OTHER)
+#: The per-phase columns of ``run.steps``.
+PHASE_COLUMNS: tuple[str, ...] = tuple(f"{p}_s" for p in PHASE_ORDER)
+#: Python collector pauses recorded as spans nested in the phase they interrupted.
+GC_PHASE = "gc"
+
+# -- memory ---------------------------------------------------------------------------------
+#: Memory categories, in the order they are drawn.
+MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "data", "other")
+#: Categories counted exactly from the tensors themselves.
+KNOWN_MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "data")
+#: Memory rows' ``event`` values: a phase boundary, or the highest point inside a phase.
+MEMORY_EVENTS: tuple[str, ...] = ("enter", "exit", "peak")
+KIB = 1024
+MIB = 1024 * 1024
+GIB = 1024 * 1024 * 1024
+
+# -- clocks ---------------------------------------------------------------------------------
+#: Clock metric -> a person's title with its unit (metrics not listed are titled by name).
+CLOCK_METRICS: dict[str, str] = {
+    "sm_clock_mhz": "SM clock (MHz)",
+    "mem_clock_mhz": "memory clock (MHz)",
+    "cpu_freq_mhz": "CPU frequency (MHz)",
+    "utilization_pct": "GPU utilisation (%)",
+    "cpu_util_pct": "CPU utilisation (%)",
+    "power_w": "GPU power (W)",
+    "cpu_power_w": "CPU package power (W)",
+    "temperature_c": "temperature (°C)",
+    "energy_j": "energy (J)",
+    "throttle_reasons": "throttle reasons (bitmask)",
+}
+#: NVML clock-event ("throttle") reason bits, from nvml.h.
+THROTTLE_BITS: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+#: The bits that mean the GPU ran slower than it could: idle and the clock settings are not
+#: slowdowns, so a step is "throttled" only when one of these was set.
+SLOWDOWN_MASK = 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x80
+
+
+def decode_throttle(mask: float | int) -> list[str]:
+    """Names of the bits set in an NVML clock-event bitmask (unknown bits as ``bit_0x...``)."""
+    m = int(mask)
+    names = [name for bit, name in THROTTLE_BITS.items() if m & bit]
+    rest = m & ~sum(THROTTLE_BITS)
+    bit = 1
+    while rest:
+        if rest & bit:
+            names.append(f"bit_{bit:#x}")
+            rest &= ~bit
+        bit <<= 1
+    return names
+
+
+#: The launch environment's variable that makes every rank save its run under ``DIR/rank<k>``.
+ENV_SAVE_DIR = "TPKIT_SAVE_DIR"
+
+
+# -- the Run's tables -----------------------------------------------------------------------
+#: Column name -> dtype, per table. The order is the public column order.
+SCHEMAS: dict[str, dict[str, str]] = {
+    "steps": {
+        "step": "int64", "warmup": "bool", "start_s": "float64", "end_s": "float64",
+        "duration_s": "float64", "samples": "int64", "data_wait_s": "float64", "h2d_s": "float64",
+        "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
+        "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
+    },
+    "spans": {
+        "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
+        "duration_s": "float64", "depth": "int64", "source": "object",
+    },
+    "memory": {
+        "step": "int64", "phase": "object", "event": "object", "t_s": "float64",
+        "device": "object", "category": "object", "bytes": "int64",
+    },
+    "clocks": {"t_s": "float64", "device": "object", "metric": "object", "value": "float64"},
+    "loader": {
+        "batch": "int64", "worker": "int64", "fetch_s": "float64", "collate_s": "float64",
+        "queue_wait_s": "float64", "transfer_s": "float64",
+    },
+}
+TABLES: tuple[str, ...] = tuple(SCHEMAS)
+#: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
+FORMAT_VERSION = 1
+
+
+def frame(table: str, rows: Any = None) -> pd.DataFrame:
+    """A frame with the table's columns and dtypes (strings as plain Python objects, so a
+    Parquet round trip gives back the same frame)."""
+    schema = SCHEMAS[table]
+    df = pd.DataFrame(rows if rows is not None else [], columns=list(schema))
+    for col, dtype in schema.items():
+        if dtype == "object":
+            df[col] = df[col].astype(object)
+        else:
+            df[col] = df[col].astype(dtype)
+    return df
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with numpy scalars made plain, NaN made None and unknown objects made ``repr``:
+    what ``json.dumps`` accepts, for ``meta.json`` and exports."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return None if math.isnan(float(x)) else float(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    if x is None or isinstance(x, (str, int, bool)):
+        return x
+    return repr(x)
+
+
+# -- people's units -------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: binary units, whole bytes below 1 KiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_mib(n: float) -> str:
+    """Bytes as MiB with two decimals, for chart tooltips."""
+    return f"{n / MIB:,.2f} MiB"
