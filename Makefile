@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean notebooks docs-image
+.PHONY: demo test setup clean notebooks docs-image lint typecheck
 
 demo: $(STAMP)
 	$(BIN)/python -m tpkit demo --steps 20 --warmup 3 --out tpkit_report
@@ -13,6 +13,15 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
 setup: $(STAMP)
+
+# Hygiene, run by .ci/run: ruff (pyflakes, bugbear, import order, docstrings on public names),
+# the layer contract (import-linter, docs/ARCHITECTURE.md) and mypy on tpkit/.
+lint: $(STAMP)
+	$(BIN)/ruff check tpkit kernels datasets tests benchmarks
+	$(BIN)/lint-imports
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 # The tutorials, executed with outputs into notebooks/executed/ (gitignored; git keeps them clean).
 notebooks: $(STAMP)

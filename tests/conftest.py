@@ -23,7 +23,7 @@ def ip():
 @pytest.fixture
 def one_thread():
     """Pin torch to one thread: with two, a tiny op after a sleep can wait ~10 ms for the
-    pool to wake (measured, shared/MEASURED.md), which would blur ground-truth timings."""
+    pool to wake (measured, docs/MEASURED.md), which would blur ground-truth timings."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -6,24 +6,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import factories
 from tpkit import store
 from tpkit.analysis import catalog
 from tpkit.errors import RunFormatError
 from tpkit.run import Run
-from tpkit.schema import frame as _frame
 
 
 def make_run(name: str, durations: list[float], samples: int = 10, **meta) -> Run:
-    n = len(durations)
-    d = np.asarray(durations)
-    steps = _frame("steps", {
-        "step": np.arange(n), "warmup": [False] * n, "start_s": np.cumsum(d) - d, "end_s": np.cumsum(d),
-        "duration_s": d, "samples": [samples] * n, "data_wait_s": d * 0.5, "h2d_s": 0.0,
-        "forward_s": d * 0.25, "backward_s": d * 0.25, "optimizer_s": 0.0, "offload_s": 0.0,
-        "other_s": 0.0, "throughput": samples / d, "loss": 1.0,
-    })
-    return Run(steps=steps, meta={"name": name, "start_time": meta.pop("start_time", "2026-01-01T00:00:00+00:00"),
-                                  **meta})
+    meta.setdefault("start_time", "2026-01-01T00:00:00+00:00")
+    return factories.make_run(name, durations, samples, data_share=0.5, loss=np.ones(len(durations)), **meta)
 
 
 @pytest.fixture(autouse=True)

@@ -99,6 +99,7 @@ def autosave(run: Run) -> Path | None:
 
 
 def stored_folders(root: Path) -> list[Path]:
+    """The run folders under a store root, sorted by name (hidden folders left out)."""
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))

@@ -210,6 +210,7 @@ def slowest_steps(steps: pd.DataFrame, per_step: pd.DataFrame, device: str, metr
 
 @dataclass
 class ClockSummary:
+    """What the summary says about clocks, power and energy over the measured steps."""
     device: str | None = None
     metric: str | None = None
     mean_clock: float = float("nan")

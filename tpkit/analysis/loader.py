@@ -24,6 +24,7 @@ COLUMNS = ("batch", "worker", "fetch_s", "collate_s", "queue_wait_s", "transfer_
 
 @dataclass(frozen=True)
 class LoaderVerdict:
+    """The loader's diagnosis: healthy or starved, why, and the worker count it would use."""
     verdict: str  # one of VERDICTS
     workers: int  # the worker count the loader would choose
     reason: str

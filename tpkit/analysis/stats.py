@@ -7,6 +7,7 @@ results are reproducible.
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Iterator, Union
 
 import numpy as np
@@ -70,17 +71,14 @@ def resamples_for(steps: int, n: int = BOOTSTRAP_N) -> int:
     return int(min(n, max(BOOTSTRAP_MIN_N, BOOTSTRAP_WORK // max(1, steps))))
 
 
-def step_bootstrap(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndarray, n: int = BOOTSTRAP_N,
-                   seed: int = BOOTSTRAP_SEED, level: float = CI_LEVEL) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Intervals of a run's step statistics from one shared set of resamples (the same
-    resamples ``bootstrap_ci`` draws for this seed, so each interval equals what
-    ``bootstrap_ci`` gives for that statistic alone, up to rounding):
-
-    ``throughput`` (sum samples / sum duration), ``median_s`` (median step time) and
-    ``shares`` (sum of each column of ``parts_s [k, P]`` / sum duration). Sums over a resample
-    come from its index counts times the values (one matrix product), so a 10,000-step run
-    takes well under a second.
-    """
+def step_resamples(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndarray, n: int = BOOTSTRAP_N,
+                   seed: int = BOOTSTRAP_SEED) -> dict[str, np.ndarray]:
+    """The bootstrap draws of a run's step statistics from one shared set of resamples (the
+    same resamples ``bootstrap_ci`` draws for this seed): ``throughput [n]`` (sum samples /
+    sum duration), ``median_s [n]`` (median step time) and ``shares [n, P]`` (sum of each
+    column of ``parts_s [k, P]`` / sum duration). Sums over a resample come from its index
+    counts times the values (one matrix product), so a 10,000-step run takes well under a
+    second. Kept whole so that two runs' draws can be subtracted (``diff_interval``)."""
     k = len(duration_s)
     x = np.column_stack([samples, duration_s, parts_s]).astype("float64")  # [k, 2 + P]
     thr, med = np.empty(n), np.empty(n)
@@ -93,8 +91,37 @@ def step_bootstrap(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndar
             thr[lo:lo + b] = sums[:, 0] / sums[:, 1]
             shares[lo:lo + b] = sums[:, 2:] / sums[:, 1:2]
         med[lo:lo + b] = np.median(duration_s[idx], axis=1)
-    return {"throughput": _percentiles(thr, level), "median_s": _percentiles(med, level),
-            "shares": _percentiles(shares, level)}
+    return {"throughput": thr, "median_s": med, "shares": shares}
+
+
+def step_bootstrap(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndarray, n: int = BOOTSTRAP_N,
+                   seed: int = BOOTSTRAP_SEED, level: float = CI_LEVEL) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Percentile intervals of ``step_resamples``' statistics (each equals what
+    ``bootstrap_ci`` gives for that statistic alone, up to rounding)."""
+    d = step_resamples(samples, duration_s, parts_s, n, seed)
+    return {"throughput": _percentiles(d["throughput"], level), "median_s": _percentiles(d["median_s"], level),
+            "shares": _percentiles(d["shares"], level)}
+
+
+def diff_interval(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> tuple[float, float]:
+    """Interval of ``b - a`` from two runs' independent bootstrap draws, paired in order (the
+    first ``min(len)`` of each). Order statistics ``k`` and ``m - 1 - k`` of the sorted
+    differences, so swapping ``a`` and ``b`` gives exactly the negated interval. NaN draws are
+    left out; NaN bounds when fewer than 2 remain."""
+    m = min(len(a), len(b))
+    d = np.asarray(b[:m], dtype="float64") - np.asarray(a[:m], dtype="float64")
+    d = np.sort(d[np.isfinite(d)])
+    if len(d) < 2:
+        return float("nan"), float("nan")
+    k = int(np.floor((1.0 - level) / 2 * (len(d) - 1)))
+    return float(d[k]), float(d[len(d) - 1 - k])
+
+
+def content_seed(seed: int, values: np.ndarray) -> int:
+    """A seed from ``seed`` and the bytes of ``values``: a run's resamples then depend on its
+    data only, not on where it stands in a comparison (identical runs draw identical
+    resamples; comparing a with b mirrors comparing b with a)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(np.ascontiguousarray(values, dtype="float64").tobytes())) % 2**32
 
 
 def _stat_fn(stat: Stat) -> Callable[[np.ndarray], np.ndarray]:

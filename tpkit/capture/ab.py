@@ -63,7 +63,8 @@ class Snapshot:
             param.grad = None if grad is None else grad.clone()
         for gen, state in self.generators:
             gen.set_state(state)
-        torch.set_rng_state(self.torch_rng)
+        if self.torch_rng is not None:
+            torch.set_rng_state(self.torch_rng)
         np.random.set_state(self.numpy_rng)
         random.setstate(self.python_rng)
 
@@ -86,6 +87,7 @@ def models_in(ns: dict[str, Any]) -> list[torch.nn.Module]:
 
 @dataclass
 class ABResult:
+    """Run A and run B of ``--kernels ab`` on the same batches, with their loss comparison."""
     a: "Run"
     b: "Run"
     losses: pd.DataFrame  # kernels/ab.py COLUMNS: step, loss_a, loss_b, diff, abs_diff, rel_diff, within_tol

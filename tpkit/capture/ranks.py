@@ -48,7 +48,7 @@ def rank_meta() -> dict[str, Any]:
     if rank is None:
         return {}
     local = env.get("LOCAL_RANK")
-    return {"rank": int(rank), "world_size": int(world),
+    return {"rank": int(rank), "world_size": int(world or 0),
             "local_rank": int(local) if local is not None and local.isdigit() else None}
 
 

@@ -33,6 +33,7 @@ def active() -> "Recorder | None":
 
 
 def set_active(rec: "Recorder | None") -> None:
+    """Make ``rec`` the Recorder that probes write to (None: no slice is running)."""
     global _ACTIVE
     _ACTIVE = rec
 
@@ -55,6 +56,9 @@ class Recorder:
         self.clocks: list[tuple] = []  # (t_ns, device, metric, value)
         self.loader: list[tuple] = []  # (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
         self.losses: list[tuple[int, Any]] = []  # (raw_step, scalar tensor or float), resolved at build
+        self.skipped: set[int] = set()  # raw steps whose update a GradScaler skipped (inf/NaN grads)
+        self.framework: Any = None  # the HF / Lightning trainer running the loop (capture.frameworks)
+        self.slice_steps: int | None = None  # once the slice is full: steps past it are not the slice's
         self.notes: list[str] = []
         self.meta: dict[str, Any] = {}
         self.phase_listeners: list[PhaseListener] = []

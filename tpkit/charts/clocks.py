@@ -12,23 +12,17 @@ constant value in the panel's title (a VM's /proc/cpuinfo clock does not change)
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import altair as alt
 import pandas as pd
 
+from ..schema import CLOCK_METRICS
 from .timeline import TIME_BRUSH_NAME, stall_timeline
 
-#: Panel order and axis titles; metrics not listed come after, titled by their name.
-METRIC_TITLES: dict[str, str] = {
-    "sm_clock_mhz": "SM clock (MHz)",
-    "mem_clock_mhz": "memory clock (MHz)",
-    "cpu_freq_mhz": "CPU frequency (MHz)",
-    "utilization_pct": "GPU utilisation (%)",
-    "cpu_util_pct": "CPU utilisation (%)",
-    "power_w": "GPU power (W)",
-    "cpu_power_w": "CPU package power (W)",
-    "temperature_c": "temperature (°C)",
-}
+#: Panel order and axis titles: ``tpkit.schema.CLOCK_METRICS``; metrics not listed come after,
+#: titled by their name.
+METRIC_TITLES = CLOCK_METRICS
 X_TITLE = "time since slice start (s)"
 
 
@@ -37,6 +31,7 @@ def _time_brush() -> alt.Parameter:
 
 
 def metric_order(metrics: list[str]) -> list[str]:
+    """Metrics in panel order: the known ones first, in their fixed order, the others after."""
     return [m for m in METRIC_TITLES if m in metrics] + sorted(m for m in set(metrics) if m not in METRIC_TITLES)
 
 
@@ -122,7 +117,7 @@ def clocks_with_timeline(spans: pd.DataFrame, trace: pd.DataFrame, steps: pd.Dat
     return _vconcat(stall_timeline(spans, width=width), *panels, spacing=10)
 
 
-def _vconcat(*charts: alt.TopLevelMixin, spacing: int) -> alt.VConcatChart:
+def _vconcat(*charts: Any, spacing: int) -> alt.VConcatChart:
     """Stack charts on one shared x scale. The time brush is added to every panel on purpose:
     altair lifts it to one parameter over all their views, and says so in a warning that
     would only confuse a notebook user."""

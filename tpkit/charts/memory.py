@@ -7,8 +7,9 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-MIB = 1024 * 1024
-CATEGORY_ORDER: list[str] = ["parameters", "gradients", "optimizer_state", "activations", "data", "other"]
+from ..schema import MEMORY_CATEGORIES, MIB, fmt_mib
+
+CATEGORY_ORDER: list[str] = list(MEMORY_CATEGORIES)
 CATEGORY_COLORS: dict[str, str] = {
     "parameters": "#1f77b4",
     "gradients": "#6a51a3",
@@ -20,11 +21,8 @@ CATEGORY_COLORS: dict[str, str] = {
 
 
 def category_scale() -> alt.Scale:
+    """Colours of the memory categories, the same in every memory chart."""
     return alt.Scale(domain=CATEGORY_ORDER, range=[CATEGORY_COLORS[c] for c in CATEGORY_ORDER])
-
-
-def _mib(n: float) -> str:
-    return f"{n / MIB:,.2f} MiB"
 
 
 def memory_waterfall(wf: pd.DataFrame, peak: dict[str, Any] | None = None, headroom_bytes: float | None = None,
@@ -57,7 +55,7 @@ def memory_waterfall(wf: pd.DataFrame, peak: dict[str, Any] | None = None, headr
     if peak:
         mix = sorted(peak["by_category"].items(), key=lambda kv: -kv[1])
         made = ", ".join(f"{c} {v / max(peak['total_bytes'], 1):.0%}" for c, v in mix if v > 0)
-        text = f"peak {_mib(peak['total_bytes'])} in {peak['phase']} ({made})"
+        text = f"peak {fmt_mib(peak['total_bytes'])} in {peak['phase']} ({made})"
         pk = pd.DataFrame({"peak_mib": [peak["total_bytes"] / MIB], "text": [text]})
         layers.append(alt.Chart(pk).mark_rule(color="#b00020", strokeWidth=2).encode(y="peak_mib:Q"))
         layers.append(alt.Chart(pk).mark_text(align="left", dx=4, dy=-7, color="#b00020", x=0).encode(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import altair as alt
 
-PHASE_ORDER: list[str] = ["data_wait", "h2d", "forward", "backward", "optimizer", "offload", "tpkit", "other"]
+from .. import schema
+
+PHASE_ORDER: list[str] = list(schema.PHASE_ORDER)
 PHASE_COLORS: dict[str, str] = {
     "data_wait": "#d62728",  # red: the stall the eye must find first
     "h2d": "#ff7f0e",
@@ -26,4 +28,5 @@ def phase_scale(phases: list[str]) -> alt.Scale:
 
 
 def phase_sort(phases: list[str]) -> list[str]:
+    """Phases in drawing order: built-in phases in their fixed order, user phases after, sorted."""
     return [p for p in PHASE_ORDER if p in phases] + sorted(p for p in set(phases) if p not in PHASE_COLORS)

@@ -15,6 +15,7 @@ from .models import TinyConfig, TinyTransformer
 
 @dataclass
 class DemoKnobs:
+    """The demo's knobs (batch size, loader workers, a slow transform), as the CLI and tuner set them."""
     batch_size: int = 16
     num_workers: int = 0
     cpu_ms: float = 0.0  # busy work per sample in the dataset (a slow transform)

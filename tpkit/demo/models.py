@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 @dataclass
 class TinyConfig:
+    """Shape of the tiny transformer (vocabulary, width, depth, heads, sequence length)."""
     vocab_size: int = 512
     seq_len: int = 64
     n_layer: int = 2
@@ -32,6 +33,7 @@ class TinyConfig:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (what ``tpkit.kernels.rms_norm`` replaces)."""
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -71,6 +73,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary position embeddings."""
     def __init__(self, cfg: TinyConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
@@ -87,6 +90,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block: attention and a SwiGLU MLP, each with a residual."""
     def __init__(self, cfg: TinyConfig) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.eps)
@@ -126,7 +130,7 @@ class TinyTransformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.eps)
         self.head = LMHeadLoss(cfg.d_model, cfg.vocab_size)
         if cfg.tie_weights:
-            self.head.weight = self.embed.weight  # one storage, counted once by the memory probe
+            self.head.weight = self.embed.weight  # type: ignore[assignment]  # one storage, counted once by the memory probe
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)

@@ -39,6 +39,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m tpkit``: ``demo`` profiles the built-in slice, ``report`` draws a saved run."""
     parser = argparse.ArgumentParser(prog="tpkit", description="Profile PyTorch training slices.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="profile the built-in tiny transformer on the CPU and write the dashboard")

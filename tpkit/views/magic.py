@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -21,7 +21,7 @@ from ..capture.slice import Profile, SliceConfig, last_run
 from ..errors import TpkitError
 
 
-def _warmup(value: str) -> int | str:
+def _warmup(value: str) -> "int | Literal['auto']":
     if value == "auto":
         return "auto"
     try:
@@ -35,6 +35,15 @@ def _warmup(value: str) -> int | str:
 
 @magics_class
 class TpkitMagics(Magics):
+    """``%%tp_profile``, ``%tp_runs`` and ``%tp_compare``."""
+
+    @property
+    def ip(self) -> Any:
+        """The IPython shell the magics are registered with."""
+        if self.shell is None:
+            raise UsageError("tpkit's magics need an IPython shell: run %load_ext tpkit in one")
+        return self.shell
+
     @magic_arguments()
     @argument("--steps", type=int, default=20, help="measured optimizer steps (after warmup); default 20")
     @argument("--warmup", default="3", help="steps flagged as warmup: a number, or 'auto' (until step times settle); default 3")
@@ -58,11 +67,11 @@ class TpkitMagics(Magics):
         """
         config, save_dir, kernels = self._config(line, cell)
         previous = last_run()
-        code = self.shell.transform_cell(cell)
-        filename = self.shell.compile.cache(code)
+        code = self.ip.transform_cell(cell)
+        filename = self.ip.compile.cache(code)
         if kernels == "ab":
             return self._run_ab(config, code, filename, save_dir)
-        with _kernels_mode(kernels, self.shell.user_ns):
+        with _kernels_mode(kernels, self.ip.user_ns):
             run, error = self._run(config, code, filename)
         if run is not None:
             self._show(run, config, save_dir, compare_with=[previous] if previous is not None else [])
@@ -74,13 +83,13 @@ class TpkitMagics(Magics):
         prof = Profile(config)
         try:
             with prof:
-                exec(compile(code, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
+                exec(compile(code, filename, "exec"), self.ip.user_ns)  # noqa: S102 - the user's own cell
         except BaseException as e:  # shown with the partial run, then re-raised by the caller
             return prof.run, e
         return prof.run, None
 
     def _show(self, run: Any, config: SliceConfig, save_dir: str | None, compare_with: list, ab: Any = None) -> None:
-        self.shell.user_ns["_tp"] = run
+        self.ip.user_ns["_tp"] = run
         if save_dir:
             run.save(Path(save_dir) / run.name if ab is not None else save_dir)
         if config.progress:
@@ -102,10 +111,10 @@ class TpkitMagics(Magics):
             return run
 
         try:
-            result = run_ab(run_slice, self.shell.user_ns, config.name or "ab")
+            result = run_ab(run_slice, self.ip.user_ns, config.name or "ab")
         except ValueError as e:
             raise UsageError(f"%%tp_profile --kernels ab: {e}") from None
-        self.shell.user_ns["_tp_ab"] = result
+        self.ip.user_ns["_tp_ab"] = result
         if save_dir:
             result.a.save(Path(save_dir) / result.a.name)
         self._show(result.b, config, save_dir, compare_with=[result.a], ab=result)
@@ -161,7 +170,7 @@ class TpkitMagics(Magics):
         args = _parse(self.tp_compare, line, "%tp_compare")
         loaded = []
         for name in args.names:
-            var = self.shell.user_ns.get(name)
+            var = self.ip.user_ns.get(name)
             if isinstance(var, Run):
                 loaded.append(var)
                 continue
@@ -173,7 +182,7 @@ class TpkitMagics(Magics):
                     msg += f"\nknown runs: {', '.join(names()) or 'none'}"
                 raise UsageError(msg) from None
         comparison = compare(*loaded)
-        self.shell.user_ns["_tp_compare"] = comparison
+        self.ip.user_ns["_tp_compare"] = comparison
         display(comparison)
 
 
@@ -219,13 +228,14 @@ def _next_name() -> str:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext tpkit``: register the magics and switch altair to offline rendering."""
     ipython.register_magics(TpkitMagics)
     enable_offline_charts()
 
 
 def enable_offline_charts() -> str:
     """Make altair charts a user displays render with no network: altair's default renderer
-    loads vega from a CDN and shows "Error loading script" offline (shared/MEASURED.md).
+    loads vega from a CDN and shows "Error loading script" offline (docs/MEASURED.md).
     A renderer the user chose is left alone. Returns the renderer in use."""
     import altair as alt
 

@@ -42,6 +42,7 @@ PER_CORE_MAX = 16
 UTIL_MIN_WINDOW_S = 0.03
 
 class Backend(Protocol):
+    """A source of clock readings (host, NVML): ``read()`` gives ``(device, metric, value)`` rows."""
     name: str
 
     def read(self) -> list[Reading]: ...
@@ -80,6 +81,12 @@ def _busy_total(t: Any) -> tuple[float, float]:
     return total - t.idle - getattr(t, "iowait", 0.0), total
 
 
+def _cpu_index(path: str) -> int:
+    """The core number in a ``.../cpuN/cpufreq/...`` path (sort key; -1 if none)."""
+    m = re.search(r"cpu(\d+)/cpufreq", path)
+    return int(m.group(1)) if m else -1
+
+
 class HostBackend:
     """CPU frequency, utilisation, package power and temperature, each from the first source
     that reads on this machine. Sources are probed once, at construction."""
@@ -100,7 +107,7 @@ class HostBackend:
 
         # Frequency: cpufreq (kHz, moves with DVFS) else /proc/cpuinfo (MHz, often frozen on VMs).
         self._freq_files = sorted(glob.glob(f"{sys_root}/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_cur_freq"),
-                                  key=lambda p: int(re.search(r"cpu(\d+)/cpufreq", p).group(1)))
+                                  key=_cpu_index)
         self._freq: Callable[[], list[float]] | None = None
         if self._freq_files and self._try(self._freq_cpufreq):
             self._freq = self._freq_cpufreq

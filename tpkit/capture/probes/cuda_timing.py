@@ -13,6 +13,7 @@ from typing import Any
 
 
 class CudaTimer:
+    """CUDA events stamped at phase boundaries, resolved to host seconds after the slice (no sync per phase)."""
     def __init__(self, torch_mod: Any) -> None:
         self.torch = torch_mod
         cuda = torch_mod.cuda

@@ -7,6 +7,7 @@ from typing import Any
 
 
 class Patches:
+    """Attribute patches that are undone exactly, in reverse order, however often ``undo`` is called."""
     def __init__(self) -> None:
         self._done: list[tuple[Any, str, Any]] = []  # (owner, attribute, original or None)
 
