@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from ranks_launch import ROOT, torchrun
 
 COMM_PY = ROOT / "tpkit" / "capture" / "probes" / "comm.py"
