@@ -25,6 +25,7 @@ from ..errors import ProfileActiveError, StopSlice, TpkitError
 from ..run import Run
 from . import recorder as _rec
 from .build import build_run
+from .interrupts import held_sigint
 from .probes.cuda_timing import maybe_cuda_timer
 from .probes.phases import PhaseProbe
 
@@ -41,6 +42,7 @@ def last_run() -> Run | None:
 
 @dataclass
 class SliceConfig:
+    """What a slice records and when it stops (the options of ``tp.profile`` and ``%%tp_profile``)."""
     steps: int = 20
     warmup: int | Literal["auto"] = 3
     name: str | None = None
@@ -107,30 +109,46 @@ class Profile:
                 self._bar = _progress_bar(cfg, self.warmup_steps)
             _rec.set_active(rec)
         except BaseException:
-            self._teardown()
+            with held_sigint():
+                self._teardown()
             raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        self._teardown()
-        self._finish(exc)
+        # A Ctrl-C here would leave hooks installed and lose the run: it is held until every
+        # probe is out and the run is kept, then raised (tpkit/capture/interrupts.py).
+        with held_sigint():
+            try:
+                self._teardown()
+            finally:
+                self._finish(exc)
         return exc_type is not None and issubclass(exc_type, StopSlice)
 
     def _teardown(self) -> None:
-        """Take every probe out; safe to run twice and after a partial start."""
+        """Take every probe out; safe to run twice and after a partial start. A probe that
+        fails to stop (with any exception) never keeps the others in: all are removed first,
+        then the first failure that was not an ordinary error is raised."""
         if self.rec is not None and _rec.active() is self.rec:
             _rec.set_active(None)
+        fatal: BaseException | None = None
         while self._probes:
             probe = self._probes.pop()
             self._removed.append(probe)
             try:
                 probe.remove()
-            except Exception as e:  # a probe that fails to stop must not keep the others in
+            except BaseException as e:  # noqa: BLE001 - every probe must come out first
                 if self.rec is not None:
                     self.rec.note(f"{type(probe).__name__} failed to stop cleanly: {e!r}")
+                if not isinstance(e, Exception) and fatal is None:
+                    fatal = e
         if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+            bar, self._bar = self._bar, None
+            try:
+                bar.close()
+            except Exception:  # noqa: BLE001 - a progress bar never costs the run
+                pass
+        if fatal is not None:
+            raise fatal
 
     # -- steps ------------------------------------------------------------------------------
     def _on_step(self, raw_step: int, end_ns: int) -> None:
@@ -142,7 +160,8 @@ class Profile:
             if settled(self._durations) or done >= WARMUP_AUTO_CAP:
                 self.warmup_steps = done
                 how = "step times settled" if done < WARMUP_AUTO_CAP else "cap reached before step times settled"
-                self.rec.note(f"warmup auto: ended after {done} steps ({how})")
+                if self.rec is not None:
+                    self.rec.note(f"warmup auto: ended after {done} steps ({how})")
                 if self._bar is not None:
                     self._bar.total = done + cfg.steps
                     self._bar.refresh()
@@ -151,7 +170,19 @@ class Profile:
         for fn in self.on_step:
             fn(raw_step)
         if cfg.stop and self.warmup_steps is not None and raw_step + 1 >= self.warmup_steps + cfg.steps:
-            raise StopSlice()
+            self._stop(raw_step)
+
+    def _stop(self, raw_step: int) -> None:
+        """The slice is full: a trainer tpkit recognised ends through its own stop switch
+        (its last step, logging and end hooks run as after ``max_steps``); any other loop is
+        stopped with ``StopSlice``, as is a trainer that keeps stepping anyway."""
+        rec = self.rec
+        fw = rec.framework
+        if rec.slice_steps is None:
+            rec.slice_steps = raw_step + 1
+            if fw is not None and fw.request_stop():
+                return
+        raise StopSlice()
 
     # -- the Run ----------------------------------------------------------------------------
     def _finish(self, exc: BaseException | None) -> None:
@@ -160,10 +191,15 @@ class Profile:
         if rec is None:
             return
         rec.close_all()
+        if rec.slice_steps is not None:
+            del rec.step_ends[rec.slice_steps:]  # a trainer that overran its stop: not the slice's
         done = len(rec.step_ends)
         warmup = self.warmup_steps if self.warmup_steps is not None else done  # auto never settled
         meta: dict[str, Any] = {"complete": True, "stopped_by": "slice"}
-        if exc is None:
+        if exc is None and rec.slice_steps is not None:
+            if rec.framework is not None and rec.framework.stop_requested:
+                meta["stopped_through"] = rec.framework.name  # the trainer's own stop, not StopSlice
+        elif exc is None:
             meta["stopped_by"] = "loop_end"
             if cfg.stop and done < warmup + cfg.steps:
                 rec.note(f"the loop ended after {done} steps, before the slice was full "
@@ -179,16 +215,20 @@ class Profile:
         if self.warmup_steps is None and done:
             rec.note(f"warmup auto: step times never settled; all {done} steps are flagged warmup")
         for probe in self._removed:
-            if isinstance(probe, PhaseProbe):
-                meta.update(_phase_meta(rec, probe))
-            elif hasattr(probe, "meta"):
-                meta.update(probe.meta())
+            try:
+                if isinstance(probe, PhaseProbe):
+                    meta.update(_phase_meta(rec, probe))
+                elif hasattr(probe, "meta"):
+                    meta.update(probe.meta())
+            except Exception as e:  # noqa: BLE001 - one probe's facts never cost the run
+                rec.note(f"{type(probe).__name__} could not report its facts: {e!r}")
         try:
             self.run = build_run(rec, warmup, meta)
         except Exception as e:  # never lose the user's error to a failure of ours
+            self.run = Run(meta={"name": rec.name, "complete": False, "notes": [f"building the Run failed: {e!r}"]})
+            _LAST_RUN = self.run
             if exc is None or isinstance(exc, StopSlice):
                 raise
-            self.run = Run(meta={"name": rec.name, "complete": False, "notes": [f"building the Run failed: {e!r}"]})
         from .ranks import finish_rank_run
 
         finish_rank_run(self.run, cfg.save_dir)  # rank facts into meta; per-rank save; never raises
@@ -296,8 +336,20 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     out: dict[str, Any] = {"optimizers": sorted(set(probe.optimizers.values()))}
     if len(probe.optimizers) > 1:
         rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step()")
-    if probe.models:
-        model = max(probe.models.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
+    for text in probe.notes():
+        rec.note(text)
+    if probe.skipped_steps:
+        out["skipped_steps"] = probe.skipped_steps
+    if probe.merged_steps:
+        out["merged_optimizer_steps"] = probe.merged_steps
+    fw = rec.framework
+    trained = fw.model() if fw is not None else None
+    if fw is not None:
+        out["framework"] = fw.name
+    candidates = [trained] if isinstance(trained, torch.nn.Module) else list(probe.models.values())
+    if candidates:
+        model = max(candidates, key=lambda m: sum(p.numel() for p in m.parameters()))
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model inside
         params = {id(p): p for p in model.parameters()}.values()
         out["model"] = {"class": type(model).__name__, "parameters": int(sum(p.numel() for p in params)),
                         "trainable": int(sum(p.numel() for p in params if p.requires_grad))}
@@ -341,7 +393,7 @@ def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Litera
             before, losses = rec.step_index, len(rec.losses)
             out = step_fn()
             if len(rec.losses) == losses and _is_scalar(out):
-                rec.losses.append((before, out.detach() if isinstance(out, torch.Tensor) else float(out)))
+                rec.losses.append((before, out.detach().clone() if isinstance(out, torch.Tensor) else float(out)))
             if rec.step_index == before:
                 rec.end_step()
     assert prof.run is not None

@@ -1,0 +1,69 @@
+"""What a slice must leave as it found: every place tpkit hooks or patches, its threads, child
+processes, shared-memory segments and the SIGINT handler. ``snapshot()`` before, ``snapshot()``
+after, compare with ``diff``."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import warnings
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.modules.module as mm
+import torch.optim.optimizer as oo
+import torch.utils.data.dataloader as dl
+
+from tpkit.capture import recorder
+
+#: Classes and modules whose attributes tpkit patches while a slice runs (any of them, now or
+#: later): every attribute's identity is compared.
+PATCHED_PLACES: list[Any] = [torch.Tensor, torch.optim.Optimizer, torch.nn.Module, torch.autograd,
+                             dl._BaseDataLoaderIter, torch.amp.GradScaler, torch.distributed]
+
+
+def _shm() -> set[str]:
+    """Segments named after this process (tpkit's loader names its segments ``tpk-<pid>-...``);
+    other processes on the machine make and remove their own meanwhile."""
+    mine = str(os.getpid())
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if mine in n.split("-")}
+
+
+def snapshot() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "fwd_pre": len(mm._global_forward_pre_hooks), "fwd": len(mm._global_forward_hooks),
+        "fwd_always": len(mm._global_forward_hooks_always_called),
+        "bwd": len(mm._global_backward_hooks), "bwd_pre": len(mm._global_backward_pre_hooks),
+        "opt_pre": len(oo._global_optimizer_pre_hooks), "opt_post": len(oo._global_optimizer_post_hooks),
+        "gc_callbacks": len(gc.callbacks),
+        "threads": sorted(t.name for t in threading.enumerate() if t.is_alive()),
+        "children": sorted(p.pid for p in psutil.Process().children(recursive=True)),
+        "shm": _shm(),
+        "sigint": signal.getsignal(signal.SIGINT),
+        "active": recorder.active(),
+        "autograd_profiler": torch.autograd.profiler._is_profiler_enabled,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.distributed's deprecated aliases warn when touched
+        for place in PATCHED_PLACES:
+            name = getattr(place, "__name__", repr(place))
+            out.update({f"{name}.{k}": id(v) for k, v in list(vars(place).items()) if callable(v)})
+    return out
+
+
+def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The entries that changed (``{}`` when the slice left nothing behind). tpkit's own threads
+    are named ``tpkit-*``; other threads (torch's, pytest's) are ignored."""
+    changed = {}
+    for key in set(before) | set(after):
+        b, a = before.get(key), after.get(key)
+        if key == "threads":
+            b = [t for t in b or [] if t.startswith("tpkit")]
+            a = [t for t in a or [] if t.startswith("tpkit")]
+        if b != a:
+            changed[key] = (b, a)
+    return changed

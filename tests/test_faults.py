@@ -1,0 +1,143 @@
+"""Faults at any instant leave nothing behind and keep what was recorded: Ctrl-C inside each
+probe's removal, while the Run is built and while it is saved; an exception raised from inside
+each kind of probe callback; real SIGINTs at random instants over many slices."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tpkit as tp
+from leftovers import diff, snapshot
+from tpkit.capture import slice as slice_mod
+from tpkit.capture.probes.clocks import ClockProbe
+from tpkit.capture.probes.memory import MemoryProbe
+from tpkit.capture.probes.phases import PhaseProbe
+
+STEPS, WARMUP = 4, 1
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    return model, loader, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def train(model, loader, opt):
+    for _ in range(100):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def ctrl_c() -> None:
+    """A real SIGINT to this process, as a Ctrl-C in a terminal or a kernel interrupt sends."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def run_slice() -> None:
+    model, loader, opt = make()
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=50):
+        train(model, loader, opt)
+
+
+@pytest.mark.parametrize("probe", [PhaseProbe, MemoryProbe, ClockProbe], ids=lambda c: c.__name__)
+def test_ctrl_c_while_a_probe_is_removed_leaves_nothing_and_keeps_the_run(probe, monkeypatch):
+    before = snapshot()
+    original = probe.remove
+
+    def remove_interrupted(self, *a, **k):
+        ctrl_c()
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(probe, "remove", remove_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_slice()
+    monkeypatch.undo()
+    assert diff(before, snapshot()) == {}
+    run = tp.last_run()
+    assert run is not None and len(run.measured_steps) == STEPS  # the full slice was recorded and kept
+
+
+@pytest.mark.parametrize("where", ["build_run", "autosave"])
+def test_ctrl_c_while_the_run_is_built_or_saved_keeps_it(where, monkeypatch):
+    from tpkit import store
+
+    before = snapshot()
+    target = slice_mod if where == "build_run" else store
+    original = getattr(target, where)
+
+    def interrupted(*a, **k):
+        ctrl_c()
+        return original(*a, **k)
+
+    monkeypatch.setattr(target, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_slice()
+    monkeypatch.undo()
+    assert diff(before, snapshot()) == {}
+    assert len(tp.last_run().measured_steps) == STEPS
+
+
+@pytest.mark.parametrize("listener", ["phase_listeners", "step_listeners", "batch_listeners"])
+def test_an_exception_inside_a_probe_callback_leaves_nothing_and_keeps_the_partial_run(listener):
+    before = snapshot()
+    model, loader, opt = make()
+    calls = []
+
+    def boom(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("a probe failed")
+
+    with pytest.raises(RuntimeError, match="a probe failed"):
+        with tp.profile(steps=STEPS, warmup=WARMUP, progress=False) as prof:
+            getattr(prof.rec, listener).append(boom)
+            train(model, loader, opt)
+    assert diff(before, snapshot()) == {}
+    run = tp.last_run()
+    assert run is prof.run and not run.complete and "a probe failed" in run.meta["error"]
+
+
+def test_ctrl_c_in_the_loop_keeps_the_partial_run_marked_interrupted():
+    before = snapshot()
+    model, loader, opt = make()
+    seen = []
+
+    def interrupt_at_third(raw_step, end_ns):
+        seen.append(raw_step)
+        if len(seen) == 3:
+            ctrl_c()
+
+    with pytest.raises(KeyboardInterrupt):
+        with tp.profile(steps=50, warmup=WARMUP, progress=False) as prof:
+            prof.rec.step_listeners.append(interrupt_at_third)
+            train(model, loader, opt)
+    assert diff(before, snapshot()) == {}
+    run = tp.last_run()
+    assert run.meta["stopped_by"] == "interrupt" and not run.complete
+    assert len(run.steps) == 3  # the three steps that happened
+
+
+SIGINT_SOAK = Path(__file__).with_name("sigint_soak.py")
+
+
+@pytest.mark.slow
+def test_real_sigints_at_random_instants_over_many_slices_leave_nothing_behind():
+    out = subprocess.run([sys.executable, str(SIGINT_SOAK), "--slices", "40", "--seed", "3"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TPKIT_RUNS": "off"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = out.stdout.strip().splitlines()[-1]
+    interrupted, clean = (int(x.split("=")[1]) for x in summary.split()[:2])
+    assert clean == 40 and interrupted >= 10, summary  # Ctrl-C landed in most slices, nothing ever left

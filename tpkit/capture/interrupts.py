@@ -1,0 +1,55 @@
+"""Ctrl-C held while tpkit takes its probes out and keeps the run.
+
+A KeyboardInterrupt can land at any bytecode. Landing inside a slice's teardown it would
+leave hooks installed (every later loop would see a slice that is no longer there) and lose
+the run. ``held_sigint()`` defers SIGINT for the few milliseconds of teardown: the signal is
+remembered, the teardown finishes, and the KeyboardInterrupt is raised right after, so the
+user's Ctrl-C still stops their cell.
+
+Only the main thread can install a signal handler; elsewhere (a loop run in a thread) the
+block runs as is, and Python delivers SIGINT to the main thread anyway.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+
+class Held:
+    """What happened while SIGINT was held: ``pending`` once a Ctrl-C arrived."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+
+@contextmanager
+def held_sigint() -> Iterator[Held]:
+    """Hold SIGINT for the block; raise KeyboardInterrupt after it if one arrived (unless the
+    block is already leaving with an exception, which then wins)."""
+    held = Held()
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):  # no signal support here (an embedded interpreter)
+        yield held
+        return
+
+    def remember(signum: int, frame: Any) -> None:
+        held.pending = True
+
+    try:
+        signal.signal(signal.SIGINT, remember)
+    except (ValueError, OSError):
+        yield held
+        return
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if held.pending:
+        raise KeyboardInterrupt("interrupted while tpkit was removing its probes (they are all removed)")
