@@ -7,13 +7,16 @@ pickle) and loaded back losslessly.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from .errors import RunFormatError
-from .schema import FORMAT_VERSION, SCHEMAS, TABLES, frame, jsonable
+from .schema import DEFAULTS, FORMAT_VERSION, SCHEMAS, TABLES, frame, jsonable
 
 if TYPE_CHECKING:
     from .analysis.steps import Summary
@@ -90,13 +93,26 @@ class Run:
 
     # -- storage ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write every table as ``<table>.parquet`` and the meta as ``meta.json`` into ``path``."""
+        """Write every table as ``<table>.parquet`` and the meta as ``meta.json`` into ``path``.
+
+        Atomic as a whole: the files are written into a hidden sibling folder that then takes
+        ``path``'s place, so a save that fails part-way (a full disk, a Ctrl-C) leaves the old
+        run whole, or nothing; never old steps beside new spans.
+        """
         out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        for table in TABLES:
-            getattr(self, table).to_parquet(out / f"{table}.parquet", index=False)
-        meta = {"tpkit_format": FORMAT_VERSION, **self.meta}
-        (out / "meta.json").write_text(json.dumps(jsonable(meta), indent=2))
+        if out.exists() and not out.is_dir():
+            raise RunFormatError(f"cannot save a run to {out}: it is a file, not a folder")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.saving-", dir=out.parent))
+        try:
+            for table in TABLES:
+                getattr(self, table).to_parquet(tmp / f"{table}.parquet", index=False)
+            meta = {"tpkit_format": FORMAT_VERSION, **self.meta}
+            (tmp / "meta.json").write_text(json.dumps(jsonable(meta), indent=2))
+            _replace_folder(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return out
 
     @classmethod
@@ -124,9 +140,47 @@ class Run:
                 df = pd.read_parquet(f)
             except Exception as e:  # pyarrow raises several types for a damaged file
                 raise RunFormatError(f"{f} is damaged and cannot be read: {e}") from None
-            missing = [c for c in SCHEMAS[table] if c not in df.columns]
+            later = DEFAULTS.get(table, {})  # columns added since: an older run has their default
+            missing = [c for c in SCHEMAS[table] if c not in df.columns and c not in later]
             if missing:
                 raise RunFormatError(f"{f} lacks the columns {missing}: not a tpkit {table} table")
-            tables[table] = frame(table, df[list(SCHEMAS[table])])
+            try:
+                tables[table] = frame(table, df[[c for c in SCHEMAS[table] if c in df.columns]])
+            except (TypeError, ValueError) as e:
+                raise RunFormatError(f"{f} has a column of the wrong type ({e}): not a tpkit {table} table") from None
+        _check_meta(meta, meta_path)
         return cls(meta=meta, **tables)
 
+
+#: meta.json fields tpkit reads, and the types they must have.
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "knobs": (dict,), "notes": (list,), "complete": (bool,), "warmup_steps": (int,),
+    "devices": (list,), "versions": (dict,), "start_time": (str,), "model": (dict,), "memory": (dict,),
+    "clocks": (dict,), "ranks": (dict,), "error": (str,), "stopped_by": (str,),
+}
+
+
+def _check_meta(meta: dict, path: Path) -> None:
+    """Wrong-typed fields would crash the summary or the report later: refuse them on load."""
+    for key, types in _META_TYPES.items():
+        if key in meta and meta[key] is not None and not isinstance(meta[key], types):
+            want = " or ".join(t.__name__ for t in types)
+            raise RunFormatError(f"{path}: '{key}' is a {type(meta[key]).__name__}, not a {want}: "
+                                 "the file was edited or written by something else")
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Put the folder ``new`` at ``target`` (same parent): the old folder is moved aside first
+    and removed only once the new one is in place."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, old / "run")
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old / "run", target)  # put the old run back whole
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

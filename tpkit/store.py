@@ -11,6 +11,7 @@ the name a user sees is always the name ``tp.load`` takes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -53,9 +54,10 @@ def _require_store(store: str | os.PathLike | None) -> Path:
 
 
 def safe_name(name: str) -> str:
-    """A run name as a folder name: letters, digits, ``.``, ``_`` and ``-``; the rest becomes
-    ``_`` (so a name never escapes the store or hides as a dot-folder)."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("._") or "run"
+    """A run name as a folder name: letters and digits of any script, ``.``, ``_`` and ``-``;
+    the rest becomes ``_`` (so a name never escapes the store or hides as a dot-folder). Only
+    the folder is named so: the run keeps the name the user gave."""
+    cleaned = re.sub(r"[^\w.-]+", "_", str(name)).strip("._") or "run"
     return cleaned[:120]
 
 
@@ -71,14 +73,14 @@ def save(run: Run, store: str | os.PathLike | None = None) -> Path:
     base = safe_name(run.name)
     n = 1
     while True:
-        name = base if n == 1 else f"{base}-{n}"
-        folder = root / name
+        folder = root / (base if n == 1 else f"{base}-{n}")
         try:
             folder.mkdir()
             break
         except FileExistsError:
             n += 1
-    run.meta["name"] = name
+    if n > 1:
+        run.meta["name"] = f"{run.name}-{n}"
     run.save(folder)
     return folder
 
@@ -124,11 +126,45 @@ def load(name_or_path: str | os.PathLike | Run, store: str | os.PathLike | None 
     text = os.fspath(name_or_path)
     root = Path(store).expanduser() if store is not None else store_path()
     plain = isinstance(name_or_path, str) and os.sep not in text and "/" not in text
-    if plain and root is not None and (root / text).is_dir():
-        return Run.load(root / text)
-    if not plain or Path(text).expanduser().exists():
+    if isinstance(name_or_path, str) and root is not None:
+        found = _find_stored(root, text, plain)
+        if found is not None:
+            return Run.load(found)
+    if not plain or _exists(Path(text).expanduser()):
         return Run.load(Path(text).expanduser())  # Run.load says what is wrong with a folder
     known = names(root) if root is not None else []
     where = f"the store {root}" if root is not None else "the store (it is off)"
     listing = ", ".join(known) if known else "none"
     raise RunFormatError(f"no run named {text!r} in {where} and no such folder; known runs: {listing}")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long to be a path is not one
+        return False
+
+
+def _find_stored(root: Path, name: str, plain: bool) -> Path | None:
+    """The store folder of the run called ``name``: its folder by name (as given, when that is a
+    plain folder name, or sanitised, when the run there carries that name), else any folder
+    whose run carries that name."""
+    if plain and name not in (".", "..") and _exists(root / name) and (root / name).is_dir():
+        return root / name
+    folder = root / safe_name(name)
+    if _exists(folder) and folder.is_dir() and _stored_name(folder) == name:
+        return folder
+    for folder in stored_folders(root):
+        if _stored_name(folder) == name:
+            return folder
+    return None
+
+
+def _stored_name(folder: Path) -> str | None:
+    """The run name in a stored folder's ``meta.json`` (None when it cannot be read)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from ..store import store_path, stored_folders
 from .steps import summarize
@@ -33,6 +34,11 @@ def _row(folder: Path) -> dict[str, Any]:
         missing = [t for t in ("spans", "memory", "clocks", "loader") if not (folder / f"{t}.parquet").is_file()]
         if missing:
             raise FileNotFoundError(f"missing {', '.join(t + '.parquet' for t in missing)}")
+        for t in ("spans", "memory", "clocks", "loader"):  # a footer read: cheap, and catches empty files
+            try:
+                pq.read_metadata(folder / f"{t}.parquet")
+            except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+                raise ValueError(f"{t}.parquet is damaged: {e}") from None
         s = summarize(steps, meta)
     except FileNotFoundError as e:
         row["problem"] = f"incomplete folder: {Path(e.filename).name if e.filename else e}"
@@ -41,6 +47,8 @@ def _row(folder: Path) -> dict[str, Any]:
         row["problem"] = f"{type(e).__name__}: {e}"[:300]
         return row
     knobs = meta.get("knobs") or {}
+    if isinstance(meta.get("name"), str):
+        row["name"] = meta["name"]  # the user's name; the folder's may be sanitised
     row.update(start_time=meta.get("start_time"), steps=s.steps, throughput=s.throughput,
                step_p50_ms=s.step_p50_s * 1e3, verdict=s.verdict.kind, complete=s.complete, damaged=False,
                knobs=", ".join(f"{k}={v}" for k, v in knobs.items()) if isinstance(knobs, dict) else str(knobs))
