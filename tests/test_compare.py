@@ -7,6 +7,8 @@ import importlib
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as hs
 
 from tpkit.run import Run
 from tpkit.schema import frame as _frame
@@ -152,8 +154,8 @@ def test_warnings_for_models_steps_incomplete_and_devices():
 
 
 def test_like_for_like_runs_have_no_warnings():
-    a = make_run("a", [0.1] * 4, model={"class": "Net", "parameters": 1000})
-    b = make_run("b", [0.2] * 4, model={"class": "Net", "parameters": 1000})
+    a = make_run("a", [0.1] * 5, model={"class": "Net", "parameters": 1000})
+    b = make_run("b", [0.2] * 5, model={"class": "Net", "parameters": 1000})
     assert cmp.compare(a, b).warnings == []
 
 
@@ -175,8 +177,10 @@ def test_chart_frames_and_text():
     assert ph.loc[("a", "data_wait"), "median_ms"] == pytest.approx(75.0)
     assert ph.loc[("b", "forward"), "share"] == pytest.approx(0.5)
     wide = c.wide()
-    assert list(wide.columns) == ["a", "b"]
-    assert "step_time_p50 (ms)" in c.to_text()
+    assert list(wide.index) == ["a", "b"]  # one row per run, metrics as columns
+    assert wide.loc["b", "step time p50 (ms)"] == pytest.approx(100.0)
+    assert wide.loc["a", "data stall (%)"] == pytest.approx(50.0)
+    assert "step time p50 (ms)" in c.to_text()
     assert isinstance(c.table, pd.DataFrame) and list(c.table.columns) == list(cmp.TABLE_COLUMNS)
 
 
@@ -197,8 +201,8 @@ def test_idle_phase_shares_are_left_out_but_data_stall_stays():
     metrics = set(c.table["metric"])
     assert {"data_stall_share", "forward_share", "backward_share"} <= metrics
     assert not metrics & {"h2d_share", "optimizer_share", "offload_share", "other_share"}
-    assert "significant (better)" in cmp.compare(make_run("a", [0.2, 0.21, 0.19]),
-                                                 make_run("b", [0.1, 0.11, 0.09])).to_text()
+    assert "significant (better)" in cmp.compare(make_run("a", [0.2, 0.21, 0.19, 0.2, 0.2]),
+                                                 make_run("b", [0.1, 0.11, 0.09, 0.1, 0.1])).to_text()
 
 
 def test_comparison_charts_by_spec():
@@ -234,8 +238,8 @@ def test_tp_compare_magic_displays_table_and_warnings(ip, tmp_path, monkeypatch)
     with capture_output() as cap:
         ip.run_line_magic("tp_compare", "base next mine")
     data = cap.outputs[-1].data
-    assert "WARNING: different models" in data["text/plain"] and "step_time_p50 (ms)" in data["text/plain"]
-    assert "<table>" in data["text/html"] and "different models" in data["text/html"]
+    assert "WARNING: different models" in data["text/plain"] and "step time p50 (ms)" in data["text/plain"]
+    assert '<table class="tp-grid">' in data["text/html"] and "different models" in data["text/html"]
     assert ip.user_ns["_tp_compare"].labels == ["base", "next", "mine"]
     with pytest.raises(UsageError, match=r"'nope'[\s\S]*known runs: base, next"):
         ip.run_line_magic("tp_compare", "base nope")
@@ -269,7 +273,138 @@ def test_long_runs_use_fewer_resamples():
 def test_comparison_charts_list_skips_empty_parts():
     c = cmp.compare(make_run("a", [0.1, 0.2]), make_run("b", [0.1, 0.1]))
     titles = [t for t, _ in c.charts()]
-    assert titles == ["Step time by run", "Median time per phase by run", "step_time_p50 with 95% intervals",
-                      "throughput with 95% intervals"]
+    assert titles == ["Change against the baseline, with 95% intervals", "Step time and time per phase by run"]
     assert all(ch.to_dict() for _, ch in c.charts())
     assert cmp.compare(Run(meta={"name": "e"})).charts() == []
+
+
+# -- compare v2: baseline, practical threshold, not enough data, NaN -------------------------
+
+NOISE = [0.100, 0.104, 0.096, 0.102, 0.098, 0.101, 0.099, 0.103, 0.097, 0.100]
+
+
+def test_deltas_are_against_the_chosen_baseline():
+    runs = [make_run(n, np.array(NOISE) * f) for n, f in (("a", 1.0), ("b", 2.0), ("c", 4.0))]
+    c = cmp.compare(*runs, baseline="b")
+    assert c.baseline == "b" and c.labels == ["a", "b", "c"]
+    assert row(c, "step_time_p50", "b")["significant"] == cmp.BASELINE
+    assert row(c, "step_time_p50", "a")["delta_pct"] == pytest.approx(-50.0)
+    assert row(c, "step_time_p50", "c")["delta_pct"] == pytest.approx(100.0)
+    assert row(c, "step_time_p50", "a")["direction"] == "better"
+    assert cmp.compare(*runs).baseline == "a"  # default: the first run
+    assert cmp.compare(*runs, baseline=runs[2]).baseline == "c"
+    assert cmp.compare(*runs, baseline=-1).baseline == "c"
+    from tpkit.errors import TpkitError
+
+    with pytest.raises(TpkitError, match="none of the compared runs: a, b, c"):
+        cmp.compare(*runs, baseline="zzz")
+
+
+def test_a_precise_but_tiny_change_is_no_meaningful_difference():
+    # 200 steps each, a 0.2% slower step: the interval of the change excludes zero, but it is
+    # below the 2% practical threshold
+    d = 0.1 + 0.0002 * np.sin(np.arange(200))
+    c = cmp.compare(make_run("a", d), make_run("b", d * 1.002))
+    r = row(c, "step_time_p50", "b")
+    assert r["delta_pct"] == pytest.approx(0.2, abs=0.01)
+    assert r["delta_low"] > 0  # the change is real...
+    assert r["significant"] == cmp.NO_DIFFERENCE  # ...but not worth acting on
+    r = row(c, "step_time_p50", "b")
+    c = cmp.compare(make_run("a", d), make_run("b", d * 1.03))  # 3%: above the threshold
+    assert row(c, "step_time_p50", "b")["significant"] == cmp.SIGNIFICANT
+
+
+def test_few_steps_are_not_enough_data():
+    c = cmp.compare(make_run("a", [0.1, 0.1, 0.1, 0.1]), make_run("b", [0.2, 0.2, 0.2, 0.2]))
+    assert row(c, "step_time_p50", "b")["significant"] == cmp.NOT_ENOUGH_DATA
+    assert row(c, "throughput", "b")["significant"] == cmp.NOT_ENOUGH_DATA
+    assert row(c, "step_time_p50", "b")["delta_pct"] == pytest.approx(100.0)  # the change is still shown
+    one = cmp.compare(make_run("a", NOISE), make_run("b", [0.05]))
+    assert one.verdict("step_time_p50", "b") == cmp.NOT_ENOUGH_DATA
+
+
+def test_a_run_without_sample_counts_is_never_minus_100_percent_significant():
+    c = cmp.compare(make_run("a", NOISE), make_run("b", NOISE, samples=0))
+    r = row(c, "throughput", "b")
+    assert np.isnan(r["value"]) and r["significant"] == cmp.NOT_ENOUGH_DATA
+    assert any("'b' counted no samples" in w for w in c.warnings)
+    assert "-100" not in c.to_text()
+    # the other figures are still judged
+    assert row(c, "step_time_p50", "b")["significant"] == cmp.NO_DIFFERENCE
+
+
+def test_nan_durations_are_dropped_with_a_counted_warning():
+    d = np.array(NOISE + [float("nan"), float("nan")])
+    with pytest.warns(RuntimeWarning, match=r"NaN duration left out \(b: 2\)"):
+        c = cmp.compare(make_run("a", NOISE), make_run("b", d))
+    assert "'b': 2 measured steps with a NaN duration left out" in c.warnings
+    assert row(c, "step_time_p50", "b")["value"] == pytest.approx(float(np.median(NOISE)) * 1e3)
+    assert row(c, "throughput", "b")["value"] == pytest.approx(100 / sum(NOISE))
+    assert c.counts == {"a": 10, "b": 10}
+
+
+def test_all_nan_durations_do_not_crash_the_views():
+    bad = make_run("bad", [float("nan")] * 6)
+    with pytest.warns(RuntimeWarning):
+        c = cmp.compare(bad, make_run("ok", NOISE))
+    assert row(c, "step_time_p50", "ok")["significant"] == cmp.NOT_ENOUGH_DATA
+    page = c.to_html(charts=False)
+    assert "Comparison of 2 runs" in page and "not enough data" in page
+    assert "tpkit comparison" in c.to_text()
+    with pytest.warns(RuntimeWarning):
+        assert cmp.compare(bad).to_html()  # the lone all-NaN run, charts and all
+
+
+def test_compare_view_has_one_row_per_run_and_collapses_memory():
+    mem = _frame("memory", [(0, "forward", "peak", 0.1, "cpu", "activations", 3 * MIB)])
+    runs = [make_run(f"r{i}", np.array(NOISE) * (1 + i / 10), memory=mem) for i in range(6)]
+    page = cmp.compare(*runs).to_html(charts=False)
+    main = page.split("<details>")[0]
+    assert main.count("<tr>") == 1 + 6  # header + one row per run
+    assert "<th>throughput (samples/s)</th>" in main and "peak memory" not in main
+    assert "<summary>Peak memory and energy</summary>" in page and "peak memory, activations" in page
+
+
+# -- properties on random runs ---------------------------------------------------------------
+
+#: compare takes ~0.1 s a call here: no shrinking (minutes), the failing example is printed as drawn
+QUICK = settings(max_examples=25, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+durations = hs.lists(hs.one_of(hs.floats(1e-4, 5.0), hs.just(float("nan"))), min_size=0, max_size=14)
+
+
+@QUICK
+@given(a=durations, b=durations, samples_a=hs.integers(0, 64), samples_b=hs.integers(0, 64),
+       share=hs.floats(0.0, 1.0))
+def test_compare_on_random_runs_never_crashes_and_is_symmetric(a, b, samples_a, samples_b, share):
+    import warnings
+
+    ra = make_run("a", a, samples=samples_a, data_share=share)
+    rb = make_run("b", b, samples=samples_b, data_share=1 - share)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ab, ba = cmp.compare(ra, rb, n=200), cmp.compare(rb, ra, n=200)
+        assert ab.to_html(charts=False) and ab.to_text()
+    for metric in set(ab.table["metric"]) | set(ba.table["metric"]):
+        x = ab.table[(ab.table["metric"] == metric) & (ab.table["run"] == "b")]
+        y = ba.table[(ba.table["metric"] == metric) & (ba.table["run"] == "a")]
+        if x.empty or y.empty:  # a figure one run lacks is never judged
+            assert cmp.SIGNIFICANT not in {*x["significant"], *y["significant"]}
+            continue
+        x, y = x.iloc[0], y.iloc[0]
+        assert x["significant"] == y["significant"], metric
+        if x["significant"] == cmp.SIGNIFICANT:
+            assert np.sign(x["delta"]) == -np.sign(y["delta"]) != 0
+            assert x["delta_low"] == pytest.approx(-y["delta_high"]) and x["delta_high"] == pytest.approx(-y["delta_low"])
+            assert {x["direction"], y["direction"]} in ({"better", "worse"}, {""})
+
+
+@QUICK
+@given(d=hs.lists(hs.floats(1e-4, 5.0), min_size=1, max_size=30), samples=hs.integers(0, 64),
+       share=hs.floats(0.0, 1.0))
+def test_identical_runs_are_never_significant(d, samples, share):
+    c = cmp.compare(make_run("x", d, samples=samples, data_share=share),
+                    make_run("x", d, samples=samples, data_share=share), n=200)
+    assert not (c.table["significant"] == cmp.SIGNIFICANT).any()
+    tested = c.table[(c.table["run"] == "x#2") & c.table["significant"].isin([cmp.NO_DIFFERENCE])]
+    assert (tested["delta"] == 0).all() and (tested["delta_low"] == 0).all()

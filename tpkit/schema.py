@@ -29,7 +29,10 @@ GC_PHASE = "gc"
 
 # -- memory ---------------------------------------------------------------------------------
 #: Memory categories, in the order they are drawn.
-MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "data", "other")
+#: ``activations`` are blocks allocated in forward (saved for backward) and ``temporaries`` blocks
+#: allocated inside backward (autograd buffers, gradients in flight before they reach ``.grad``).
+MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
+                                      "data", "other")
 #: Categories counted exactly from the tensors themselves.
 KNOWN_MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "data")
 #: Memory rows' ``event`` values: a phase boundary, or the highest point inside a phase.
@@ -95,6 +98,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "duration_s": "float64", "samples": "int64", "data_wait_s": "float64", "h2d_s": "float64",
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
         "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
+        "skipped": "bool",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
@@ -111,6 +115,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     },
 }
 TABLES: tuple[str, ...] = tuple(SCHEMAS)
+#: Columns added after the first layout, with the value they take where a frame (a saved run,
+#: rows built by hand) has none. They come last in their table, so positional rows of the
+#: older layout still line up.
+DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False}}
 #: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
 FORMAT_VERSION = 1
 
@@ -119,7 +127,13 @@ def frame(table: str, rows: Any = None) -> pd.DataFrame:
     """A frame with the table's columns and dtypes (strings as plain Python objects, so a
     Parquet round trip gives back the same frame)."""
     schema = SCHEMAS[table]
-    df = pd.DataFrame(rows if rows is not None else [], columns=list(schema))
+    defaults = DEFAULTS.get(table, {})
+    old_layout = (isinstance(rows, list) and bool(rows) and isinstance(rows[0], tuple)
+                  and len(rows[0]) == len(schema) - len(defaults))  # positional rows without them
+    columns = [c for c in schema if c not in defaults] if old_layout else list(schema)
+    df = pd.DataFrame(rows if rows is not None else [], columns=columns)
+    for col, value in defaults.items():  # missing (NaN after reindexing) -> the default
+        df[col] = df[col].astype(object).fillna(value) if col in df.columns else value
     for col, dtype in schema.items():
         if dtype == "object":
             df[col] = df[col].astype(object)
@@ -160,3 +174,42 @@ def fmt_bytes(n: float) -> str:
 def fmt_mib(n: float) -> str:
     """Bytes as MiB with two decimals, for chart tooltips."""
     return f"{n / MIB:,.2f} MiB"
+
+
+# -- verdicts -------------------------------------------------------------------------------
+#: The bottleneck verdicts of a run, kind -> the headline every view shows (summary, report,
+#: tuner, compare). ``analysis.steps.verdict`` picks one; nothing else names a verdict.
+VERDICTS: dict[str, str] = {
+    "input-bound": "INPUT-BOUND",
+    "input-limited": "INPUT-LIMITED",
+    "copy-bound": "COPY-BOUND",
+    "offload-bound": "OFFLOAD-BOUND",
+    "optimizer-bound": "OPTIMIZER-BOUND",
+    "overhead-bound": "OVERHEAD-BOUND",
+    "compute-bound": "COMPUTE-BOUND",
+    "no-steps": "NO STEPS",
+}
+
+# -- comparison metrics ---------------------------------------------------------------------
+#: Comparison metric -> a person's name (phase shares, memory categories and energy devices
+#: are named by ``metric_label``).
+METRIC_LABELS: dict[str, str] = {
+    "throughput": "throughput",
+    "step_time_p50": "step time p50",
+    "data_stall_share": "data stall",
+    "loss_final": "final loss",
+    "steps": "measured steps",
+}
+
+
+def metric_label(metric: str) -> str:
+    """``'step_time_p50'`` -> ``'step time p50'``, ``'forward_share'`` -> ``'forward share'``,
+    ``'peak_memory_total'`` -> ``'peak memory, total'``, ``'energy_per_sample[cuda:0]'`` ->
+    ``'energy per sample (cuda:0)'``."""
+    if metric in METRIC_LABELS:
+        return METRIC_LABELS[metric]
+    if metric.startswith("peak_memory_"):
+        return "peak memory, " + metric[len("peak_memory_"):].replace("_", " ")
+    if metric.startswith("energy_per_sample[") and metric.endswith("]"):
+        return f"energy per sample ({metric[len('energy_per_sample['):-1]})"
+    return metric.replace("_", " ")

@@ -1,90 +1,147 @@
 """Run-to-run comparison with honest statistics: pure functions over Runs' frames.
 
-``compare(a, b, ...)`` gives one row per (metric, run) with the value, a bootstrap 95%
-confidence interval where the metric comes from per-step numbers, the change against the
-first run, and whether the intervals overlap. Overlapping intervals read "no significant
-difference": the conservative reading (two intervals can overlap a little while a proper
-test would still find a difference), which is the right way to err when a user is deciding
-whether a knob helped.
+``compare(a, b, c, baseline="b")`` gives one row per (metric, run) with the value, a
+bootstrap 95% confidence interval where the metric comes from per-step numbers, the change
+against the baseline (default: the first run) with a 95% interval of that change, and a
+verdict on the change, one of:
+
+- ``"significant"``: the interval of the change excludes zero **and** the change is larger
+  than a practical threshold: runs at least ``REL_THRESHOLD`` (2%) apart for times and
+  throughput (``|ln(b / a)| >= ln 1.02``, the same rule whichever run is the baseline), at
+  least ``SHARE_THRESHOLD_PP`` (1 percentage point) apart for shares of step time. A 0.2%
+  change that a long run measures precisely is real but not worth acting on, so it is not
+  called significant.
+- ``"no meaningful difference"``: the interval includes zero, or the change is below the
+  threshold.
+- ``"not enough data"``: either run has fewer than ``MIN_STEPS`` (5) measured steps, or the
+  figure is unknown in either run (no samples counted, every duration NaN). Never a
+  "-100% significant" from a run that did not count its samples.
+- ``"n/a"``: figures without an interval (peak memory, final loss, energy): the change is
+  shown, not judged.
 
 Conventions, chosen once:
 
-- Statistics use the measured steps only (warmup excluded).
+- Statistics use the measured steps only (warmup excluded). Steps with a NaN (or infinite)
+  duration are dropped, with a warning that counts them; NaN phase times count as zero.
 - Ratio metrics (throughput, phase shares) are ratios of totals, ``sum(samples) /
   sum(duration_s)``, and are bootstrapped by resampling whole steps, so a step's samples and
   its duration stay together.
-- The bootstrap is the percentile bootstrap, seeded, numpy only: results are reproducible.
+- The interval of a change subtracts the two runs' independent bootstrap draws
+  (``stats.diff_interval``). Each run's resamples are seeded from the seed and its own
+  durations (``stats.content_seed``): results are reproducible, identical runs draw
+  identical resamples (their change is exactly zero) and swapping two runs mirrors the result.
+- numpy only.
 """
 
 from __future__ import annotations
 
-import html
+import math
+import warnings as _warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pandas as pd
 
-from ..schema import MIB, PHASE_COLUMNS
-from .stats import BOOTSTRAP_N, BOOTSTRAP_SEED, CI_LEVEL, cis_overlap, resamples_for, step_bootstrap
+from ..errors import TpkitError
+from ..schema import MIB, PHASE_COLUMNS, metric_label
+from .stats import BOOTSTRAP_N, BOOTSTRAP_SEED, CI_LEVEL, content_seed, diff_interval, resamples_for, step_resamples
 from .steps import measured
 
 if TYPE_CHECKING:
     from ..run import Run
 
-TABLE_COLUMNS: tuple[str, ...] = ("metric", "unit", "run", "value", "ci_low", "ci_high", "delta", "delta_pct",
-                                  "significant", "direction")
-NO_DIFFERENCE = "no significant difference"
+TABLE_COLUMNS: tuple[str, ...] = ("metric", "label", "unit", "run", "value", "ci_low", "ci_high", "delta",
+                                  "delta_pct", "delta_low", "delta_high", "delta_low_pct", "delta_high_pct", "significant",
+                                  "direction")
 SIGNIFICANT = "significant"
+NO_DIFFERENCE = "no meaningful difference"
+NOT_ENOUGH_DATA = "not enough data"
 BASELINE = "baseline"
 NOT_TESTED = "n/a"
+#: Fewer measured steps than this in either run: "not enough data".
+MIN_STEPS = 5
+#: Smallest change in a time or a rate called significant: 2% (as ``|ln(b / a)| >= ln 1.02``).
+REL_THRESHOLD = 0.02
+#: Smallest change in a share of step time called significant: 1 percentage point.
+SHARE_THRESHOLD_PP = 1.0
 
 
 @dataclass
 class Metric:
+    """One figure of one run: its value, interval, which way is better, how it is judged."""
+
     metric: str
     unit: str
     value: float
     ci: tuple[float, float] = (float("nan"), float("nan"))
     direction: str = ""  # which way is better: "higher", "lower" or "" (no judgement)
+    test: str = ""       # "ratio" (relative threshold), "share" (percentage points) or "" (not judged)
+    draws: np.ndarray | None = field(default=None, repr=False)  # bootstrap draws of the value
+    steps: int = 0       # measured steps behind the figure
 
 
-def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED) -> list[Metric]:
-    """Every comparable figure of one run, with confidence intervals where steps give them."""
-    m = measured(run.steps)
+def clean_measured(steps: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """The measured steps with a finite duration (NaN phase times as 0), and how many
+    measured steps were dropped for a NaN or infinite duration."""
+    m = measured(steps)
+    if m.empty:
+        return m, 0
+    dur = pd.to_numeric(m["duration_s"], errors="coerce").astype("float64")
+    ok = np.isfinite(dur.to_numpy())
+    m = m[ok].copy()
+    cols = [c for c in PHASE_COLUMNS if c in m.columns]
+    if cols:
+        m[cols] = m[cols].astype("float64").fillna(0.0)
+    return m, int((~ok).sum())
+
+
+def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
+                seed_by_content: bool = False) -> list[Metric]:
+    """Every comparable figure of one run, with confidence intervals (and the bootstrap draws
+    behind them) where steps give them. ``seed_by_content``: seed the resamples from ``seed``
+    and the run's durations (what ``compare`` does)."""
+    m, _ = clean_measured(run.steps)
     out: list[Metric] = []
     dur = m["duration_s"].to_numpy(dtype="float64") if not m.empty else np.array([])
     total = float(dur.sum())
-    if dur.size:
+    k = len(dur)
+    if k:
         samples = m["samples"].to_numpy(dtype="float64")
         cols = [c for c in PHASE_COLUMNS if c in m.columns]
-        parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((len(dur), 0))
-        if len(dur) > 1:
-            ci = step_bootstrap(samples, dur, parts, resamples_for(len(dur), n), seed)
-        else:  # one step: the interval is the point
-            one = (samples[0] / dur[0], dur[0], parts[0] / dur[0])
-            ci = {"throughput": (one[0], one[0]), "median_s": (one[1], one[1]), "shares": (one[2], one[2])}
-        thr = float(samples.sum() / total) if total > 0 else float("nan")
-        out.append(Metric("throughput", "samples/s", thr, (float(ci["throughput"][0]), float(ci["throughput"][1])),
-                          "higher"))
-        lo, hi = ci["median_s"]
-        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, (float(lo) * 1e3, float(hi) * 1e3),
-                          "lower"))
+        parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((k, 0))
+        s = content_seed(seed, dur) if seed_by_content else seed
+        draws = step_resamples(samples, dur, parts, resamples_for(k, n), s)
+        counted = samples.sum() > 0 and total > 0
+        thr = float(samples.sum() / total) if counted else float("nan")
+        thr_draws = draws["throughput"] if counted else np.full(len(draws["throughput"]), np.nan)
+        out.append(Metric("throughput", "samples/s", thr, _ci(thr_draws), "higher", "ratio", thr_draws, k))
+        med = draws["median_s"] * 1e3
+        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, _ci(med), "lower", "ratio", med, k))
         for j, col in enumerate(cols):
             name = "data_stall_share" if col == "data_wait_s" else f"{col[:-2]}_share"
-            share = float(parts[:, j].sum() / total) if total > 0 else float("nan")
-            lo, hi = ci["shares"][0][j], ci["shares"][1][j]
-            out.append(Metric(name, "%", share * 100, (float(lo) * 100, float(hi) * 100),
-                              "lower" if col in ("data_wait_s", "h2d_s", "other_s") else ""))
+            share = float(parts[:, j].sum() / total) * 100 if total > 0 else float("nan")
+            d = draws["shares"][:, j] * 100
+            out.append(Metric(name, "%", share, _ci(d), "lower" if col in ("data_wait_s", "h2d_s", "other_s") else "",
+                              "share", d, k))
     for key, nbytes in peak_memory_bytes(run.memory).items():
         out.append(Metric(f"peak_memory_{key}", "MiB", nbytes / MIB, direction="lower"))
     for device, per_sample_j in energy_per_sample_j(run).items():
         out.append(Metric(f"energy_per_sample[{device}]", "J/sample", per_sample_j, direction="lower"))
     if "loss" in m.columns:
-        loss = m["loss"].dropna()
+        loss = pd.to_numeric(m["loss"], errors="coerce").dropna()
         if not loss.empty:
             out.append(Metric("loss_final", "", float(loss.iloc[-1])))
     return out
+
+
+def _ci(draws: np.ndarray, level: float = CI_LEVEL) -> tuple[float, float]:
+    d = draws[np.isfinite(draws)]
+    if not len(d):
+        return float("nan"), float("nan")
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(d, [tail, 100 - tail])
+    return float(lo), float(hi)
 
 
 def peak_memory_bytes(memory: pd.DataFrame) -> dict[str, float]:
@@ -127,7 +184,9 @@ def energy_per_sample_j(run: "Run") -> dict[str, float]:
 @dataclass
 class Comparison:
     """``table``: one row per (metric, run) (``TABLE_COLUMNS``); ``warnings``: reasons to read
-    the table with care; ``steps`` and ``phases``: frames for the overlaid charts."""
+    the table with care; ``steps`` and ``phases``: frames for the overlaid charts;
+    ``baseline``: the label every change is measured against; ``counts``: measured steps per
+    run (after NaN durations are dropped)."""
 
     runs: list["Run"]
     labels: list[str]
@@ -135,50 +194,54 @@ class Comparison:
     warnings: list[str] = field(default_factory=list)
     steps: pd.DataFrame = field(default_factory=pd.DataFrame)
     phases: pd.DataFrame = field(default_factory=pd.DataFrame)
+    baseline: str = ""
+    counts: dict[str, int] = field(default_factory=dict)
 
-    def wide(self) -> pd.DataFrame:
-        """Metrics as rows, runs as columns (values only)."""
-        w = self.table.pivot_table(index=["metric", "unit"], columns="run", values="value", sort=False)
-        return w[self.labels] if set(self.labels) <= set(w.columns) else w
+    def wide(self, what: str = "value") -> pd.DataFrame:
+        """One row per run (in the comparison's order), one column per metric (its label and
+        unit): ``what`` is ``"value"``, ``"delta_pct"`` or ``"significant"``."""
+        t = self.table.assign(column=[f"{lab} ({u})" if u else lab for lab, u in zip(self.table["label"],
+                                                                                      self.table["unit"])])
+        cols = list(dict.fromkeys(t["column"]))
+        w = t.pivot(index="run", columns="column", values=what) if not t.empty else pd.DataFrame()
+        return w.reindex(index=self.labels, columns=cols)
+
+    def verdict(self, metric: str, run: str) -> str:
+        """The verdict on ``run``'s change in ``metric`` (``SIGNIFICANT``, ``NO_DIFFERENCE``,
+        ``NOT_ENOUGH_DATA``, ``NOT_TESTED``, ``BASELINE``); ``""`` when the run lacks it."""
+        r = self.table[(self.table["metric"] == metric) & (self.table["run"] == run)]
+        return str(r["significant"].iloc[0]) if not r.empty else ""
 
     def charts(self) -> list[tuple[str, Any]]:
-        """The overlaid charts, ``(title, altair chart)``, skipping those with no data: step
-        time per step, median time per phase, and the intervals of step time and throughput."""
+        """The charts, ``(title, altair chart)``, intervals first, skipping those with no data."""
         from ..views.compare import comparison_charts  # a rich-display hook: drawing is the views' job
 
         return comparison_charts(self)
 
     def to_text(self) -> str:
-        lines = [f"tpkit comparison: {', '.join(self.labels)} (deltas against '{self.labels[0]}'; "
-                 f"{CI_LEVEL:.0%} bootstrap intervals)"]
+        lines = [f"tpkit comparison: {', '.join(self.labels)} (changes against '{self.baseline}'; "
+                 f"{CI_LEVEL:.0%} bootstrap intervals; significant = interval excludes 0 and at least "
+                 f"{REL_THRESHOLD:.0%} apart, {SHARE_THRESHOLD_PP:g} pp for shares)"]
         lines += [f"  WARNING: {w}" for w in self.warnings]
-        for (metric, unit), g in self.table.groupby(["metric", "unit"], sort=False):
-            lines.append(f"  {metric}" + (f" ({unit})" if unit else ""))
+        for (label, unit), g in self.table.groupby(["label", "unit"], sort=False):
+            lines.append(f"  {label}" + (f" ({unit})" if unit else ""))
             for r in g.itertuples(index=False):
-                txt = f"    {r.run:<16} {_num(r.value)}"
+                txt = f"    {r.run:<16} {fmt_num(r.value)}"
                 if not np.isnan(r.ci_low):
-                    txt += f" [{_num(r.ci_low)}, {_num(r.ci_high)}]"
+                    txt += f" [{fmt_num(r.ci_low)}, {fmt_num(r.ci_high)}]"
                 if r.significant != BASELINE:
-                    txt += f"  {_signed(r.delta)} ({_signed(r.delta_pct)}%)"
+                    txt += f"  {fmt_signed(r.delta)} ({fmt_signed(r.delta_pct)}%)"
                     if r.significant != NOT_TESTED:
                         txt += f"  {r.significant}" + (f" ({r.direction})" if r.direction else "")
                 lines.append(txt)
         return "\n".join(lines)
 
-    def to_html(self) -> str:
-        warn = "".join(f'<div style="color:#b00020;font-weight:600">&#9888; {html.escape(w)}</div>'
-                       for w in self.warnings)
-        rows = []
-        for r in self.table.itertuples(index=False):
-            ci = "" if np.isnan(r.ci_low) else f"[{_num(r.ci_low)}, {_num(r.ci_high)}]"
-            delta = "" if r.significant == BASELINE else f"{_signed(r.delta)} ({_signed(r.delta_pct)}%)"
-            sig = "" if r.significant in (BASELINE, NOT_TESTED) else r.significant
-            cells = [r.metric, r.unit, r.run, _num(r.value), ci, delta,
-                     f"{sig} ({r.direction})" if r.direction else sig]
-            rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
-        head = "".join(f"<th>{h}</th>" for h in ("metric", "unit", "run", "value", "95% CI", "delta", "significance"))
-        return (f'<div class="tpkit-compare">{warn}<table><thead><tr>{head}</tr></thead>'
-                f'<tbody>{"".join(rows)}</tbody></table></div>')
+    def to_html(self, charts: bool = True) -> str:
+        """A static HTML view (tables, and the charts as inline SVG made offline): renders
+        anywhere, with no JavaScript."""
+        from ..views.compare import comparison_html
+
+        return comparison_html(self, charts="svg" if charts else "none")
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": self.to_text(), "text/html": self.to_html()}
@@ -187,14 +250,18 @@ class Comparison:
         return self.to_text()
 
 
-def _num(x: float) -> str:
-    if x is None or np.isnan(x):
-        return "nan"
+def fmt_num(x: float) -> str:
+    """A figure for people: 4 significant digits, thousands separated, ``n/a`` for NaN."""
+    if x is None or not np.isfinite(x):
+        return "n/a"
     return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.1f}"
 
 
-def _signed(x: float) -> str:
-    return "nan" if x is None or np.isnan(x) else f"{x:+,.4g}" if abs(x) < 1000 else f"{x:+,.1f}"
+def fmt_signed(x: float) -> str:
+    """``fmt_num`` with a sign."""
+    if x is None or not np.isfinite(x):
+        return "n/a"
+    return f"{x:+,.4g}" if abs(x) < 1000 else f"{x:+,.1f}"
 
 
 def unique_labels(runs: list["Run"]) -> list[str]:
@@ -207,9 +274,26 @@ def unique_labels(runs: list["Run"]) -> list[str]:
     return out
 
 
-def comparison_table(per_run: list[list[Metric]], labels: list[str]) -> pd.DataFrame:
-    """Rows for every metric any run has, in first-seen order; deltas and significance
-    against the first run's value (NaN where the first run lacks the metric)."""
+def judge(test: str, base: Metric, m: Metric, delta_low: float, delta_high: float) -> str:
+    """The verdict on the change from ``base`` to ``m`` (see the module docstring)."""
+    if not test:
+        return NOT_TESTED
+    if min(base.steps, m.steps) < MIN_STEPS or not (np.isfinite(base.value) and np.isfinite(m.value)) \
+            or not (np.isfinite(delta_low) and np.isfinite(delta_high)):
+        return NOT_ENOUGH_DATA
+    excludes_zero = delta_low > 0 or delta_high < 0
+    if test == "ratio":
+        if base.value <= 0 or m.value <= 0:
+            return NOT_ENOUGH_DATA
+        big = abs(math.log(m.value / base.value)) >= math.log1p(REL_THRESHOLD)
+    else:
+        big = abs(m.value - base.value) >= SHARE_THRESHOLD_PP
+    return SIGNIFICANT if excludes_zero and big else NO_DIFFERENCE
+
+
+def comparison_table(per_run: list[list[Metric]], labels: list[str], base: int = 0) -> pd.DataFrame:
+    """Rows for every metric any run has, in first-seen order, runs in ``labels`` order;
+    changes, their intervals and verdicts against run ``base`` (NaN where it lacks the metric)."""
     order: list[tuple[str, str]] = []
     by_key: list[dict[str, Metric]] = []
     for metrics in per_run:
@@ -218,26 +302,30 @@ def comparison_table(per_run: list[list[Metric]], labels: list[str]) -> pd.DataF
             if (m.metric, m.unit) not in order:
                 order.append((m.metric, m.unit))
     rows = []
+    nan = float("nan")
     for metric, unit in order:
-        base = by_key[0].get(metric)
+        b = by_key[base].get(metric)
         for i, label in enumerate(labels):
             m = by_key[i].get(metric)
             if m is None:
                 continue
-            if i == 0:
+            lo = hi = nan
+            if i == base:
                 delta, pct, sig = 0.0, 0.0, BASELINE
-            elif base is None:
-                delta, pct, sig = float("nan"), float("nan"), NOT_TESTED
+            elif b is None:
+                delta, pct, sig = nan, nan, NOT_ENOUGH_DATA if m.test else NOT_TESTED
             else:
-                delta = m.value - base.value
-                pct = delta / base.value * 100 if base.value else float("nan")
-                overlap = cis_overlap(base.ci, m.ci)
-                sig = NOT_TESTED if overlap is None else NO_DIFFERENCE if overlap else SIGNIFICANT
+                delta = m.value - b.value
+                pct = delta / b.value * 100 if b.value and np.isfinite(b.value) else nan
+                if m.test and m.draws is not None and b.draws is not None:
+                    lo, hi = diff_interval(b.draws, m.draws)
+                sig = judge(m.test, b, m, lo, hi)
             direction = ""
             if sig == SIGNIFICANT and m.direction:
-                better = (delta > 0) == (m.direction == "higher")
-                direction = "better" if better else "worse"
-            rows.append((metric, unit, label, m.value, m.ci[0], m.ci[1], delta, pct, sig, direction))
+                direction = "better" if (delta > 0) == (m.direction == "higher") else "worse"
+            scale = 100 / b.value if b is not None and b.value and np.isfinite(b.value) else nan
+            rows.append((metric, metric_label(metric), unit, label, m.value, m.ci[0], m.ci[1], delta, pct, lo, hi,
+                         lo * scale, hi * scale, sig, direction))
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
@@ -250,7 +338,7 @@ def drop_idle_phases(table: pd.DataFrame) -> pd.DataFrame:
     return table[~table["metric"].isin(idle[idle].index)].reset_index(drop=True)
 
 
-def comparison_warnings(runs: list["Run"], labels: list[str]) -> list[str]:
+def comparison_warnings(runs: list["Run"], labels: list[str], dropped: dict[str, int] | None = None) -> list[str]:
     """What makes a comparison of these runs less than like for like."""
     out = []
     models = {}
@@ -262,13 +350,21 @@ def comparison_warnings(runs: list["Run"], labels: list[str]) -> list[str]:
         desc = ", ".join(f"{k}: {c} with {p:,} parameters" if isinstance(p, int) else f"{k}: {c}"
                          for k, (c, p) in models.items())
         out.append(f"different models ({desc}): differences may come from the model, not the knob")
-    counts = {label: len(measured(r.steps)) for r, label in zip(runs, labels)}
+    for label, k in (dropped or {}).items():
+        if k:
+            out.append(f"'{label}': {k} measured step{'s' if k != 1 else ''} with a NaN duration left out")
+    counts = {label: len(clean_measured(r.steps)[0]) for r, label in zip(runs, labels)}
     if len(set(counts.values())) > 1:
         out.append("different numbers of measured steps ("
                    + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "): intervals differ in width")
     for label, k in counts.items():
-        if k < 2:
-            out.append(f"'{label}' has {k} measured step{'s' if k != 1 else ''}: no confidence interval")
+        if k < MIN_STEPS:
+            out.append(f"'{label}' has {k} measured step{'s' if k != 1 else ''} (fewer than {MIN_STEPS}): "
+                       "not enough data to call a difference")
+    for r, label in zip(runs, labels):
+        m = clean_measured(r.steps)[0]
+        if len(m) and not (pd.to_numeric(m["samples"], errors="coerce").fillna(0) > 0).any():
+            out.append(f"'{label}' counted no samples: its throughput is unknown")
     for r, label in zip(runs, labels):
         if not r.complete:
             why = r.meta.get("error") or r.meta.get("stopped_by") or "stopped early"
@@ -280,11 +376,14 @@ def comparison_warnings(runs: list["Run"], labels: list[str]) -> list[str]:
 
 
 def steps_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
-    """Per-step durations of every run, for overlays: ``run, step, warmup, duration_ms``."""
+    """Per-step durations of every run, for overlays: ``run, step, warmup, duration_ms``
+    (steps with a NaN duration left out)."""
     parts = [pd.DataFrame({"run": label, "step": r.steps["step"].to_numpy(), "warmup": r.steps["warmup"].to_numpy(),
-                           "duration_ms": r.steps["duration_s"].to_numpy(dtype="float64") * 1e3})
+                           "duration_ms": pd.to_numeric(r.steps["duration_s"], errors="coerce").to_numpy(
+                               dtype="float64") * 1e3})
              for r, label in zip(runs, labels)]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run", "step", "warmup", "duration_ms"])
+    df = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run", "step", "warmup", "duration_ms"])
+    return df[np.isfinite(df["duration_ms"].to_numpy(dtype="float64"))].reset_index(drop=True)
 
 
 def phases_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
@@ -292,7 +391,7 @@ def phases_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
     ``run, phase, median_ms, share``. Phases no run spent time in are left out."""
     rows = []
     for r, label in zip(runs, labels):
-        m = measured(r.steps)
+        m, _ = clean_measured(r.steps)
         total = float(m["duration_s"].sum()) if not m.empty else 0.0
         for col in PHASE_COLUMNS:
             if col in m.columns and not m.empty:
@@ -303,11 +402,34 @@ def phases_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
     return df[df["phase"].isin(used[used > 0].index)].reset_index(drop=True)
 
 
-def compare(*runs: "Run | str", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED) -> Comparison:
-    """Compare runs (Runs, store names or folders) against the first one.
+def baseline_index(baseline: "int | str | Run | None", runs: Sequence["Run"], labels: list[str]) -> int:
+    """Where the baseline stands among ``runs``: an index, a label or run name, or a Run."""
+    if baseline is None:
+        return 0
+    if isinstance(baseline, bool):
+        raise TpkitError(f"baseline must be a run, its name or its position, not {baseline!r}")
+    if isinstance(baseline, int):
+        if -len(runs) <= baseline < len(runs):
+            return baseline % len(runs)
+        raise TpkitError(f"baseline={baseline} but there are {len(runs)} runs")
+    if isinstance(baseline, str):
+        for i, (r, label) in enumerate(zip(runs, labels)):
+            if baseline in (label, r.name):
+                return i
+        raise TpkitError(f"baseline={baseline!r} is none of the compared runs: {', '.join(labels)}")
+    for i, r in enumerate(runs):
+        if r is baseline:
+            return i
+    raise TpkitError("baseline is a Run that is not among the compared runs: pass it to compare too")
 
-    ``tp.compare(base, other)``: ``.table`` per (metric, run), ``.warnings``, ``.to_text()``;
-    charts from ``tpkit.charts.compare``.
+
+def compare(*runs: "Run | str", baseline: "int | str | Run | None" = None, n: int = BOOTSTRAP_N,
+            seed: int = BOOTSTRAP_SEED) -> Comparison:
+    """Compare runs (Runs, store names or folders) against a baseline (default: the first).
+
+    ``tp.compare(a, b, c, baseline="b")``: ``.table`` per (metric, run), ``.wide()`` one row
+    per run, ``.warnings``, ``.to_text()``, ``.to_html()``; the rule that calls a change
+    significant is in this module's docstring.
     """
     from ..store import load
 
@@ -317,6 +439,13 @@ def compare(*runs: "Run | str", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED
         raise ValueError("compare needs at least one run")
     loaded = [load(r) for r in runs]
     labels = unique_labels(loaded)
-    table = drop_idle_phases(comparison_table([run_metrics(r, n, seed) for r in loaded], labels))
-    return Comparison(runs=loaded, labels=labels, table=table, warnings=comparison_warnings(loaded, labels),
-                      steps=steps_frame(loaded, labels), phases=phases_frame(loaded, labels))
+    base = baseline_index(baseline, loaded, labels)
+    dropped = {label: clean_measured(r.steps)[1] for r, label in zip(loaded, labels)}
+    if any(dropped.values()):
+        _warnings.warn("tpkit.compare: measured steps with a NaN duration left out ("
+                       + ", ".join(f"{k}: {v}" for k, v in dropped.items() if v) + ")", RuntimeWarning, stacklevel=2)
+    per_run = [run_metrics(r, n, seed, seed_by_content=True) for r in loaded]
+    table = drop_idle_phases(comparison_table(per_run, labels, base))
+    return Comparison(runs=loaded, labels=labels, table=table, warnings=comparison_warnings(loaded, labels, dropped),
+                      steps=steps_frame(loaded, labels), phases=phases_frame(loaded, labels), baseline=labels[base],
+                      counts={label: len(clean_measured(r.steps)[0]) for r, label in zip(loaded, labels)})

@@ -77,3 +77,40 @@ def metric_intervals(table: pd.DataFrame, metric: str, runs: list[str] | None = 
                                                    x2="ci_high:Q")
     point = base.mark_point(filled=True, size=70).encode(x="value:Q")
     return (whisker + point).properties(width=width, height=26 * max(2, len(runs)))
+
+
+def change_intervals(table: pd.DataFrame, baseline: str, metrics: tuple[str, ...] = ("step_time_p50", "throughput"),
+                     runs: list[str] | None = None, threshold_pct: float = 2.0, width: int = 300) -> alt.HConcatChart:
+    """The change of each run against the baseline, in % of the baseline, with its 95%
+    interval as a whisker and the practical threshold (±``threshold_pct``) shaded: a whisker
+    clear of the band and of zero is a significant change. One panel per metric.
+
+    ``table``: ``Comparison.table`` (its ``delta_pct``, ``delta_low_pct``, ``delta_high_pct``,
+    ``significant`` columns); ``baseline``: the baseline's label.
+    """
+    runs = runs or list(dict.fromkeys(table["run"]))
+    others = [r for r in runs if r != baseline]
+    panels = []
+    for metric in metrics:
+        rows = table[(table["metric"] == metric) & (table["run"] != baseline)]
+        if rows.empty:
+            continue
+        label = str(rows["label"].iloc[0]) if "label" in rows.columns else metric
+        data = rows.assign(verdict=rows["significant"].astype(str) + rows["direction"].map(
+            lambda d: f", {d}" if d else ""))
+        band = alt.Chart(pd.DataFrame({"lo": [-threshold_pct], "hi": [threshold_pct]})).mark_rect(
+            color="#eeeeee").encode(x="lo:Q", x2="hi:Q")
+        zero = alt.Chart(pd.DataFrame({"x": [0.0]})).mark_rule(color="#888").encode(x="x:Q")
+        base = alt.Chart(data).encode(
+            y=alt.Y("run:N", sort=others, title=None),
+            color=alt.Color("run:N", scale=run_scale(runs), legend=None),
+            tooltip=["run:N", alt.Tooltip("delta_pct:Q", format="+.1f", title="change %"),
+                     alt.Tooltip("delta_low_pct:Q", format="+.1f", title="95% low %"),
+                     alt.Tooltip("delta_high_pct:Q", format="+.1f", title="95% high %"), "verdict:N"],
+        )
+        whisker = base.mark_rule(strokeWidth=3).encode(
+            x=alt.X("delta_low_pct:Q", title=f"{label}: change vs {baseline} (%)"), x2="delta_high_pct:Q")
+        point = base.mark_point(filled=True, size=80).encode(x="delta_pct:Q")
+        panels.append(alt.layer(band, zero, whisker, point).properties(
+            width=width, height=24 * max(1, len(others)), title=f"{label} vs '{baseline}'"))
+    return alt.hconcat(*panels)

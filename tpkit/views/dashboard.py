@@ -36,6 +36,7 @@ def _styled(body: str) -> str:
 
 
 def recommendations_html(run: "Run") -> str:
+    """The recommendations as an ordered list."""
     try:
         from ..analysis.recommend import recommendations
     except ImportError:  # the recommendation rules are optional for a bare dashboard
@@ -51,15 +52,12 @@ def recommendations_html(run: "Run") -> str:
     return f"<h3>Recommendations</h3><ol>{items}</ol>"
 
 
-def compare_html(runs: Sequence["Run"]) -> str:
-    """The comparison of several runs as HTML: warnings first, then the table, then charts."""
+def compare_html(runs: Sequence["Run"], baseline: Any = None) -> str:
+    """The comparison of several runs (``views.compare.comparison_html``), charts live."""
     from ..analysis.compare import compare
+    from .compare import comparison_html
 
-    comp = compare(*runs)
-    warn = "".join(f'<div class="tp-bad">warning: {html.escape(x)}</div>' for x in comp.warnings)
-    table = comp.table.to_html(index=False, float_format=lambda v: f"{v:,.4g}", border=0, classes="tp-sum")
-    charts_html = "".join(f"<h3>{html.escape(t)}</h3>{report.chart_html(c)}" for t, c in comp.charts())
-    return f"<h3>Comparison of {len(runs)} runs</h3>{warn}{table}{charts_html}"
+    return comparison_html(compare(*runs, baseline=baseline), charts="vega")
 
 
 def ab_html(ab: Any) -> str:
