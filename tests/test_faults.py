@@ -141,3 +141,43 @@ def test_real_sigints_at_random_instants_over_many_slices_leave_nothing_behind()
     summary = out.stdout.strip().splitlines()[-1]
     interrupted, clean = (int(x.split("=")[1]) for x in summary.split()[:2])
     assert clean == 40 and interrupted >= 10, summary  # Ctrl-C landed in most slices, nothing ever left
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"clock_hz": "fast"}, "clock_hz"), ({"clock_hz": True}, "clock_hz"), ({"samples_per_step": 2.5}, "samples_per_step"),
+    ({"steps": 2.0}, "steps"), ({"warmup": -1}, "warmup"), ({"memory": "yes"}, "memory"), ({"name": 3}, "name"),
+])
+def test_bad_profile_arguments_are_refused_with_a_tpkit_error(kwargs, match):
+    before = snapshot()
+    with pytest.raises(tp.TpkitError, match=match):
+        tp.profile(**kwargs)
+    assert diff(before, snapshot()) == {}
+
+
+def test_profile_fn_without_stop_calls_warmup_plus_steps_times():
+    calls = []
+    run = tp.profile_fn(lambda: calls.append(1), steps=3, warmup=1, stop=False, progress=False, memory=False)
+    assert len(calls) == 4 and len(run.steps) == 4
+
+
+@pytest.mark.parametrize("args,code,says", [
+    (["demo", "--warmup", "x"], 2, "--warmup"), (["demo", "--batch-size", "0"], 2, "--batch-size"),
+    (["demo", "--workers", "-1"], 2, "--workers"), (["demo", "--out", "/proc/x"], 1, "cannot be written"),
+    (["report", "/nonexistent-run"], 1, "not a folder"),
+])
+def test_the_cli_says_what_is_wrong_in_one_line(args, code, says):
+    out = subprocess.run([sys.executable, "-m", "tpkit", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == code
+    assert says in out.stderr and "Traceback" not in out.stderr
+
+
+def test_magic_save_to_a_bad_path_is_refused_before_the_cell_runs(ip, tmp_path):
+    from IPython.core.error import UsageError
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    ip.user_ns["ran"] = []
+    for bad in ("/proc/x", str(a_file)):
+        with pytest.raises(UsageError, match="--save"):
+            ip.run_cell_magic("tp_profile", f"--steps 2 --quiet --save {bad}", "ran.append(1)")
+    assert ip.user_ns["ran"] == []

@@ -38,3 +38,7 @@ class NvmlError(TpkitError):
     def __init__(self, message: str, code: int | None = None, kind: str = "NVMLError") -> None:
         super().__init__(message)
         self.code, self.kind = code, kind
+
+
+class OutputPathError(TpkitError, OSError):
+    """A folder tpkit was asked to write into cannot be written (a file, a read-only place)."""

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import RunFormatError
+from .errors import OutputPathError, RunFormatError
 from .run import Run
 
 DEFAULT_STORE = "tpkit_runs"
@@ -98,6 +99,22 @@ def autosave(run: Run) -> Path | None:
         run.meta.setdefault("notes", []).append(msg)
         warnings.warn(f"tpkit: {msg}", RuntimeWarning, stacklevel=2)
         return None
+
+
+def writable_folder(path: str | os.PathLike, what: str = "the folder") -> Path:
+    """``path`` as a folder tpkit can write into, made if missing; a TpkitError that says what to
+    do otherwise. Called before a slice starts (``--save``, the CLI's ``--out``), so a bad path
+    never costs the run just measured."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"{what} {folder} is a file: give a folder (it is made if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".tpkit-write-check-", delete=True)
+        probe.close()
+    except OSError as e:
+        raise OutputPathError(f"{what} {folder} cannot be written ({e.strerror or e}): choose a folder you can write to") from None
+    return folder
 
 
 def stored_folders(root: Path) -> list[Path]:

@@ -61,10 +61,17 @@ class SliceConfig:
         if self.warmup != "auto" and (not isinstance(self.warmup, int) or isinstance(self.warmup, bool)
                                       or self.warmup < 0):
             raise TpkitError(f"warmup must be a whole number >= 0 or 'auto', got {self.warmup!r}")
-        if self.samples_per_step is not None and self.samples_per_step < 1:
-            raise TpkitError(f"samples_per_step must be >= 1, got {self.samples_per_step!r}")
-        if not 0 <= self.clock_hz <= 200:
-            raise TpkitError(f"clock_hz must be between 0 (off) and 200, got {self.clock_hz!r}")
+        if self.samples_per_step is not None and (not _is_count(self.samples_per_step) or self.samples_per_step < 1):
+            raise TpkitError(f"samples_per_step must be a whole number >= 1, got {self.samples_per_step!r}")
+        if not isinstance(self.clock_hz, (int, float)) or isinstance(self.clock_hz, bool) \
+                or not 0 <= self.clock_hz <= 200:
+            raise TpkitError(f"clock_hz must be a number of samples per second between 0 (off) and 200, "
+                             f"got {self.clock_hz!r}")
+        for flag in ("stop", "progress", "memory", "memory_detail"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TpkitError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.name is not None and not isinstance(self.name, str):
+            raise TpkitError(f"name must be a string, got {self.name!r}")
         return self
 
 
@@ -390,6 +397,8 @@ def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Litera
         rec = prof.rec
         assert rec is not None
         for _ in range(10 * limit + 10):  # a step_fn that never ends a step cannot loop forever
+            if prof.warmup_steps is not None and rec.step_index >= prof.warmup_steps + steps:
+                break  # stop=False: no StopSlice, but the slice is still warmup + steps calls
             before, losses = rec.step_index, len(rec.losses)
             out = step_fn()
             if len(rec.losses) == losses and _is_scalar(out):
@@ -398,6 +407,10 @@ def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Litera
                 rec.end_step()
     assert prof.run is not None
     return prof.run
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_scalar(x: Any) -> bool:

@@ -6,20 +6,49 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n} is below the smallest allowed value, {minimum}")
+        return n
+    return parse
+
+
+def _warmup(text: str) -> int | str:
+    return "auto" if text == "auto" else _count(0)(text)
+
+
+def _nonnegative(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is below 0")
+    return x
 
 
 def _demo(args: argparse.Namespace) -> int:
     from ..capture.slice import profile
     from ..demo import make_training, train
+    from ..store import writable_folder
 
+    out = writable_folder(args.out, "--out")  # before the slice: a bad path never costs a run
     model, loader, opt = make_training(batch_size=args.batch_size, num_workers=args.workers, cpu_ms=args.cpu_ms)
-    warmup = args.warmup if args.warmup == "auto" else int(args.warmup)
+    warmup = args.warmup
     knobs = {"batch_size": args.batch_size, "num_workers": args.workers, "cpu_ms": args.cpu_ms}
     with profile(steps=args.steps, warmup=warmup, name=args.name, knobs=knobs) as prof:
         train(model, loader, opt)
     run = prof.run
     assert run is not None
-    out = Path(args.out)
     run.save(out / "run")
     report = run.to_html(out / "report.html")
     print(run.summary().to_text())
@@ -30,9 +59,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from ..run import Run
+    from ..store import writable_folder
 
     run = Run.load(args.run_dir)
-    path = run.to_html(args.out or Path(args.run_dir) / "report.html")
+    target = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
+    writable_folder(target.parent, "the report's folder")
+    path = run.to_html(target)
     print(run.summary().to_text())
     print(f"dashboard written {Path(path).resolve()}")
     return 0
@@ -43,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpkit", description="Profile PyTorch training slices.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="profile the built-in tiny transformer on the CPU and write the dashboard")
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--warmup", default="3", help="a number or 'auto'")
-    d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--workers", type=int, default=0, help="DataLoader workers")
-    d.add_argument("--cpu-ms", type=float, default=0.0, help="busy work per sample, to make the loader slow")
+    d.add_argument("--steps", type=_count(1), default=20)
+    d.add_argument("--warmup", type=_warmup, default=3, help="a number or 'auto'")
+    d.add_argument("--batch-size", type=_count(1), default=16)
+    d.add_argument("--workers", type=_count(0), default=0, help="DataLoader workers")
+    d.add_argument("--cpu-ms", type=_nonnegative, default=0.0, help="busy work per sample, to make the loader slow")
     d.add_argument("--name", default="demo")
     d.add_argument("--out", default="tpkit_report")
     d.set_defaults(fn=_demo)
@@ -55,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("run_dir")
     r.add_argument("--out", default=None)
     r.set_defaults(fn=_report)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # bad arguments: argparse's one-line usage error, exit 2
+    from ..errors import RunFormatError, TpkitError
+
     try:
         return args.fn(args)
-    except Exception as e:  # the CLI prints tpkit's errors plainly
-        from ..errors import TpkitError
-
-        if isinstance(e, TpkitError):
-            print(f"tpkit: {e}", file=sys.stderr)
-            return 2
-        raise
+    except (RunFormatError, OSError) as e:  # a file that cannot be read or written: exit 1
+        print(f"tpkit: {e}", file=sys.stderr)
+        return 1
+    except TpkitError as e:  # anything else tpkit refuses, said plainly: exit 2
+        print(f"tpkit: {e}", file=sys.stderr)
+        return 2

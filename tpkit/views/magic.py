@@ -139,6 +139,13 @@ class TpkitMagics(Magics):
                                  clock_hz=args.clock_hz).validate()
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
+        if args.save:
+            from ..store import writable_folder
+
+            try:  # checked before the cell runs: a bad path never costs the slice
+                writable_folder(args.save, "--save")
+            except TpkitError as e:
+                raise UsageError(f"%%tp_profile: {e}") from None
         return config, args.save, args.kernels
 
     @magic_arguments()
