@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..schema import PHASE_COLUMNS
+from ..schema import PHASE_COLUMNS, VERDICTS
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
 INPUT_BOUND = 0.20
@@ -24,12 +24,29 @@ OVERHEAD_BOUND = 0.30
 
 @dataclass
 class Verdict:
-    kind: str  # input-bound, input-limited, copy-bound, optimizer-bound, offload-bound, overhead-bound, compute-bound, no-steps
+    """The bottleneck verdict: ``kind`` (a key of ``schema.VERDICTS``), the full line ``text``
+    (headline: evidence; advice), and its parts for views that lay them out."""
+
+    kind: str  # a key of schema.VERDICTS
     text: str
+    evidence: str = ""  # the measured shares behind it
+    advice: str = ""    # what to look at next
+
+    @property
+    def headline(self) -> str:
+        """``'INPUT-BOUND'``, ``'COMPUTE-BOUND'``...: the one name every view uses."""
+        return VERDICTS.get(self.kind, self.kind.upper())
+
+
+def _verdict(kind: str, evidence: str, advice: str = "") -> Verdict:
+    text = f"{VERDICTS[kind]}: {evidence}" + (f"; {advice}" if advice else "")
+    return Verdict(kind, text, evidence, advice)
 
 
 @dataclass
 class Summary:
+    """A run's figures over its measured steps, its verdict and its notes."""
+
     name: str
     steps: int
     warmup_steps: int
@@ -41,7 +58,7 @@ class Summary:
     step_p95_s: float
     phase_share: dict[str, float] = field(default_factory=dict)  # column -> share of step time
     data_stall_share: float = 0.0
-    verdict: Verdict = field(default_factory=lambda: Verdict("no-steps", ""))
+    verdict: Verdict = field(default_factory=lambda: _verdict("no-steps", "no steps were measured"))
     notes: list[str] = field(default_factory=list)
     clocks: dict = field(default_factory=dict)  # analysis.clocks.ClockSummary.to_dict(), when clocks were sampled
     clock_lines: list[str] = field(default_factory=list)
@@ -99,32 +116,35 @@ def phase_shares(steps: pd.DataFrame) -> dict[str, float]:
 
 
 def verdict(shares: dict[str, float]) -> Verdict:
-    """The one-line bottleneck verdict from phase shares. Order: the first rule that fires."""
+    """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
+    Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only."""
     if not shares or sum(shares.values()) == 0:
-        return Verdict("no-steps", "no steps were measured: nothing to judge")
+        return _verdict("no-steps", "no steps were measured: nothing to judge")
     data = shares.get("data_wait_s", 0.0)
-    if data >= INPUT_BOUND:
-        return Verdict("input-bound", f"INPUT-BOUND: {data:.0%} of step time waits for data; "
-                       "the model idles while the loader works (more workers, tp.data.Loader)")
-    if shares.get("h2d_s", 0.0) >= COPY_BOUND:
-        return Verdict("copy-bound", f"COPY-BOUND: {shares['h2d_s']:.0%} of step time copies batches to "
-                       "the device (pin_memory, non_blocking copies, prefetch)")
-    if shares.get("offload_s", 0.0) >= OFFLOAD_BOUND:
-        return Verdict("offload-bound", f"OFFLOAD-BOUND: {shares['offload_s']:.0%} of step time moves or "
-                       "updates offloaded optimizer state on the host (hide it: the streaming step or "
-                       "delayed_update=True of tp.offload.CPUOffloadAdamW; shorten it: all cores in "
-                       "torch.set_num_threads, cores bound to the rank, bf16 moments, kernel='auto')")
-    if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
-        return Verdict("optimizer-bound", f"OPTIMIZER-BOUND: {shares['optimizer_s']:.0%} of step time is "
-                       "the optimizer (fused/foreach kernels, fewer parameter tensors)")
-    if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
-        return Verdict("overhead-bound", f"OVERHEAD-BOUND: {shares['other_s']:.0%} of step time is outside "
-                       "every known phase (Python between phases, logging, .item() syncs)")
     compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
-    text = f"COMPUTE-BOUND: forward+backward take {compute:.0%} of step time"
+    if data >= INPUT_BOUND:
+        return _verdict("input-bound", f"{data:.0%} of step time waits for data",
+                        "the model idles while the loader works (more workers, tp.data.Loader)")
+    if shares.get("h2d_s", 0.0) >= COPY_BOUND:
+        return _verdict("copy-bound", f"{shares['h2d_s']:.0%} of step time copies batches to the device",
+                        "pin_memory, non_blocking copies, prefetch")
+    if shares.get("offload_s", 0.0) >= OFFLOAD_BOUND:
+        return _verdict("offload-bound", f"{shares['offload_s']:.0%} of step time moves or updates offloaded "
+                        "optimizer state on the host",
+                        "hide it: the streaming step or delayed_update=True of tp.offload.CPUOffloadAdamW; "
+                        "shorten it: all cores in torch.set_num_threads, cores bound to the rank, bf16 moments, "
+                        "kernel='auto'")
+    if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
+        return _verdict("optimizer-bound", f"{shares['optimizer_s']:.0%} of step time is the optimizer",
+                        "fused/foreach kernels, fewer parameter tensors")
+    if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
+        return _verdict("overhead-bound", f"{shares['other_s']:.0%} of step time is outside every known phase",
+                        "Python between phases, logging, .item() syncs")
     if data >= INPUT_LIMITED:
-        return Verdict("input-limited", text + f"; data wait is {data:.0%}, worth a look")
-    return Verdict("compute-bound", text + "; the input pipeline keeps up")
+        return _verdict("input-limited", f"data wait is {data:.0%} of step time (forward+backward {compute:.0%})",
+                        "the loader almost keeps up: more workers are worth a try")
+    return _verdict("compute-bound", f"forward+backward take {compute:.0%} of step time",
+                    "the input pipeline keeps up")
 
 
 def _clock_rows(clocks: dict) -> list[tuple]:
@@ -161,6 +181,10 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         verdict=verdict(shares),
         notes=list(meta.get("notes", [])),
     )
+    skipped = int(m["skipped"].sum()) if "skipped" in m.columns else 0
+    if skipped:
+        out.notes.append(f"{skipped} of {len(m)} measured steps were skipped by the GradScaler (inf/NaN "
+                         "gradients): no parameter update happened in them")
     if clocks is not None and not clocks.empty:
         from .clocks import clock_summary  # only runs with clock rows pay for it
 

@@ -54,7 +54,7 @@ def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
 
 def step_breakdown(spans: pd.DataFrame, bounds: pd.DataFrame) -> pd.DataFrame:
     """``run.steps`` from spans and step bounds (columns: step, warmup, start_s, end_s,
-    samples, loss). ``other_s`` is what no built-in phase covered."""
+    samples, loss, skipped). ``other_s`` is what no built-in phase covered."""
     phases = exclusive_phase_times(spans)
     phases["step"] = phases["step"].astype("int64")
     out = bounds.merge(phases, on="step", how="left")
@@ -79,9 +79,12 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     def at(ns: int, ev: Any) -> float:
         return ((timer.resolve(ev) if (timer is not None and ev is not None) else ns) - t0) / 1e9
 
+    # Past a full slice (a framework asked to stop, and ends its step and its run before the
+    # slice closes) nothing belongs to the slice any more.
+    past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends) + 1
     spans = frame("spans", [
         (step - warmup_steps, phase, at(s, sev), at(e, eev), 0.0, depth, source)
-        for phase, s, e, depth, source, step, sev, eev in rec.spans
+        for phase, s, e, depth, source, step, sev, eev in rec.spans if step < past
     ])
     spans["duration_s"] = spans["end_s"] - spans["start_s"]
     spans = spans.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True)
@@ -91,22 +94,25 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     ends = [(e - t0) / 1e9 for e, _ in rec.step_ends]
     if timer is not None:
         ends = _gpu_step_ends(spans, ends, warmup_steps)
-    losses: dict[int, list[float]] = {}
+    # The step's loss is the sum of the losses backpropagated in it: what the framework logs
+    # when it accumulates (each micro-batch's loss is divided by the accumulation count).
+    losses: dict[int, float] = {}
     for raw, value in rec.losses:
-        losses.setdefault(raw, []).append(float(value))  # a tensor: one sync, after the slice
+        losses[raw] = losses.get(raw, 0.0) + float(value)  # a tensor: one sync, after the slice
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
         "start_s": [0.0, *ends[:-1]] if ends else [],
         "end_s": ends,
         "samples": np.array([n for _, n in rec.step_ends], dtype="int64"),
-        "loss": [float(np.mean(losses[i])) if i in losses else float("nan") for i in range(len(ends))],
+        "loss": [losses.get(i, float("nan")) for i in range(len(ends))],
+        "skipped": [i in rec.skipped for i in range(len(ends))],
     })
     steps = frame("steps", step_breakdown(spans, bounds)[list(SCHEMAS["steps"])])
 
     memory = frame("memory", [
         (step - warmup_steps, phase, event, (t - t0) / 1e9, device, category, nbytes)
-        for step, phase, event, t, device, category, nbytes in rec.memory
+        for step, phase, event, t, device, category, nbytes in rec.memory if step < past
     ])
     clocks = frame("clocks", [((t - t0) / 1e9, d, m, v) for t, d, m, v in rec.clocks])
     loader = frame("loader", rec.loader)

@@ -60,6 +60,8 @@ class Recorder:
         self.framework: Any = None  # the HF / Lightning trainer running the loop (capture.frameworks)
         self.slice_steps: int | None = None  # once the slice is full: steps past it are not the slice's
         self.notes: list[str] = []
+        # tensors tpkit allocates for itself during a slice (e.g. loss sums): the memory probe leaves them out
+        self.own_tensors: list[Any] = []
         self.meta: dict[str, Any] = {}
         self.phase_listeners: list[PhaseListener] = []
         self.step_listeners: list[StepListener] = []

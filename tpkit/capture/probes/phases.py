@@ -12,16 +12,31 @@ What is hooked, and why this way:
   report themselves. The batch's leading dimension counts the step's samples.
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
 
-Every hook ignores calls from threads other than the one that started the slice (a loader
-thread running a transform module is not the model's forward). ``remove`` restores every
-registry and attribute exactly and is safe to call twice.
+Every hook ignores calls from threads other than the loop's (a loader thread running a
+transform module is not the model's forward): the loop's thread is the one that started the
+slice, unless the first optimizer step comes from another thread before that one did any
+training work (a loop run in a background thread): the probe then follows that thread.
+Under ``torch.compile`` every hook returns at once (no graph break, no recompile).
+
+- closures: ``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization) runs
+  forward and backward inside the optimizer's step; the closure is wrapped so that its time
+  is forward/backward/... as it happens and ``optimizer`` is the step's own work.
+- AMP: ``GradScaler.scale`` and ``GradScaler.step`` are wrapped: the loss recorded is the
+  unscaled one, and a step whose update the scaler skipped (inf/NaN) still ends the step,
+  marked ``skipped``.
+- loss: the sum of the one-element tensors backpropagated in the step (see ``LossSums``).
+
+``remove`` restores every registry and attribute exactly and is safe to call twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
+import warnings
+import weakref
 from time import perf_counter_ns
 from typing import Any
 
@@ -30,6 +45,7 @@ import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
+from ..frameworks import find_trainer
 from ..recorder import Recorder
 from .patching import Patches
 
@@ -40,6 +56,10 @@ GC_SPAN_MIN_NS = 1_000_000
 #: Phases during which a module call is not "the forward pass" (a transform in data loading,
 #: recomputation in backward, a module used inside an optimizer).
 _NOT_FORWARD = ("data_wait", "backward", "optimizer", "offload")
+
+#: True while dynamo traces (torch.compile): tpkit's hooks then do nothing at all.
+_compiling = torch.compiler.is_compiling
+_COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -90,23 +110,94 @@ def _leaves_host(args: tuple, kwargs: dict) -> bool:
     return torch.device(dev).type != "cpu"
 
 
+class LossSums:
+    """Per-step sums of the losses backpropagated, kept on the loss's device in preallocated
+    chunks of ``CHUNK`` slots: one in-place add per backward (no new tensor per step, no
+    sync), nothing of the loop's own tensors kept, read once per chunk after the slice.
+
+    Each step's first loss puts ``(raw_step, slot)`` in ``rec.losses``; ``float(slot)`` is
+    the step's sum (the build reads it so)."""
+
+    CHUNK = 64
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self._chunks: list[torch.Tensor] = []
+        self._free: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk, next index)
+        self._slots: dict[tuple[int, torch.device], "_Slot"] = {}
+        self._host: dict[int, list[float]] = {}
+
+    def add(self, raw_step: int, loss: torch.Tensor) -> None:
+        """Add a one-element loss tensor to step ``raw_step``'s sum."""
+        value = loss.detach().reshape(())
+        key = (raw_step, value.device)
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = self._new_slot(value.device)
+            self.rec.losses.append((raw_step, slot))
+        self._chunks[slot.chunk][slot.index].add_(value)
+
+    def _new_slot(self, device: torch.device) -> "_Slot":
+        chunk, index = self._free.get(device, (-1, self.CHUNK))
+        if index >= self.CHUNK:
+            dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
+            chunk_t = torch.zeros(self.CHUNK, dtype=dtype, device=device)
+            self._chunks.append(chunk_t)
+            self.rec.own_tensors.append(chunk_t)  # tpkit's own: the memory probe leaves it out
+            self.rec.own_tensors.append(self._chunks[-1])  # not the loop's memory
+            chunk, index = len(self._chunks) - 1, 0
+        self._free[device] = (chunk, index + 1)
+        return _Slot(self, chunk, index)
+
+    def value(self, chunk: int, index: int) -> float:
+        if chunk not in self._host:
+            self._host[chunk] = self._chunks[chunk].tolist()  # one sync per chunk, after the slice
+        return float(self._host[chunk][index])
+
+
+class _Slot:
+    __slots__ = ("sums", "chunk", "index")
+
+    def __init__(self, sums: LossSums, chunk: int, index: int) -> None:
+        self.sums, self.chunk, self.index = sums, chunk, index
+
+    def __float__(self) -> float:
+        return self.sums.value(self.chunk, self.index)
+
+
 class PhaseProbe:
     """Installs the phase hooks for one Recorder; ``remove()`` undoes all of it."""
 
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
-        self.tid = rec.thread_id
         self._handles: list[Any] = []
         self._patched = Patches()
         self._fwd_depth = 0
         self._fwd_token: int | None = None
-        self._opt_tokens: list[int] = []
+        self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
+        self._closure_depth = 0  # > 0 while an optimizer's closure runs
+        self._closure_evals = 0  # closure calls in the current optimizer step
+        self._opt_posts = 0  # optimizer post hooks seen (a GradScaler step without one was skipped)
+        self._worked = False  # a forward or backward since the last step ended
+        self._ever_worked = False
+        self._scaled: tuple[Any, torch.Tensor] | None = None  # (weakref to scaler.scale()'s output, its input)
+        self.losses = LossSums(rec)
+        self._framework_checked = False
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
+        self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
+        self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
         self.installed = False
         self._gc_installed = False
         self._gc_start = 0
+        self._warning_filter: Any = None
+        self._graph_breaks_at_start = _graph_breaks()
+
+    @property
+    def tid(self) -> int:
+        """The thread whose calls are the loop's (the Recorder's, which may follow the loop)."""
+        return self.rec.thread_id
 
     # -- life cycle -------------------------------------------------------------------------
     def install(self) -> "PhaseProbe":
@@ -128,8 +219,15 @@ class PhaseProbe:
                         self._wrap_next(_dl._BaseDataLoaderIter.__next__, "DataLoader"))
             self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
             self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
+            scaler = torch.amp.GradScaler
+            self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
+            self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
             gc.callbacks.append(self._gc)
             self._gc_installed = True
+            # torch warns that a compiled module's outer call also fires global hooks: tpkit's
+            # hooks count that call as the forward (see _fwd_pre), so the warning is not the user's.
+            warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING)
+            self._warning_filter = warnings.filters[0]
         except BaseException:
             self.remove()
             raise
@@ -141,17 +239,53 @@ class PhaseProbe:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(self._gc)
             self._gc_installed = False
+        if self._warning_filter is not None:
+            with contextlib.suppress(ValueError):
+                warnings.filters.remove(self._warning_filter)
+            warnings._filters_mutated()  # type: ignore[attr-defined]  # as warnings.resetwarnings does
+            self._warning_filter = None
         while self._handles:
             self._handles.pop().remove()
         self._patched.restore()
+        self._scaled = None
         self.installed = False
+
+    def notes(self) -> list[str]:
+        """What the loop did that changes how its numbers read (for ``run.meta["notes"]``)."""
+        out = []
+        if self.merged_steps:
+            out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
+                       "backward since the previous call: each such call is part of the same step")
+        breaks = _graph_breaks() - self._graph_breaks_at_start
+        if breaks > 0:
+            out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
+                       "(its hooks return at once while dynamo traces); the model runs partly eager: "
+                       "see torch._dynamo.explain(model)(...) for the reasons")
+        return out
+
+    # -- the loop's thread --------------------------------------------------------------------
+    def _adopt(self, tid: int) -> bool:
+        """An optimizer step in a thread other than the slice's before the slice's thread did
+        any training work: the loop runs in that thread, so follow it."""
+        rec = self.rec
+        if self._ever_worked or rec.step_ends or self._opt_tokens:
+            return False
+        rec.thread_id = tid
+        rec.meta["loop_thread"] = threading.current_thread().name
+        # The slice's stop (StopSlice) ends that thread's loop; nothing there catches it, so
+        # threading would print it as a crash: it is the planned end of the slice.
+        self._patched.set(threading, "excepthook", _quiet_stop(threading.excepthook))
+        rec.note(f"the training loop runs in thread '{threading.current_thread().name}', not the one that "
+                 "started the slice: tpkit follows it from its first optimizer.step(), so that first "
+                 "step's data wait, forward and backward were not seen (it is a warmup step when warmup >= 1)")
+        return True
 
     # -- garbage collection -------------------------------------------------------------------
     def _gc(self, event: str, info: dict) -> None:
         """Python's collector pausing the loop: a ``gc`` span (nested in whatever phase it
         interrupted, so it also shows which phase paid for it). Recorded without phase
         listeners: nothing may allocate tensors inside a collection."""
-        if threading.get_ident() != self.tid:
+        if threading.get_ident() != self.rec.thread_id:
             return
         if event == "start":
             self._gc_start = perf_counter_ns()
@@ -164,19 +298,23 @@ class PhaseProbe:
             self._gc_start = 0
 
     # -- forward ----------------------------------------------------------------------------
+    # Under torch.compile every hook returns before anything else: dynamo traces module calls
+    # with their global hooks, and any call it cannot trace (threading.get_ident) would break
+    # the graph. The compiled module's outer call runs eagerly, so its hooks time it.
     def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self.tid:
+        if _compiling() or threading.get_ident() != self.rec.thread_id:
             return
         if self._fwd_depth == 0:
             rec = self.rec
             if not any(rec.is_open(p) for p in _NOT_FORWARD):
                 self._fwd_token = rec.enter("forward", type(module).__name__)
+                self._worked = self._ever_worked = True
                 if id(module) not in self.models:
                     self.models[id(module)] = module
         self._fwd_depth += 1
 
     def _fwd_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self.tid:
+        if _compiling() or threading.get_ident() != self.rec.thread_id:
             return
         self._fwd_depth = max(0, self._fwd_depth - 1)
         if self._fwd_depth == 0 and self._fwd_token is not None:
@@ -184,38 +322,132 @@ class PhaseProbe:
             self.rec.exit(token)
 
     # -- optimizer --------------------------------------------------------------------------
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.tid:
-            return
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if _compiling():
+            return None
+        tid = threading.get_ident()
+        if tid != self.rec.thread_id and not self._adopt(tid):
+            return None
         key = id(opt)
         if key not in self.optimizers:
             self.optimizers[key] = type(opt).__name__
             if self.lead_optimizer is None:
                 self.lead_optimizer = key
-        self._opt_tokens.append(self.rec.enter("optimizer", type(opt).__name__))
+        if not self._opt_tokens:
+            self._closure_evals = 0
+        source = type(opt).__name__
+        self._opt_tokens.append((self.rec.enter("optimizer", source), source))
+        # A closure (LBFGS, Lightning's automatic optimization) runs the loop's forward and
+        # backward inside step(): it is wrapped so that its time is theirs, not the optimizer's.
+        if "closure" in kwargs:
+            if callable(kwargs["closure"]):
+                return args, {**kwargs, "closure": self._wrap_closure(kwargs["closure"])}
+        elif len(args) > 1 and callable(args[1]):  # args = (optimizer, closure, ...)
+            return (args[0], self._wrap_closure(args[1]), *args[2:]), kwargs
+        return None
+
+    def _wrap_closure(self, closure: Any) -> Any:
+        probe = self
+
+        def closure_(*args: Any, **kwargs: Any) -> Any:
+            rec = probe.rec
+            if threading.get_ident() != rec.thread_id or not probe._opt_tokens:
+                return closure(*args, **kwargs)
+            sources = [s for _, s in probe._opt_tokens]
+            rec.exit(probe._opt_tokens[0][0])  # the step's own work pauses while the closure runs
+            probe._closure_depth += 1
+            probe._closure_evals += 1
+            try:
+                return closure(*args, **kwargs)
+            finally:
+                probe._closure_depth -= 1
+                probe._opt_tokens[:] = [(rec.enter("optimizer", s), s) for s in sources]
+
+        closure_.__wrapped__ = closure  # type: ignore[attr-defined]
+        return closure_
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.tid or not self._opt_tokens:
+        if _compiling() or threading.get_ident() != self.rec.thread_id or not self._opt_tokens:
             return
-        self.rec.exit(self._opt_tokens.pop())
+        self.rec.exit(self._opt_tokens.pop()[0])
+        self._opt_posts += 1
+        if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
+            if not self._worked and self._ever_worked and self.rec.step_ends:
+                self.merged_steps += 1  # step() twice per iteration: one step, not two
+                return
+            self._end_step(opt)
+
+    def _end_step(self, opt: torch.optim.Optimizer) -> None:
         rec = self.rec
-        if id(opt) == self.lead_optimizer and not self._opt_tokens and not rec.explicit_steps:
+        self._worked = False
+        if not self._framework_checked:
+            self._framework_checked = True
+            rec.framework = find_trainer(sys._getframe(1))
+        try:
+            rec.end_step()  # may raise StopSlice: the step is complete, parameters updated
+        except StopSlice:
+            # The loop stops right after optimizer.step(), before its own zero_grad():
+            # the update has consumed the gradients, so drop them as the loop would have,
+            # or the next slice's first backward would add onto stale ones.
+            zero_grad = type(opt).zero_grad
+            getattr(zero_grad, "__wrapped__", zero_grad)(opt, set_to_none=True)
+            raise
+
+    # -- AMP ----------------------------------------------------------------------------------
+    def _wrap_scale(self, fn: Any) -> Any:
+        """``GradScaler.scale(loss)``: remember the unscaled loss for the backward that follows."""
+        probe = self
+
+        def scale(scaler: Any, outputs: Any) -> Any:
+            out = fn(scaler, outputs)
+            if (out is not outputs and isinstance(outputs, torch.Tensor) and outputs.numel() == 1
+                    and not _compiling() and threading.get_ident() == probe.rec.thread_id):
+                probe._scaled = (weakref.ref(out), outputs.detach())  # until the backward that follows
+            return out
+
+        scale.__wrapped__ = fn  # type: ignore[attr-defined]
+        scale.__doc__ = fn.__doc__
+        return scale
+
+    def _wrap_scaler_step(self, fn: Any, update: Any) -> Any:
+        """``GradScaler.step(opt)``: a step whose update the scaler skipped (inf/NaN gradients,
+        so ``opt.step()`` never ran) still ends the loop's step, marked ``skipped``."""
+        probe = self
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            rec = probe.rec
+            if threading.get_ident() != rec.thread_id or _compiling():
+                return fn(scaler, optimizer, *args, **kwargs)
+            before = probe._opt_posts
             try:
-                rec.end_step()  # may raise StopSlice: the step is complete, parameters updated
+                out = fn(scaler, optimizer, *args, **kwargs)
+                if probe._opt_posts == before and not probe._opt_tokens and not rec.explicit_steps:
+                    key = id(optimizer)
+                    if key not in probe.optimizers:
+                        probe.optimizers[key] = type(optimizer).__name__
+                        if probe.lead_optimizer is None:
+                            probe.lead_optimizer = key
+                    if key == probe.lead_optimizer:
+                        rec.skipped.add(rec.step_index)
+                        probe.skipped_steps += 1
+                        probe._end_step(optimizer)
+                return out
             except StopSlice:
-                # The loop stops right after optimizer.step(), before its own zero_grad():
-                # the update has consumed the gradients, so drop them as the loop would have,
-                # or the next slice's first backward would add onto stale ones.
-                zero_grad = type(opt).zero_grad
-                getattr(zero_grad, "__wrapped__", zero_grad)(opt, set_to_none=True)
+                # The loop stops before its own scaler.update(): without it the scaler keeps
+                # this step's state and the next step() would not unscale the gradients.
+                update(scaler)
                 raise
+
+        step.__wrapped__ = fn  # type: ignore[attr-defined]
+        step.__doc__ = fn.__doc__
+        return step
 
     # -- wrappers ---------------------------------------------------------------------------
     def _wrap_phase(self, fn: Any, phase: str, source: str) -> Any:
-        rec, tid = self.rec, self.tid
+        rec = self.rec
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != tid:
+            if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(*args, **kwargs)
             token = rec.enter(phase, source)
             try:
@@ -229,15 +461,17 @@ class PhaseProbe:
         return wrapper
 
     def _wrap_backward(self, fn: Any) -> Any:
-        """backward phase; a scalar tensor being backpropagated is the step's loss (kept as a
-        detached tensor and read after the slice, so no sync happens here)."""
-        rec, tid = self.rec, self.tid
+        """backward phase; a one-element tensor being backpropagated is (part of) the step's
+        loss: see ``_loss_of``."""
+        rec, probe = self.rec, self
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != tid:
+            if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(tensors, *args, **kwargs)
-            if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                rec.losses.append((rec.step_index, tensors.detach()))
+            probe._worked = probe._ever_worked = True
+            if (isinstance(tensors, torch.Tensor) and tensors.numel() == 1
+                    and (probe._closure_depth == 0 or probe._closure_evals <= 1)):
+                probe.losses.add(rec.step_index, probe._loss_of(tensors))
             token = rec.enter("backward", "autograd")
             try:
                 return fn(tensors, *args, **kwargs)
@@ -248,11 +482,22 @@ class PhaseProbe:
         backward.__doc__ = fn.__doc__
         return backward
 
+    def _loss_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The loss behind a tensor being backpropagated: the unscaled loss when it came out
+        of ``GradScaler.scale``. (Only a closure's first evaluation in a step counts: LBFGS
+        re-evaluates it, and its step() returns the first.)"""
+        scaled = self._scaled
+        if scaled is not None:
+            self._scaled = None
+            if scaled[0]() is tensor:
+                return scaled[1]
+        return tensor
+
     def _wrap_next(self, fn: Any, source: str) -> Any:
-        rec, tid = self.rec, self.tid
+        rec = self.rec
 
         def __next__(it: Any) -> Any:
-            if threading.get_ident() != tid or rec.is_open("data_wait"):
+            if threading.get_ident() != rec.thread_id or rec.is_open("data_wait"):
                 return fn(it)
             token = rec.enter("data_wait", source)
             try:
@@ -266,10 +511,10 @@ class PhaseProbe:
         return __next__
 
     def _wrap_h2d(self, fn: Any, source: str, always: bool) -> Any:
-        rec, tid = self.rec, self.tid
+        rec = self.rec
 
         def move(self_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if (threading.get_ident() != tid or self_.device.type != "cpu"
+            if (_compiling() or threading.get_ident() != rec.thread_id or self_.device.type != "cpu"
                     or not (always or _leaves_host(args, kwargs)) or rec.is_open("h2d")):
                 return fn(self_, *args, **kwargs)
             token = rec.enter("h2d", source)
@@ -282,6 +527,26 @@ class PhaseProbe:
         move.__name__ = getattr(fn, "__name__", "to")
         move.__doc__ = getattr(fn, "__doc__", None)
         return move
+
+
+def _quiet_stop(hook: Any) -> Any:
+    """``threading.excepthook`` that stays silent for tpkit's own StopSlice."""
+
+    def excepthook(args: Any) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, StopSlice):
+            return
+        hook(args)
+
+    excepthook.__wrapped__ = hook  # type: ignore[attr-defined]
+    return excepthook
+
+
+def _graph_breaks() -> int:
+    """Graph breaks dynamo counted so far in this process (0 when dynamo was never imported)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    if dynamo_utils is None:
+        return 0
+    return int(sum(dynamo_utils.counters["graph_break"].values()))
 
 
 def watch(iterable: Any, name: str = "watch") -> Any:

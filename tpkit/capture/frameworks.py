@@ -1,0 +1,84 @@
+"""Training frameworks seen running the slice: Hugging Face ``Trainer`` and Lightning ``Trainer``.
+
+A slice inside ``trainer.train()`` / ``trainer.fit()`` ends through the framework's own stop
+(HF: ``control.should_training_stop``; Lightning: ``trainer.should_stop``) instead of tpkit's
+``StopSlice`` exception, so the trainer finishes as after ``max_steps``: its last step is
+logged, its end hooks run, Lightning's status is FINISHED. The trainer is found once, at the
+first step's end, by walking the frames of the loop for a ``self`` that is one of these
+trainers; nothing is imported (a framework that was never imported cannot be running) and
+nothing is patched.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from types import FrameType
+from typing import Any
+
+#: (name, module that defines the class, class name)
+_KNOWN: tuple[tuple[str, str, str], ...] = (
+    ("transformers.Trainer", "transformers.trainer", "Trainer"),
+    ("lightning.Trainer", "lightning.pytorch.trainer.trainer", "Trainer"),
+    ("pytorch_lightning.Trainer", "pytorch_lightning.trainer.trainer", "Trainer"),
+)
+
+#: Frames walked up from the optimizer step at most (Lightning's automatic optimization sits
+#: about 40 frames below ``Trainer.fit``).
+MAX_FRAMES = 200
+
+
+class FrameworkTrainer:
+    """A framework's trainer running the slice, held weakly."""
+
+    def __init__(self, name: str, trainer: Any) -> None:
+        self.name = name
+        self._ref = weakref.ref(trainer)
+        self.stop_requested = False
+
+    @property
+    def trainer(self) -> Any:
+        return self._ref()
+
+    def request_stop(self) -> bool:
+        """Ask the trainer to end after the step now finishing, as its own early stop does.
+        Returns False when the trainer is gone or has no such switch."""
+        trainer = self.trainer
+        if trainer is None:
+            return False
+        if self.name == "transformers.Trainer":
+            control = getattr(trainer, "control", None)
+            if control is None or not hasattr(control, "should_training_stop"):
+                return False
+            control.should_training_stop = True  # read after on_step_end and the step's logging
+        else:
+            trainer.should_stop = True  # read by the epoch loop after on_train_batch_end
+        self.stop_requested = True
+        return True
+
+    def model(self) -> Any:
+        """The model the trainer trains (Lightning: the LightningModule), or None."""
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        if self.name == "transformers.Trainer":
+            return getattr(trainer, "model", None)
+        return getattr(trainer, "lightning_module", None)
+
+
+def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
+    """The HF or Lightning trainer whose method is on the stack above ``frame``, or None."""
+    classes = [(name, getattr(sys.modules[mod], cls, None)) for name, mod, cls in _KNOWN if mod in sys.modules]
+    classes = [(n, c) for n, c in classes if isinstance(c, type)]
+    if not classes:
+        return None
+    f, n = frame, 0
+    while f is not None and n < MAX_FRAMES:
+        code = f.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            obj = f.f_locals.get("self")
+            for name, cls in classes:
+                if isinstance(obj, cls):
+                    return FrameworkTrainer(name, obj)
+        f, n = f.f_back, n + 1
+    return None
