@@ -341,34 +341,32 @@ def test_no_grad_forward_saves_nothing():
 
 # -- CUDA boundary, through a stand-in --------------------------------------------------------
 class FakeCuda(mem.CudaAllocator):
-    """Plays a CUDA allocator: level and peak per read, scripted."""
+    """Plays a CUDA allocator: (allocated, process peak) per read, scripted."""
 
-    def __init__(self, ready_after: int = 0) -> None:
+    def __init__(self, script: list[tuple[int, int]], history_running: bool = False) -> None:
+        self.script = list(script)
         self.reads: list[tuple[int, int]] = []
-        self.history = False
-        self.asked = 0
-        self.ready_after = ready_after  # devices() calls before CUDA counts as initialised
+        self.history = history_running
+        self.user_history = history_running
+        self.stopped = False
 
     def available(self) -> bool:
         return True
 
-    def devices(self) -> list[int]:
-        self.asked += 1
-        return [0] if self.asked > self.ready_after else []
-
     def read(self, index: int) -> tuple[int, int]:
-        n = len(self.reads)
-        now, peak = 1000 * (n + 1), 1000 * (n + 1) + 500
-        self.reads.append((now, peak))
-        return now, peak
+        self.reads.append(self.script.pop(0))
+        return self.reads[-1]
 
     def capacity(self, index: int) -> int:
         return 80 * 2**30
 
+    def history_running(self) -> bool:
+        return self.history
+
     def start_history(self) -> None:
         self.history = True
 
-    def stop_history(self) -> dict:
+    def snapshot(self) -> dict:
         frames = [{"filename": "train.py", "line": 12, "name": "forward"}]
         return {"device_traces": [[
             {"action": "alloc", "addr": 1, "size": 100, "frames": frames},
@@ -378,48 +376,98 @@ class FakeCuda(mem.CudaAllocator):
             {"action": "free_completed", "addr": 1, "size": 100},
         ]]}
 
+    def stop_history(self) -> dict:
+        self.history, self.stopped = False, True
+        return self.snapshot()
 
+
+def cuda_model(device: str = "cuda:0") -> torch.nn.Module:
+    """A module whose one parameter (4 x 4 fp32, 64 B) lives on a CUDA device, on a machine
+    without one: a fake tensor has the device and the storage size, and no memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        w = torch.empty(4, 4, device=device)
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(w, requires_grad=False)
+    return m
+
+
+#: the probe reads a fake tensor's storage address (0) to count a storage shared by two
+#: parameters once; torch warns about that on fake tensors
+fake_ptr = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+
+
+def frame_of(rec: Recorder) -> pd.DataFrame:
+    return pd.DataFrame(rec.memory, columns=["step", "phase", "event", "t_ns", "device", "category", "bytes"])
+
+
+@fake_ptr
 def test_cuda_rows_peaks_and_detail_through_a_stand_in():
-    fake = FakeCuda()
+    # install (the baseline), forward enter, h2d enter, h2d exit, forward exit
+    fake = FakeCuda([(1000, 1500), (2000, 2500), (3000, 2500), (4000, 4500), (5000, 5500)])
     rec = Recorder("fake")
+    model = cuda_model()
+    rec.models[id(model)] = model
     probe = mem.MemoryProbe(rec, detail=True, cuda=fake).install()
-    assert fake.history and fake.reads == [(1000, 1500)]  # install resets the peak
-    rec.enter("forward", "test")  # boundary 0: read (2000, 2500)
-    tok = rec.enter("h2d", "test")  # boundary 1: (3000, 3500)
-    rec.exit(tok)  # boundary 2: (4000, 4500)
-    rec.exit(0)  # boundary 3 (forward exit): (5000, 5500)
+    assert fake.history and fake.reads == [(1000, 1500)]
+    rec.enter("forward", "test")
+    tok = rec.enter("h2d", "test")
+    rec.exit(tok)
+    rec.exit(0)
     probe.remove()
     probe.remove()  # idempotent
-    m = pd.DataFrame(rec.memory, columns=["step", "phase", "event", "t_ns", "device", "category", "bytes"])
-    cuda = m[m["device"] == "cuda:0"]
-    enter = cuda[(cuda["phase"] == "forward") & (cuda["event"] == "enter")].set_index("category")["bytes"]
-    assert enter["activations"] == 2000 and enter["parameters"] == 0
-    peak = cuda[(cuda["phase"] == "forward") & (cuda["event"] == "peak")]["bytes"].sum()
-    assert peak == 5500  # the highest per-stretch peak inside forward
-    h2d_peak = cuda[(cuda["phase"] == "h2d") & (cuda["event"] == "peak")].set_index("category")["bytes"]
-    assert h2d_peak["other"] == 4500
+    assert fake.stopped  # tpkit started that history, so it stops it
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    enter = cuda.query("phase == 'forward' and event == 'enter'").set_index("category")["bytes"]
+    assert enter["parameters"] == 64 and enter["activations"] == 2000 - 64
+    # the process peak rose to 5,500 in the last stretch: forward's peak
+    assert cuda.query("phase == 'forward' and event == 'peak'")["bytes"].sum() == 5500
+    # inside h2d the process peak rose from 2,500 to 4,500: a new high, exact
+    h2d_peak = cuda.query("phase == 'h2d' and event == 'peak'").set_index("category")["bytes"]
+    assert h2d_peak.sum() == 4500 and h2d_peak["other"] == 4500 - 64
     meta = probe.meta()["memory"]
     assert meta["capacity_bytes"]["cuda:0"] == 80 * 2**30
+    assert meta["approximate_mix"] == ["cuda:0"]
     top = meta["top_at_peak"]["cuda:0"]
     assert top["peak_bytes"] == 400
     assert [a["bytes"] for a in top["allocations"]] == [300, 100]
     assert top["allocations"][0]["stack"] == ["train.py:12 forward"]
 
 
+@fake_ptr
+def test_cuda_stretch_without_a_new_high_gives_its_boundary_maximum():
+    """The process peak (8,000, from before the slice) never rises: no stretch can be read
+    exactly, so each peak is the higher of its two boundary levels (said approximate)."""
+    fake = FakeCuda([(1000, 8000), (2000, 8000), (3000, 8000), (2500, 8000)])
+    rec = Recorder("fake")
+    model = cuda_model()
+    rec.models[id(model)] = model
+    probe = mem.MemoryProbe(rec, cuda=fake).install()
+    rec.enter("forward", "test")
+    tok = rec.enter("h2d", "test")
+    rec.exit(tok)
+    probe.remove()
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 3000
+
+
+@fake_ptr
 def test_cuda_first_seen_mid_slice_does_not_trust_the_old_peak():
-    fake = FakeCuda(ready_after=2)  # install and the first boundary see no CUDA yet
+    fake = FakeCuda([(1000, 1500), (2000, 2500), (3000, 3500)])
     rec = Recorder("fake")
     probe = mem.MemoryProbe(rec, cuda=fake).install()
-    rec.enter("forward", "test")  # no CUDA reading
-    tok = rec.enter("h2d", "test")  # first reading (1000, 1500): peak not trusted -> 1000
-    rec.exit(tok)  # (2000, 2500)
+    rec.enter("forward", "test")  # no model known yet: no CUDA device in use, nothing read
+    model = cuda_model()
+    rec.models[id(model)] = model
+    tok = rec.enter("h2d", "test")  # the model is found: first reading (1000, 1500), the baseline
+    rec.exit(tok)  # (2000, 2500): a new high inside h2d
     rec.exit(0)
     probe.remove()
-    m = pd.DataFrame(rec.memory, columns=["step", "phase", "event", "t_ns", "device", "category", "bytes"])
-    cuda = m[m["device"] == "cuda:0"]
+    cuda = frame_of(rec).query("device == 'cuda:0'")
     assert set(cuda["phase"]) == {"h2d", "forward"}
-    assert cuda[(cuda["phase"] == "h2d") & (cuda["event"] == "peak")]["bytes"].sum() == 2500
-    assert cuda[(cuda["phase"] == "forward") & (cuda["event"] == "peak")].empty  # its enter had no reading
+    assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 2500
+    assert cuda.query("phase == 'forward' and event == 'peak'").empty  # its enter had no reading
 
 
 def test_top_allocations_at_peak_replays_frees():

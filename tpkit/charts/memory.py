@@ -15,6 +15,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "gradients": "#6a51a3",
     "optimizer_state": "#2ca02c",
     "activations": "#ff7f0e",
+    "temporaries": "#fdd0a2",
     "data": "#d62728",
     "other": "#b0b0b0",
 }

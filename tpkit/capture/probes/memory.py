@@ -37,14 +37,15 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Iterable, Iterator
 
 import torch
 import torch.optim.optimizer as _optim
+from torch.autograd import profiler as _autograd_profiler
 
-from ...schema import KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES
+from ...schema import KIB, KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES
 from ..recorder import Recorder
 
 #: Phases during which what the allocator holds beyond the known sets is called activations.
@@ -80,7 +81,15 @@ def quiet_stderr() -> Iterator[None]:
 
 
 def rest_category(phase: str) -> str:
+    """What the allocator holds beyond the known sets is called, at a boundary of ``phase``
+    (blocks allocated inside backward are ``temporaries`` there instead)."""
     return "activations" if phase in ACTIVATION_PHASES else "other"
+
+
+def _user_profiler_flag() -> bool:
+    """Whether a ``torch.profiler`` / ``torch.autograd.profiler.profile`` session is open
+    (it sets this module flag; tpkit's own stream does not)."""
+    return bool(getattr(_autograd_profiler, "_is_profiler_enabled", False))
 
 
 # -- allocator backends ----------------------------------------------------------------------
@@ -134,7 +143,10 @@ class CpuAllocatorStream:
 
 
 class CudaAllocator:
-    """The CUDA caching allocator's counters; every call here is free of syncs."""
+    """The CUDA caching allocator's counters; every call here is free of syncs and leaves the
+    process-global state as it was: the peak counter is never reset (a user's
+    ``max_memory_allocated()`` reads the same as without tpkit) and a history the user started
+    is never switched off."""
 
     _available: bool | None = None
 
@@ -143,27 +155,29 @@ class CudaAllocator:
             self._available = torch.cuda.is_available()
         return self._available
 
-    def devices(self) -> list[int]:
-        """Devices to read: none until CUDA is initialised (reading would initialise it)."""
-        if not self.available() or not torch.cuda.is_initialized():
-            return []
-        return list(range(torch.cuda.device_count()))
-
     def read(self, index: int) -> tuple[int, int]:
-        """(bytes allocated now, peak since the previous read); resets the peak."""
-        now = int(torch.cuda.memory_allocated(index))
-        peak = int(torch.cuda.max_memory_allocated(index))
-        torch.cuda.reset_peak_memory_stats(index)
-        return now, max(now, peak)
+        """(bytes allocated now, the process's peak so far); nothing is reset."""
+        return int(torch.cuda.memory_allocated(index)), int(torch.cuda.max_memory_allocated(index))
 
     def capacity(self, index: int) -> int:
         return int(torch.cuda.get_device_properties(index).total_memory)
+
+    def history_running(self) -> bool:
+        """Whether an allocator history is recording now (someone else's: tpkit's own is
+        started only when none runs). A recording history leaves entries in the snapshot's
+        device traces."""
+        snap = torch.cuda.memory._snapshot()
+        return any(snap.get("device_traces") or [])
 
     def start_history(self) -> None:
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                                  max_entries=HISTORY_ENTRIES)
 
+    def snapshot(self) -> dict:
+        return torch.cuda.memory._snapshot()
+
     def stop_history(self) -> dict:
+        """The snapshot, then the history off: only for a history tpkit started."""
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         return snap
@@ -193,6 +207,7 @@ def top_allocations_at_peak(trace: Iterable[dict], n: int = TOP_AT_PEAK, frames:
 
 
 def host_capacity_bytes() -> int | None:
+    """The host's physical memory in bytes, or None when it cannot be read."""
     try:
         import psutil
 
@@ -207,18 +222,18 @@ def host_capacity_bytes() -> int | None:
 
 
 # -- the probe -------------------------------------------------------------------------------
-@dataclass
-class _Boundary:
-    phase: str
-    event: str  # enter / exit
-    raw_step: int
-    t_ns: int
-    known: dict[tuple[str, str], int]  # (device, category) -> bytes
-    cpu_storages: list[tuple[int, int]]  # (ptr, bytes) of known + buffer storages on the CPU
-    cpu_buffer_bytes: int
-    cuda: dict[str, tuple[int, int]] = field(default_factory=dict)  # device -> (allocated, peak since last)
-    marker: tuple[int, int] | None = None  # (ptr, bytes)
-    n_param_storages: int = 0  # the first entries of cpu_storages are the parameters'
+#: Marker kinds in the CPU stream: a phase boundary, an observation of the known sets, a
+#: parameter's gradient being stored in ``.grad`` (its post-accumulate hook).
+_BOUND, _OBS, _GRAD_SET, _GONE = 0, 1, 2, 3
+#: CPU parameters at least this large get a post-accumulate-grad hook, so that their gradient
+#: counts as ``gradients`` from the instant it is stored in ``.grad`` (before that it is an
+#: autograd temporary in flight). Smaller ones count from their allocation: the mix is off by
+#: at most their bytes, for the few microseconds between the two.
+GRAD_HOOK_MIN_BYTES = 16 * KIB
+#: Pseudo category of model buffers: counted with what the allocator holds beyond the known sets.
+_BUFFER = "buffer"
+#: Pseudo category of tpkit's own tensors (``Recorder.own_tensors``): counted nowhere.
+_OWN = "tpkit"
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -234,8 +249,28 @@ def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
                 yield from _tensors(v, depth + 1)
 
 
+@dataclass
+class _Levels:
+    """Bytes at one instant: known sets by category, the rest allocated outside backward, and
+    the rest allocated inside backward (autograd temporaries)."""
+
+    known: dict[str, int]
+    rest: int | None
+    rest_backward: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.known.values()) + (self.rest or 0) + self.rest_backward
+
+
 class MemoryProbe:
-    """Listens to phase boundaries; builds ``run.memory`` rows when removed."""
+    """Listens to phase boundaries; builds ``run.memory`` rows when removed.
+
+    The hot path (every phase boundary) only stamps the time and makes one marker allocation
+    in the CPU stream; the known sets are observed a few times per step (the first optimizer
+    boundary after a backward, each batch, the slice's end) and the stream is replayed after the
+    slice.
+    """
 
     def __init__(self, rec: Recorder, detail: bool = False, cpu: CpuAllocatorStream | None = None,
                  cuda: CudaAllocator | None = None) -> None:
@@ -243,18 +278,39 @@ class MemoryProbe:
         self.detail = detail
         self.cpu = cpu if cpu is not None else CpuAllocatorStream()
         self.cuda = cuda if cuda is not None else CudaAllocator()
-        self.bounds: list[_Boundary] = []
+        #: (phase, event, raw_step, t_ns) per boundary
+        self.bounds: list[tuple[str, str, int, int]] = []
+        #: markers in the CPU stream, in order: (ptr, bytes, kind, index)
+        self.marks: list[tuple[int, int, int, int]] = []
+        #: CPU storages seen at each observation: [(ptr, bytes, category, parameter slot or -1)]
+        self.observations: list[list[tuple[int, int, str, int]]] = []
+        #: boundary -> known sets walked there (no CPU stream, or CUDA devices in use)
+        self.walks: dict[int, dict[tuple[str, str], int]] = {}
+        #: boundary -> {device: (allocated, peak in the stretch before, peak exact)}
+        self.cuda_reads: dict[int, dict[str, tuple[int, int, bool]]] = {}
         self.optimizers: "weakref.WeakValueDictionary[int, torch.optim.Optimizer]" = weakref.WeakValueDictionary()
         self._batch: list[weakref.ref] = []
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
+        self._slots: dict[int, int] = {}  # id(parameter) -> slot
+        self._grad_hooks: list[Any] = []
         self._seen_key: tuple[int, int] = (-1, -1)  # (models, optimizer parameters) last counted
+        self._opt_key: tuple = ()
+        self._params_new = False  # parameters refreshed since the last observation
+        self._own_seen = 0
+        self._grads_watched: set[int] = set()  # parameter slots whose first gradient is watched
+        self._finalizers: list[weakref.finalize] = []
+        self.gone: list[tuple[int, int]] = []  # (ptr, bytes) of watched CPU tensors that died  # rec.own_tensors already observed
+        self._grads_new = False  # a backward ended since the known sets were last observed
         self._dev_names: dict[torch.device, str] = {}
         self._handle: Any = None
         self._history = False
         self._cpu_note: str | None = None
+        self._stream_lost_at: int | None = None
         self._detail: dict[str, Any] = {}
-        self._cuda_seen: set[str] = set()
+        self._cuda_in_use: set[int] = set()  # CUDA devices holding tensors the probe has seen
+        self._cuda_last: dict[int, tuple[int, int]] = {}  # device -> (allocated, max allocated) at the last read
+        self._user_profiler_flag = _user_profiler_flag
         self.installed = False
         self._finished = False
 
@@ -270,13 +326,20 @@ class MemoryProbe:
             except Exception as e:  # e.g. a torch.profiler already running
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
                                   f"was not measured: the allocator stream could not start ({e})")
-            for i in self.cuda.devices():
-                self._read_cuda(i)  # resets the peak: what came before the slice is not its peak
+            self._observe()  # what exists already (a model seen before, its optimizer's state)
+            for i in sorted(self._cuda_in_use):
+                self._read_cuda(i)  # the baseline: the first stretch's peak is measured from here
             if self.detail:
                 if self.cuda.available():
                     try:
-                        self.cuda.start_history()
-                        self._history = True
+                        if self.cuda.history_running():
+                            self.rec.note("--memory-detail: a CUDA allocator history was already recording; "
+                                          "tpkit reads it at the end and leaves it on")
+                            self._history = True
+                            self._history_ours = False
+                        else:
+                            self.cuda.start_history()
+                            self._history = self._history_ours = True
                     except Exception as e:
                         self.rec.note(f"--memory-detail: the CUDA allocator history could not start ({e})")
                 else:
@@ -296,6 +359,14 @@ class MemoryProbe:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self.installed and not self._finished:
+            self._observe(final=True)
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers = []
         events: list[tuple[int, int]] = []
         if self.cpu.active:
             try:
@@ -306,9 +377,10 @@ class MemoryProbe:
         if self._history:
             self._history = False
             try:
-                snap = self.cuda.stop_history()
+                snap = self.cuda.stop_history() if self._history_ours else self.cuda.snapshot()
                 self._detail = {f"cuda:{i}": top_allocations_at_peak(trace)
-                                for i, trace in enumerate(snap.get("device_traces", []))}
+                                for i, trace in enumerate(snap.get("device_traces", []))
+                                if i in self._cuda_in_use or not self._cuda_in_use}
             except Exception as e:
                 self.rec.note(f"--memory-detail: reading the CUDA allocator history failed ({e!r})")
         self.installed = False
@@ -319,26 +391,66 @@ class MemoryProbe:
             self._emit(events)
             self._batch = []
 
+    _history_ours = False
+
     def meta(self) -> dict[str, Any]:
         cap: dict[str, int] = {}
         host = host_capacity_bytes()
         if host:
             cap["cpu"] = host
-        for i in self.cuda.devices():
+        for i in sorted(self._cuda_in_use):
             try:
                 cap[f"cuda:{i}"] = self.cuda.capacity(i)
             except Exception:
                 pass
-        out: dict[str, Any] = {"capacity_bytes": cap,
-                               "cpu_source": "allocator stream (torch profiler memory events only)"
-                               if self._cpu_note is None else "known sets only"}
+        exact_cpu = self._cpu_note is None and self._stream_lost_at is None
+        out: dict[str, Any] = {
+            "capacity_bytes": cap,
+            "cpu_source": "allocator stream (torch profiler memory events only)" if self._cpu_note is None
+            else "known sets only",
+            # devices whose category mix at a peak is not taken at the peak's instant
+            "approximate_mix": ([] if exact_cpu else ["cpu"]) + [f"cuda:{i}" for i in sorted(self._cuda_in_use)],
+        }
         if self._detail:
             out["top_at_peak"] = self._detail
         return {"memory": out}
 
-    # -- hooks ------------------------------------------------------------------------------
+    # -- hooks (the hot path) ---------------------------------------------------------------
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.optimizers.setdefault(id(opt), opt)
+        if id(opt) not in self.optimizers:
+            self.optimizers[id(opt)] = opt
+
+    def _mark(self, kind: int, index: int) -> None:
+        """A marker allocation, made and freed at once: it cuts the CPU stream here."""
+        size = MARKER_BASE_BYTES + 2 * (len(self.marks) % 512)
+        m = torch.empty(size, dtype=torch.uint8)
+        self.marks.append((m.data_ptr(), size, kind, index))
+        del m
+
+    def _on_phase(self, phase: str, event: str, raw_step: int) -> None:
+        t_ns = perf_counter_ns()
+        k = len(self.bounds)
+        self.bounds.append((phase, event, raw_step, t_ns))
+        if event == "enter" and self._grads_new and phase in ("optimizer", "forward"):
+            # new gradients since the last look: they are alive at the optimizer's step or
+            # zero_grad (or, in a loop without optimizer, at the next forward)
+            self._grads_new = False
+            self._observe()
+        elif phase == "backward" and event == "exit":
+            self._grads_new = True
+        if len(self.rec.models) != self._seen_key[0]:
+            self._refresh_params()  # a model seen for the first time (its devices are read from now on)
+        stream = self.cpu.active and self._stream_lost_at is None
+        if stream and self._user_profiler_flag():
+            # a torch.profiler started inside the slice takes the allocator stream over
+            self._stream_lost_at = k
+            stream = False
+        if stream:
+            self._mark(_BOUND, k)
+        if not stream or self._cuda_in_use:
+            self.walks[k] = self._known_sets()
+        if self._cuda_in_use:
+            self.cuda_reads[k] = {f"cuda:{i}": self._read_cuda(i) for i in sorted(self._cuda_in_use)}
 
     def _on_batch(self, batch: Any) -> None:
         refs = []
@@ -348,58 +460,41 @@ class MemoryProbe:
             except TypeError:
                 pass
         self._batch = refs
+        items = self._storages([t for r in refs if (t := r()) is not None], "data",
+                               watch=self.cpu.active and self._stream_lost_at is None)
+        if self.cpu.active and self._stream_lost_at is None:
+            self._add_observation([(ptr, nb, c, s) for dev, ptr, nb, c, s in items if dev == "cpu"])
         # Loaders report the batch right after their data_wait span closed: count it as data
         # at that exit boundary too (the previous batch, still held by the loop, stays there).
-        last = self.bounds[-1] if self.bounds else None
-        if last is not None and last.phase == "data_wait" and last.event == "exit":
-            have = {ptr for ptr, _ in last.cpu_storages}
-            seen: set[tuple[str, int]] = set()
-            for r in refs:
-                t = r()
-                try:
-                    s = t.untyped_storage()
-                    ptr, nbytes, dev = s.data_ptr(), s.nbytes(), self._device(t)
-                except Exception:
-                    continue
-                if (dev, ptr) in seen or (dev == "cpu" and ptr in have):
-                    continue
-                seen.add((dev, ptr))
-                last.known[(dev, "data")] = last.known.get((dev, "data"), 0) + nbytes
-                if dev == "cpu":
-                    last.cpu_storages.append((ptr, nbytes))
+        k = len(self.bounds) - 1
+        if k in self.walks and self.bounds[k][0] == "data_wait" and self.bounds[k][1] == "exit":
+            known = self.walks[k]
+            for dev, _, nb, _, _ in items:
+                known[(dev, "data")] = known.get((dev, "data"), 0) + nb
 
-    def _on_phase(self, phase: str, event: str, raw_step: int) -> None:
-        t_ns = perf_counter_ns()
-        marker = None
+    def _on_grad_set(self, slot: int) -> None:
         if self.cpu.active:
-            # sync point: none. A marker allocation made and freed here cuts the CPU stream.
-            size = MARKER_BASE_BYTES + 2 * (len(self.bounds) % 512)
-            m = torch.empty(size, dtype=torch.uint8)
-            marker = (m.data_ptr(), size)
-            del m
-        known, cpu_storages, buffer_bytes, n_param = self._known_sets()
-        b = _Boundary(phase, event, raw_step, t_ns, known, cpu_storages, buffer_bytes, marker=marker,
-                      n_param_storages=n_param)
-        for i in self.cuda.devices():
-            b.cuda[f"cuda:{i}"] = self._read_cuda(i)
-        self.bounds.append(b)
+            self._mark(_GRAD_SET, slot)
 
-    def _read_cuda(self, index: int) -> tuple[int, int]:
-        """(allocated, peak since the previous read); a device first seen mid-slice (CUDA
-        initialised by the loop) has no previous read, so its peak counter is not trusted."""
-        name = f"cuda:{index}"
-        now, peak = self.cuda.read(index)
-        if name not in self._cuda_seen:
-            self._cuda_seen.add(name)
-            peak = now
-        return now, peak
+    def _read_cuda(self, index: int) -> tuple[int, int, bool]:
+        """(allocated, peak since the previous read, whether that peak is exact). The process's
+        peak counter is never reset: a stretch's peak is exact when the counter rose during it
+        (a new high for the process); otherwise it is the higher of the two boundary levels."""
+        now, high = self.cuda.read(index)
+        last = self._cuda_last.get(index)
+        self._cuda_last[index] = (now, high)
+        if last is None:
+            return now, now, False
+        if high > last[1]:
+            return now, high, True
+        return now, max(now, last[0]), False
 
     # -- the known sets ---------------------------------------------------------------------
-    def _refresh_params(self) -> None:
+    def _refresh_params(self) -> bool:
         opts = list(self.optimizers.values())
         key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
         if key == self._seen_key:
-            return
+            return False
         self._seen_key = key
         params: dict[int, torch.Tensor] = {}
         buffers: dict[int, torch.Tensor] = {}
@@ -414,43 +509,157 @@ class MemoryProbe:
                     params.setdefault(id(p), p)
         self._params = list(params.values())
         self._buffers = list(buffers.values())
+        self._params_new = True
+        for p in self._params:
+            if id(p) in self._slots:
+                continue
+            slot = self._slots[id(p)] = len(self._slots)
+            try:
+                hookable = (p.is_cpu and p.requires_grad and p.is_leaf
+                            and p.untyped_storage().nbytes() >= GRAD_HOOK_MIN_BYTES)
+            except Exception:
+                hookable = False
+            if hookable and self.cpu.active:
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, slot=slot: self._on_grad_set(slot)))
+        for d in {t.device.index for t in self._params + self._buffers if t.device.type == "cuda"}:
+            self._cuda_in_use.add(d or 0)
+        return True
 
     def _device(self, t: torch.Tensor) -> str:
         dev = t.device
         name = self._dev_names.get(dev)
         if name is None:
             name = self._dev_names[dev] = "cpu" if dev.type == "cpu" else str(dev)
+            if dev.type == "cuda":
+                self._cuda_in_use.add(dev.index or 0)
         return name
 
-    def _known_sets(self) -> tuple[dict[tuple[str, str], int], list[tuple[int, int]], int, int]:
-        """Bytes per (device, category) of unique storages, the CPU storages' addresses (the
-        parameters' first), the bytes of model buffers on the CPU, and how many CPU storages are
-        parameters. One flat loop: this runs at every boundary (~1 us per tensor)."""
-        self._refresh_params()
-        params = self._params
-        items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in params]
-        n_param_items = len(items)
-        items += [(g, "gradients") for p in params if (g := p.grad) is not None]
+    def _storages(self, tensors: Iterable[torch.Tensor], category: str,
+                  watch: bool = False) -> list[tuple[str, int, int, str, int]]:
+        """``(device, ptr, bytes, category, parameter slot)`` of the tensors' storages. With
+        ``watch``, each CPU tensor's death cuts the stream too: the stream has no free event
+        for a block allocated before the slice (or in another thread), so that is how the
+        replay learns when such a known storage ended."""
+        out = []
+        for t in tensors:
+            try:
+                s = t.untyped_storage()
+                ptr, nbytes = s.data_ptr(), s.nbytes()
+                dev = "cpu" if t.is_cpu else self._device(t)
+            except Exception:  # meta, fake or exotic tensor subclasses: nothing allocated to count
+                continue
+            if nbytes:
+                out.append((dev, ptr, nbytes, category, -1))
+                if watch and dev == "cpu":
+                    self._watch(t, ptr, nbytes)
+        return out
+
+    def _watch(self, t: torch.Tensor, ptr: int, nbytes: int) -> None:
+        try:
+            f = weakref.finalize(t, self._gone, ptr, nbytes)
+        except TypeError:
+            return
+        f.atexit = False
+        self._finalizers.append(f)
+
+    def _gone(self, ptr: int, nbytes: int) -> None:
+        if self.cpu.active and self._stream_lost_at is None:
+            self.gone.append((ptr, nbytes))
+            self._mark(_GONE, len(self.gone) - 1)
+
+    def _opt_state_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
         for opt in list(self.optimizers.values()):
             for state in list(opt.state.values()):
                 for v in (state.values() if isinstance(state, dict) else (state,)):
                     if isinstance(v, torch.Tensor):
-                        items.append((v, "optimizer_state"))
+                        out.append(v)
                     elif isinstance(v, (dict, list, tuple)):
-                        items += [(t, "optimizer_state") for t in _tensors(v)]
+                        out += list(_tensors(v))
+        return out
+
+    def _opt_fingerprint(self) -> tuple:
+        """Cheap: how many states, and the storages of the first and last parameter's state
+        (optimizers update their state in place; a new state object changes this)."""
+        key: list[Any] = []
+        for opt in list(self.optimizers.values()):
+            st = opt.state
+            key.append((id(opt), len(st)))
+            if st:
+                for state in (next(iter(st.values())), next(reversed(st.values()))):
+                    if isinstance(state, dict):
+                        key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
+        return tuple(key)
+
+    def _observe(self, final: bool = False) -> None:
+        """Record the CPU known sets' storages at this point of the stream: parameters and
+        buffers when the model set changed, every gradient, optimizer state when it changed.
+        Runs at the first optimizer (or forward) boundary after a backward, never at every
+        boundary."""
+        if not (self.cpu.active and self._stream_lost_at is None):
+            self._refresh_params()
+            return
+        items: list[tuple[int, int, str, int]] = []
+        self._refresh_params()
+        if self._params_new or final:
+            self._params_new = False
+            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in
+                      self._storages(self._params, "parameters", watch=not final) if dev == "cpu"]
+            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in
+                      self._storages(self._buffers, _BUFFER, watch=not final) if dev == "cpu"]
+        slots, watched = self._slots, self._grads_watched
+        for p in self._params:
+            g = p.grad
+            if g is not None and g.is_cpu:
+                s = g.untyped_storage()
+                nbytes = s.nbytes()
+                if nbytes:
+                    slot = slots.get(id(p), -1)
+                    items.append((s.data_ptr(), nbytes, "gradients", slot))
+                    if slot not in watched:  # a gradient first seen may predate the slice
+                        watched.add(slot)
+                        self._watch(g, s.data_ptr(), nbytes)
+        fp = self._opt_fingerprint()
+        if fp != self._opt_key or final:
+            self._opt_key = fp
+            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in
+                      self._storages(self._opt_state_tensors(), "optimizer_state", watch=not final)
+                      if dev == "cpu"]
+        own = self.rec.own_tensors
+        if len(own) > self._own_seen:
+            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in self._storages(own[self._own_seen:], _OWN)
+                      if dev == "cpu"]
+            self._own_seen = len(own)
+        if final:
+            batch = [t for r in self._batch if (t := r()) is not None]
+            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in self._storages(batch, "data") if dev == "cpu"]
+        self._add_observation(items)
+
+    def _add_observation(self, items: list[tuple[int, int, str, int]]) -> None:
+        if items and self.cpu.active:
+            self.observations.append(items)
+            self._mark(_OBS, len(self.observations) - 1)
+
+    def _known_sets(self) -> dict[tuple[str, str], int]:
+        """Bytes per (device, category) of unique storages walked from the tensors. Used at every boundary only where no CPU stream
+        can be replayed (a torch profiler owns it) or a CUDA device is in use."""
+        self._refresh_params()
+        params = self._params
+        items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in params]
+        items += [(g, "gradients") for p in params if (g := p.grad) is not None]
+        items += [(t, "optimizer_state") for t in self._opt_state_tensors()]
         items += [(t, "data") for r in self._batch if (t := r()) is not None]
         items += [(b, None) for b in self._buffers]
-
+        items += [(t, _OWN) for t in self.rec.own_tensors]
         seen: set[tuple[str, int]] = set()
         known: dict[tuple[str, str], int] = {}
-        cpu: list[tuple[int, int]] = []
-        buffer_bytes = n_param = 0
-        for i, (t, category) in enumerate(items):
+        for t, category in items:
             try:
                 s = t.untyped_storage()
-                ptr, on_cpu = s.data_ptr(), t.is_cpu
-                dev = "cpu" if on_cpu else self._device(t)
-            except Exception:  # meta, fake or exotic tensor subclasses: nothing allocated to count
+                ptr = s.data_ptr()
+                dev = "cpu" if t.is_cpu else self._device(t)
+            except Exception:
                 continue
             key = (dev, ptr)
             if key in seen:
@@ -459,142 +668,244 @@ class MemoryProbe:
             if nbytes == 0:
                 continue
             seen.add(key)
-            if on_cpu:
-                cpu.append((ptr, nbytes))
-                if i < n_param_items:
-                    n_param = len(cpu)
-            if category is None:
-                buffer_bytes += nbytes if on_cpu else 0
-            else:
+            if category is not None:  # buffers: only so that a storage shared with them counts once
                 k = (dev, category)
                 known[k] = known.get(k, 0) + nbytes
-        return known, cpu, buffer_bytes, n_param
+        return known
 
-    # -- rows -------------------------------------------------------------------------------
-    def _cpu_levels(self, events: list[tuple[int, int]]) -> tuple[list[int | None], list[int | None]]:
-        """Replay the CPU stream: bytes allocated during the slice and still alive that are
-        *not* known-set storages, at each boundary; and the peak of all slice-allocated bytes
-        between each boundary and the next, minus that boundary's known slice-allocated bytes."""
-        n = len(self.bounds)
-        rest: list[int | None] = [None] * n
-        seg_peak: list[int | None] = [None] * n  # peak rest-equivalent in the stretch after boundary k
+    # -- after the slice: replay and rows ---------------------------------------------------
+    def _replay(self, events: list[tuple[int, int]]) -> tuple[dict[int, _Levels], dict[int, _Levels]]:
+        """Replay the CPU stream. Returns the levels at each boundary whose marker was found, and
+        for each boundary the levels at the highest instant between it and the next boundary.
+
+        Pass 1 gives every block allocated in the slice an id and, from the observations, a
+        category: a known storage found alive counts as known from its allocation (a gradient
+        of a hooked parameter from the instant it was stored in ``.grad``); one not in the
+        stream (made before the slice) counts from the slice's start (``data``: from when it
+        was seen). Pass 2 walks the stream again with running totals per category."""
+        marks, bounds, obs = self.marks, self.bounds, self.observations
+        n_marks, n = len(marks), len(events)
         live: dict[int, int] = {}
-        total = 0
-        k = 0
-        running_peak = 0
-        in_known = 0
+        size: list[int] = []
+        in_backward: list[bool] = []
+        tag: list[str | None] = []
+        alloc_at: list[int] = []
+        known_at: list[int] = []
+        ids = [-1] * n
+        at_bound: dict[int, int] = {}  # event position -> boundary
+        hooks: dict[int, list[int]] = {}  # parameter slot -> positions where its .grad was stored
+        ends: dict[int, list[int]] = {}  # position -> blocks from before the slice that ended there
+        j = 0
+        bwd_depth = 0
         skip: tuple[int, int] | None = None
-
-        def cut(k: int) -> int:
-            b = self.bounds[k]
-            return sum(nb for ptr, nb in b.cpu_storages if live.get(ptr) == nb)
-
-        for ptr, size in events:
-            if k < n and self.bounds[k].marker == (ptr, size):
-                if k > 0:
-                    seg_peak[k - 1] = max(running_peak, total) - in_known
-                in_known = cut(k)
-                rest[k] = total - in_known
-                running_peak = total
-                skip = (ptr, -size)
-                k += 1
+        for i, (ptr, sz) in enumerate(events):
+            if j < n_marks and ptr == marks[j][0] and sz == marks[j][1]:
+                _, _, kind, idx = marks[j]
+                j += 1
+                skip = (ptr, -sz)
+                if kind == _BOUND:
+                    phase, event = bounds[idx][0], bounds[idx][1]
+                    if phase == "backward":
+                        bwd_depth += 1 if event == "enter" else -1
+                    at_bound[i] = idx
+                elif kind == _GRAD_SET:
+                    hooks.setdefault(idx, []).append(i)
+                elif kind == _GONE:
+                    gptr, gnb = self.gone[idx]
+                    a = live.get(gptr)
+                    if a is not None and alloc_at[a] < 0 and size[a] == gnb:
+                        del live[gptr]  # a block from before the slice ended here
+                        ends.setdefault(i, []).append(a)
+                else:
+                    for optr, onb, cat, slot in obs[idx]:
+                        a = live.get(optr)
+                        if a is None:  # made before the slice (or in another thread)
+                            a = len(size)
+                            live[optr] = a
+                            size.append(onb)
+                            in_backward.append(False)
+                            tag.append(cat)
+                            alloc_at.append(-1)
+                            known_at.append(i if cat == "data" else -1)
+                        elif tag[a] is None and size[a] == onb:
+                            tag[a] = cat
+                            at = alloc_at[a]
+                            if cat == "gradients" and slot in hooks:
+                                at = next((h for h in hooks[slot] if h > at), at)
+                            known_at[a] = at
+                        if slot >= 0:
+                            hooks.pop(slot, None)
                 continue
-            if skip is not None and (ptr, size) == skip:
+            if skip is not None and ptr == skip[0] and sz == skip[1]:
                 skip = None
                 continue
-            if size > 0:
-                live[ptr] = size
-                total += size
-                if total > running_peak:
-                    running_peak = total
+            if sz > 0:
+                a = len(size)
+                live[ptr] = a
+                size.append(sz)
+                in_backward.append(bwd_depth > 0)
+                tag.append(None)
+                alloc_at.append(i)
+                known_at.append(i)
+                ids[i] = a
             else:
-                freed = live.pop(ptr, None)  # a block from before the slice: not in the stream
-                if freed is not None:
-                    total -= freed
-        return rest, seg_peak
+                a = live.pop(ptr, None)  # None: a block from before the slice, not in the stream
+                if a is not None:
+                    ids[i] = a
 
-    def _backfill_parameters(self) -> None:
-        """The model is known from its first forward (or its optimizer's first step); the
-        boundaries before that (the first data wait) get the parameters seen then, which were
-        alive already unless the model was built inside the loop after the slice began."""
-        bounds = self.bounds
-        first = next((k for k, b in enumerate(bounds) if any(c == "parameters" for _, c in b.known)), None)
-        if not first:
+        # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest, rest in backward]
+        index = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "data": 3, _BUFFER: 4, _OWN: -2}
+        c = [0] * 6
+        where = [-1] * len(size)  # the counter each block is in now
+        moves: dict[int, list[int]] = {}
+        for a, t in enumerate(tag):
+            if t is None:
+                continue
+            if known_at[a] < 0:
+                where[a] = index[t]
+                if where[a] >= 0:
+                    c[where[a]] += size[a]
+            elif known_at[a] != alloc_at[a]:
+                moves.setdefault(known_at[a], []).append(a)
+        total = sum(c)
+
+        def snap() -> _Levels:
+            return _Levels({"parameters": c[0], "gradients": c[1], "optimizer_state": c[2], "data": c[3]},
+                           c[4], c[5])
+
+        levels: dict[int, _Levels] = {}
+        seg: dict[int, _Levels] = {}
+        k_open: int | None = None
+        best_total = -1
+        best: _Levels | None = None
+        for i in range(n):
+            a = ids[i]
+            if a < 0:
+                for b in moves.get(i, ()):
+                    if where[b] >= 0:
+                        c[where[b]] -= size[b]
+                        total -= size[b]
+                    where[b] = index[tag[b]]  # type: ignore[index]
+                    if where[b] >= 0:
+                        c[where[b]] += size[b]
+                        total += size[b]
+                for b in ends.get(i, ()):
+                    if where[b] >= 0:
+                        c[where[b]] -= size[b]
+                        total -= size[b]
+                    where[b] = -1
+                k = at_bound.get(i)
+                if k is not None:
+                    if k_open is not None and best is not None:
+                        seg[k_open] = best
+                    levels[k] = best = snap()
+                    best_total, k_open = total, k
+                continue
+            if events[i][1] > 0:
+                t = tag[a]
+                w = where[a] = index[t] if (t is not None and known_at[a] == i) else (5 if in_backward[a] else 4)
+                if w < 0:
+                    continue
+                c[w] += size[a]
+                total += size[a]
+                if total > best_total:
+                    best_total, best = total, snap()
+            elif where[a] >= 0:
+                c[where[a]] -= size[a]
+                total -= size[a]
+                where[a] = -1
+        if k_open is not None and best is not None:
+            seg[k_open] = best
+        return levels, seg
+
+    def _backfill_walks(self) -> None:
+        """Walked boundaries before the model was known get the parameters seen first (alive
+        already unless the model was built inside the loop after the slice began)."""
+        order = sorted(self.walks)
+        first = next((k for k in order if any(c == "parameters" for _, c in self.walks[k])), None)
+        if first is None:
             return
-        params = {key: v for key, v in bounds[first].known.items() if key[1] == "parameters"}
-        storages = bounds[first].cpu_storages[: bounds[first].n_param_storages]
-        for b in bounds[:first]:
-            b.known.update(params)
-            b.cpu_storages = storages + b.cpu_storages
+        params = {key: v for key, v in self.walks[first].items() if key[1] == "parameters"}
+        for k in order:
+            if k == first:
+                break
+            self.walks[k].update(params)
 
     def _emit(self, events: list[tuple[int, int]]) -> None:
         bounds = self.bounds
         if not bounds:
             return
-        self._backfill_parameters()
-        rest_cpu, seg_cpu = self._cpu_levels(events) if events else ([None] * len(bounds), [None] * len(bounds))
-        devices = ["cpu"] + sorted({d for b in bounds for d in b.cuda})
+        self._backfill_walks()
+        levels, seg = self._replay(events) if events else ({}, {})
+        devices = ["cpu"] + [f"cuda:{i}" for i in sorted(self._cuda_in_use)]
 
-        def level(k: int, dev: str) -> tuple[dict[str, int], int | None]:
-            """Known bytes by category and the rest (None: not measured) at boundary k."""
-            b = bounds[k]
-            known = {c: b.known.get((dev, c), 0) for c in KNOWN_MEMORY_CATEGORIES}
+        def level(k: int, dev: str) -> _Levels | None:
             if dev == "cpu":
-                r = rest_cpu[k]
-                rest = None if r is None else max(0, r + b.cpu_buffer_bytes)
-            else:
-                alloc = b.cuda.get(dev, (None, None))[0]
-                rest = None if alloc is None else max(0, alloc - sum(known.values()))
-            return known, rest
+                if k in levels:
+                    return levels[k]
+                if k in self.walks:
+                    return _Levels({c: self.walks[k].get(("cpu", c), 0) for c in KNOWN_MEMORY_CATEGORIES}, None)
+                return None
+            if k not in self.walks:
+                return None
+            known = {c: self.walks[k].get((dev, c), 0) for c in KNOWN_MEMORY_CATEGORIES}
+            read = self.cuda_reads.get(k, {}).get(dev)
+            own = self.walks[k].get((dev, _OWN), 0)
+            rest = None if read is None else max(0, read[0] - sum(known.values()) - own)
+            return _Levels(known, rest)
 
         add = self.rec.add_memory
 
-        def rows(k: int, event: str, dev: str, known: dict[str, int], rest: int | None, phase: str,
-                 raw_step: int, t_ns: int) -> None:
-            rc = rest_category(phase)
+        def rows(lv: _Levels, event: str, dev: str, phase: str, raw_step: int, t_ns: int) -> None:
+            rest: dict[str, int] = {}
+            if lv.rest is not None:
+                if phase in ACTIVATION_PHASES:
+                    rest = {"activations": lv.rest, "temporaries": lv.rest_backward, "other": 0}
+                else:
+                    rest = {"activations": 0, "temporaries": 0, "other": lv.rest + lv.rest_backward}
             for c in MEMORY_CATEGORIES:
-                if c in known:
-                    add(phase, event, dev, c, int(known[c]), t_ns=t_ns, raw_step=raw_step)
-                elif rest is not None:
-                    add(phase, event, dev, c, int(rest) if c == rc else 0, t_ns=t_ns, raw_step=raw_step)
+                if c in lv.known:
+                    add(phase, event, dev, c, int(lv.known[c]), t_ns=t_ns, raw_step=raw_step)
+                elif c in rest:
+                    add(phase, event, dev, c, max(0, int(rest[c])), t_ns=t_ns, raw_step=raw_step)
 
         stack: list[int] = []
-        for k, b in enumerate(bounds):
+        for k, (phase, event, raw_step, t_ns) in enumerate(bounds):
             for dev in devices:
-                known, rest = level(k, dev)
-                rows(k, b.event, dev, known, rest, b.phase, b.raw_step, b.t_ns)
-            if b.event == "enter":
+                lv = level(k, dev)
+                if lv is not None:
+                    rows(lv, event, dev, phase, raw_step, t_ns)
+            if event == "enter":
                 stack.append(k)
                 continue
-            while stack and bounds[stack[-1]].phase != b.phase:
+            while stack and bounds[stack[-1]][0] != phase:
                 stack.pop()  # an enter whose exit never came (cannot happen with Recorder.exit)
             if not stack:
                 continue
             k0 = stack.pop()
             for dev in devices:
-                self._peak_rows(k0, k, dev, level, seg_cpu, rows)
+                pk = self._peak(k0, k, dev, level, seg)
+                if pk is not None:
+                    rows(pk, "peak", dev, phase, bounds[k0][2], t_ns)
 
-    def _peak_rows(self, k0: int, k1: int, dev: str, level: Any, seg_cpu: list[int | None], rows: Any) -> None:
-        bounds = self.bounds
-        known0, rest0 = level(k0, dev)
-        known1, rest1 = level(k1, dev)
-        if rest0 is None or rest1 is None:
-            return
-        total0, total1 = sum(known0.values()) + rest0, sum(known1.values()) + rest1
-        peak = max(total0, total1)
-        for j in range(k0, k1):
-            if dev == "cpu":
-                seg = seg_cpu[j]
-                if seg is not None:
-                    # level inside the stretch: the known sets and buffers as at its start, plus
-                    # the slice-allocated bytes beyond the known ones at their highest
-                    kj, _ = level(j, dev)
-                    peak = max(peak, sum(kj.values()) + bounds[j].cpu_buffer_bytes + seg)
-            else:
-                seg_peak = bounds[j + 1].cuda.get(dev, (0, 0))[1]
-                peak = max(peak, seg_peak)
-        ref_known = known0 if total0 >= total1 else known1
-        b0, b1 = bounds[k0], bounds[k1]
-        rest = peak - sum(ref_known.values())
-        rows(k1, "peak", dev, ref_known, rest, b1.phase, b0.raw_step, b1.t_ns)
-
+    def _peak(self, k0: int, k1: int, dev: str, level: Any, seg: dict[int, _Levels]) -> _Levels | None:
+        """The levels at the highest instant of the span from boundary k0 to k1. CPU: the
+        replayed instant itself. CUDA: the highest per-stretch peak, its known sets taken from
+        the span's higher boundary (an approximate mix, said in ``meta["memory"]``)."""
+        lv0, lv1 = level(k0, dev), level(k1, dev)
+        if lv0 is None or lv1 is None or lv0.rest is None or lv1.rest is None:
+            return None
+        best = lv0 if lv0.total >= lv1.total else lv1
+        if dev == "cpu":
+            for j in range(k0, k1):
+                s = seg.get(j)
+                if s is not None and s.total > best.total:
+                    best = s
+            return best
+        ref = best
+        peak = best.total
+        for j in range(k0 + 1, k1 + 1):
+            read = self.cuda_reads.get(j, {}).get(dev)
+            if read is not None:
+                peak = max(peak, read[1])
+        return _Levels(dict(ref.known), peak - sum(ref.known.values()))
