@@ -11,7 +11,9 @@ before the cell cannot be rewound: the A/B notes say so when one is found.)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -52,7 +54,7 @@ class Snapshot:
             gen = getattr(obj, "generator", None)
             if isinstance(obj, torch.utils.data.DataLoader) and isinstance(gen, torch.Generator):
                 snap.generators.append((gen, gen.get_state()))
-            if isinstance(obj, torch.utils.data.dataloader._BaseDataLoaderIter):
+            if isinstance(obj, Iterator):  # a DataLoader iterator, a generator, iter(list)...
                 snap.iterators.append(name)
         return snap
 
@@ -137,4 +139,9 @@ def run_ab(run_slice: Callable[[str, dict[str, Any]], "Run"], ns: dict[str, Any]
     if not swapped:
         notes.append("no module matched a kernel: runs A and B ran the same code")
     losses, verdict = compare_losses(run_a.steps[["step", "loss"]].dropna(), run_b.steps[["step", "loss"]].dropna())
+    if snap.iterators and not verdict.ok:  # different batches, not different numerics
+        names = ", ".join(repr(n) for n in snap.iterators)
+        verdict = dataclasses.replace(verdict, message=(
+            f"NOT COMPARABLE: run B read other batches than run A (iterator {names} was made before the cell; "
+            f"make it inside the cell, or iterate a DataLoader there) - {verdict.message}"))
     return ABResult(run_a, run_b, losses, verdict, swapped, notes)
