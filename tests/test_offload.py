@@ -1,12 +1,11 @@
 """CPUOffloadAdamW against torch.optim.AdamW: same weights after 20 steps on the same data
 (plain, clipping, accumulation, offloaded or kept gradients, both host kernels), state dicts
-both ways, layout errors, the DeepSpeed fallback, DPU and bf16 moments, and the offload phase
-in a profiled slice."""
+both ways, layout errors, the DeepSpeed fallback, DPU and bf16 moments, the offload phase
+in a profiled slice, and loops that change or add gradients behind the optimizer's back."""
 
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__fil
                                                            "torch_extensions"))
 
 import tpkit as tp
-from tpkit.offload import CPUOffloadAdamW, StateDictLayoutError, kernels
+from tpkit.offload import CPUOffloadAdamW, ExtraBackwardError, GradientChangedError, OffloadError, StateDictLayoutError, kernels
 
 STEPS = 20
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the kernels order their flops differently
@@ -49,7 +48,7 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, accum: int = 1, to
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float = RTOL, atol: float = ATOL) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 CASES = {
@@ -317,3 +316,178 @@ def test_no_phantom_leak_under_the_memory_probe(kw):
                        & (run.memory["phase"] == "optimizer")].groupby("step")["bytes"].last()
     if len(other) > 2:
         assert other.iloc[-1] - other.iloc[1] < 4 * sum(p.numel() for p in model.parameters())
+
+
+# -- loops that change or add gradients after the optimizer took them (issue 15) --------------------
+
+def initial_weights(seed: int = 0) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in make_model(seed).parameters()]
+
+
+def assert_weights_equal(model: torch.nn.Module, weights: list[torch.Tensor]) -> None:
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p.detach(), w)
+
+
+MODES = {"streaming": dict(), "grads kept": dict(offload_gradients=False), "not streaming": dict(streaming=False),
+         "delayed": dict(delayed_update=True), "max_grad_norm": dict(max_grad_norm=10.0)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_torch_clipping_in_the_loop_is_refused_on_the_first_step(mode, clip):
+    """clip_grad_norm_ / clip_grad_value_ between backward and step: refused at the first step()
+    before any weight changed, with the option to use instead; the optimizer then trains a
+    correct loop exactly like AdamW."""
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch", **MODES[mode]) as opt:
+        x, y = batches(1)[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)  # not even clipping: still a write
+        else:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        with pytest.raises(tp.TpkitError, match="max_grad_norm=" if clip == "norm" else "max_grad_value=") as e:
+            opt.step()
+        assert isinstance(e.value, GradientChangedError) and isinstance(e.value, RuntimeError)
+        assert "nothing was updated" in str(e.value)
+        assert_weights_equal(model, initial_weights())
+        assert opt.state_dict()["state"] == {}  # no moment was touched either
+        opt.zero_grad()
+        if mode == "delayed":
+            return  # DPU is one step stale by design: no AdamW parity to check
+        train(model, opt)  # the corrected loop
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch_clip=MODES[mode].get("max_grad_norm"))
+    assert_same_weights(ref, model)
+
+
+def test_clipping_that_starts_later_is_refused_where_the_gradient_stays_in_p_grad():
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch", offload_gradients=False) as opt:
+        train(model, opt, steps=3)
+        x, y = batches(1, seed=5)[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        with pytest.raises(GradientChangedError, match="already streamed keep it"):
+            opt.step()
+
+
+def test_a_gradient_set_again_after_it_was_offloaded_is_refused():
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch") as opt:
+        train(model, opt, steps=2)
+        x, y = batches(1, seed=5)[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        last = list(model.parameters())[-1]
+        assert last.grad is None  # offloaded by its hook
+        last.grad = torch.ones_like(last)
+        with pytest.raises(GradientChangedError, match=r"#5 \(4,\)"):
+            opt.step()
+
+
+@pytest.mark.parametrize("kw", [dict(max_grad_value=0.01), dict(max_grad_value=0.01, offload_gradients=False),
+                                dict(max_grad_value=0.01, accumulation_steps=2)])
+def test_max_grad_value_matches_torch_clip_grad_value(kw):
+    accum = kw.get("accumulation_steps", 1)
+    ref = make_model()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for k, (x, y) in enumerate(batches(STEPS * accum)):
+        (torch.nn.functional.mse_loss(ref(x), y) / accum).backward()
+        if (k + 1) % accum == 0:
+            torch.nn.utils.clip_grad_value_(ref.parameters(), kw["max_grad_value"])
+            adamw.step()
+            adamw.zero_grad()
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch", **kw) as opt:
+        assert opt.streaming  # value clipping keeps the streamed update
+        train(model, opt, accum=accum)
+    assert_same_weights(ref, model)
+
+
+def test_two_backward_before_step_is_refused_and_the_optimizer_is_not_broken():
+    """Streaming (default): the second backward() of a step is refused at step() with the
+    option to use; a correct loop afterwards trains exactly like AdamW."""
+    model = make_model()
+    data = batches(2, seed=9)
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch") as opt:
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(tp.TpkitError, match=r"2 backward\(\) calls.*accumulation_steps=2") as e:
+            opt.step()
+        assert isinstance(e.value, ExtraBackwardError) and "nothing was updated" in str(e.value)
+        assert_weights_equal(model, initial_weights())
+        opt.zero_grad()
+        train(model, opt)
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    assert_same_weights(ref, model)
+
+
+def test_two_backward_in_a_later_step_keep_the_first_update_and_training_goes_on():
+    """After the check step the first backward's update has streamed: step() refuses, the
+    parameters hold exactly AdamW's update from that first gradient, and later steps go on
+    like AdamW (no AttributeError from the worker, no broken state)."""
+    data = batches(8, seed=3)
+    extra = batches(1, seed=4)[0]
+    ref = make_model()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in data:
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        adamw.step()
+        adamw.zero_grad()
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch") as opt:
+        for k, (x, y) in enumerate(data):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if k == 3:
+                torch.nn.functional.mse_loss(model(extra[0]), extra[1]).backward()
+                with pytest.raises(ExtraBackwardError, match="hold the update made from the first 1"):
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+    assert_same_weights(ref, model)
+
+
+@pytest.mark.parametrize("kw", [dict(streaming=False), dict(max_grad_norm=0.05)])
+def test_two_backward_before_step_are_summed_when_updates_wait_for_step(kw):
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), accum=2, torch_clip=kw.get("max_grad_norm"))
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch", **kw) as opt:
+        train(model, opt, accum=2)  # accumulation_steps left at 1
+    assert_same_weights(ref, model)
+
+
+def test_a_failed_host_update_leaves_a_working_optimizer(monkeypatch):
+    model = make_model()
+    with CPUOffloadAdamW(model.parameters(), lr=1e-2, kernel="torch") as opt:
+        train(model, opt, steps=1)
+        real, calls = opt.kernel.step, []
+
+        def fails_once(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected")
+            return real(*a, **k)
+        monkeypatch.setattr(opt.kernel, "step", fails_once)
+        x, y = batches(1, seed=7)[0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(OffloadError, match="injected"):
+            opt.step()
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        train(model, opt, steps=2)
+        assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert opt.state_dict()["state"][0]["step"] >= 2
+
+
+def test_offload_errors_are_tpkit_errors_with_their_builtin_base():
+    assert issubclass(StateDictLayoutError, tp.TpkitError) and issubclass(StateDictLayoutError, ValueError)
+    for cls in (OffloadError, GradientChangedError, ExtraBackwardError):
+        assert issubclass(cls, tp.TpkitError) and issubclass(cls, RuntimeError)
+    with pytest.raises(tp.TpkitError):
+        CPUOffloadAdamW(make_model().parameters(), max_grad_value=-1.0)
+    with pytest.raises(ValueError, match="kernel must be"):
+        CPUOffloadAdamW(make_model().parameters(), kernel="fast")

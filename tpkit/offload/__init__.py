@@ -7,7 +7,9 @@ DeepSpeed is never imported here: its CPU Adam is loaded when a kernel is select
 DeepSpeed probe only looks at ``deepspeed`` when the user's code has imported it.
 """
 
-from .adamw import CPUOffloadAdamW, StateDictLayoutError
+from .adamw import CPUOffloadAdamW
+from .errors import ExtraBackwardError, GradientChangedError, OffloadArgumentError, OffloadError, StateDictLayoutError
 from .kernels import extensions_dir, select_kernel
 
-__all__ = ["CPUOffloadAdamW", "StateDictLayoutError", "extensions_dir", "select_kernel"]
+__all__ = ["CPUOffloadAdamW", "ExtraBackwardError", "GradientChangedError", "OffloadArgumentError",
+           "OffloadError", "StateDictLayoutError", "extensions_dir", "select_kernel"]

@@ -1,8 +1,9 @@
 """CPUOffloadAdamW: AdamW whose fp32 master weights and moments live in host memory.
 
 Why it is built this way: a host AdamW step is memory-bound (28 B per fp32 parameter; torch's
-fused CPU kernel already runs at the machine's streaming bandwidth, shared/MEASURED.md), so
-making the step faster wins little. What offload can win is *hiding* it:
+fused CPU kernel already runs at the machine's streaming bandwidth,
+benchmarks/results/offload_quiet_run.txt), so making the step faster wins little. What offload
+can win is *hiding* it:
 
 - streaming step (default): a post-accumulate-grad hook on every parameter hands its gradient
   to a host worker thread as soon as autograd has finished it; the worker copies it out,
@@ -13,16 +14,28 @@ making the step faster wins little. What offload can win is *hiding* it:
   step t-1, and the update lands at the next ``step()``. One step stale, fully hidden.
 - ``moments_dtype=torch.bfloat16``: moments kept in bf16, 20 B moved per parameter, not 28.
 
-Gradient clipping (``max_grad_norm``) needs the global norm, so no update may run before the
-last gradient is in: each gradient's norm is still computed on the worker as it arrives
-(overlapped), but the updates run at ``step()`` and the whole host step is exposed. With
-``delayed_update`` clipping costs nothing extra. Clip with ``max_grad_norm``, not with
-``torch.nn.utils.clip_grad_norm_``: offloaded gradients are no longer in ``p.grad``.
+Gradient clipping: ``max_grad_norm`` (what ``torch.nn.utils.clip_grad_norm_`` does) needs the
+global norm, so no update may run before the last gradient is in: each gradient's norm is
+still computed on the worker as it arrives (overlapped), but the updates run at ``step()`` and
+the whole host step is exposed. With ``delayed_update`` clipping costs nothing extra.
+``max_grad_value`` (what ``clip_grad_value_`` does) is per element and keeps streaming.
+
+The gradient is taken when backward finishes it, so the loop must not change ``p.grad``
+between ``backward()`` and ``step()`` (``clip_grad_norm_``, ``clip_grad_value_``, a
+GradScaler's ``unscale_``): the update would not see it. The first ``step()`` is a check step:
+its gradients stay in ``p.grad`` until ``step()`` (nothing streamed, nothing offloaded yet),
+which compares each with what its hook saw (tensor, data pointer, version counter) and raises
+``GradientChangedError`` naming ``max_grad_norm=`` / ``max_grad_value=`` before any weight
+changes. Later steps keep the comparison where ``p.grad`` stays (``offload_gradients=False``)
+and check that an offloaded ``p.grad`` was not set again.
 
 Gradient accumulation: ``accumulation_steps=n`` makes every n-th gradient of a parameter
 final; before that, offloaded gradients are summed on the host (so the device never holds
 them), or left in ``p.grad`` with ``offload_gradients=False``. A ``step()`` after fewer
-micro-batches still consumes what arrived.
+micro-batches still consumes what arrived. More ``backward()`` calls than that before one
+``step()`` are summed like AdamW would when updates wait for ``step()`` (clipping,
+``streaming=False``, ``delayed_update``); a streamed update has already run, so ``step()``
+raises ``ExtraBackwardError`` naming ``accumulation_steps`` and the next step starts clean.
 
 On a CPU-only machine the "device" is the host: with fp32 parameters and no delayed update,
 the master weights *are* the parameters (no copy is made or moved back). The CUDA path
@@ -30,33 +43,63 @@ the master weights *are* the parameters (no copy is made or moved back). The CUD
 
 The work is reported to a running tpkit slice: the part of ``step()`` that waits for or does
 host work is the ``offload`` phase; the background work and its overlap go to
-``run.meta["offload"]`` (see ``OffloadProbe``).
+``run.meta["offload"]`` (see tpkit/capture/probes/offload.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
 import weakref
+from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ..capture import recorder as _rec
-from ..errors import TpkitError
+from .errors import ExtraBackwardError, GradientChangedError, OffloadArgumentError, OffloadError, StateDictLayoutError
 from .kernels import HostKernel, KernelName, select_kernel
 
 _LIVE: "weakref.WeakSet[CPUOffloadAdamW]" = weakref.WeakSet()
 
+__all__ = ["CPUOffloadAdamW", "ParamState", "StateDictLayoutError", "live_optimizers"]
+
 
 def live_optimizers() -> list["CPUOffloadAdamW"]:
+    """Every CPUOffloadAdamW alive in this process (the offload probe reads their counters)."""
     return list(_LIVE)
 
 
-class StateDictLayoutError(TpkitError, ValueError):
-    """A state dict whose parameter layout differs from the optimizer's; nothing was loaded."""
+Fingerprint = tuple[int, int, int] | None  # (id, data_ptr, _version) of p.grad; None: no gradient
+
+
+def grad_fingerprint(grad: torch.Tensor | None) -> Fingerprint:
+    """What changes when ``p.grad`` is replaced or written in place (every in-place op bumps
+    ``_version``): cheap to take in the hook and to compare at ``step()``."""
+    if grad is None:
+        return None
+    return (id(grad), grad.data_ptr(), grad._version)
+
+
+@dataclass(eq=False)
+class ParamState:
+    """One parameter's host-side bookkeeping (its moments live in ``optimizer.state[param]``)."""
+
+    index: int  # position over all parameter groups (the state dict's key)
+    param: torch.nn.Parameter
+    group: dict[str, Any]
+    master: torch.Tensor  # fp32 host weights; the parameter's own tensor when ``alias``
+    alias: bool  # fp32 on the host without DPU: the master copy is the parameter itself
+    swap: bool  # DPU on the host: weights are handed over by swapping storages (see _copy_back)
+    refresh: bool = False  # master must first take the parameter's values (after a swap)
+    host_grad: torch.Tensor | None = None  # on the host, summed over this step's micro-batches
+    micro: int = 0  # gradients received since the last step()
+    updated: bool = False  # host update done this step
+    grad_norm: torch.Tensor | None = None  # L2 norm of the final host gradient (clipping)
+    seen: Fingerprint = None  # p.grad as the hook left it, compared at step()
 
 
 class _Worker:
@@ -99,7 +142,7 @@ class _Worker:
         self.jobs.join()
         if self.error is not None:
             err, self.error = self.error, None
-            raise TpkitError(f"the offload worker failed: {err!r}") from err
+            raise OffloadError(f"the offload worker failed: {err!r}") from err
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._thread.is_alive():
@@ -116,6 +159,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     ``state`` holds the host tensors (``exp_avg``, ``exp_avg_sq``, ``step``, and
     ``master_param`` when the master copy is separate from the parameter), so memory probes
     count them as optimizer state. ``state_dict()`` is in ``torch.optim.AdamW``'s format.
+    Clip with ``max_grad_norm`` / ``max_grad_value`` (same results as ``clip_grad_norm_`` /
+    ``clip_grad_value_`` before AdamW's step), not on ``p.grad``: see the module doc.
     ``worker_threads``: the host worker's OpenMP team (default: every core when the parameters
     are on a GPU, half of them when the "device" is this CPU and backward needs the rest).
     Call ``close()`` (or use it as a context manager) to stop its worker thread early; it also
@@ -124,28 +169,32 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
+                 max_grad_value: float | None = None,
                  accumulation_steps: int = 1, offload_gradients: bool = True, streaming: bool = True,
                  delayed_update: bool = False, moments_dtype: torch.dtype = torch.float32,
                  kernel: KernelName = "auto", pin_memory: bool | None = None,
                  worker_threads: int | None = None) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0; got {lr}, {eps}, {weight_decay}")
+            raise OffloadArgumentError(f"lr, eps and weight_decay must be >= 0; got {lr}, {eps}, {weight_decay}")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
+            raise OffloadArgumentError(f"betas must be in [0, 1), got {betas}")
         if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+            raise OffloadArgumentError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+            raise OffloadArgumentError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if max_grad_value is not None and not max_grad_value > 0:
+            raise OffloadArgumentError(f"max_grad_value must be > 0 or None, got {max_grad_value}")
         if moments_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
+            raise OffloadArgumentError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
         # AdamW's own defaults, so param_groups and state_dict() carry exactly its keys
         defaults = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps,
                                           weight_decay=weight_decay).defaults)
         super().__init__(params, defaults)
         for g in self.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError("CPUOffloadAdamW supports neither amsgrad nor maximize")
+                raise OffloadArgumentError("CPUOffloadAdamW supports neither amsgrad nor maximize")
         self.max_grad_norm = max_grad_norm
+        self.max_grad_value = max_grad_value
         self.accumulation_steps = int(accumulation_steps)
         self.offload_gradients = bool(offload_gradients)
         self.delayed_update = bool(delayed_update)
@@ -156,29 +205,22 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self.kernel_reason = choice.reason
         self.last_grad_norm: float | None = None
 
-        self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
-        if len({id(p) for p in self._params}) != len(self._params):
-            raise ValueError("a parameter appears more than once in the parameter groups")
-        self._group_of: list[dict] = [g for g in self.param_groups for _ in g["params"]]
-        cuda = any(p.device.type == "cuda" for p in self._params)
+        params_flat = [(p, g) for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p, _ in params_flat}) != len(params_flat):
+            raise OffloadArgumentError("a parameter appears more than once in the parameter groups")
+        cuda = any(p.device.type == "cuda" for p, _ in params_flat)
         self.pin_memory = (torch.cuda.is_available() and cuda) if pin_memory is None else bool(pin_memory)
         self._copy_stream = torch.cuda.Stream() if cuda else None
-        # per-parameter host state
-        self._master: list[torch.Tensor] = []
-        self._alias: list[bool] = []
-        self._swap: list[bool] = []
-        self._refresh: list[bool] = []  # master must first take the parameter's values (after a swap)
-        self._host_grad: list[torch.Tensor | None] = [None] * len(self._params)
-        self._micro: list[int] = [0] * len(self._params)  # gradients received this step
-        self._updated: list[bool] = [False] * len(self._params)  # host update done this step
-        self._norm_sq: list[torch.Tensor | None] = [None] * len(self._params)
+        self.pinned_bytes = 0
+        self._slots: list[ParamState] = [self._init_host_state(i, p, g) for i, (p, g) in enumerate(params_flat)]
         # tensors the worker is done with, freed by the main thread at the next step(): a tensor
         # allocated on the main thread is then also freed there, where memory trackers (torch's
         # profiler memory events) see it, as they would see p.grad freed by zero_grad
         self._spent: list[torch.Tensor] = []
-        self.pinned_bytes = 0
-        for p in self._params:
-            self._init_host_state(p)
+        # Until a step() has compared the gradients its hooks saw with p.grad (the check step,
+        # see the module doc), hooks leave gradients in p.grad and nothing streams.
+        self._checked = False
+        self._extra_backward = 0  # most backward() calls one streamed parameter got this step
         # accounting (nanoseconds, totals since construction; the slice probe takes deltas)
         self.counters: dict[str, int] = dict(copy_out_ns=0, host_step_ns=0, copy_back_ns=0,
                                              exposed_ns=0, steps=0, grads=0)
@@ -189,12 +231,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self._worker = _Worker(f"tpkit-offload-{id(self):x}", self.worker_threads)
         self._finalizer = weakref.finalize(self, _stop_worker, self._worker, self.kernel)
         self._pending_copy_back = False
-        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), i))
-                       for i, p in enumerate(self._params) if p.requires_grad]
+        self._hooks = [s.param.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), s.index))
+                       for s in self._slots if s.param.requires_grad]
         _LIVE.add(self)
 
     # -- host state -------------------------------------------------------------------------
-    def _init_host_state(self, p: torch.nn.Parameter) -> None:
+    def _init_host_state(self, index: int, p: torch.nn.Parameter, group: dict) -> ParamState:
         alias = p.device.type == "cpu" and p.dtype == torch.float32 and not self.delayed_update
         if alias:
             master = p.detach()
@@ -209,127 +251,143 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moments_dtype)
         if not alias:
             state["master_param"] = master
-        self._master.append(master)
-        self._alias.append(alias)
         # DPU on the host: weights are handed over by swapping storages, not copied (see _copy_back)
-        self._swap.append(self.delayed_update and p.device.type == "cpu" and p.dtype == torch.float32)
-        self._refresh.append(False)
+        swap = self.delayed_update and p.device.type == "cpu" and p.dtype == torch.float32
+        return ParamState(index=index, param=p, group=group, master=master, alias=alias, swap=swap)
 
     def host_state_bytes(self) -> int:
         """Bytes of the host optimizer state (moments, step counters, separate master copies):
         exactly what a memory probe counts from ``self.state``."""
-        return sum(v.numel() * v.element_size() for p in self._params for v in self.state[p].values()
+        return sum(v.numel() * v.element_size() for s in self._slots for v in self.state[s.param].values()
                    if isinstance(v, torch.Tensor))
 
     def host_grad_bytes(self) -> int:
         """Bytes of gradients held on the host right now (offloaded, not yet consumed)."""
-        return sum(g.numel() * g.element_size() for g in self._host_grad if g is not None and g.device.type == "cpu")
+        return sum(s.host_grad.numel() * s.host_grad.element_size() for s in self._slots
+                   if s.host_grad is not None and s.host_grad.device.type == "cpu")
 
     # -- the gradient path ------------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
         """A parameter's gradient is accumulated (autograd's thread): hand it to the worker."""
-        p = self._params[i]
-        self._micro[i] += 1
-        final = self._micro[i] >= self.accumulation_steps
-        if (not self.offload_gradients and not final) or p.grad is None:
+        s = self._slots[i]
+        p = s.param
+        s.micro += 1
+        if s.micro > self.accumulation_steps and self.streaming:
+            # One backward() too many: this parameter's update already ran (or would have, after
+            # the check step). Leave the gradient in p.grad; step() refuses (ExtraBackwardError).
+            self._extra_backward = max(self._extra_backward, s.micro)
+            return
+        final = s.micro >= self.accumulation_steps
+        if not self._checked or (not self.offload_gradients and not final) or p.grad is None:
+            s.seen = grad_fingerprint(p.grad)
             return  # autograd keeps accumulating into p.grad
         grad = p.grad
-        first = self._micro[i] == 1 or not self.offload_gradients
+        first = s.micro == 1 or not self.offload_gradients
         if self.offload_gradients:
             p.grad = None  # the device copy is freed once the worker holds it
+        s.seen = grad_fingerprint(p.grad)
         event = None
         if grad.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         update = final and self.streaming
-        self._worker.submit(lambda: self._take_grad(i, grad, event, first, final, update))
+        self._worker.submit(lambda: self._take_grad(s, grad, event, first, final, update))
 
-    def _take_grad(self, i: int, grad: torch.Tensor, event: Any, first: bool, final: bool,
+    def _take_grad(self, s: ParamState, grad: torch.Tensor, event: Any, first: bool, final: bool,
                    update: bool) -> None:
         """Worker: gradient to host (copy or add), its norm if clipping, the update if due."""
         t = perf_counter_ns()
         if grad.device.type == "cuda":
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_stream.wait_event(event)
-                host = self._host_grad_buffer(i)
+            stream = self._copy_stream
+            assert stream is not None  # made in __init__ when a parameter is on a GPU
+            with torch.cuda.stream(stream):
+                stream.wait_event(event)
+                host = self._host_grad_buffer(s)
                 if first:
                     host.copy_(grad, non_blocking=True)
                     torch.cuda.current_stream().synchronize()
                 else:
                     host.add_(grad.to("cpu", torch.float32))
-                grad.record_stream(self._copy_stream)
-        elif first:
+                grad.record_stream(stream)
+        elif first or s.host_grad is None:
             # on the host already: own the tensor when it was handed over, else read it in place
-            self._host_grad[i] = grad if grad.dtype == torch.float32 else grad.float()
+            s.host_grad = grad if grad.dtype == torch.float32 else grad.float()
         else:
-            self._host_grad[i].add_(grad)
+            s.host_grad.add_(grad)
         if grad.device.type == "cpu":  # a device gradient is freed at once: that is the point
             self._spent.append(grad)
         self.counters["copy_out_ns"] += perf_counter_ns() - t
         self.counters["grads"] += 1
+        if final and self.max_grad_value is not None:
+            v, g = self.max_grad_value, s.host_grad
+            assert g is not None
+            if g is s.param.grad:  # p.grad itself (offload_gradients=False): not ours to write
+                s.host_grad = g.clamp(-v, v)
+            else:
+                g.clamp_(-v, v)
         if final and self.max_grad_norm is not None:
-            self._norm_sq[i] = torch.linalg.vector_norm(self._host_grad[i], 2.0)
+            s.grad_norm = torch.linalg.vector_norm(s.host_grad, 2.0)
         if update:
-            self._update(i, clip_coef=None)
+            self._update(s, clip_coef=None)
 
-    def _host_grad_buffer(self, i: int) -> torch.Tensor:
-        buf = self._host_grad[i]
+    def _host_grad_buffer(self, s: ParamState) -> torch.Tensor:
+        buf = s.host_grad
         if buf is None:
-            p = self._params[i]
-            buf = torch.empty(p.shape, dtype=torch.float32, pin_memory=self.pin_memory)
+            buf = torch.empty(s.param.shape, dtype=torch.float32, pin_memory=self.pin_memory)
             if self.pin_memory:
                 self.pinned_bytes += buf.numel() * 4
-            self._host_grad[i] = buf
+            s.host_grad = buf
         return buf
 
-    def _update(self, i: int, clip_coef: float | None) -> None:
+    def _update(self, s: ParamState, clip_coef: float | None) -> None:
         """Worker: one parameter's host AdamW update, then its weights back to the device."""
-        p, g, group = self._params[i], self._host_grad[i], self._group_of[i]
+        p, g, group = s.param, s.host_grad, s.group
+        assert g is not None
         state = self.state[p]
         if clip_coef is not None and clip_coef < 1.0:
             g.mul_(clip_coef)
         t = perf_counter_ns()
-        if self._refresh[i]:  # after a swap the master buffer holds old weights: bring it up to date
-            self._master[i].copy_(self._params[i].detach())
-            self._refresh[i] = False
+        if s.refresh:  # after a swap the master buffer holds old weights: bring it up to date
+            s.master.copy_(p.detach())
+            s.refresh = False
             t_ref = perf_counter_ns()
             self.counters["copy_back_ns"] += t_ref - t
             t = t_ref
         state["step"] += 1
         beta1, beta2 = group["betas"]
-        self.kernel.step(self._master[i].view(-1), g.reshape(-1), state["exp_avg"].view(-1),
+        self.kernel.step(s.master.view(-1), g.reshape(-1), state["exp_avg"].view(-1),
                          state["exp_avg_sq"].view(-1), int(state["step"].item()), float(group["lr"]),
                          float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
         t2 = perf_counter_ns()
         self.counters["host_step_ns"] += t2 - t
-        self._updated[i] = True
+        s.updated = True
         if g.device.type == "cpu" and not self.pin_memory:
             self._spent.append(g)
-            self._host_grad[i] = None  # a host gradient we own is dropped like p.grad would be
+            s.host_grad = None  # a host gradient we own is dropped like p.grad would be
         if not self.delayed_update:
-            self._copy_back(i)
+            self._copy_back(s)
             self.counters["copy_back_ns"] += perf_counter_ns() - t2
 
-    def _copy_back(self, i: int) -> None:
+    def _copy_back(self, s: ParamState) -> None:
         """New weights to the parameter. On the host with a delayed update this is a swap of
         storages (O(1) on the critical path): the parameter takes the updated master buffer,
         and its old buffer becomes the next master, refreshed by the worker in the background
         before the next update."""
-        if self._alias[i]:
+        if s.alias:
             return
-        p = self._params[i]
-        if self._swap[i]:
+        p = s.param
+        if s.swap:
             old = p.data
-            p.data = self._master[i]
-            self._master[i] = old
+            p.data = s.master
+            s.master = old
             self.state[p]["master_param"] = old
-            self._refresh[i] = True
+            s.refresh = True
             return
         if p.device.type == "cuda":
             with torch.cuda.stream(self._copy_stream):
-                p.detach().copy_(self._master[i], non_blocking=True)
+                p.detach().copy_(s.master, non_blocking=True)
         else:
-            p.detach().copy_(self._master[i])
+            p.detach().copy_(s.master)
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -344,10 +402,13 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         t0 = perf_counter_ns()
         try:
             self._step()
+        except BaseException:
+            self._abandon_step()  # whatever failed, the next step starts clean
+            raise
         finally:
             self.counters["exposed_ns"] += perf_counter_ns() - t0
             self.counters["steps"] += 1
-            if token is not None:
+            if token is not None and rec is not None:
                 rec.exit(token)
         return loss
 
@@ -358,67 +419,125 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         only DPU's update goes back to the worker, to run behind the next forward/backward."""
         w = self._worker
         w.wait()  # streamed gradients and updates are in (DPU: update t-1 too)
+        self._check_loop()
+        if any(s.micro > 0 for s in self._slots):
+            self._checked = True
         # gradients the hooks never saw (set by hand, or a parameter without requires_grad)
-        for i, p in enumerate(self._params):
-            if p.grad is not None and self._micro[i] == 0:
-                self._micro[i] = self.accumulation_steps
+        for s in self._slots:
+            p = s.param
+            if p.grad is not None and s.micro == 0:
+                s.micro = self.accumulation_steps
                 grad = p.grad
                 if self.offload_gradients:
                     p.grad = None
-                self._take_grad(i, grad, None if grad.device.type != "cuda" else _recorded_event(),
+                self._take_grad(s, grad, None if grad.device.type != "cuda" else _recorded_event(),
                                 True, True, False)
         if self.delayed_update:
-            self._updated = [False] * len(self._params)  # update t-1 is done; t's are due now
+            for s in self._slots:  # update t-1 is done; t's are due now
+                s.updated = False
             if self._pending_copy_back:
-                for i in range(len(self._params)):
-                    self._copy_back(i)
+                for s in self._slots:
+                    self._copy_back(s)
                 if self._copy_stream is not None:
                     self._copy_stream.synchronize()  # the worker may overwrite master next
                 self._pending_copy_back = False
             self._spent.clear()  # update t-1's gradients; t's stay until the next step
             due = self._consume_due()
             coef = self._clip_coef(due)
-            for i in due:
-                w.submit(lambda i=i: self._update(i, coef))
+            for s in due:
+                w.submit(functools.partial(self._update, s, coef))
             self._pending_copy_back = bool(due)
             return
         due = self._consume_due()
         if due:  # not streamed (clipping, streaming=False): the whole host step, exposed
             coef = self._clip_coef(due)
-            for i in due:
-                self._update(i, coef)
-        self._updated = [False] * len(self._params)
+            for s in due:
+                self._update(s, coef)
+        for s in self._slots:
+            s.updated = False
         self._spent.clear()  # the worker is idle: consumed gradients are freed here, on this thread
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # weights back before forward
 
-    def _consume_due(self) -> list[int]:
-        """Indices whose gradient arrived this step and which still need their update (the
+    def _check_loop(self) -> None:
+        """Refuse a loop the host update cannot follow, before anything of this step is applied
+        (the worker is idle here)."""
+        if self._extra_backward:
+            n, k = self._extra_backward, self.accumulation_steps
+            done = ("nothing was updated in this step" if not self._checked else
+                    f"the parameters hold the update made from the first {k} backward()")
+            raise ExtraBackwardError(
+                f"CPUOffloadAdamW: {n} backward() calls before one step() with accumulation_steps={k}: "
+                f"a streamed update runs as soon as a parameter's gradient is final, so later "
+                f"gradients cannot be added to it ({done}). To accumulate gradients pass "
+                f"accumulation_steps={n} ({n} backward() per step()), or streaming=False to sum any "
+                f"number of backward() calls at step(). Call zero_grad() before the next backward(); "
+                f"the optimizer is ready for it.")
+        changed = [s for s in self._slots if s.micro > 0 and grad_fingerprint(s.param.grad) != s.seen]
+        if changed:
+            names = ", ".join(f"#{s.index} {tuple(s.param.shape)}" for s in changed[:4])
+            more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+            done = ("nothing was updated in this step" if not self._checked else
+                    "parameters whose update had already streamed keep it")
+            raise GradientChangedError(
+                f"CPUOffloadAdamW: the gradient of parameter {names}{more} changed between backward() "
+                f"and step() (torch.nn.utils.clip_grad_norm_, clip_grad_value_, a GradScaler's "
+                f"unscale_, or p.grad set by hand). This optimizer takes each gradient when backward "
+                f"finishes it, so the change would be lost: clip with CPUOffloadAdamW(..., "
+                f"max_grad_norm=...) instead of clip_grad_norm_ (same result), or max_grad_value=... "
+                f"instead of clip_grad_value_; {done}.")
+
+    def _abandon_step(self) -> None:
+        """After a refused or failed step: wait for the worker, forget this step's gradients
+        (p.grad is left to the user's zero_grad) and reset the per-step counts, so the next
+        backward()/step() starts from a clean state."""
+        try:
+            self._worker.wait()
+        except OffloadError:
+            pass
+        for s in self._slots:
+            s.micro = 0
+            s.updated = False
+            s.grad_norm = None
+            s.seen = None
+            if s.host_grad is not None and s.host_grad.device.type == "cpu" and not self.pin_memory:
+                s.host_grad = None
+        self._extra_backward = 0
+        self._spent.clear()
+
+    def _consume_due(self) -> list[ParamState]:
+        """Parameters whose gradient arrived this step and which still need their update (the
         worker is idle here); resets the per-step gradient counts. A streamed parameter whose
-        last micro-batch never came (``step()`` called early) is updated here."""
-        due = [i for i in range(len(self._params)) if self._micro[i] > 0 and not self._updated[i]]
-        for i in due:  # gradients still in p.grad (offload_gradients=False, last micro-batch missing)
-            p = self._params[i]
-            if self._host_grad[i] is None and p.grad is not None:
+        last micro-batch never came (``step()`` called early), and every parameter of the check
+        step, is updated here."""
+        due = [s for s in self._slots if s.micro > 0 and not s.updated]
+        for s in due:  # gradients still in p.grad (check step, offload_gradients=False, last micro-batch missing)
+            p = s.param
+            if s.host_grad is None and p.grad is not None:
                 grad = p.grad
-                self._take_grad(i, grad, None if grad.device.type != "cuda" else _recorded_event(),
+                if self.offload_gradients:
+                    p.grad = None
+                self._take_grad(s, grad, None if grad.device.type != "cuda" else _recorded_event(),
                                 True, True, False)
         if self.streaming:
-            for i in due:
-                self._update(i, None)
+            for s in due:
+                self._update(s, None)
             due = []
-        self._micro = [0] * len(self._params)
+        for s in self._slots:
+            s.micro = 0
+            s.seen = None
         return due
 
-    def _clip_coef(self, due: list[int]) -> float | None:
+    def _clip_coef(self, due: list[ParamState]) -> float | None:
         """torch.nn.utils.clip_grad_norm_'s coefficient from the per-gradient norms."""
         if self.max_grad_norm is None or not due:
             return None
         self._worker.wait()
-        norms = [self._norm_sq[i] if self._norm_sq[i] is not None
-                 else torch.linalg.vector_norm(self._host_grad[i], 2.0) for i in due]
+        norms = [s.grad_norm if s.grad_norm is not None else torch.linalg.vector_norm(s.host_grad, 2.0)
+                 for s in due]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        self._norm_sq = [None] * len(self._params)
+        for s in self._slots:
+            s.grad_norm = None
         self.last_grad_norm = float(total)
         coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
         return min(coef, 1.0) if math.isfinite(coef) else coef
@@ -428,8 +547,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         parameters (call before evaluating or saving the model)."""
         self._worker.wait()
         if self._pending_copy_back:
-            for i in range(len(self._params)):
-                self._copy_back(i)
+            for s in self._slots:
+                self._copy_back(s)
             if self._copy_stream is not None:
                 self._copy_stream.synchronize()
             self._pending_copy_back = False
@@ -445,13 +564,13 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         updated (as AdamW, whose state is created at the first update)."""
         self.flush()
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for i, p in enumerate(self._params):
-            s = self.state[p]
+        for slot in self._slots:
+            s = self.state[slot.param]
             if float(s["step"]) == 0:
                 continue
-            state[i] = {"step": s["step"].clone(),
-                        "exp_avg": s["exp_avg"].to(torch.float32, copy=True),
-                        "exp_avg_sq": s["exp_avg_sq"].to(torch.float32, copy=True)}
+            state[slot.index] = {"step": s["step"].clone(),
+                                 "exp_avg": s["exp_avg"].to(torch.float32, copy=True),
+                                 "exp_avg_sq": s["exp_avg_sq"].to(torch.float32, copy=True)}
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -483,7 +602,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         for key, s in saved_state.items():
             if key not in index:
                 raise StateDictLayoutError(f"state for parameter {key!r}, which no group lists; nothing was loaded")
-            p = self._params[index[key]]
+            p = self._slots[index[key]].param
             for name in ("exp_avg", "exp_avg_sq"):
                 t = s.get(name)
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
@@ -496,8 +615,9 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         # layout checked: now change things
         self.flush()
         by_index = {index[k]: s for k, s in saved_state.items()}
-        for i, p in enumerate(self._params):
-            st, s = self.state[p], by_index.get(i)
+        for slot in self._slots:
+            p = slot.param
+            st, s = self.state[p], by_index.get(slot.index)
             if s is None:
                 st["step"].zero_()
                 st["exp_avg"].zero_()
@@ -506,8 +626,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
                 st["exp_avg"].copy_(s["exp_avg"])
                 st["exp_avg_sq"].copy_(s["exp_avg_sq"])
-            if not self._alias[i]:
-                self._master[i].copy_(p.detach())
+            if not slot.alias:
+                slot.master.copy_(p.detach())
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k != "params":
@@ -535,10 +655,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         return {"optimizer": type(self).__name__, "kernel": self.kernel.name, "kernel_reason": self.kernel_reason,
                 "mode": "delayed" if self.delayed_update else ("streaming" if self.streaming else "at_step"),
                 "moments_dtype": str(self.moments_dtype).replace("torch.", ""),
-                "clipping": self.max_grad_norm, "accumulation_steps": self.accumulation_steps,
+                "clipping": self.max_grad_norm, "max_grad_value": self.max_grad_value, "accumulation_steps": self.accumulation_steps,
                 "offload_gradients": self.offload_gradients, "pin_memory": self.pin_memory,
                 "worker_threads": self.worker_threads,
-                "parameters": sum(p.numel() for p in self._params),
+                "parameters": sum(s.param.numel() for s in self._slots),
                 "pinned_bytes": self.pinned_bytes, "host_state_bytes": self.host_state_bytes(),
                 "host_grad_bytes": self.host_grad_bytes()}
 

@@ -2,8 +2,9 @@
 
 A host AdamW step is memory-bound: it reads param, grad, exp_avg, exp_avg_sq and writes
 param, exp_avg, exp_avg_sq, 28 bytes per fp32 parameter. On these machines torch's fused CPU
-AdamW already moves them at about the in-place streaming bandwidth (shared/MEASURED.md), and
-DeepSpeed's cpu_adam (AVX, OpenMP) is in the same place. So the choice between them is made by
+AdamW already moves them at about the in-place streaming bandwidth, and DeepSpeed's cpu_adam
+(AVX, OpenMP) is in the same place (benchmarks/results/offload_quiet_run.txt: 93-101% of the
+roofline for both). So the choice between them is made by
 timing both once per process on the machine at hand, never assumed.
 
 Two kernels, one call shape: ``step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2,
@@ -32,6 +33,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from .errors import OffloadArgumentError
+
 KernelName = Literal["auto", "deepspeed", "torch"]
 
 #: Elements per chunk when bf16 moments are upcast for the fused kernel (fits in L2).
@@ -45,6 +48,8 @@ _DS_IDS = itertools.count(1_000_000)  # far from DeepSpeedCPUAdam's own ids (0, 
 
 
 class HostKernel(Protocol):
+    """A host AdamW update of one flat fp32 tensor in place (the call shape in the module doc)."""
+
     name: str
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -64,10 +69,11 @@ class TorchFusedKernel:
              exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float,
              eps: float, weight_decay: float) -> None:
         step_t = torch.tensor(float(step))
-        kw = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                  amsgrad=False, maximize=False)
+        kw: dict[str, Any] = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                                  amsgrad=False, maximize=False)
+        no_max: list[torch.Tensor] = []  # max_exp_avg_sqs: amsgrad only
         if exp_avg.dtype == param.dtype:
-            torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step_t], **kw)
+            torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], no_max, [step_t], **kw)
             return
         # low-precision moments: upcast a chunk into reused scratch buffers (a fresh 1 MB
         # tensor per chunk would be an mmap + page faults + munmap each time), update, round back
@@ -80,7 +86,7 @@ class TorchFusedKernel:
             m32, v32 = m_buf[: hi - lo], v_buf[: hi - lo]
             m32.copy_(m[lo:hi])
             v32.copy_(v[lo:hi])
-            torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m32], [v32], [], [step_t], **kw)
+            torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m32], [v32], no_max, [step_t], **kw)
             m[lo:hi].copy_(m32)
             v[lo:hi].copy_(v32)
 
@@ -160,6 +166,8 @@ def time_kernel(kernel: HostKernel, numel: int, repeats: int = 5) -> float:
 
 @dataclass
 class KernelChoice:
+    """The kernel ``select_kernel`` chose and why (measured, requested, or a fallback)."""
+
     kernel: HostKernel
     reason: str
 
@@ -175,7 +183,7 @@ def select_kernel(requested: KernelName = "auto", moments_dtype: torch.dtype = t
     """
     global _AUTO_CHOICE
     if requested not in ("auto", "deepspeed", "torch"):
-        raise ValueError(f"kernel must be 'auto', 'deepspeed' or 'torch', got {requested!r}")
+        raise OffloadArgumentError(f"kernel must be 'auto', 'deepspeed' or 'torch', got {requested!r}")
     if requested == "torch":
         return KernelChoice(TorchFusedKernel(), "requested")
     if moments_dtype != torch.float32:
