@@ -181,17 +181,21 @@ def run(
     with_compile: bool,
     measure: Callable[[Callable[[], None]], tuple[list[float], int | str]],
     note: str = "",
+    modes: tuple[str, ...] = ("fwd", "fwd_bwd"),
+    peers: tuple[str, ...] = ("tpkit", "eager", "compile"),
 ) -> list[dict[str, object]]:
     """Measure every case x mode x peer; one row each. ``measure(step)`` -> ([p20, p50, p80]
-    in ms, peak bytes or "" where unknown)."""
+    in ms, peak bytes or "" where unknown). ``modes`` and ``peers`` choose a subset (the
+    compile peer only with ``with_compile``)."""
     machine, vers = machine_name(device), versions()
     rows: list[dict[str, object]] = []
     for case in case_list:
-        peers: dict[str, Callable[..., object]] = {"tpkit": case.tpkit, "eager": case.eager}
+        fns: dict[str, Callable[..., object]] = {"tpkit": case.tpkit, "eager": case.eager}
         if with_compile:
-            peers["compile"] = torch.compile(case.eager, dynamic=False)
-        for mode in ("fwd", "fwd_bwd"):
-            for peer, fn in peers.items():
+            fns["compile"] = torch.compile(case.eager, dynamic=False)
+        fns = {k: v for k, v in fns.items() if k in peers}
+        for mode in modes:
+            for peer, fn in fns.items():
                 row: dict[str, object] = dict(
                     op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""), mode=mode,
                     peer=peer, machine=machine, versions=vers, note=note if peer == "tpkit" else "",

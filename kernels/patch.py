@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import KernelArgumentError
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .reference import rms_norm_reference
 from .rms_norm import rms_norm
@@ -210,7 +211,7 @@ def patch(model: nn.Module, kinds: tuple[str, ...] | list[str] = KINDS) -> list[
     kinds = tuple(kinds)
     unknown = set(kinds) - set(KINDS)
     if unknown:
-        raise ValueError(f"unknown kinds {sorted(unknown)}; choose from {KINDS}")
+        raise KernelArgumentError(f"unknown kinds {sorted(unknown)}; choose from {KINDS}")
     swaps: list[Swap] = []
     # walk a snapshot, parents before children; skip below anything already swapped
     swapped_prefixes: list[str] = []
