@@ -5,10 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from tpkit.capture import recorder
-from tpkit.analysis.loader import loader_verdict
-from tpkit.data import Loader
 from tests.data_helpers import Mixed
+from tpkit.analysis.loader import loader_verdict
+from tpkit.capture import recorder
+from tpkit.data import Loader
 
 
 def _frame(n=20, workers=2, fetch_s=0.010, collate_s=0.001, queue_wait_s=0.0, transfer_s=0.0005):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.data_helpers import Mixed, as_lists, live_children
 from tpkit.capture import recorder
 from tpkit.data import Loader
-from tests.data_helpers import Mixed, as_lists, live_children
 
 
 class FakePrefetcher:

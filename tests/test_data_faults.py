@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import gc
 import glob
+import itertools
 import os
 import signal
 import threading
@@ -14,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from tpkit.data import Loader, UnsupportedBatchError, WorkerDiedError, WorkerError
 from tests.data_helpers import Mixed, live_children, shm_files
+from tpkit.data import Loader, UnsupportedBatchError, WorkerDiedError, WorkerError
 
 
 class Fails(Dataset):
@@ -162,7 +163,7 @@ def test_bad_arguments_say_what_to_do():
 
 
 def test_unsupported_collate_output_names_the_place_and_the_fix():
-    class Box:
+    class Box:  # a local class cannot be pickled (a module-level one is: test_data_loader.py)
         pass
 
     loader = Loader(Mixed(8), batch_size=4, num_workers=1,
@@ -216,3 +217,106 @@ def test_worker_init_failure_is_reported_and_stops_the_loader():
         list(loader)
     assert "_bad_init" in e.value.worker_traceback
     assert not live_children() and not shm_files()
+
+
+def _tpkit_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tpkit")]
+
+
+def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
+    """Ctrl-C inside iter() (after the first worker was forked, before the second): the
+    started worker and its segment go too."""
+    from tpkit.data import process_pool
+
+    real, calls = process_pool.ProcessPool._dispatch, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(process_pool.ProcessPool, "_dispatch", interrupted)
+    loader = Loader(Slow(), batch_size=2, num_workers=2)
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert len(calls) == 2 and not live_children() and not shm_files()
+
+
+def test_ctrl_c_during_shutdown_is_delivered_after_it():
+    """A SIGINT that lands while the workers are being stopped waits for the stop to finish,
+    then raises where it landed: nothing is left half shut down."""
+    from tpkit.data import process_pool
+
+    loader = Loader(Slow(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    real = process_pool._stop_workers
+
+    def stop_with_sigint(workers, prefix):
+        signal.raise_signal(signal.SIGINT)  # handled now, by the held handler
+        real(workers, prefix)
+
+    process_pool._stop_workers = stop_with_sigint
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loader.close()
+    finally:
+        process_pool._stop_workers = real
+    assert not live_children() and not shm_files()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_worker_dying_between_making_its_ring_and_reporting_it_leaves_no_segment(monkeypatch):
+    """The segment file exists before the main process hears of it; the worker's death must
+    not leave it in /dev/shm."""
+    from tpkit.data import slots
+
+    real = slots.WorkerRing.write
+
+    def write_then_die(self, slot, batch):  # runs in the forked worker
+        out = real(self, slot, batch)
+        assert glob.glob(self.prefix + "*")  # the segment is there, not yet reported
+        os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    monkeypatch.setattr(slots.WorkerRing, "write", write_then_die)
+    with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        list(Loader(Mixed(8), batch_size=2, num_workers=2))
+    assert not live_children() and not shm_files()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ctrl_c_at_random_instants_leaves_nothing_behind(seed):
+    """Real interrupts (interrupt_main) at seeded random instants: while workers start, while
+    next() waits, while batches are handed out, in every engine. After each: the interrupt came
+    through, and no worker process, loader thread or segment file is left."""
+    import random
+
+    rnd = random.Random(seed)
+    options = [dict(), dict(persistent_workers=True), dict(in_order=False), dict(fast_start=True),
+               dict(mode="thread"), dict(restart_workers=True)]
+    for trial in range(8):
+        kw = options[trial % len(options)]
+        loader = Loader(Slow(), batch_size=2, num_workers=2, **kw)
+        timer = threading.Timer(rnd.uniform(0.0, 0.25), _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                pass
+        timer.join()
+        assert not live_children() and not shm_files() and not _tpkit_threads(), (trial, kw)
+        firsts = [int(b[0]) for b in itertools.islice(loader, 2)]  # still usable
+        assert firsts == [0, 2] if kw.get("in_order", True) else firsts[0] % 2 == 0 and len(set(firsts)) == 2
+        loader.close()
+
+
+def test_loader_errors_are_tpkit_errors_with_their_builtin_base():
+    from tpkit.data import LoaderError, LoaderTimeoutError
+    from tpkit.errors import TpkitError
+
+    for cls, base in ((LoaderError, RuntimeError), (WorkerError, RuntimeError), (WorkerDiedError, RuntimeError),
+                      (LoaderTimeoutError, TimeoutError), (UnsupportedBatchError, TypeError)):
+        assert issubclass(cls, TpkitError) and issubclass(cls, base), cls
+    with pytest.raises(TpkitError, match="batch_size must be a positive int"):
+        Loader(Mixed(), batch_size=0)
+    with pytest.raises(ValueError):
+        Loader(Mixed(), mode="fiber")

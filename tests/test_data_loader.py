@@ -3,6 +3,7 @@ slots never overwritten while viewed; nothing left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from tpkit.data import Loader
 from tests.data_helpers import Mixed, RandomAug, Shards, as_lists, live_children, shm_files
+from tpkit.data import Loader
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2])
@@ -295,3 +296,50 @@ def test_random_mix_of_options_breaks_and_kept_batches():
             assert torch.equal(first, b["i"].float()), kw
         loader.close()
     assert not live_children() and not shm_files()
+
+
+class Words(torch.utils.data.Dataset):
+    """Samples with no tensor at all: strings only."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, i: int) -> str:
+        return f"w{i}"
+
+
+@dataclasses.dataclass
+class Tag:
+    """A user's own picklable class inside a batch."""
+
+    name: str
+    weight: float
+
+
+def tags_collate(samples: list) -> dict:
+    return {"x": torch.stack([s["x"] for s in samples]), "tags": [Tag(s["name"], s["f"]) for s in samples],
+            "sparse": torch.eye(3).to_sparse()}
+
+
+@pytest.mark.parametrize("kw", [dict(batch_size=3), dict(batch_size=None), dict(batch_size=4, shuffle=True)])
+def test_batches_without_tensors_match_torch_in_process_workers(kw):
+    """Strings-only samples: no ring is needed; the batches equal torch's DataLoader's."""
+    seed = dict(generator=torch.Generator().manual_seed(3)) if kw.get("shuffle") else {}
+    ref = list(DataLoader(Words(), num_workers=2, **kw, **seed))
+    for workers, mode in ((2, "process"), (1, "process"), (0, "process"), (2, "thread")):
+        ours = list(Loader(Words(), num_workers=workers, mode=mode, seed=3 if seed else None, **kw))
+        assert ours == ref, (workers, mode)
+    assert sorted(w for b in ref for w in ([b] if isinstance(b, str) else b)) == sorted(Words()[i] for i in range(11))
+    assert not shm_files() and not live_children()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's own DataLoader, rebuilding the sparse batch
+def test_objects_a_slot_cannot_hold_are_pickled_like_torch():
+    """A user's class and a sparse tensor ride along pickled; tensors still go through slots."""
+    kw = dict(batch_size=4, collate_fn=tags_collate, num_workers=2)
+    ours, ref = list(Loader(Mixed(10), **kw)), list(DataLoader(Mixed(10), **kw))
+    assert [b["tags"] for b in ours] == [b["tags"] for b in ref]
+    assert ours[0]["tags"][1] == Tag("s1", 0.5)
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(ours, ref))
+    assert all(a["sparse"].is_sparse and torch.equal(a["sparse"].to_dense(), torch.eye(3)) for a in ours)
+    assert not shm_files() and not live_children()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tpkit.errors import RunFormatError
 from tpkit.analysis.ranks import rank_skew
+from tpkit.errors import RunFormatError
 from tpkit.ranks import load_ranks
 
 WORKER = Path(__file__).with_name("rank_worker.py")

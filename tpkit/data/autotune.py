@@ -16,15 +16,13 @@ from typing import Any
 
 
 def _trial_rate(loader: Any, workers: int, trial_batches: int) -> float:
-    from .loader import Loader
-
     kw: dict = dict(batch_size=loader.batch_size, collate_fn=loader.collate_fn,
                     drop_last=loader.drop_last, num_workers=workers, mode=loader.mode,
                     prefetch=loader.prefetch, seed=0, worker_init_fn=loader.worker_init_fn)
     if loader.batch_size is None and loader.batch_sampler is not None:
         kw["batch_size"], kw["drop_last"] = 1, False
         kw["batch_sampler"] = loader.batch_sampler
-    trial = Loader(loader.dataset, **kw)
+    trial = type(loader)(loader.dataset, **kw)  # a Loader; its class, so no import cycle
     try:
         it = iter(trial)
         next(it)  # start-up is paid once per run; the rate is what matters

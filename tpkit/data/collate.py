@@ -42,7 +42,7 @@ class Stack:
         return torch.stack(self.tensors)
 
 
-def _stack_tensors(batch: list, *, collate_fn_map: Any = None) -> Stack:
+def _stack_tensors(batch: list, *, collate_fn_map: Any = None) -> Stack | torch.Tensor:
     elem = batch[0]
     if elem.layout != torch.strided or elem.is_nested:
         return torch.stack(batch)  # let torch raise or handle what a slot cannot hold

@@ -1,7 +1,7 @@
 """The in-process and thread engines (the process engine is ``process_pool``).
 
-Every engine's ``next()`` returns ``(batch, worker, fetch_s, collate_s, queue_wait_s,
-transfer_s, n_samples)`` and raises StopIteration at the end of the epoch.
+Every engine's ``next()`` returns a ``LoadedBatch`` (the batch, its worker and where its time
+went) and raises StopIteration at the end of the epoch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from time import perf_counter_ns
 from typing import Any, Iterator
 
 from .errors import LoaderTimeoutError, WorkerError
-from .worker_loop import BatchMaker, WorkerSpec
+from .worker_loop import BatchMaker, LoadedBatch, WorkerSpec
 
 
 def _wrap_error(maker: BatchMaker, worker: int, batch: int, e: Exception) -> WorkerError:
@@ -32,7 +32,7 @@ class InlineEngine:
         if tasks is None:
             self.maker.reset(skip_batches)
 
-    def next(self) -> tuple:
+    def next(self) -> LoadedBatch:
         idx = next(self.tasks) if self.tasks is not None else None
         try:
             made = self.maker.make(idx)
@@ -42,8 +42,7 @@ class InlineEngine:
         if made is None:
             raise StopIteration
         self.batch += 1
-        batch, fetch_s, collate_s, n = made
-        return batch, 0, fetch_s, collate_s, 0.0, 0.0, n
+        return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
 
     def shutdown(self) -> None:
         pass
@@ -99,7 +98,7 @@ class ThreadEngine:
                 idx = None
             self.pending.append(self.pool.submit(self._make, self.batch + len(self.pending), idx))
 
-    def next(self) -> tuple:
+    def next(self) -> LoadedBatch:
         while True:
             self._fill()
             if not self.pending:
@@ -130,9 +129,8 @@ class ThreadEngine:
                     f.cancel()
                 self.pending.clear()
                 raise StopIteration
-            batch, fetch_s, collate_s, n = made
             queue_wait_s = max(0.0, (perf_counter_ns() - done_ns) / 1e9)
-            return batch, w, fetch_s, collate_s, queue_wait_s, 0.0, n
+            return LoadedBatch(made.batch, w, made.fetch_s, made.collate_s, queue_wait_s, 0.0, made.n_samples)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=not self.hung, cancel_futures=True)

@@ -1,14 +1,28 @@
-"""Exceptions of tpkit.data: each says what happened, where, and what to do."""
+"""Exceptions of tpkit.data: each says what happened, where, and what to do.
+
+All derive from ``tpkit.errors.TpkitError`` (``except tp.TpkitError`` catches them) and keep
+the builtin base a caller of torch's DataLoader would catch (RuntimeError, TimeoutError,
+TypeError, ValueError).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .slots import UnsupportedBatchError
+from ..errors import TpkitError
 
 
-class LoaderError(RuntimeError):
+class LoaderError(TpkitError, RuntimeError):
     """Base class of the loader's own failures."""
+
+
+class LoaderArgumentError(TpkitError, ValueError):
+    """A Loader argument (or a state dict given to it) that cannot work; says what to pass."""
+
+
+class UnsupportedBatchError(TpkitError, TypeError):
+    """A batch held something the process workers cannot hand over (e.g. a CUDA tensor, or an
+    object that cannot be pickled)."""
 
 
 class WorkerError(LoaderError):
@@ -34,5 +48,5 @@ class LoaderTimeoutError(LoaderError, TimeoutError):
     """No batch arrived within ``timeout`` seconds."""
 
 
-__all__ = ["LoaderError", "WorkerError", "WorkerDiedError", "LoaderTimeoutError",
+__all__ = ["LoaderError", "LoaderArgumentError", "WorkerError", "WorkerDiedError", "LoaderTimeoutError",
            "UnsupportedBatchError"]

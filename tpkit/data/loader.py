@@ -22,10 +22,13 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from tpkit.capture import recorder as _rec
 
+from .autotune import choose_workers
 from .engines import InlineEngine, ThreadEngine
+from .errors import LoaderArgumentError, WorkerError
 from .pinning import DevicePrefetcher, pin_batch, resolve_device
 from .process_pool import ProcessPool
-from .worker_loop import WorkerSpec
+from .sigint import held_sigint
+from .worker_loop import LoadedBatch, WorkerSpec
 
 STATE_VERSION = 1
 
@@ -98,6 +101,9 @@ class Loader:
         self.generator = generator
         self.seed = seed
 
+        self.sampler: Any
+        self.batch_sampler: Any
+        self.batch_size: int | None
         if batch_sampler is not None:
             self.batch_size, self.drop_last = None, False
             self.sampler = getattr(batch_sampler, "sampler", None)
@@ -128,35 +134,35 @@ class Loader:
                     timeout, mode, prefetch, prefetch_factor, persistent_workers) -> None:
         if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
                                        or batch_size <= 0):
-            raise ValueError(f"batch_size must be a positive int (or None to hand out single samples); "
+            raise LoaderArgumentError(f"batch_size must be a positive int (or None to hand out single samples); "
                              f"got {batch_size!r}")
         if isinstance(num_workers, str):
             if num_workers != "auto":
-                raise ValueError(f"num_workers must be an int >= 0 or 'auto'; got {num_workers!r}")
+                raise LoaderArgumentError(f"num_workers must be an int >= 0 or 'auto'; got {num_workers!r}")
         elif not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
+            raise LoaderArgumentError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
                              f"'auto' to size it from measured rates; got {num_workers!r}")
         if mode not in ("process", "thread"):
-            raise ValueError(f"mode must be 'process' or 'thread'; got {mode!r}")
+            raise LoaderArgumentError(f"mode must be 'process' or 'thread'; got {mode!r}")
         for name, v in (("prefetch", prefetch), ("prefetch_factor", prefetch_factor)):
             if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be an int >= 1 (batches in flight per worker); got {v!r}")
+                raise LoaderArgumentError(f"{name} must be an int >= 1 (batches in flight per worker); got {v!r}")
         if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds (0 waits forever); got {timeout!r}")
+            raise LoaderArgumentError(f"timeout must be >= 0 seconds (0 waits forever); got {timeout!r}")
         if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers=True needs num_workers > 0")
+            raise LoaderArgumentError("persistent_workers=True needs num_workers > 0")
         if _is_iterable_dataset(dataset):
             if shuffle:
-                raise ValueError("shuffle=True does not apply to an iterable dataset: shuffle inside "
+                raise LoaderArgumentError("shuffle=True does not apply to an iterable dataset: shuffle inside "
                                  "the dataset's __iter__ (or use a map-style dataset)")
             if sampler is not None or batch_sampler is not None:
-                raise ValueError("an iterable dataset takes no sampler or batch_sampler: it decides "
+                raise LoaderArgumentError("an iterable dataset takes no sampler or batch_sampler: it decides "
                                  "its own order; shard it with torch.utils.data.get_worker_info()")
         if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
-            raise ValueError("batch_sampler already decides batches: leave batch_size, shuffle, sampler "
+            raise LoaderArgumentError("batch_sampler already decides batches: leave batch_size, shuffle, sampler "
                              "and drop_last at their defaults when you pass it")
         if sampler is not None and shuffle:
-            raise ValueError("pass either sampler= or shuffle=True, not both (the sampler decides order)")
+            raise LoaderArgumentError("pass either sampler= or shuffle=True, not both (the sampler decides order)")
 
     # -- sizes ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -179,7 +185,11 @@ class Loader:
         if old is not None:
             old._detach()
         resume, self._resume = self._resume, None
-        it = _LoaderIter(self, resume)
+        try:
+            it = _LoaderIter(self, resume)
+        except BaseException:  # e.g. Ctrl-C while workers start: none may outlive it
+            self.close()
+            raise
         self._iter = weakref.ref(it)  # no cycle: dropping loader and iterator frees workers at once
         return it
 
@@ -230,19 +240,20 @@ class Loader:
             if isinstance(ctx, str):
                 import multiprocessing as mp
                 ctx = mp.get_context(ctx)
-            self._pool = ProcessPool(self._spec_args(base_seed), self.num_workers, self.prefetch,
+            self._pool = ProcessPool(self._spec_args(base_seed), self._workers_int(), self.prefetch,
                                      self.in_order, self.restart_workers, self.timeout, ctx)
         return self._pool
 
     def close(self) -> None:
         """Stop the workers now (they also stop at the end of an epoch unless persistent,
         and when the loader is garbage-collected)."""
-        it = self._iter() if self._iter is not None else None
-        if it is not None:
-            it._detach()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        with held_sigint():  # a Ctrl-C now would leave workers behind: it comes right after
+            it = self._iter() if self._iter is not None else None
+            if it is not None:
+                it._detach()
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
 
     def __del__(self) -> None:
         try:
@@ -266,7 +277,7 @@ class Loader:
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``iter(loader)`` continues the saved epoch at its next batch."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+            raise LoaderArgumentError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
         self.close()
         if state["fresh_epoch"]:  # between epochs: the next one draws what it would have drawn
             self._epoch = state["epoch"]
@@ -277,7 +288,7 @@ class Loader:
                 self.base_seed = state["base_seed"]
             return
         if self.iterable and state["num_workers"] != self._workers_int():
-            raise ValueError(f"this iterable-dataset state was saved with num_workers="
+            raise LoaderArgumentError(f"this iterable-dataset state was saved with num_workers="
                              f"{state['num_workers']}; resume with the same worker count (each "
                              f"worker's stream is replayed to its position)")
         self._resume = dict(state)
@@ -289,7 +300,6 @@ class Loader:
     def autotune(self, max_workers: int | None = None, trial_batches: int = 24) -> int:
         """Measure batches/s with 0..max_workers workers on the first batches; keep the fastest
         (fewer workers when within 5%). Sets and returns ``num_workers``."""
-        from .autotune import choose_workers
         self.num_workers = choose_workers(self, max_workers or os.cpu_count() or 1, trial_batches)
         return self.num_workers
 
@@ -343,34 +353,31 @@ class _LoaderIter:
     def _end(self) -> None:
         self.finished = True
         eng = self.engine
-        if isinstance(eng, ProcessPool):
-            if not self.loader.persistent_workers:
+        with held_sigint():
+            if isinstance(eng, ProcessPool):
+                if not self.loader.persistent_workers:
+                    eng.shutdown()
+                    if self.loader._pool is eng:
+                        self.loader._pool = None
+            else:
                 eng.shutdown()
-                if self.loader._pool is eng:
-                    self.loader._pool = None
-        else:
-            eng.shutdown()
 
-    def _next_raw(self) -> tuple:
+    def _next_raw(self) -> LoadedBatch:
         try:
             return self.engine.next()
         except StopIteration:
             self._end()
             raise
-        except (KeyboardInterrupt, SystemExit, GeneratorExit):
-            self.loader.close()
-            raise
         except Exception as e:
-            from .errors import WorkerError
             # A failed batch is skipped and the epoch goes on (as in torch); a worker that died,
             # timed out or failed to start (worker_init_fn) leaves nothing to continue.
             if not isinstance(e, WorkerError) or e.batch < 0:
                 self.loader.close()
             raise
 
-    def _next_item(self) -> tuple:
-        """Next (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s, n) with the
-        host-side post-processing (pinning, async device copy) applied."""
+    def _next_item(self) -> LoadedBatch:
+        """The next batch with the host-side post-processing (pinning, async device copy)
+        applied; with a device, ``batch`` is the copy's handle, finished by ``__next__``."""
         pf = self._prefetcher
         if pf is None:
             if self.finished:
@@ -378,31 +385,37 @@ class _LoaderIter:
             item = self._next_raw()
             if self.loader.pin:
                 t0 = perf_counter()
-                batch = pin_batch(item[0])
-                item = (batch, *item[1:5], item[5] + perf_counter() - t0, item[6])
+                batch = pin_batch(item.batch)
+                item = item._replace(batch=batch, transfer_s=item.transfer_s + perf_counter() - t0)
             return item
         if self._ahead is None:  # first batch: start its copy now
             if self.finished:
                 raise StopIteration
             raw = self._next_raw()
-            self._ahead = (pf.start(raw[0]), (None, *raw[1:]))  # staged: drop the slot views
-        handle, raw = self._ahead
-        self._ahead = None
+            self._ahead = raw._replace(batch=pf.start(raw.batch))  # staged: drop the slot views
+        item, self._ahead = self._ahead, None
         if not self.finished:
             try:
                 nxt = self._next_raw()
-                self._ahead = (pf.start(nxt[0]), (None, *nxt[1:]))  # one ahead, side stream
+                self._ahead = nxt._replace(batch=pf.start(nxt.batch))  # one ahead, side stream
             except StopIteration:
                 pass  # hand out the batch in hand; the next call stops
-        return (handle, *raw[1:])  # __next__ finishes the copy, outside the data_wait span
+        return item  # __next__ finishes the copy, outside the data_wait span
 
     def __next__(self) -> Any:
+        try:
+            return self._next_batch()
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C anywhere in here: stop the workers now
+            self.loader.close()
+            raise
+
+    def _next_batch(self) -> Any:
         rec = _rec.active()
         pf = self._prefetcher
         if rec is None:
             item = self._next_item()
             if pf is not None:
-                item = (pf.finish(item[0])[0], *item[1:])
+                item = item._replace(batch=pf.finish(item.batch)[0])
         else:
             tok = None if rec.is_open("data_wait") else rec.enter("data_wait", "tpkit.data")
             try:
@@ -415,19 +428,18 @@ class _LoaderIter:
                 # event timing this span shows the part of the copy that did not overlap.
                 tok = None if rec.is_open("h2d") else rec.enter("h2d", "tpkit.data")
                 try:
-                    dev, wait_s = pf.finish(item[0])
+                    dev, wait_s = pf.finish(item.batch)
                 finally:
                     if tok is not None:
                         rec.exit(tok)
-                item = (dev, *item[1:5], item[5] + wait_s, item[6])
-            batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s, n = item
-            rec.add_samples(n)
-            rec.add_loader_batch(self.batches_done, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
+                item = item._replace(batch=dev, transfer_s=item.transfer_s + wait_s)
+            rec.add_samples(item.n_samples)
+            rec.add_loader_batch(self.batches_done, item.worker, item.fetch_s, item.collate_s,
+                                 item.queue_wait_s, item.transfer_s)
             if rec.batch_listeners and tok is not None:
-                rec.yielded(batch)  # the memory probe counts the batch's tensors as data
+                rec.yielded(item.batch)  # the memory probe counts the batch's tensors as data
         self.batches_done += 1
-        w = item[1]
         if self.worker_batches:
-            self.worker_batches[w] += 1
-            self.next_worker = (w + 1) % len(self.worker_batches)
-        return item[0]
+            self.worker_batches[item.worker] += 1
+            self.next_worker = (item.worker + 1) % len(self.worker_batches)
+        return item.batch

@@ -17,6 +17,7 @@ import torch
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (dicts, lists, tuples, namedtuples)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
@@ -29,10 +30,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def cuda_usable() -> bool:
+    """Whether a CUDA device can take the batches."""
     return torch.cuda.is_available()
 
 
 def pin_batch(batch: Any) -> Any:
+    """The batch with every tensor in pinned (page-locked) host memory."""
     return map_tensors(batch, lambda t: t.pin_memory())
 
 

@@ -29,17 +29,20 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from time import perf_counter, perf_counter_ns
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
-from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
 from .collate import merge_parts
+from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
+from .sigint import held_sigint
 from .slots import map_segment, read_slot, remove_segments, segment_path, segment_prefix
-from .worker_loop import WorkerSpec, worker_main
+from .worker_loop import BatchDone, BatchFailed, LoadedBatch, Reset, StreamEnded, Task, WorkerSpec, worker_main
+
 
 def hold_slots(num_workers: int) -> int:
     """Batches of one worker the training loop may keep alive before we copy (see above)."""
     return 1 if num_workers >= 2 else 2
-_END = object()  # an iterable worker's stream ended
+
+
 _loader_ids = itertools.count()
 
 
@@ -51,11 +54,21 @@ class _Worker:
     conn: Any = None
     free: list = field(default_factory=list)  # free slot numbers
     held: int = 0  # slots whose views the training loop still holds
-    inflight: dict = field(default_factory=dict)  # batch_id -> task message (not yet answered)
+    inflight: dict[int, Task] = field(default_factory=dict)  # batch_id -> task (not yet answered)
     buffered: int = 0  # answered, waiting in the reorder buffer
     delivered: int = 0  # batches answered this epoch (iterables: where a restart resumes)
     exhausted: bool = False
     maps: dict = field(default_factory=dict)  # (life, gen) -> mmap
+
+
+class _Answer(NamedTuple):
+    """A worker's answer waiting in the reorder buffer (or one part of a split batch)."""
+
+    worker: _Worker | None  # None: a joined split batch (``msg`` is the _Split)
+    life: int  # the worker's life when it answered: a slot of an older life is not reused
+    mm: Any  # the ring's mapping (None when the batch holds no tensor, or for errors)
+    msg: Any  # BatchDone, BatchFailed, StreamEnded, or a _Split
+    recv_ns: int = 0
 
 
 @dataclass
@@ -64,8 +77,8 @@ class _Split:
 
     parts: list  # index list per worker
     sent: set = field(default_factory=set)
-    got: dict = field(default_factory=dict)  # worker -> (worker, life, mmap, msg), None if it failed
-    err: tuple | None = None  # (worker, "err" message) of the first failed part
+    got: dict[int, _Answer | None] = field(default_factory=dict)  # per worker; None if it failed
+    err: tuple[int, BatchFailed] | None = None  # (worker, answer) of the first failed part
 
 
 def _signal_name(code: int | None) -> str:
@@ -80,7 +93,13 @@ def _signal_name(code: int | None) -> str:
 
 
 def _shutdown(workers: list[_Worker], prefix: str) -> None:
-    """Stop every worker and remove every segment file; safe to call twice."""
+    """Stop every worker and remove every segment file; safe to call twice. Ctrl-C waits until
+    it is done (``held_sigint``): a shutdown cut short would never run again."""
+    with held_sigint():
+        _stop_workers(workers, prefix)
+
+
+def _stop_workers(workers: list[_Worker], prefix: str) -> None:
     for w in workers:
         if w.conn is not None:
             try:
@@ -126,7 +145,11 @@ class ProcessPool:
         self.ctx = context if context is not None else mp.get_context()
         self.workers = [_Worker(i) for i in range(num_workers)]
         self.restarts = 0
+        # Slot leases: a weak reference per handed-out batch, whose callback is the deque's own
+        # (C) append, so no Python code runs when the last view dies (a Ctrl-C landing in a
+        # Python callback there would be lost, and the slot with it); drained at dispatch.
         self._released: collections.deque = collections.deque()
+        self._leases: dict[int, tuple[weakref.ref, tuple[int, int, int]]] = {}
         self._next_id = 0  # batch ids never repeat across epochs: stale answers are recognisable
         self._started = False
         self.closed = False
@@ -139,11 +162,14 @@ class ProcessPool:
                                   name=f"tpkit-data-{w.id}", daemon=True)
         # Objects that exist now are left out of the child's garbage collections, so they are
         # not written to (copied page by page) in every worker; the parent unfreezes at once.
-        gc.freeze()
-        try:
-            w.proc.start()
-        finally:
-            gc.unfreeze()
+        # Ctrl-C waits for the fork: in an at-fork hook it would be lost, and between freeze
+        # and unfreeze it would leave the parent's gc frozen.
+        with held_sigint():
+            gc.freeze()
+            try:
+                w.proc.start()
+            finally:
+                gc.unfreeze()
         child.close()
         w.conn = parent
         w.free = list(range(self.n_slots))
@@ -159,13 +185,11 @@ class ProcessPool:
         with torch's default_collate, which the caller checks)."""
         skips = skip_per_worker or [0] * self.num_workers
         # Batches of an abandoned epoch that were never handed out: free their slots.
-        old = [(w, life, msg) for w, life, _, msg, _ in getattr(self, "results", {}).values()
-               if w is not None]
-        old += [r[0:2] + (r[3],) for sp in getattr(self, "splits", {}).values()
-                for r in sp.got.values() if r is not None]
-        for w, life, msg in old:
-            if msg is not _END and msg[0] == "ok" and life == w.life:
-                w.free.append(msg[2])
+        old = [a for a in getattr(self, "results", {}).values() if a.worker is not None]
+        old += [a for sp in getattr(self, "splits", {}).values() for a in sp.got.values() if a is not None]
+        for a in old:
+            if isinstance(a.msg, BatchDone) and a.life == a.worker.life:
+                a.worker.free.append(a.msg.slot)
         self.epoch_first_id = self._next_id
         self.next_yield = self._next_id
         self.splits: dict[int, _Split] = {}
@@ -180,7 +204,7 @@ class ProcessPool:
                 tasks = itertools.chain([first], tasks)
         self.tasks = tasks
         self.tasks_done = False
-        self.results: dict[int, tuple] = {}
+        self.results: dict[int, _Answer] = {}
         self.rr = first_worker  # iterables: whose turn the next batch is (resume keeps it)
         for w in self.workers:
             w.buffered = 0
@@ -192,18 +216,22 @@ class ProcessPool:
                 # working while we fork (the first batch comes sooner).
                 self._dispatch()
             elif tasks is None:
-                w.conn.send(("reset", skips[w.id]))
+                w.conn.send(Reset(skips[w.id]))
         self._started = True
 
     def shutdown(self) -> None:
         self.closed = True
-        self._finalizer()
+        with held_sigint():  # the finalizer runs once: a Ctrl-C must not cut it short
+            self._finalizer()
 
     # -- dispatch -----------------------------------------------------------------------------
     def _drain_released(self) -> None:
         rel = self._released
         while rel:
-            wid, life, slot = rel.popleft()
+            entry = self._leases.pop(id(rel.popleft()), None)
+            if entry is None:
+                continue
+            wid, life, slot = entry[1]
             w = self.workers[wid]
             if w.life == life:
                 w.free.append(slot)
@@ -242,14 +270,15 @@ class ProcessPool:
             for k, part in enumerate(split.parts):
                 w = self.workers[k]
                 if k not in split.sent and w.proc is not None and w.free:
-                    msg = ("map", bid, part, w.free.pop())
+                    msg = Task(bid, part, w.free.pop())
                     w.inflight[bid] = msg
                     split.sent.add(k)
                     self._send(w, msg)
         while not self.tasks_done:
-            w = self._pick()
-            if w is None:
+            picked = self._pick()
+            if picked is None:
                 return
+            w = picked
             bid = self._next_id
             if self.tasks is not None:
                 try:
@@ -257,15 +286,15 @@ class ProcessPool:
                 except StopIteration:
                     self.tasks_done = True
                     return
-                msg = ("map", bid, idx, w.free.pop())
+                msg = Task(bid, idx, w.free.pop())
             else:
-                msg = ("iter", bid, w.free.pop())
+                msg = Task(bid, None, w.free.pop())
             w.inflight[bid] = msg
             self._next_id += 1
             self._send(w, msg)
 
     @staticmethod
-    def _send(w: "_Worker", msg: tuple) -> None:
+    def _send(w: "_Worker", msg: Task) -> None:
         """Send a task; a worker that already died (e.g. its worker_init_fn raised) closed its
         pipe. The task stays in ``inflight``, and the receive loop reports the death (with the
         worker's own error when it sent one) or, with restart_workers, re-sends it."""
@@ -275,50 +304,49 @@ class ProcessPool:
             pass
 
     # -- receive --------------------------------------------------------------------------------
-    def _receive(self, w: _Worker, msg: tuple) -> None:
-        kind, bid = msg[0], msg[1]
+    def _receive(self, w: _Worker, msg: BatchDone | BatchFailed | StreamEnded) -> None:
+        bid = msg.batch_id
         task = w.inflight.pop(bid, None)
-        if kind == "err" and bid == -1:
-            raise WorkerError(w.id, -1, None, msg[3], msg[4], msg[5])
-        if kind == "ok":
-            slot, gen = msg[2], msg[3]
-            mm = w.maps.get((w.life, gen))
-            if mm is None:
-                mm = map_segment(segment_path(self.prefix, w.id, w.life, gen))
-                w.maps = {(w.life, gen): mm}  # older generations live on in their views
+        if isinstance(msg, BatchFailed) and bid == -1:
+            raise WorkerError(w.id, -1, None, msg.exc_type, msg.message, msg.traceback)
+        if isinstance(msg, BatchDone):
+            mm = None
+            if msg.gen >= 0:  # the batch has tensors in the ring (else the skeleton is all of it)
+                mm = w.maps.get((w.life, msg.gen))
+                if mm is None:
+                    mm = map_segment(segment_path(self.prefix, w.id, w.life, msg.gen))
+                    w.maps = {(w.life, msg.gen): mm}  # older generations live on in their views
             if bid < self.epoch_first_id:  # an answer from an abandoned epoch
-                w.free.append(slot)
+                w.free.append(msg.slot)
                 return
             w.delivered += 1
             w.buffered += 1
             split = self.splits.get(bid)
             if split is not None:
-                split.got[w.id] = (w, w.life, mm, msg)
+                split.got[w.id] = _Answer(w, w.life, mm, msg)
                 self._maybe_complete(bid, split)
                 return
-            self.results[bid] = (w, w.life, mm, msg, perf_counter_ns())
+            self.results[bid] = _Answer(w, w.life, mm, msg, perf_counter_ns())
             return
-        if task is not None:  # "end" or "err": the slot given with the task was not used
-            w.free.append(task[-1])
+        if task is not None:  # ended or failed: the slot given with the task was not used
+            w.free.append(task.slot)
         if bid < self.epoch_first_id:
             return
         split = self.splits.get(bid)
-        if split is not None:  # an "err" for one part of a split batch
+        if split is not None and isinstance(msg, BatchFailed):  # one part of a split batch failed
             split.err = split.err or (w.id, msg)
             split.got[w.id] = None
             self._maybe_complete(bid, split)
             return
         w.buffered += 1
-        if kind == "end":
+        if isinstance(msg, StreamEnded):
             w.exhausted = True
-            self.results[bid] = (w, w.life, None, _END, 0)
-        else:
-            self.results[bid] = (w, w.life, None, msg, 0)
+        self.results[bid] = _Answer(w, w.life, None, msg)
 
     def _maybe_complete(self, bid: int, split: "_Split") -> None:
         if len(split.got) == len(split.parts):
             del self.splits[bid]
-            self.results[bid] = (None, 0, None, split, 0)
+            self.results[bid] = _Answer(None, 0, None, split)
 
     def _on_death(self, w: _Worker) -> None:
         try:
@@ -349,10 +377,10 @@ class ProcessPool:
         self.restarts += 1
         old = [w.inflight[b] for b in lost]
         self._start_worker(w, w.delivered if self.tasks is None else 0)
-        for m in old:  # same batches, same order, into the new worker's ring
-            m = (*m[:-1], w.free.pop())
-            w.inflight[m[1]] = m
-            w.conn.send(m)
+        for task in old:  # same batches, same order, into the new worker's ring
+            task = task._replace(slot=w.free.pop())
+            w.inflight[task.batch_id] = task
+            w.conn.send(task)
 
     def _wait(self, timeout_s: float | None) -> bool:
         live = [w for w in self.workers if w.proc is not None]
@@ -377,7 +405,7 @@ class ProcessPool:
         return bool(ready)
 
     # -- hand out ---------------------------------------------------------------------------------
-    def _take_split(self, bid: int, split: "_Split") -> tuple:
+    def _take_split(self, bid: int, split: "_Split") -> LoadedBatch:
         """Join the parts of a split batch (private copies; their slots are freed at once)."""
         t0 = perf_counter_ns()
         parts, fetch_s, collate_s, write_s, done_ns, n = [], 0.0, 0.0, 0.0, 0, 0
@@ -385,48 +413,55 @@ class ProcessPool:
             got = split.got[k]
             if got is None:
                 continue
-            w, life, mm, msg = got
+            w, msg = got.worker, got.msg
+            assert w is not None
             w.buffered -= 1
-            (_, _, slot, gen, slot_bytes, skel, f_s, c_s, wr_s, d_ns, m) = msg
-            parts.append(read_slot(mm, slot, slot_bytes, skel, True, None))
-            if life == w.life:
-                w.free.append(slot)
-            fetch_s, collate_s, write_s = max(fetch_s, f_s), max(collate_s, c_s), max(write_s, wr_s)
-            done_ns, n = max(done_ns, d_ns), n + m
+            parts.append(read_slot(got.mm, msg.slot, msg.slot_bytes, msg.skeleton, True, None))
+            if got.life == w.life:
+                w.free.append(msg.slot)
+            fetch_s, collate_s = max(fetch_s, msg.fetch_s), max(collate_s, msg.collate_s)
+            write_s, done_ns, n = max(write_s, msg.write_s), max(done_ns, msg.done_ns), n + msg.n_samples
         if split.err is not None:
-            wid, msg = split.err
-            raise WorkerError(wid, bid - self.epoch_first_id, msg[2], msg[3], msg[4], msg[5])
+            wid, err = split.err
+            raise WorkerError(wid, bid - self.epoch_first_id, err.index, err.exc_type, err.message, err.traceback)
         batch = merge_parts(parts)
         t1 = perf_counter_ns()
-        return batch, 0, fetch_s, collate_s, max(0.0, (t0 - done_ns) / 1e9), write_s + (t1 - t0) / 1e9, n
+        return LoadedBatch(batch, 0, fetch_s, collate_s, max(0.0, (t0 - done_ns) / 1e9),
+                           write_s + (t1 - t0) / 1e9, n)
 
-    def _take(self, bid: int) -> tuple | None:
-        w, life, mm, msg, recv_ns = self.results.pop(bid)
+    def _take(self, bid: int) -> LoadedBatch | None:
+        a = self.results.pop(bid)
+        w, msg = a.worker, a.msg
         if w is None:
             return self._take_split(bid, msg)
         w.buffered -= 1
-        if msg is _END:
+        if isinstance(msg, StreamEnded):
             return None
-        if msg[0] == "err":
-            raise WorkerError(w.id, bid - self.epoch_first_id, msg[2], msg[3], msg[4], msg[5])
-        (_, _, slot, gen, slot_bytes, skel, fetch_s, collate_s, write_s, done_ns, n) = msg
+        if isinstance(msg, BatchFailed):
+            raise WorkerError(w.id, bid - self.epoch_first_id, msg.index, msg.exc_type, msg.message,
+                              msg.traceback)
         t0 = perf_counter_ns()
-        current = life == w.life
-        copy = (not current) or w.held >= self.hold
-        release = None if copy else _Release(self._released.append, (w.id, life, slot))
-        batch = read_slot(mm, slot, slot_bytes, skel, copy, release)
+        current = a.life == w.life
+        # a batch without tensors (mm None) never used its slot; an old life's slot is not ours
+        copy = (not current) or w.held >= self.hold or a.mm is None
+        key = (w.id, a.life, msg.slot)
+
+        def lease(array: Any) -> None:
+            ref = weakref.ref(array, self._released.append)
+            self._leases[id(ref)] = (ref, key)
+
+        batch = read_slot(a.mm, msg.slot, msg.slot_bytes, msg.skeleton, copy, None if copy else lease)
         if copy and current:
-            w.free.append(slot)
+            w.free.append(msg.slot)
         elif not copy:
             w.held += 1
         t1 = perf_counter_ns()
-        queue_wait_s = max(0.0, (t0 - done_ns) / 1e9)
-        transfer_s = write_s + (t1 - t0) / 1e9
-        return batch, w.id, fetch_s, collate_s, queue_wait_s, transfer_s, n
+        queue_wait_s = max(0.0, (t0 - msg.done_ns) / 1e9)
+        transfer_s = msg.write_s + (t1 - t0) / 1e9
+        return LoadedBatch(batch, w.id, msg.fetch_s, msg.collate_s, queue_wait_s, transfer_s, msg.n_samples)
 
-    def next(self) -> tuple:
-        """The next batch as (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s,
-        n_samples); raises StopIteration at the end of the epoch."""
+    def next(self) -> LoadedBatch:
+        """The next batch; raises StopIteration at the end of the epoch."""
         waited_s = 0.0
         while True:
             self._dispatch()
@@ -462,15 +497,3 @@ class ProcessPool:
                     f"no batch came from the loader workers for {self.timeout_s} s (waiting for "
                     f"batches {pending[:8]}). Raise timeout= if a batch legitimately takes longer, "
                     f"or look for a hang in the dataset's __getitem__ / collate_fn.")
-
-
-class _Release:
-    """Finalizer callback that returns a slot; a class, so it holds no frame or closure."""
-
-    __slots__ = ("append", "key")
-
-    def __init__(self, append: Any, key: tuple) -> None:
-        self.append, self.key = append, key
-
-    def __call__(self) -> None:
-        self.append(self.key)

@@ -7,6 +7,11 @@ batch's tensor bytes into the slot the main process names, and sends only a smal
 shape). No tensor data is pickled and no segment is created per batch. A batch larger than
 the slot makes the worker open a bigger ring (a new *generation*), which is rare.
 
+What is not a dense CPU tensor or a numeric array travels in the skeleton, pickled as torch's
+DataLoader would: numbers and strings as they are, anything else (a sparse tensor, an object
+array, a user's class) as ``pickle`` bytes. A batch with no tensor at all (e.g. only strings)
+needs no ring: the skeleton is the whole batch.
+
 The main process maps a ring the first time a message names it and unlinks the file right
 away: the mapping stays valid and nothing is left in /dev/shm even if the process dies
 later. Segment names are deterministic (``tpk-<main pid>-<loader id>-w<worker>.<life>-g<gen>``)
@@ -14,8 +19,8 @@ so the main process can also remove files whose worker died before it saw them.
 
 Slot reuse rule: a slot returns to its worker's free list only when every tensor viewing it
 has been freed. Each handed-out batch views its slot through one fresh numpy array (the
-*lease*); ``weakref.finalize`` on that array fires when the last view dies (CPython frees on
-the last reference). The loader copies a batch out instead of viewing it when the training
+*lease*); a weak reference to that array fires when the last view dies (CPython frees on
+the last reference), see ``process_pool``. The loader copies a batch out instead of viewing it when the training
 loop already holds too many slots of that worker, so the ring never blocks.
 """
 
@@ -24,8 +29,8 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import pickle
 import tempfile
-import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -33,21 +38,20 @@ import numpy as np
 import torch
 
 from .collate import Stack
+from .errors import UnsupportedBatchError
 
 ALIGN_BYTES = 64
 PAGE_BYTES = 4096
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class UnsupportedBatchError(TypeError):
-    """A batch held something the process workers cannot move without pickling it."""
-
-
 def segment_prefix(main_pid: int, loader_id: int) -> str:
+    """Path prefix of every segment file of one loader of one main process."""
     return os.path.join(SHM_DIR, f"tpk-{main_pid}-{loader_id}-")
 
 
 def segment_path(prefix: str, worker: int, life: int, gen: int) -> str:
+    """Path of one ring: worker ``worker`` in its ``life``-th start, ``gen``-th size."""
     return f"{prefix}w{worker}.{life}-g{gen}"
 
 
@@ -81,30 +85,57 @@ class _Leaf:
         return (_Leaf, (self.spec,))
 
 
+class _Pickled:
+    """Anything a slot cannot hold, as pickle bytes inside a skeleton (what torch's DataLoader
+    does with every batch). Plain ``pickle``, not the pipe's ForkingPickler: a tensor inside
+    is copied as bytes, never handed over as a shared-memory file descriptor."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return (_Pickled, (self.data,))
+
+
+def _pickled(obj: Any, where: str) -> _Pickled:
+    try:
+        return _Pickled(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:
+        raise UnsupportedBatchError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__} that cannot be pickled "
+            f"({type(e).__name__}: {e}); process workers hand over tensors and numpy arrays through "
+            f"shared memory and pickle everything else. Make it picklable (e.g. a module-level "
+            f"class), convert it in collate_fn (e.g. torch.as_tensor(...) or a dict of tensors), "
+            f"or use mode='thread'.") from e
+
+
 _SCALARS = (int, float, bool, complex, str, bytes, type(None))
 
 
 def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
     """Replace tensors/arrays (and deferred ``Stack``s) in ``obj`` by indices into
-    ``leaves``; returns the skeleton. Raises UnsupportedBatchError naming the place of
-    anything else.
+    ``leaves``; returns the skeleton. Other objects stay in the skeleton (pickled when not a
+    plain number or string). Raises UnsupportedBatchError naming the place of a device
+    tensor or of an object that cannot be pickled.
     """
     if isinstance(obj, Stack):
         leaves.append(obj)
         return _Leaf(("torch", len(leaves) - 1))
     if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
+        if obj.device.type != "cpu":
             raise UnsupportedBatchError(
-                f"{where} is a {obj.device.type} {obj.layout} tensor; workers can only hand over "
-                f"dense CPU tensors. Build dense CPU tensors in collate_fn and move them to the "
-                f"device in the training loop (or pass pin_memory=True).")
+                f"{where} is a {obj.device.type} tensor; workers can only hand over CPU tensors. "
+                f"Build CPU tensors in collate_fn and move them to the device in the training loop "
+                f"(or pass device= / pin_memory=True to the Loader).")
+        if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
+            return _pickled(obj, where)
         leaves.append(obj)
         return _Leaf(("torch", len(leaves) - 1))
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
-            raise UnsupportedBatchError(
-                f"{where} is a numpy array of Python objects; convert it to a numeric array or a "
-                f"list in collate_fn.")
+            return _pickled(obj, where)
         leaves.append(obj)
         return _Leaf(("numpy", len(leaves) - 1))
     if isinstance(obj, _SCALARS) or isinstance(obj, np.generic):
@@ -115,10 +146,7 @@ def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
         return (_NAMEDTUPLE, type(obj), [flatten(v, leaves, f"{where}.{f}") for f, v in zip(obj._fields, obj)])
     if isinstance(obj, (list, tuple)):
         return (_SEQ, type(obj), [flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(obj)])
-    raise UnsupportedBatchError(
-        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; process workers move "
-        f"tensors, numpy arrays, numbers, strings and dicts/lists/tuples of them. Convert it in "
-        f"collate_fn (e.g. torch.as_tensor(...) or a dict of tensors), or use mode='thread'.")
+    return _pickled(obj, where)
 
 
 class _Tag:
@@ -139,8 +167,11 @@ _MAP, _NAMEDTUPLE, _SEQ = _Tag("map"), _Tag("nt"), _Tag("seq")
 
 
 def unflatten(skel: Any, make_leaf: Callable[[tuple], Any]) -> Any:
+    """Rebuild a batch from its skeleton; ``make_leaf(spec)`` gives each tensor or array."""
     if isinstance(skel, _Leaf):
         return make_leaf(skel.spec)
+    if isinstance(skel, _Pickled):
+        return pickle.loads(skel.data)
     if isinstance(skel, tuple) and len(skel) == 3 and isinstance(skel[0], _Tag):
         tag, typ, items = skel
         if tag is _MAP:
@@ -196,9 +227,12 @@ class WorkerRing:
         self._u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def write(self, slot: int, batch: Any) -> tuple[Any, int, int]:
-        """Copy ``batch``'s tensors into ``slot``; returns (skeleton, gen, slot_bytes)."""
+        """Copy ``batch``'s tensors into ``slot``; returns (skeleton, gen, slot_bytes). A batch
+        without tensors or arrays leaves the ring alone: (skeleton, -1, 0)."""
         leaves: list = []
         skel = flatten(batch, leaves)
+        if not leaves:
+            return skel, -1, 0
         need = leaf_nbytes(leaves)
         if need > self.slot_bytes:
             self._grow(need)
@@ -221,9 +255,9 @@ class WorkerRing:
                 specs.append(("torch", off, n, str(x.dtype)[6:], tuple(x.shape)))
             else:
                 n = x.nbytes
-                dst = self._u8[base + off: base + off + n].numpy()
+                arr = self._u8[base + off: base + off + n].numpy()
                 if n:
-                    dst.view(x.dtype).reshape(x.shape)[...] = x
+                    arr.view(x.dtype).reshape(x.shape)[...] = x
                 specs.append(("numpy", off, n, x.dtype.str, tuple(x.shape)))
             off += n
         skel = _respec(skel, specs)
@@ -275,14 +309,22 @@ def map_segment(path: str) -> mmap.mmap:
     return mm
 
 
+def _no_leaf(spec: tuple) -> Any:
+    raise AssertionError(f"a skeleton without a ring names a slot leaf {spec}")
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def read_slot(mm: mmap.mmap, slot: int, slot_bytes: int, skel: Any, copy: bool,
-              on_release: Callable[[], None] | None) -> Any:
-    """Rebuild a batch from a slot: zero-copy views (released via ``on_release`` when the last
-    view dies) or, with ``copy=True``, private copies (the slot is free on return)."""
+def read_slot(mm: mmap.mmap | None, slot: int, slot_bytes: int, skel: Any, copy: bool,
+              on_release: Callable[[Any], Any] | None) -> Any:
+    """Rebuild a batch from a slot: zero-copy views or, with ``copy=True``, private copies (the
+    slot is free on return). With views, ``on_release(lease)`` is called with the array they
+    all view, for the caller to learn when the last one dies (a weak reference). ``mm`` is
+    None for a batch without tensors (nothing in the slot; ``copy`` must be True)."""
+    if mm is None:
+        return unflatten(skel, _no_leaf)
     lease = np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=slot * slot_bytes)
 
     def make(spec: tuple) -> Any:
@@ -296,5 +338,5 @@ def read_slot(mm: mmap.mmap, slot: int, slot_bytes: int, skel: Any, copy: bool,
 
     batch = unflatten(skel, make)
     if not copy and on_release is not None:
-        weakref.finalize(lease, on_release)
+        on_release(lease)
     return batch

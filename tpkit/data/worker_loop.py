@@ -1,15 +1,17 @@
 """What runs inside a worker process: fetch samples, collate, write into the ring, report.
 
-Messages on the worker's pipe (all small tuples, never tensor data):
+Messages on the worker's pipe (small named tuples, never tensor data):
 
-main -> worker  ``("map", batch_id, indices, slot)``   fetch these indices (map-style)
-                ``("iter", batch_id, slot)``           next batch of this worker's stream
-                ``("reset", skip_batches)``            new epoch of an iterable dataset
-                ``None``                               exit
-worker -> main  ``("ok", batch_id, slot, gen, slot_bytes, skeleton, fetch_s, collate_s,
-                  write_s, done_ns, n_samples)``
-                ``("end", batch_id)``                  the iterable stream is exhausted
-                ``("err", batch_id, index, exc_type, message, traceback)``
+main -> worker  ``Task(batch_id, indices, slot)``   make this batch (``indices`` is None for an
+                                                  iterable dataset: the next of this worker's stream)
+                ``Reset(skip_batches)``           new epoch of an iterable dataset
+                ``None``                          exit
+worker -> main  ``BatchDone(batch_id, slot, gen, slot_bytes, skeleton, fetch_s, collate_s,
+                  write_s, done_ns, n_samples)``  (``gen`` -1: the batch held no tensor, the
+                                                  skeleton is all of it, the slot is unused)
+                ``StreamEnded(batch_id)``         the iterable stream is exhausted
+                ``BatchFailed(batch_id, index, exc_type, message, traceback)`` (``batch_id`` -1:
+                                                  worker_init_fn or the dataset's __iter__ failed)
 
 Times are ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for all processes),
 so the main process can compute how long a finished batch waited (``done_ns``).
@@ -23,15 +25,86 @@ import signal
 import traceback
 from dataclasses import dataclass
 from time import perf_counter, perf_counter_ns
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
-
 from torch.utils.data._utils.collate import default_collate
 
 from .collate import deferred_collate
 from .slots import WorkerRing
+
+
+class Made(NamedTuple):
+    """One batch as a ``BatchMaker`` made it."""
+
+    batch: Any
+    fetch_s: float
+    collate_s: float
+    n_samples: int
+
+
+class LoadedBatch(NamedTuple):
+    """What every engine's ``next()`` hands to the loader: the batch, who made it and where its
+    time went (the columns of ``run.loader``)."""
+
+    batch: Any
+    worker: int
+    fetch_s: float
+    collate_s: float
+    queue_wait_s: float
+    transfer_s: float
+    n_samples: int
+
+
+class Task(NamedTuple):
+    """main -> worker: make batch ``batch_id`` into ``slot``."""
+
+    batch_id: int
+    indices: Any  # None for an iterable dataset
+    slot: int
+
+
+class Reset(NamedTuple):
+    """main -> worker: a new epoch of an iterable dataset, skipping this many batches."""
+
+    skip_batches: int
+
+
+class BatchDone(NamedTuple):
+    """worker -> main: a batch is in its slot; the skeleton says where each tensor lies."""
+
+    batch_id: int
+    slot: int
+    gen: int  # ring generation; -1 when the batch held no tensor (nothing in the slot)
+    slot_bytes: int
+    skeleton: Any
+    fetch_s: float
+    collate_s: float
+    write_s: float
+    done_ns: int
+    n_samples: int
+
+
+class BatchFailed(NamedTuple):
+    """worker -> main: the dataset or collate_fn raised; the worker's traceback as text."""
+
+    batch_id: int  # -1: the worker failed while starting
+    index: Any
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class StreamEnded(NamedTuple):
+    """worker -> main: this worker's share of the iterable dataset is exhausted."""
+
+    batch_id: int
+
+
+def failed(batch_id: int, index: Any, e: BaseException) -> BatchFailed:
+    """The message that reports ``e`` (call inside the ``except`` block: it reads the traceback)."""
+    return BatchFailed(batch_id, index, type(e).__name__, str(e), traceback.format_exc())
 
 
 @dataclass
@@ -76,7 +149,7 @@ class BatchMaker:
 
     def __init__(self, spec: WorkerSpec, in_ring: bool = False) -> None:
         self.spec = spec
-        self._it = None
+        self._it: Iterator[Any] | None = None
         self.current_index: Any = None
         self.drawn = 0  # samples taken from this worker's stream (iterable datasets)
         # In a process worker the default collate stacks straight into the slot.
@@ -93,6 +166,7 @@ class BatchMaker:
     def _next_samples(self) -> list | None:
         if self._it is None:
             self.reset()
+        assert self._it is not None
         if not self.spec.auto_collate:
             try:
                 self.current_index = f"sample {self.drawn} of this worker's stream"
@@ -113,9 +187,8 @@ class BatchMaker:
             return None
         return out
 
-    def make(self, indices: Any) -> tuple[Any, float, float, int] | None:
-        """Returns (batch, fetch_s, collate_s, n_samples), or None when an iterable is
-        exhausted."""
+    def make(self, indices: Any) -> Made | None:
+        """One batch, or None when an iterable is exhausted."""
         t0 = perf_counter()
         if self.spec.iterable:
             samples = self._next_samples()
@@ -136,7 +209,7 @@ class BatchMaker:
             batch = self.collate(samples)
         else:
             batch = self.spec.collate_fn(samples[0])
-        return batch, t1 - t0, perf_counter() - t1, len(samples)
+        return Made(batch, t1 - t0, perf_counter() - t1, len(samples))
 
 
 def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batches: int) -> None:
@@ -153,7 +226,7 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
         if spec.iterable:
             maker.reset(skip_batches)
     except Exception as e:
-        conn.send(("err", -1, None, type(e).__name__, str(e), traceback.format_exc()))
+        conn.send(failed(-1, None, e))
         return
     exhausted = False
     while True:
@@ -169,34 +242,30 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
             break
         if msg is None:
             break
-        kind = msg[0]
-        if kind == "reset":
+        if isinstance(msg, Reset):
             exhausted = False
             try:
-                maker.reset(msg[1])
+                maker.reset(msg.skip_batches)
             except Exception as e:
-                conn.send(("err", -1, None, type(e).__name__, str(e), traceback.format_exc()))
+                conn.send(failed(-1, None, e))
             continue
-        batch_id = msg[1]
         if exhausted:
-            conn.send(("end", batch_id))
+            conn.send(StreamEnded(msg.batch_id))
             continue
         try:
-            made = maker.make(msg[2] if kind == "map" else None)
+            made = maker.make(msg.indices)
             if made is None:
                 exhausted = True
-                conn.send(("end", batch_id))
+                conn.send(StreamEnded(msg.batch_id))
                 continue
-            batch, fetch_s, collate_s, n_samples = made
             t0 = perf_counter()
-            slot = msg[3] if kind == "map" else msg[2]
-            skel, gen, slot_bytes = ring.write(slot, batch)
-            del batch
+            skel, gen, slot_bytes = ring.write(msg.slot, made.batch)
             write_s = perf_counter() - t0
-            conn.send(("ok", batch_id, slot, gen, slot_bytes, skel, fetch_s, collate_s, write_s,
-                       perf_counter_ns(), n_samples))
+            done = BatchDone(msg.batch_id, msg.slot, gen, slot_bytes, skel, made.fetch_s,
+                             made.collate_s, write_s, perf_counter_ns(), made.n_samples)
+            del made  # the samples go now, not at the next batch
+            conn.send(done)
         except Exception as e:
-            conn.send(("err", batch_id, maker.current_index, type(e).__name__, str(e),
-                       traceback.format_exc()))
+            conn.send(failed(msg.batch_id, maker.current_index, e))
             maker.current_index = None
     ring.close()
