@@ -173,3 +173,20 @@ def test_deepspeed_zero2_exposed_wait_matches_injected_delay(tmp_path):
     d = _load(tmp_path, "zero2")
     assert statistics.median(_exposed_per_iter(d[0])[1:]) == pytest.approx(DELAY_S, rel=TOL)
     assert {s["op"] for s in d[0]["spans"]} >= {"all_reduce"}
+
+
+def test_a_failing_consumer_never_breaks_a_collective(one_rank):
+    def boom(*args):
+        raise ValueError("consumer bug")
+
+    probe = comm.CommProbe(boom).install()
+    try:
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        net(t[None]).sum().backward()  # the end-of-backward callbacks report through it too
+    finally:
+        probe.remove()
+    assert torch.equal(t, torch.ones(4)) and net.module.weight.grad is not None
+    assert any("on_span failed" in n and "consumer bug" in n for n in probe.notes)
+    assert {d["kind"] for _, _, d in probe.exposed} >= {"wait", "end_of_backward"}

@@ -1,13 +1,15 @@
 """One rank of a multi-rank training launched by torchrun on CPU gloo (tests/ranks/test_ranks_train.py).
 
     python -m torch.distributed.run --nproc-per-node N tests/ranks/train_worker.py OUT \\
-        --framework ddp|fsdp2|zero2 --delay-rank 1 --delay-phase data_wait|forward --delay-ms 150
+        --framework ddp,fsdp2 --delay-phase data_wait,forward --delay-rank 1 --delay-ms 150
 
-Each rank trains the same tiny MLP twice from the same seed on the same batches: once plain,
-once inside ``tp.profile(steps=..., warmup=..., save_dir=OUT)`` (the public API; the Run lands in
-``OUT/rank<k>``). One rank sleeps ``delay-ms`` in one phase of every step: in ``data_wait`` (the
-DataLoader's collate) or in ``forward`` (a module at the front of the model), so the other ranks
-wait for it at their next collective. Writes ``OUT/losses/rank<k>.json`` with both runs' losses.
+For each framework in turn (ddp, fsdp2 or zero2; the delay phases pair with them in order), each
+rank trains the same tiny MLP twice from the same seed on the same batches: once plain, once
+inside ``tp.profile(steps=..., warmup=..., save_dir=OUT/<framework>)`` (the public API; the Run
+lands in ``OUT/<framework>/rank<k>``). One rank sleeps ``delay-ms`` in one phase of every step:
+in ``data_wait`` (the DataLoader's collate) or in ``forward`` (a module at the front of the
+model), so the other ranks wait for it at their next collective. Writes
+``OUT/<framework>/losses/rank<k>.json`` with both runs' losses.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import tpkit as tp
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--framework", choices=["ddp", "fsdp2", "zero2"], default="ddp")
+    ap.add_argument("--framework", default="ddp", help="comma-separated: ddp, fsdp2, zero2")
     ap.add_argument("--delay-rank", type=int, default=1)
-    ap.add_argument("--delay-phase", choices=["data_wait", "forward", "none"], default="data_wait")
+    ap.add_argument("--delay-phase", default="data_wait", help="comma-separated, one per framework: "
+                    "data_wait, forward or none")
     ap.add_argument("--delay-ms", type=float, default=150.0)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
@@ -113,39 +116,47 @@ def train(framework: str, model: object, opt: object, batches: object, losses: l
             opt.zero_grad()
 
 
+def run_case(framework: str, delay_phase: str, a: argparse.Namespace, rank: int) -> None:
+    delay_s = a.delay_ms / 1e3 if rank == a.delay_rank else 0.0
+    collate_s = delay_s if delay_phase == "data_wait" else 0.0
+    forward_s = delay_s if delay_phase == "forward" else 0.0
+    n = a.warmup + a.steps
+    out = Path(a.out) / framework
+
+    model, opt = build(framework, forward_s)
+    plain: list[float] = []
+    train(framework, model, opt, loader(rank, n, collate_s), plain)
+    dist.barrier()
+
+    model, opt = build(framework, forward_s)
+    batches = loader(rank, n + 4, collate_s)  # more than the slice: tpkit stops the loop
+    profiled: list[float] = []
+    with tp.profile(steps=a.steps, warmup=a.warmup, name=framework, progress=False, clocks=False,
+                    save_dir=str(out)) as prof:
+        train(framework, model, opt, batches, profiled)
+    recorded = [float(v) for v in prof.run.steps["loss"]]
+    (out / "losses").mkdir(parents=True, exist_ok=True)
+    (out / "losses" / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "framework": framework, "plain": plain, "profiled": profiled, "recorded": recorded,
+        "delay_s": delay_s, "delay_phase": delay_phase, "pid": os.getpid()}))
+    dist.barrier()
+
+
 def main() -> None:
     a = parse()
+    frameworks, phases = a.framework.split(","), a.delay_phase.split(",")
+    if len(phases) != len(frameworks):
+        raise SystemExit("--delay-phase needs one phase per framework")
     torch.set_num_threads(1)  # a tiny op after a sleep waits for the pool otherwise (docs/MEASURED.md)
-    if a.framework == "zero2":
+    if "zero2" in frameworks:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    delay_s = a.delay_ms / 1e3 if rank == a.delay_rank else 0.0
-    collate_s = delay_s if a.delay_phase == "data_wait" else 0.0
-    forward_s = delay_s if a.delay_phase == "forward" else 0.0
-    n = a.warmup + a.steps
-
-    model, opt = build(a.framework, forward_s)
-    plain: list[float] = []
-    train(a.framework, model, opt, loader(rank, n, collate_s), plain)
-    dist.barrier()
-
-    model, opt = build(a.framework, forward_s)
-    batches = loader(rank, n + 4, collate_s)  # more than the slice: tpkit stops the loop
-    profiled: list[float] = []
-    with tp.profile(steps=a.steps, warmup=a.warmup, name=a.framework, progress=False, clocks=False,
-                    save_dir=a.out) as prof:
-        train(a.framework, model, opt, batches, profiled)
-    recorded = [float(v) for v in prof.run.steps["loss"]]
-    out = Path(a.out) / "losses"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "framework": a.framework, "plain": plain, "profiled": profiled, "recorded": recorded,
-        "delay_s": delay_s, "delay_phase": a.delay_phase, "pid": os.getpid()}))
-    dist.barrier()
+    for framework, phase in zip(frameworks, phases):
+        run_case(framework, phase, a, rank)
     dist.destroy_process_group()
 
 

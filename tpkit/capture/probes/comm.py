@@ -391,15 +391,23 @@ class CommProbe:
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.installed:
                 return op.redispatch(keyset & after, *args, **kwargs)
-            nbytes, device = _tensor_bytes(args)
-            gt = graph_task()
-            rec = Collective(kind, nbytes, device, perf_counter_ns(), gt != -1)
-            rec.issue_event = self._mark(device)
+            rec = None
+            try:  # the probe's bookkeeping never stops the collective, nor runs it twice
+                nbytes, device = _tensor_bytes(args)
+                gt = graph_task()
+                rec = Collective(kind, nbytes, device, perf_counter_ns(), gt != -1)
+                rec.issue_event = self._mark(device)
+            except Exception as e:
+                self._note(f"a collective was not recorded: {e!r}")
             out = op.redispatch(keyset & after, *args, **kwargs)
-            self._track(rec, out, work_cls)
-            if gt != -1 and gt not in self._graph_tasks:
-                self._graph_tasks.add(gt)
-                self._queue_end_of_backward(gt, device)
+            if rec is not None:
+                try:
+                    self._track(rec, out, work_cls)
+                    if gt != -1 and gt not in self._graph_tasks:
+                        self._graph_tasks.add(gt)
+                        self._queue_end_of_backward(gt, rec.device)
+                except Exception as e:
+                    self._note(f"a collective was not tracked: {e!r}")
             return out
 
         return kernel
@@ -451,24 +459,30 @@ class CommProbe:
 
         def callback_b(start_ns: int, start_ev: Any) -> None:
             end_ns = perf_counter_ns()
-            end_ev = self._mark(device)
             self._tls.window = None
             self._graph_tasks.discard(gt)
             if not self.installed:
                 return
-            ops = [c for c in self.ops[max(0, first):] if c.in_backward]
-            kinds = {c.op for c in ops}
-            self._emit(start_ns, end_ns, {
-                "kind": "end_of_backward", "source": "autograd final callbacks",
-                "op": kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "unknown"),
-                "ops": len(ops), "bytes": sum(c.bytes for c in ops), "device": device,
-                "start_event": start_ev, "end_event": end_ev})
+            try:  # an error here would surface from the user's backward(): never let it
+                end_ev = self._mark(device)
+                ops = [c for c in self.ops[max(0, first):] if c.in_backward]
+                kinds = {c.op for c in ops}
+                self._emit(start_ns, end_ns, {
+                    "kind": "end_of_backward", "source": "autograd final callbacks",
+                    "op": kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "unknown"),
+                    "ops": len(ops), "bytes": sum(c.bytes for c in ops), "device": device,
+                    "start_event": start_ev, "end_event": end_ev})
+            except Exception as e:
+                self._note(f"an end-of-backward wait was not recorded: {e!r}")
 
         def callback_a() -> None:
             start_ns = perf_counter_ns()
-            start_ev = self._mark(device)
-            self._tls.window = gt  # waits inside the window are part of it
-            engine.queue_callback(lambda: callback_b(start_ns, start_ev))
+            try:
+                start_ev = self._mark(device)
+                engine.queue_callback(lambda: callback_b(start_ns, start_ev))
+                self._tls.window = gt  # waits inside the window are part of it
+            except Exception as e:
+                self._note(f"an end-of-backward wait was not recorded: {e!r}")
 
         try:
             engine.queue_callback(callback_a)
@@ -487,7 +501,10 @@ class CommProbe:
                 return call()
             finally:
                 self._end()
-        start_ev = self._mark(device)
+        try:
+            start_ev = self._mark(device)
+        except Exception:  # never stop the wait itself
+            start_ev = None
         if rec is not None and rec.wait_ns is None:
             rec.wait_event = start_ev
         start = perf_counter_ns()
@@ -495,14 +512,17 @@ class CommProbe:
             return call()
         finally:
             end = perf_counter_ns()
-            end_ev = self._mark(device)
             self._end()
-            if rec is not None and rec.wait_ns is None:
-                rec.wait_ns = start
-            d = detail()
-            if d:
-                d.update(device=device, start_event=start_ev, end_event=end_ev)
-                self._emit(start, end, d)
+            try:
+                end_ev = self._mark(device)
+                if rec is not None and rec.wait_ns is None:
+                    rec.wait_ns = start
+                d = detail()
+                if d:
+                    d.update(device=device, start_event=start_ev, end_event=end_ev)
+                    self._emit(start, end, d)
+            except Exception as e:  # the wait's own result or error goes through untouched
+                self._note(f"a wait was not recorded: {e!r}")
 
     def _wrap_wait(self, orig: Any) -> Callable[..., Any]:
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
