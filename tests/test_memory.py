@@ -339,6 +339,61 @@ def test_no_grad_forward_saves_nothing():
     assert (rows(run, "forward", "peak", "activations") >= B * H * 4).all()
 
 
+def test_peak_early_in_backward_is_split_at_its_instant():
+    """Linear 1024 -> 4096 + GELU, loss ``out.pow(2).mean()``, batch 512. Forward saves h = xW^T+b
+    (for GELU) and g = gelu(h) (for pow): 2 x [512, 4096] fp32. The slice's peak is in
+    PowBackward, before any ``.grad`` exists: the incoming gradient, ``g.pow(1)``, ``2 * that``
+    and the product are alive at once (4 x [512, 4096]) beside h and g."""
+    torch.manual_seed(0)
+    n, d, h = 512, 1024, 4096
+    model = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4 * n, d)), batch_size=n)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with tp.profile(steps=2, warmup=1, progress=False, clocks=False) as prof:
+        for _ in range(2):
+            for (x,) in loader:
+                saved.clear()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    run = prof.run
+    # the independent truth: storages saved for backward, less the parameters and the batch
+    not_activations = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    saved_bytes_ = sum(nb for ptr, nb in saved.items() if ptr not in not_activations)
+    assert saved_bytes_ == 2 * n * h * 4
+    peak = run.memory_peak("cpu")
+    assert (peak["step"] >= 0).all() and peak["phase"].iloc[0] == "backward" and peak["mix_exact"].all()
+    at = peak.set_index("category")["bytes"]
+    assert at["gradients"] == 0  # no .grad yet
+    assert at["parameters"] == 4 * (d * h + h)
+    assert at["data"] == n * d * 4  # exactly the batch
+    assert 0 <= at["activations"] - saved_bytes_ <= 64  # the saved tensors (+ the loss scalar)
+    assert abs(at["temporaries"] - 4 * n * h * 4) <= 64
+    assert at["optimizer_state"] == 0 and at["other"] == 0
+    # the mix is that of the instant, not of a boundary: backward's exit holds the gradients
+    exit_ = rows(run, "backward", "exit", "gradients")
+    assert (exit_ == 4 * (d * h + h)).all()
+
+
+def test_memory_peak_never_takes_a_warmup_step():
+    m = hand_memory()
+    warm = m.assign(step=m["step"] - 1)  # step 0 becomes warmup (-1)
+    warm.loc[(warm["step"] == -1) & (warm["category"] == "other"), "bytes"] += 10_000  # the highest
+    p = ma.memory_peak(warm)
+    assert p["step"].iloc[0] == 0 and p["total_bytes"].iloc[0] == 260
+    assert ma.memory_peak(warm[warm["step"] < 0]).empty
+    assert not ma.memory_peak(m, approximate=["cpu"])["mix_exact"].any()
+
+
 # -- CUDA boundary, through a stand-in --------------------------------------------------------
 class FakeCuda(mem.CudaAllocator):
     """Plays a CUDA allocator: (allocated, process peak) per read, scripted."""
@@ -488,7 +543,7 @@ def hand_memory() -> pd.DataFrame:
         seq = [("forward", "enter", {}), ("forward", "exit", {"activations": 100}),
                ("forward", "peak", {"activations": 130}),
                ("backward", "enter", {"activations": 100}), ("backward", "exit", {"gradients": 40}),
-               ("backward", "peak", {"activations": 60, "gradients": 40}),
+               ("backward", "peak", {"activations": 40, "temporaries": 20, "gradients": 40}),
                ("optimizer", "enter", {"gradients": 40}), ("optimizer", "exit", {"other": 10 * step + 10})]
         for phase, event, extra in seq:
             t += 0.01

@@ -61,7 +61,8 @@ class Run:
         the ``step`` and ``phase`` of the peak (see ``tpkit.analysis.memory.memory_peak``)."""
         from .analysis.memory import memory_peak
 
-        return memory_peak(self.memory, device)
+        approximate = ((self.meta or {}).get("memory") or {}).get("approximate_mix")
+        return memory_peak(self.memory, device, approximate=approximate)
 
     def __repr__(self) -> str:
         s = self.summary()

@@ -51,20 +51,31 @@ def main_device(memory: pd.DataFrame) -> str | None:
     return str(w.groupby("device")["total_bytes"].max().idxmax())
 
 
-def memory_peak(memory: pd.DataFrame, device: str | None = None) -> pd.DataFrame:
-    """What was alive at the peak: one row per (device, category) with ``bytes`` and the
-    ``step`` and ``phase`` of the peak (``total_bytes`` repeated on each row for convenience)."""
+def memory_peak(memory: pd.DataFrame, device: str | None = None,
+                approximate: list[str] | tuple[str, ...] | None = None) -> pd.DataFrame:
+    """What was alive at the peak of the measured steps (never a warmup step): one row per
+    (device, category) with ``bytes`` and the ``step`` and ``phase`` of the peak
+    (``total_bytes`` repeated on each row for convenience).
+
+    ``mix_exact`` says whether the split into categories was taken at the peak's instant
+    (the CPU allocation stream replayed to it) or is approximate: the devices listed in
+    ``approximate`` (``run.meta["memory"]["approximate_mix"]``: CUDA, whose known sets come
+    from the phase boundary, and the CPU when no allocator stream could be replayed). The
+    total is the peak either way. Empty when no measured step has memory rows."""
     w = wide(memory, ("enter", "exit", "peak"))
-    cols = ["device", "step", "phase", "category", "bytes", "total_bytes"]
+    cols = ["device", "step", "phase", "category", "bytes", "total_bytes", "mix_exact"]
     if device is not None:
         w = w[w["device"] == device]
+    w = w[w["step"] >= 0]
     if w.empty:
         return pd.DataFrame(columns=cols)
+    rough = set(approximate or ())
     out = []
     for dev, g in w.groupby("device", sort=True):
         top = g.loc[g["total_bytes"].idxmax()]
+        exact = dev not in rough
         for c in MEMORY_CATEGORIES:
-            out.append((dev, int(top["step"]), top["phase"], c, int(top[c]), int(top["total_bytes"])))
+            out.append((dev, int(top["step"]), top["phase"], c, int(top[c]), int(top["total_bytes"]), exact))
     return pd.DataFrame(out, columns=cols)
 
 
@@ -100,13 +111,14 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
     for _, b in w.iloc[1:].iterrows():
         label = stack[-1] if stack else "between"
         delta = {c: int(b[c]) - int(prev[c]) for c in MEMORY_CATEGORIES}
-        # the same bytes change name from activations to other when forward/backward ends:
-        # only the part that really came or went is drawn
-        a, o = delta["activations"], delta["other"]
-        if a * o < 0:
-            moved = min(abs(a), abs(o))
-            delta["activations"] -= int(np.sign(a)) * moved
-            delta["other"] -= int(np.sign(o)) * moved
+        # the same bytes change name from activations (or temporaries) to other when
+        # forward/backward ends: only the part that really came or went is drawn
+        for rest in ("activations", "temporaries"):
+            a, o = delta[rest], delta["other"]
+            if a * o < 0:
+                moved = min(abs(a), abs(o))
+                delta[rest] -= int(np.sign(a)) * moved
+                delta["other"] -= int(np.sign(o)) * moved
         deltas = list(delta.items())
         total_before, total_after = int(prev["total_bytes"]), int(b["total_bytes"])
         if any(d for _, d in deltas):
