@@ -182,12 +182,19 @@ class Profile:
     def _stop(self, raw_step: int) -> None:
         """The slice is full: a trainer tpkit recognised ends through its own stop switch
         (its last step, logging and end hooks run as after ``max_steps``); any other loop is
-        stopped with ``StopSlice``, as is a trainer that keeps stepping anyway."""
+        stopped with ``StopSlice``, as is a trainer that keeps stepping anyway. A loop in
+        another thread than the slice's is left to run on, no longer followed: nothing there
+        would catch the exception, and the thread may be the user's server or GUI."""
         rec = self.rec
         fw = rec.framework
         if rec.slice_steps is None:
             rec.slice_steps = raw_step + 1
             if fw is not None and fw.request_stop():
+                return
+            if "loop_thread" in rec.meta:
+                rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
+                rec.note(f"the slice ended after {raw_step + 1} steps; the loop in thread "
+                         f"'{rec.meta['loop_thread']}' runs on, no longer profiled")
                 return
         raise StopSlice()
 

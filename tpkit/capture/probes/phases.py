@@ -191,6 +191,7 @@ class PhaseProbe:
         self.installed = False
         self._gc_installed = False
         self._gc_start = 0
+        self._start_tid = rec.thread_id  # the thread that started the slice
         self._warning_filter: Any = None
         self._graph_breaks_at_start = _graph_breaks()
 
@@ -264,20 +265,27 @@ class PhaseProbe:
         return out
 
     # -- the loop's thread --------------------------------------------------------------------
-    def _adopt(self, tid: int) -> bool:
-        """An optimizer step in a thread other than the slice's before the slice's thread did
-        any training work: the loop runs in that thread, so follow it."""
+    def _adopt(self, tid: int, at_step: bool) -> bool:
+        """Whether to follow thread ``tid`` as the loop's from now on: only before the slice's
+        own thread did any training work, and then at the loop's first optimizer step
+        (``at_step``), or earlier (its first batch or forward) when the slice's thread is
+        waiting in ``Thread.join`` (``with tp.profile(): t.start(); t.join()``), so that the
+        first step is seen whole. A loader thread's transform modules never qualify."""
         rec = self.rec
-        if self._ever_worked or rec.step_ends or self._opt_tokens:
+        if self._ever_worked or rec.step_ends or self._opt_tokens or rec.slice_steps is not None:
+            return False
+        if not at_step and not _joining(self._start_tid):
             return False
         rec.thread_id = tid
-        rec.meta["loop_thread"] = threading.current_thread().name
-        # The slice's stop (StopSlice) ends that thread's loop; nothing there catches it, so
-        # threading would print it as a crash: it is the planned end of the slice.
-        self._patched.set(threading, "excepthook", _quiet_stop(threading.excepthook))
-        rec.note(f"the training loop runs in thread '{threading.current_thread().name}', not the one that "
-                 "started the slice: tpkit follows it from its first optimizer.step(), so that first "
-                 "step's data wait, forward and backward were not seen (it is a warmup step when warmup >= 1)")
+        name = threading.current_thread().name
+        rec.meta["loop_thread"] = name  # the slice's end leaves it running
+        if at_step:
+            rec.note(f"the training loop runs in thread '{name}', not the one that started the slice: "
+                     "tpkit follows it from its first optimizer.step(), so that first step's data wait, "
+                     "forward and backward were not seen (it is a warmup step when warmup >= 1)")
+        else:
+            rec.note(f"the training loop runs in thread '{name}', not the one that started the slice "
+                     "(which waits for it): tpkit follows that thread")
         return True
 
     # -- garbage collection -------------------------------------------------------------------
@@ -302,7 +310,10 @@ class PhaseProbe:
     # with their global hooks, and any call it cannot trace (threading.get_ident) would break
     # the graph. The compiled module's outer call runs eagerly, so its hooks time it.
     def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if _compiling() or threading.get_ident() != self.rec.thread_id:
+        if _compiling():
+            return
+        tid = threading.get_ident()
+        if tid != self.rec.thread_id and not self._adopt(tid, at_step=False):
             return
         if self._fwd_depth == 0:
             rec = self.rec
@@ -326,7 +337,7 @@ class PhaseProbe:
         if _compiling():
             return None
         tid = threading.get_ident()
-        if tid != self.rec.thread_id and not self._adopt(tid):
+        if tid != self.rec.thread_id and not self._adopt(tid, at_step=True):
             return None
         key = id(opt)
         if key not in self.optimizers:
@@ -494,10 +505,11 @@ class PhaseProbe:
         return tensor
 
     def _wrap_next(self, fn: Any, source: str) -> Any:
-        rec = self.rec
+        rec, probe = self.rec, self
 
         def __next__(it: Any) -> Any:
-            if threading.get_ident() != rec.thread_id or rec.is_open("data_wait"):
+            tid = threading.get_ident()
+            if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(it)
             token = rec.enter("data_wait", source)
             try:
@@ -529,16 +541,16 @@ class PhaseProbe:
         return move
 
 
-def _quiet_stop(hook: Any) -> Any:
-    """``threading.excepthook`` that stays silent for tpkit's own StopSlice."""
-
-    def excepthook(args: Any) -> None:
-        if args.exc_type is not None and issubclass(args.exc_type, StopSlice):
-            return
-        hook(args)
-
-    excepthook.__wrapped__ = hook  # type: ignore[attr-defined]
-    return excepthook
+def _joining(tid: int, max_frames: int = 64) -> bool:
+    """Whether thread ``tid`` is now waiting in ``threading.Thread.join``."""
+    f = sys._current_frames().get(tid)
+    n = 0
+    while f is not None and n < max_frames:
+        code = f.f_code
+        if code.co_name == "join" and code.co_filename == threading.__file__:
+            return True
+        f, n = f.f_back, n + 1
+    return False
 
 
 def _graph_breaks() -> int:
