@@ -4,6 +4,8 @@ mixed precision and no_grad; the CUDA boundary through a stand-in; analysis and 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import pytest
 import torch
@@ -523,6 +525,98 @@ def test_cuda_first_seen_mid_slice_does_not_trust_the_old_peak():
     assert set(cuda["phase"]) == {"h2d", "forward"}
     assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 2500
     assert cuda.query("phase == 'forward' and event == 'peak'").empty  # its enter had no reading
+
+
+class CudaStandIn:
+    """torch.cuda's functions that the probe calls, played on a machine without CUDA: 8 visible
+    devices, each with an allocated level and a process peak, and one memory history."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, history: bool = False) -> None:
+        from types import SimpleNamespace
+
+        self.allocated = dict.fromkeys(range(8), 0)
+        self.peak = dict.fromkeys(range(8), 0)
+        self.read: set[int] = set()
+        self.resets: list[int] = []
+        self.history = history
+        self.history_calls: list[Any] = []
+        mp = monkeypatch
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "is_initialized", lambda: True)
+        mp.setattr(torch.cuda, "device_count", lambda: 8)
+        mp.setattr(torch.cuda, "memory_allocated", self.memory_allocated)
+        mp.setattr(torch.cuda, "max_memory_allocated", self.max_memory_allocated)
+        mp.setattr(torch.cuda, "reset_peak_memory_stats", self.resets.append)
+        mp.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+        mp.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
+        mp.setattr(torch.cuda.memory, "_record_memory_history", self.record_history)
+
+    def alloc(self, nbytes: int, device: int = 0) -> None:
+        self.allocated[device] += nbytes
+        self.peak[device] = max(self.peak[device], self.allocated[device])
+
+    def memory_allocated(self, device: int = 0) -> int:
+        self.read.add(device)
+        return self.allocated[device]
+
+    def max_memory_allocated(self, device: int = 0) -> int:
+        self.read.add(device)
+        return self.peak[device]
+
+    def snapshot(self, *args: Any, **kwargs: Any) -> dict:
+        entry = {"action": "alloc", "addr": 1, "size": 512, "frames": []}
+        return {"segments": [], "device_traces": [[entry] if self.history else [] for _ in range(8)]}
+
+    def record_history(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        self.history_calls.append(enabled)
+        self.history = enabled is not None
+
+
+def cuda_slice(stand: CudaStandIn, detail: bool = False) -> Recorder:
+    """A forward and a backward on a model on cuda:0, through the real ``CudaAllocator``."""
+    rec = Recorder("stand-in")
+    model = cuda_model("cuda:0")
+    rec.models[id(model)] = model
+    probe = mem.MemoryProbe(rec, detail=detail).install()
+    rec.enter("forward", "test")
+    stand.alloc(3000)
+    stand.alloc(-1000)
+    rec.exit(0)
+    rec.enter("backward", "test")
+    stand.alloc(500)
+    stand.alloc(-2500)
+    rec.exit(0)
+    probe.remove()
+    return rec
+
+
+@fake_ptr
+def test_cuda_slice_leaves_the_users_peak_counter_alone(monkeypatch):
+    stand = CudaStandIn(monkeypatch)
+    stand.alloc(10_000)
+    stand.alloc(-10_000)  # the user's own peak before the slice
+    rec = cuda_slice(stand)
+    assert stand.resets == []  # never reset: the process-global counter is the user's
+    assert torch.cuda.max_memory_allocated(0) == 10_000  # as without tpkit
+    # only the device holding the model was read, though 8 are visible
+    assert stand.read == {0}
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    assert set(frame_of(rec)["device"]) == {"cpu", "cuda:0"}
+    # no stretch set a new high for the process (10,000 before the slice): the peaks are the
+    # boundary levels, the forward's exit at 2,000
+    assert cuda.query("phase == 'forward' and event == 'peak'")["bytes"].sum() == 2000
+
+
+@fake_ptr
+def test_cuda_user_history_stays_on_and_tpkit_stops_only_its_own(monkeypatch):
+    stand = CudaStandIn(monkeypatch, history=True)  # the user recorded a history before the slice
+    rec = cuda_slice(stand, detail=True)
+    assert stand.history and stand.history_calls == []  # neither restarted nor switched off
+    assert any("already recording" in n for n in rec.notes)
+
+    stand = CudaStandIn(monkeypatch, history=False)
+    cuda_slice(stand, detail=True)
+    assert stand.history_calls == ["all", None] and not stand.history  # tpkit's own: started, stopped
 
 
 def test_top_allocations_at_peak_replays_frees():

@@ -1,35 +1,50 @@
 """The memory probe: bytes per category per device at every phase boundary, and each phase's
-peak.
+peak with the category mix at the peak's instant.
 
-Categories (DESIGN.md): ``parameters, gradients, optimizer_state, data`` are the *known sets*,
-counted exactly from the tensors themselves at each boundary (unique storages, so tied weights
-and views count once); ``activations`` (during forward/backward) or ``other`` (elsewhere) is
-what the allocator holds beyond them, plus the model's buffers.
+Categories (DESIGN.md, ``schema.MEMORY_CATEGORIES``): ``parameters, gradients, optimizer_state,
+data`` are the *known sets*, identified from the tensors themselves (unique storages, so tied
+weights and views count once); what the allocator holds beyond them is ``activations`` (blocks
+allocated outside backward, at a forward/backward boundary: what forward saved), ``temporaries``
+(blocks allocated inside backward: autograd buffers, gradients in flight before they reach
+``.grad``) or, at any other boundary, ``other``. Model buffers count with that rest; tpkit's own
+tensors (``Recorder.own_tensors``) count nowhere.
+
+Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker
+allocation (made and freed at once: it cuts the allocator stream); no Python loop over
+parameters runs there. The known sets are *observed* a few times per step: gradients at the
+first optimizer (or forward) boundary after a backward, parameters and buffers when the model
+set changes, optimizer state when its cheap fingerprint changes, each batch when a loader hands
+it out, and once at the end; each observation is a marker too. After the slice the stream is
+replayed twice: pass 1 gives every block allocated in the slice a category from the
+observations that found it alive (a known storage counts from its allocation; a gradient of a
+CPU parameter of at least ``GRAD_HOOK_MIN_BYTES`` from its post-accumulate-grad hook, before
+which it is a temporary), pass 2 keeps running totals per category and snapshots them at every
+boundary and at the highest instant between two boundaries. Storages from before the slice
+have no free event in the stream (torch's CPU allocator reports none): a weakref on each such
+tensor puts a marker in the stream when it dies.
 
 How the allocator is read:
 
-- CUDA: ``torch.cuda.memory_allocated`` at each boundary and ``max_memory_allocated`` with the
-  peak reset at each boundary, so every stretch between two boundaries has its own peak. No
-  sync. ``--memory-detail`` also records the allocator's history and keeps the largest
-  allocations alive at the slice's peak, with their Python stacks.
 - CPU: torch's CPU allocator tells the profiler about every allocation and free when memory
   profiling is on. We switch on *only that*: the profiler runs with ``profile_memory=True`` and
-  its op callbacks restricted to a record scope that no op uses, so no op events are kept (cost
-  on the tiny transformer: ~5% of step CPU time, benchmarks/memory_overhead.py). At each boundary
-  a marker allocation of an odd size is made and freed at once; after the slice the stream of
-  allocations is replayed and cut at the markers, which gives the bytes alive at every boundary
-  and the peak between any two of them, exactly. Only blocks allocated *during* the slice are
-  in that stream; known storages found in it are not counted twice (matched by address and size),
-  and known storages from before the slice are counted from the tensors.
+  its op callbacks restricted to a record scope that no op uses, so no op events are kept.
+- CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` at each boundary, for the
+  devices holding tensors the probe has seen only (not every visible device), and the known
+  sets walked from the tensors there (the CUDA path still walks per boundary). The peak
+  counter is process-global and never reset: a stretch's peak is exact when the counter rose
+  during it (a new high for the process), otherwise it is the higher of its two boundary levels;
+  the mix at a CUDA peak takes the known sets of the higher boundary (``approximate_mix`` in
+  ``run.meta["memory"]``). ``--memory-detail`` records the allocator history and keeps the
+  largest allocations alive at the peak, with their stacks; a history that was already
+  recording is read and left on, and tpkit switches off only the one it started.
 
-Limits, said plainly: allocations made in other threads are not reported by the profiler (a
-loader thread's batches are counted as ``data`` from the tensors, not from the stream); the
-category mix *at a peak* takes the known sets from the phase boundary (enter or exit) with more
-memory, and the rest is activations/other. The stream is a profiler session: with a
-``torch.profiler`` already running, only the known sets are counted (the user's session is left
-alone); one started inside the slice runs, ends the stream, and is noted. Parameters are known
-from the model's first forward or its optimizer's first step (earlier boundaries are backfilled),
-gradients and optimizer state from then on.
+Limits, said plainly: allocations made in other threads are not in the CPU stream (a loader
+thread's batch counts as ``data`` from when it is handed out); a gradient of a CPU parameter
+under ``GRAD_HOOK_MIN_BYTES`` counts as ``gradients`` from its allocation, a few microseconds
+before it reaches ``.grad``. The stream is a profiler session: with a ``torch.profiler`` already
+running, only the known sets are counted, walked at every boundary (the user's session is left
+alone); one started inside the slice ends the stream, which is noted, and the known sets are
+walked from then on.
 """
 
 from __future__ import annotations
