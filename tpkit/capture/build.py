@@ -93,7 +93,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # first) to the end of its optimizer step. On a GPU, the end is the GPU's.
     ends = [(e - t0) / 1e9 for e, _ in rec.step_ends]
     if timer is not None:
-        ends = _gpu_step_ends(spans, ends, warmup_steps)
+        gpu_ends = [at(e, rec.step_events.get(i)) for i, (e, _) in enumerate(rec.step_ends)]
+        ends = _gpu_step_ends(spans, gpu_ends, warmup_steps)
     # The step's loss is the sum of the losses backpropagated in it: what the framework logs
     # when it accumulates (each micro-batch's loss is divided by the accumulation count).
     losses: dict[int, float] = {}
@@ -124,6 +125,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
 
 
 def _gpu_step_ends(spans: pd.DataFrame, host_ends: list[float], warmup_steps: int) -> list[float]:
-    """On a GPU, step k ends when its last optimizer span ends on the GPU."""
+    """On a GPU, step k ends when its end event completes on the GPU (``host_ends`` holds those,
+    resolved) or its last optimizer span ends there, whichever is later."""
     opt = spans[spans["phase"] == "optimizer"].groupby("step")["end_s"].max()
     return [float(max(h, opt.get(i - warmup_steps, h))) for i, h in enumerate(host_ends)]

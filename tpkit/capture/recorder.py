@@ -72,6 +72,7 @@ class Recorder:
         self.samples = 0  # samples seen in the current step
         self.samples_per_step: int | None = None  # when set, overrides what loaders reported
         self.cuda_timer: Any = None  # set by the CUDA timing probe when a GPU is in use
+        self.step_events: dict[int, Any] = {}  # raw step -> CUDA event at its end (GPU runs only)
         self._stack: list[list] = []  # open spans: [phase, start_ns, depth, source, raw_step, ev]
         self._open: dict[str, int] = {}
 
@@ -127,6 +128,8 @@ class Recorder:
         n = self.samples if self.samples_per_step is None else self.samples_per_step
         self.step_ends.append((end, n))
         step = self.step_index
+        if self.cuda_timer is not None:  # the GPU's end of the step (a loop with no optimizer too)
+            self.step_events[step] = self.cuda_timer.mark()
         self.step_index += 1
         self.samples = 0
         for fn in self.step_listeners:

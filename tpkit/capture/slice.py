@@ -236,6 +236,8 @@ class Profile:
                     meta.update(probe.meta())
             except Exception as e:  # noqa: BLE001 - one probe's facts never cost the run
                 rec.note(f"{type(probe).__name__} could not report its facts: {e!r}")
+        if rec.cuda_timer is not None:
+            meta.update(rec.cuda_timer.meta())
         try:
             self.run = build_run(rec, warmup, meta)
         except Exception as e:  # never lose the user's error to a failure of ours

@@ -1,0 +1,112 @@
+"""CUDA-event phase timing, through a stand-in for torch.cuda whose events carry a GPU clock
+and whose elapsed_time rounds like CUDA's (a 32-bit float of milliseconds)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import tpkit.capture.probes.cuda_timing as ct
+
+
+class FakeCuda:
+    """A GPU clock (ns) that the test moves; events take its time when recorded."""
+
+    def __init__(self) -> None:
+        self.gpu_ns = 0
+        self.capturing = False
+        self.syncs = 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = None
+
+            def record(self) -> None:
+                self.t = fake.gpu_ns
+
+            def elapsed_time(self, other: "Event") -> float:
+                return float(np.float32((other.t - self.t) / 1e6))  # ms, as a float32
+
+        self.Event = Event
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Host time the test sets: perf_counter_ns in the timer module reads it."""
+    now = SimpleNamespace(ns=10**12)
+    monkeypatch.setattr(ct, "perf_counter_ns", lambda: now.ns)
+    return now
+
+
+def test_phase_durations_an_hour_in_keep_microsecond_precision(clock):
+    cuda = FakeCuda()
+    timer = ct.CudaTimer(SimpleNamespace(cuda=cuda))
+    marks, truth = [], []
+    for i in range(7200):  # an hour of half-second steps, each boundary 123,457 ns into the step
+        clock.ns += 500_000_000
+        cuda.gpu_ns += 500_000_000
+        marks.append(timer.mark())
+        cuda.gpu_ns += 123_457
+        marks.append(timer.mark())
+        truth += [cuda.gpu_ns - 123_457, cuda.gpu_ns]
+    timer.finish()
+    got = np.array([timer.resolve(m) for m in marks]) - timer.ref_host_ns
+    truth = np.array(truth)
+    durations, true_durations = got[1::2] - got[0::2], truth[1::2] - truth[0::2]
+    assert np.abs(durations - true_durations).max() < 1_000  # each phase to under 1 µs, an hour in
+    assert np.abs(got - truth).max() < 250_000  # where the step sits: the float's drift, bounded
+    single_ref = np.array([float(np.float32(t / 1e6)) * 1e6 for t in truth])
+    single_durations = single_ref[1::2] - single_ref[0::2]
+    assert np.abs(single_durations - true_durations).max() > 50_000  # what one reference event gave
+
+
+def test_no_sync_per_boundary(clock):
+    cuda = FakeCuda()
+    timer = ct.CudaTimer(SimpleNamespace(cuda=cuda))
+    start = cuda.syncs
+    for _ in range(1000):
+        clock.ns += 1_000_000
+        timer.mark()
+    assert cuda.syncs == start
+    timer.finish()
+    assert cuda.syncs == start + 1
+
+
+def test_boundaries_inside_a_cuda_graph_capture_keep_host_time(clock):
+    cuda = FakeCuda()
+    timer = ct.CudaTimer(SimpleNamespace(cuda=cuda))
+    cuda.capturing = True
+    assert timer.mark() is None  # an event recorded during capture would never complete
+    cuda.capturing = False
+    assert timer.mark() is not None
+    assert timer.meta()["cuda_timing"]["host_stamped_in_graph_capture"] == 1
+
+
+def test_a_loop_without_an_optimizer_ends_steps_on_the_gpu(clock):
+    """tp.step() loops: the step's end is its GPU end, like the spans, not a host stamp."""
+    from tpkit.capture.build import build_run
+    from tpkit.capture.recorder import Recorder
+
+    cuda = FakeCuda()
+    rec = Recorder("gpu")
+    rec.t0_ns = clock.ns
+    rec.cuda_timer = ct.CudaTimer(SimpleNamespace(cuda=cuda))
+    for _ in range(3):
+        tok = rec.enter("forward", "test")
+        clock.ns += 1_000_000  # the host queues 1 ms of work...
+        cuda.gpu_ns += 10_000_000  # ...that takes 10 ms on the GPU
+        rec.exit(tok)
+        rec.end_step()
+    run = build_run(rec, 0)
+    fwd = run.spans[run.spans["phase"] == "forward"]
+    assert list(run.steps["end_s"]) == pytest.approx(list(fwd["end_s"]), abs=1e-6)
+    assert run.steps["duration_s"].iloc[1] == pytest.approx(0.010, abs=1e-6)
