@@ -70,7 +70,21 @@ def test_data_stall_with_tpkit_loader_uses_its_measured_rate():
     recs = rc.data_stall(run)
     assert kinds(recs) == [("data-stall", "num_workers")]  # already on tpkit's loader
     assert recs[0].action == {"num_workers": 3}
-    assert "makes a batch in 20.00 ms per worker against 10.00 ms of work per step: 3 workers" in recs[0].evidence
+    assert "a batch takes 20.00 ms to make per worker: 3 workers keep up" in recs[0].evidence
+    # one source of worker advice: the loader verdict (loader tab, report) says the same count
+    v = rc.loader_advice(run)
+    assert v.verdict == "queue empty" and v.workers == recs[0].action["num_workers"] == 3
+
+
+def test_data_stall_with_a_loader_that_has_enough_workers_asks_for_none():
+    # 4 workers, 20 ms a batch, 10 ms of loop work: 3 are enough; the loop still waited
+    loader = _frame("loader", [(i, i % 4, 0.015, 0.005, 0.0, 0.0) for i in range(8)])
+    run = make_run(data_wait=0.01, forward=0.01, knobs={"num_workers": 4}, loader=loader)
+    recs = rc.data_stall(run)
+    v = rc.loader_advice(run)
+    assert v.verdict == "workers starved" and v.workers == 4
+    assert [(r.kind, r.action) for r in recs] == [("data-loader", {})]  # never "use 4 workers (now 4)"
+    assert recs[0].title.startswith("Loader workers starved: 4 workers could make a batch every 5.00 ms")
 
 
 # -- copies --------------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
     if name in ("dashboard", "tune"):  # ipywidgets is imported only when a widget is asked for
-        return getattr(importlib.import_module(".views", __name__), name)
+        # from the submodule itself: once imported, ``tpkit.views.dashboard`` is the module
+        module = {"dashboard": ".views.dashboard", "tune": ".views.tuner"}[name]
+        return getattr(importlib.import_module(module, __name__), name)
     raise AttributeError(f"module 'tpkit' has no attribute {name!r}")
 
 

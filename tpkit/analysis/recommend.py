@@ -31,6 +31,7 @@ from .steps import INPUT_LIMITED, OPTIMIZER_BOUND, OVERHEAD_BOUND, measured
 
 if TYPE_CHECKING:
     from ..run import Run
+    from .loader import LoaderVerdict
 
 #: A data wait of this share of step time is worth fixing (TraceML warns at 10%).
 DATA_STALL_SHARE = INPUT_LIMITED
@@ -47,7 +48,7 @@ LAUNCH_BOUND_P50_S = 0.002
 #: Time outside every phase above this share of step time.
 OVERHEAD_SHARE = OVERHEAD_BOUND
 #: Assumed speedup of the host optimizer step from a fused kernel: conservative next to the
-#: ~4.9x measured from torch foreach to fused AdamW on 50M params (shared/MEASURED.md).
+#: ~4.9x measured from torch foreach to fused AdamW on 50M params (docs/MEASURED.md).
 FUSED_OPTIMIZER_FACTOR = 2.0
 #: Core binding of the host step: ~1.3x (DeepSpeed PR #7474).
 CORE_BINDING_FACTOR = 1.3
@@ -55,6 +56,8 @@ CORE_BINDING_FACTOR = 1.3
 
 @dataclass
 class Recommendation:
+    """One piece of advice: the knob, the evidence, the expected gain and the action to try."""
+
     kind: str            # the rule: data-stall, data-loader, copies, host-optimizer, ...
     knob: str            # the knob to turn
     title: str           # one line, imperative
@@ -124,9 +127,26 @@ def _totals(steps: pd.DataFrame) -> _Totals:
 
 # -- the rules ---------------------------------------------------------------------------------
 
+def current_workers(meta: dict) -> int | None:
+    """The loader workers the run used, from its ``num_workers`` knob (None: not recorded)."""
+    cur = _knobs(meta).get("num_workers")
+    return int(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
+
+
+def loader_advice(run: "Run") -> "LoaderVerdict | None":
+    """The ONE source of loader-worker advice (summary, loader tab, tuner, report): the
+    loader verdict of ``tpkit.analysis.loader`` over the run's loader rows and measured steps,
+    with the worker count the run used; None when tpkit's loader recorded nothing."""
+    if run.loader is None or run.loader.empty:
+        return None
+    from .loader import loader_verdict
+
+    return loader_verdict(run.loader, steps=run.steps, num_workers=current_workers(run.meta))
+
+
 def data_stall(run: "Run") -> list[Recommendation]:
-    """The loop waits for batches: more workers (with tpkit's loader, as many as its measured
-    batch rate says are needed), or tpkit's loader when the run used another."""
+    """The loop waits for batches: more workers (with tpkit's loader, exactly as many as its
+    verdict says: ``loader_advice``), or tpkit's loader when the run used another."""
     t = _totals(run.steps)
     share = t.share("data_wait_s")
     if t.steps == 0 or share < DATA_STALL_SHARE:
@@ -134,26 +154,23 @@ def data_stall(run: "Run") -> list[Recommendation]:
     wait = t.phase_s["data_wait_s"]
     speedup = amdahl(t.total_s, wait)
     knobs = _knobs(run.meta)
-    cur = knobs.get("num_workers")
-    cur_n = int(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) else 0
+    cur_n = current_workers(run.meta) or 0
     workers = cur_n * 2 if cur_n else 2
     evidence = (f"data wait is {share:.0%} of step time ({t.per_step_ms('data_wait_s')} per step of "
                 f"{_ms(t.total_s / t.steps)}) over {t.steps} measured steps")
-    tpkit_loader = not run.loader.empty
-    if tpkit_loader:
-        from .loader import loader_verdict
-
-        m = measured(run.steps)
-        step_s = float((m["duration_s"] - m["data_wait_s"]).median())
-        v = loader_verdict(run.loader, step_s=step_s, num_workers=cur_n or None)
-        evidence += (f"; tpkit's loader makes a batch in {_ms(v.make_s)} per worker against "
-                     f"{_ms(step_s)} of work per step: {v.workers} workers keep up")
-        workers = max(v.workers, cur_n + 1)
     gain = f"up to {speedup:.2f}x samples/s if the wait disappears ({_ms(t.total_s / t.steps)} -> " \
            f"{_ms((t.total_s - wait) / t.steps)} per step)"
+    v = loader_advice(run)
+    if v is not None:
+        evidence += (f"; tpkit's loader: {v.verdict}, a batch takes {_ms(v.make_s)} to make per worker: "
+                     f"{v.workers} workers keep up")
+        if v.workers <= cur_n:  # more workers would not help: say what the loader verdict says
+            return [Recommendation("data-loader", "loader", f"Loader {v.verdict}: {v.reason}", evidence,
+                                   "more workers would not help; the gain depends on the fix", float("nan"), "x", {})]
+        workers = v.workers
     out = [Recommendation("data-stall", "num_workers", f"Use {workers} loader workers (now {cur_n})",
                           evidence, gain, speedup, "x", {"num_workers": workers})]
-    if not tpkit_loader and knobs.get("loader") != "tpkit":
+    if v is None and knobs.get("loader") != "tpkit":
         out.append(Recommendation(
             "data-loader", "loader", "Load batches with tp.data.Loader (shared-memory slots, threads or processes)",
             evidence, gain, speedup, "x", {"loader": "tpkit", "num_workers": workers}))

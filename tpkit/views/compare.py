@@ -56,17 +56,21 @@ def _cell(r: Any, baseline: str) -> str:
         value += f' <span class="tp-small">[{cmp.fmt_num(r.ci_low)}, {cmp.fmt_num(r.ci_high)}]</span>'
     if r.run == baseline:
         return value + '<br><span class="tp-small">baseline</span>'
-    change = f"{cmp.fmt_signed(r.delta_pct)}%" if np.isfinite(r.delta_pct) else cmp.fmt_signed(r.delta)
     if r.unit == "%":  # shares change in percentage points
-        change = f"{cmp.fmt_signed(r.delta)} pp"
-    if np.isfinite(r.delta_low) and r.significant != cmp.NOT_TESTED:
-        change += f" [{cmp.fmt_signed(r.delta_low)}, {cmp.fmt_signed(r.delta_high)}]"
+        change, lo, hi, unit = r.delta, r.delta_low, r.delta_high, " pp"
+    elif np.isfinite(r.delta_pct):
+        change, lo, hi, unit = r.delta_pct, r.delta_low_pct, r.delta_high_pct, "%"
+    else:
+        change, lo, hi, unit = r.delta, r.delta_low, r.delta_high, ""
+    change_txt = f"{change:+.1f}{unit}" if np.isfinite(change) else "n/a"
+    if np.isfinite(lo) and np.isfinite(hi) and r.significant != cmp.NOT_TESTED:
+        change_txt += f" [{lo:+.1f}, {hi:+.1f}]"
     cls = "tp-note"
     verdict = "" if r.significant == cmp.NOT_TESTED else str(r.significant)
     if r.significant == cmp.SIGNIFICANT:
         cls = "tp-good" if r.direction == "better" else "tp-bad" if r.direction == "worse" else "tp-note"
         verdict += f", {r.direction}" if r.direction else ""
-    return value + f'<br><span class="tp-small {cls}">{html.escape(change)} {html.escape(verdict)}</span>'
+    return value + f'<br><span class="tp-small {cls}">{html.escape(change_txt)} {html.escape(verdict)}</span>'
 
 
 def _grid(c: "Comparison", metrics: list[str], first: str = "") -> str:
