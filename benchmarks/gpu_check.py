@@ -473,7 +473,7 @@ def check_env(ctx: Ctx) -> None:
 #: The known workload per step, in ms: a calibrated GPU spin on CUDA, a host sleep on the CPU
 #: (longer there: a loaded host wakes a sleeper a few hundred us late).
 PHASES_MS_GPU = {"forward": 10.0, "backward": 20.0, "optimizer": 5.0}
-PHASES_MS_CPU = {"forward": 30.0, "backward": 60.0, "optimizer": 20.0}
+PHASES_MS_CPU = {"forward": 50.0, "backward": 100.0, "optimizer": 40.0}
 
 
 def _sleep_workload(ctx: Ctx, phases_ms: dict[str, float], unit: Callable[[float], None]) -> tuple[Any, Any]:
@@ -533,9 +533,10 @@ def check_timing(ctx: Ctx) -> None:
     import tpkit as tp
 
     if ctx.cuda:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning: let the SM clock ramp up first
         per_ms = calibrate_sleep()
         unit = lambda ms: torch.cuda._sleep(int(ms * per_ms))  # noqa: E731
-        how = f"torch.cuda._sleep at {per_ms / 1e6:.3f} Gcycles/s (event-calibrated)"
+        how = f"torch.cuda._sleep at {per_ms / 1e6:.3f} Gcycles/s (event-calibrated before the slice)"
     else:
         unit = lambda ms: time.sleep(ms / 1e3)  # noqa: E731
         how = "time.sleep on the host (CPU path, host timing)"
@@ -560,6 +561,9 @@ def check_timing(ctx: Ctx) -> None:
             loop(None, counter)
     run = prof.run
     m = measured_steps(run)
+    if ctx.cuda:  # the spin counts SM cycles: a clock that moved during the slice moves the truth
+        per_ms_after = calibrate_sleep()
+        how += f", {per_ms_after / 1e6:.3f} after ({rel_err(per_ms_after, per_ms):.1%} apart)"
     for phase, truth_ms in phases_ms.items():
         got_ms = median(m[f"{phase}_s"]) * 1e3
         err = rel_err(got_ms, truth_ms)
@@ -696,45 +700,58 @@ def check_memory(ctx: Ctx) -> None:
         _check_memory_detail_and_user_state(ctx, model, opt, x)
     else:
         ctx.skip_cuda("step_peak", "detail_top_allocations", "user_peak_kept",
-                      "user_history_kept")
+                      "user_history_kept", "detail_slice_only")
 
 
 def _check_memory_detail_and_user_state(ctx: Ctx, model: Any, opt: Any, x: Any) -> None:
     """``memory_detail=True``: the largest allocations alive at the peak, with stacks. And
-    the process-global allocator state a user set up before the slice is still theirs after."""
+    the process-global allocator state a user set up before a slice is still theirs after it
+    (issue 17, 4): their peak counter, their allocator history."""
     import torch
 
     import tpkit as tp
 
-    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # a user's 256 MiB high-water mark
-    del big
-    user_peak = torch.cuda.max_memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=100_000)  # a user's own history
-    with tp.profile(steps=2, warmup=1, name="gpu_check_memory_detail", progress=False, clock_hz=0,
-                    memory_detail=True) as prof:
-        while True:
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    top = prof.run.meta.get("memory", {}).get("top_at_peak", {}).get("cuda:0", {})
+    def detail_slice(name: str) -> Any:
+        with tp.profile(steps=2, warmup=1, name=name, progress=False, clock_hz=0, memory_detail=True) as prof:
+            while True:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return prof.run.meta.get("memory", {}).get("top_at_peak", {}).get("cuda:0", {})
+
+    top = detail_slice("gpu_check_memory_detail")
     allocs = top.get("allocations", [])
     with_stacks = [a for a in allocs if a.get("stack")]
-    ctx.check_goal("detail_top_allocations", len(with_stacks), len(with_stacks) >= 1, "allocations",
-                   ">= 1 with a stack",
-                   (f"largest {allocs[0]['bytes']:,} B at {allocs[0]['stack'][:1]}; peak "
-                    f"{top.get('peak_bytes', 0):,} B") if allocs else f"meta: {prof.run.meta.get('memory')}")
+    act_bytes = x.untyped_storage().nbytes()  # each activation of the MLP is the batch's size
+    ok = len(with_stacks) >= 1 and allocs[0]["bytes"] >= act_bytes
+    ctx.check_goal("detail_top_allocations", len(with_stacks), ok, "allocations",
+                   f">= 1 with a stack, the largest >= one activation ({act_bytes:,} B)",
+                   (f"largest {allocs[0]['bytes']:,} B at {allocs[0]['stack'][:1]}; peak {top.get('peak_bytes', 0):,} B")
+                   if allocs else "no allocation listed")
+
+    # the user's own state, set up before the next slice
+    marker_bytes = (256 << 20) + 7 * 512  # a size nothing else allocates
+    big = torch.empty(marker_bytes, dtype=torch.uint8, device="cuda")
+    del big
+    user_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    top = detail_slice("gpu_check_memory_user_state")
     after = torch.cuda.max_memory_allocated()
     ctx.check_goal("user_peak_kept", after, after >= user_peak, "bytes", f">= {user_peak:,} (the user's)",
-                   "max_memory_allocated after the slice vs before it (issue 17, 4)")
-    size = 5860 * 512  # an allocation of a size nothing else makes: is it in the user's history?
-    marker = torch.empty(size, dtype=torch.uint8, device="cuda")
+                   "max_memory_allocated after a slice vs before it")
+    size = 5860 * 512  # is an allocation made after the slice still in the user's history?
+    probe = torch.empty(size, dtype=torch.uint8, device="cuda")
     snap = torch.cuda.memory._snapshot()
     recorded = any(e.get("action") == "alloc" and e.get("size") == size
                    for trace in snap.get("device_traces", []) for e in trace)
-    del marker
+    del probe
     torch.cuda.memory._record_memory_history(enabled=None)
     ctx.check_goal("user_history_kept", float(recorded), recorded, "", "still recording after the slice",
-                   "an allocator history the user started before a memory_detail slice (issue 17, 4)")
+                   "an allocator history the user started before a memory_detail slice")
+    stale = [a for a in top.get("allocations", []) if a["bytes"] == marker_bytes]
+    ctx.check_goal("detail_slice_only", float(len(stale)), not stale, "stale allocations", "0",
+                   "an allocation freed before the slice must not be listed at the slice's peak (the "
+                   "user's history was on)")
 
 
 # -- check: clocks -----------------------------------------------------------------------------
@@ -742,10 +759,10 @@ GPU_METRICS = ("sm_clock_mhz", "mem_clock_mhz", "power_w", "energy_j", "temperat
 
 
 def _busy_model(ctx: Ctx) -> tuple[Any, Any, Callable[[], None]]:
-    """A step of ~100 ms of GPU matmuls (CPU: ~30 ms of host matmuls) that ends at opt.step."""
+    """A step of ~90 ms of GPU matmuls (60 x 1.1 TFLOP; CPU: a 30 ms sleep) that ends at opt.step."""
     import torch
 
-    n, reps = (8192, 40) if ctx.cuda else (64, 4)
+    n, reps = (8192, 60) if ctx.cuda else (64, 4)
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     a = torch.randn(n, n, device=ctx.device, dtype=dtype)
     w = torch.nn.Parameter(torch.ones(1, device=ctx.device))
@@ -770,15 +787,15 @@ def check_clocks(ctx: Ctx) -> None:
     _, _, step = _busy_model(ctx)
     for _ in range(3):
         step()
-    durations: dict[float, float] = {}
-    for hz in (20.0, 100.0, 0.0):
+    durations: dict[float, list[float]] = {}
+    for hz in (20.0, 0.0, 100.0, 0.0):  # no sampler before and after the 100 Hz slice: drift cancels
         if ctx.left() < 15:
             ctx.add(f"slice_{hz:g}hz", "SKIP", note="time budget")
             continue
         run = tp.profile_fn(step, steps=15, warmup=2, name=f"gpu_check_clocks_{hz:g}hz", progress=False,
                             clock_hz=hz, memory=False)
         m = measured_steps(run)
-        durations[hz] = median(m["duration_s"])
+        durations.setdefault(hz, []).append(median(m["duration_s"]))
         if hz == 0:
             continue
         info = run.meta.get("clocks", {})
@@ -804,7 +821,7 @@ def check_clocks(ctx: Ctx) -> None:
             per_step = [((inside["t_s"] >= s) & (inside["t_s"] < e)).sum() for s, e in zip(m["start_s"], m["end_s"])]
             aligned = sum(1 for k in per_step if k >= 1) / max(1, len(per_step))
             ctx.check_goal(f"aligned_{hz:g}hz", aligned, aligned >= 0.9, "of steps", ">= 90% of steps hold a sample",
-                           f"median step {durations[hz] * 1e3:.0f} ms")
+                           f"median step {durations[hz][-1] * 1e3:.0f} ms")
             _energy_rows(ctx, hz, dev, m)
         else:  # the host sampler on a shared CPU: its rate is a figure, its time base a check
             ctx.add(f"rate_{hz:g}hz", "INFO", rate, "Hz", note=f"cpu_util_pct samples over the measured steps "
@@ -815,10 +832,12 @@ def check_clocks(ctx: Ctx) -> None:
         ctx.add(f"sampler_cpu_{hz:g}hz", "INFO", 100 * float(info.get("sampler_cpu_share", float("nan"))),
                 "% of a core", note="the sampler thread's own CPU time over the slice")
     if ctx.cuda and 0.0 in durations and 100.0 in durations:
-        cost = durations[100.0] / durations[0.0] - 1
+        off = statistics.mean(durations[0.0])
+        cost = durations[100.0][0] / off - 1
         ctx.check_goal("sampler_cost_100hz", 100 * cost, cost <= 0.01, "% step time", "<= 1%",
-                       f"median step {durations[100.0] * 1e3:.2f} ms at 100 Hz vs "
-                       f"{durations[0.0] * 1e3:.2f} ms without the sampler")
+                       f"median step {durations[100.0][0] * 1e3:.2f} ms at 100 Hz vs {off * 1e3:.2f} ms "
+                       f"without the sampler (slices before and after: "
+                       f"{', '.join(f'{d * 1e3:.2f}' for d in durations[0.0])} ms)")
     elif not ctx.cuda:
         ctx.skip_cuda("sampler_cost_100hz")
 
@@ -1090,6 +1109,9 @@ def check_offload(ctx: Ctx) -> None:
 
     import tpkit as tp
 
+    if ctx.cuda:  # this check runs in a process of its own: a tight budget wants few, growable segments
+        with contextlib.suppress(Exception):
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     # 1. the same update as torch AdamW, through the pinned buffers and the side stream
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
@@ -1108,14 +1130,13 @@ def check_offload(ctx: Ctx) -> None:
                    f"5 steps, {'pinned buffers + side stream' if ctx.cuda else 'CPU path'}")
     del a, b, oa, ob
 
-    # 2. a GPT-2-small slice whose AdamW state does not fit the GPU budget: offloaded
-    cfg = GPTConfig() if ctx.cuda else GPTConfig.tiny()
-    batch = 8 if ctx.cuda else 2
+    # 2. a GPT-2-medium slice on a GPU budget that its AdamW state does not fit: offloaded
+    cfg = GPTConfig(n_layer=24, n_head=16, d_model=1024) if ctx.cuda else GPTConfig.tiny()
+    batch = 4 if ctx.cuda else 2
     facts = machine_facts()
     budget = None
-    note = ""
     if ctx.cuda:
-        # measured: parameters + gradients + a step's activations with plain AdamW's state left out
+        # measured: parameters + gradients + a step's activations, with no optimizer state
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         probe = gpt(cfg).cuda()
@@ -1124,13 +1145,13 @@ def check_offload(ctx: Ctx) -> None:
             probe(x, x).backward()
         torch.cuda.synchronize()
         need = torch.cuda.max_memory_allocated()
-        state = 2 * sum(p.numel() * 4 for p in probe.parameters())
+        state = 2 * sum(p.numel() * 4 for p in probe.parameters())  # AdamW's exp_avg + exp_avg_sq, fp32
         del probe, x
         torch.cuda.empty_cache()
-        budget = int(need * 1.05) + (64 << 20)
-        note = (f"GPU budget {budget / 2**30:.2f} GiB (params + grads + activations + 5%); AdamW's state "
-                f"would add {state / 2**30:.2f} GiB")
-        ctx.add("budget", "INFO", budget / 2**30, "GiB", note=note)
+        budget = need + min(need // 10, state // 2)  # headroom, but less than the state would take
+        ctx.add("budget", "INFO", budget / 2**30, "GiB",
+                note=f"params + grads + activations {need / 2**30:.2f} GiB plus {(budget - need) / 2**30:.2f} GiB "
+                     f"headroom; AdamW's state would need {state / 2**30:.2f} GiB more")
     steps, warmup = (8, 3) if ctx.cuda else (3, 1)
     run = gpt_slice(ctx, f"offload_{gpu_slug()}" if ctx.cuda else "offload_dry", cfg, batch, steps, warmup,
                     "offload", dict(num_workers=2 if ctx.cuda else 0), {}, budget_bytes=budget)
@@ -1144,9 +1165,15 @@ def check_offload(ctx: Ctx) -> None:
         ctx.add("pinned_bytes", "INFO", off.get("pinned_bytes", float("nan")), "bytes",
                 note=f"host state {off.get('host_state_bytes')} B (issue 17, 8: per-parameter pinning rounds up)")
     else:
-        ctx.skip_cuda("budget", "exposed_share", "pinned_bytes")
+        ctx.skip_cuda("budget", "exposed_share", "pinned_bytes", "fits_budget")
+    if ctx.cuda:  # it ran under set_per_process_memory_fraction(budget); its peak as tpkit measured it
+        mem = run.memory
+        peaks = mem[(mem["device"] == "cuda:0") & (mem["event"] == "peak")].groupby(["step", "phase"])["bytes"].sum()
+        peak = float(peaks.max()) if len(peaks) else float("nan")
+        ctx.check_goal("fits_budget", peak / 2**30, peak <= (budget or 0), "GiB", f"<= {(budget or 0) / 2**30:.2f} GiB",
+                       "the slice's highest phase peak (run.memory), run under a per-process cap at the budget")
     _save_reference(ctx, run, "offload slice", dict(model=asdict(cfg), batch=batch, optimizer="CPUOffloadAdamW",
-                                                     budget_bytes=budget), facts)
+                                                     kernel=OFFLOAD_KERNEL, budget_bytes=budget), facts)
 
 
 def _save_reference(ctx: Ctx, run: Any, made_by: str, config: dict, facts: dict[str, Any]) -> None:
@@ -1164,6 +1191,20 @@ def _save_reference(ctx: Ctx, run: Any, made_by: str, config: dict, facts: dict[
 
 
 # -- check: loader -----------------------------------------------------------------------------
+def covered_share(intervals: list[tuple[float, float]], covers: list[tuple[float, float]]) -> tuple[float, float]:
+    """(share of the total length of ``intervals`` that some interval of ``covers`` overlaps,
+    total length): how much of the HtoD copy time ran while a kernel ran."""
+    covered = total = 0.0
+    for s, e in intervals:
+        total += e - s
+        cur = s
+        for a, b in sorted((max(s, a), min(e, b)) for a, b in covers if b > s and a < e):
+            if b > cur:
+                covered += b - max(a, cur)
+                cur = b
+    return (covered / total if total else 0.0), total
+
+
 class _Batches:
     """Map-style dataset whose items are whole batches ([rows, 4096] fp32)."""
 
@@ -1222,23 +1263,14 @@ def check_loader(ctx: Ctx) -> None:
             compute(next(it))
         torch.cuda.synchronize()
     events = [e for e in prof_t.events() if e.device_type.name == "CUDA"]
-    copies = [e for e in events if "Memcpy HtoD" in e.name or "memcpy" in e.name.lower() and "htod" in e.name.lower()]
-    kernels = [e for e in events if e not in copies and "Memcpy" not in e.name and "Memset" not in e.name]
-    covered = total = 0.0
-    for cp in copies:
-        s, e_ = cp.time_range.start, cp.time_range.end
-        total += e_ - s
-        spans = sorted((max(s, k.time_range.start), min(e_, k.time_range.end)) for k in kernels
-                       if k.time_range.end > s and k.time_range.start < e_)
-        cur = s
-        for a, b in spans:
-            if b > cur:
-                covered += b - max(a, cur)
-                cur = b
-    share = covered / total if total else 0.0
+    copies = [(e.time_range.start, e.time_range.end) for e in events if "htod" in e.name.lower()]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    share, total = covered_share(copies, kernels)
     ctx.check_goal("h2d_overlap_timeline", share, share >= 0.8 and total > 0, "of HtoD time", ">= 80% under kernels",
                    f"{len(copies)} HtoD copies, {total / 1e3:.2f} ms, in a torch.profiler CUDA trace of 6 steps")
     # 2. what tpkit charges as h2d, and the step against batches already on the GPU
+    del it
     with tp.profile(steps=8, warmup=2, name="gpu_check_loader", progress=False, clock_hz=0) as prof:
         while True:
             for xb in loader:
@@ -1420,6 +1452,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(HERE))
         run_inline(args.child, ctx)
         return 0
+    if not args.dry:
+        import torch
+
+        if not torch.cuda.is_available():  # nothing to measure: say what is missing, run nothing
+            print(f"gpu_check: torch {torch.__version__} in {sys.executable} sees no CUDA device. Run it with a "
+                  f"Python whose torch is a CUDA build (make gpu-check GPU_PY=python3 on a GPU image), or "
+                  f"--dry for the CPU half.", file=sys.stderr)
+            return 2
     isolate = args.isolate or ("inline" if args.dry else "process")
     start = time.time()
     deadline = start + args.deadline_s

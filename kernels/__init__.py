@@ -15,8 +15,7 @@ torch's builtin base (``errors.py``).
 """
 
 from .backend import force_backend, reference_only, select_backend
-from .errors import (KernelArgumentError, KernelBackendError, KernelError, KernelIndexError,
-                     KernelTensorError, KernelTypeError)
+from .errors import KernelArgumentError, KernelBackendError, KernelError, KernelIndexError, KernelTensorError, KernelTypeError
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .patch import Swap, kernels_enabled, patch, patched, unpatch
 from .rms_norm import rms_norm

@@ -22,6 +22,8 @@ COLUMNS = ["step", "loss_a", "loss_b", "diff", "abs_diff", "rel_diff", "within_t
 
 @dataclass(frozen=True)
 class LossVerdict:
+    """Whether run B's losses match run A's, with the figures behind the answer."""
+
     ok: bool  # True when every common step is within tolerance and no step is missing
     n_steps: int  # steps present in both runs
     max_abs_diff: float

@@ -60,6 +60,7 @@ def _notice(key: str, message: str) -> None:
 
 
 def triton_available() -> bool:
+    """Whether triton could be imported."""
     return triton is not None
 
 
@@ -233,10 +234,12 @@ def _mode_scope(interpreted: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:
+    """Decorator: a ``LazyKernel`` (jitted at first launch, in triton.language's mode)."""
     return LazyKernel(fn)
 
 
 def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -248,6 +251,7 @@ def num_programs_cap(device: torch.device) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division of positive ints."""
     return -(-a // b)
 
 

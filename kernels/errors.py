@@ -61,12 +61,14 @@ def check_same_device(op: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> N
 
 
 def check_floating(op: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Every tensor floating point (the kernels compute in fp32 from fp16/bf16/fp32/fp64)."""
     for name, t in tensors:
         if not t.is_floating_point():
             raise KernelTensorError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
 
 
 def check_tensor(op: str, name: str, t: object) -> torch.Tensor:
+    """``t`` itself when it is a tensor; TypeError kind otherwise, as torch's ops."""
     if not isinstance(t, torch.Tensor):
         raise KernelTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     return t

@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 
 from .backend import cdiv, eager_only, lazy_jit, next_power_of_2, tl, use_kernel
-from .errors import (KernelArgumentError, KernelIndexError, KernelTensorError, check_floating, check_same_device,
-                     check_tensor)
+from .errors import KernelArgumentError, KernelIndexError, KernelTensorError, check_floating, check_same_device, check_tensor
 from .reference import linear_cross_entropy_reference
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -253,6 +252,8 @@ def fused_linear_cross_entropy_backward(
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd for the fused loss: grads made in forward ("mean"/"sum") or recomputed ("none")."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,

@@ -65,6 +65,8 @@ class _Twin(nn.Module):
 
 
 class KernelRMSNorm(_Twin):
+    """An RMSNorm module running the rms_norm kernel, on the original's weight."""
+
     def __init__(self, original: nn.Module, eps: float) -> None:
         super().__init__(original)
         self.weight = original.weight  # the same Parameter
@@ -75,6 +77,8 @@ class KernelRMSNorm(_Twin):
 
 
 class KernelSwiGLU(_Twin):
+    """A SwiGLU MLP running the swiglu kernel, on the original's Linear modules."""
+
     def __init__(self, original: nn.Module, names: tuple[str, str, str]) -> None:
         super().__init__(original)
         self._names = names

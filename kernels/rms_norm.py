@@ -200,6 +200,8 @@ def rms_norm_backward(
 
 
 class RMSNormFunction(torch.autograd.Function):
+    """Autograd for rms_norm: saves x, weight and one fp32 rstd per row."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,  # type: ignore[override]
                 max_block_c: int | None = None, block_m: int | None = None) -> torch.Tensor:

@@ -84,6 +84,8 @@ def rope_backward(
 
 
 class RoPEFunction(torch.autograd.Function):
+    """Autograd for rope: backward is the rotation by the opposite angle (saves cos, sin)."""
+
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[override]
         ctx.save_for_backward(cos, sin)

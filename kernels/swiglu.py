@@ -73,6 +73,8 @@ def swiglu_backward(
 
 
 class SwiGLUFunction(torch.autograd.Function):
+    """Autograd for swiglu: saves gate and up, recomputes the sigmoid."""
+
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)

@@ -135,3 +135,76 @@ def test_a_failing_check_is_a_fail_row_and_the_others_still_run(tmp_path, monkey
     assert rows[("broken", "first")]["status"] == "PASS"
     assert rows[("broken", "error")]["status"] == "FAIL" and "RuntimeError: boom" in rows[("broken", "error")]["note"]
     assert rows[("fine", "only")]["status"] == "PASS"
+
+
+# ---------------------------------------------------------------- GPU-only logic, on made-up inputs
+def test_covered_share_counts_copy_time_under_kernels_once():
+    gc = load_script()
+    share, total = gc.covered_share([(0, 10), (20, 30)], [(2, 5), (4, 8), (25, 40), (100, 200)])
+    assert total == 20 and share == (6 + 5) / 20
+    assert gc.covered_share([], [(0, 1)]) == (0.0, 0.0)
+
+
+def test_sync_counter_counts_explicit_and_implicit_syncs_by_iteration(monkeypatch):
+    """Explicit syncs are patched calls; implicit ones arrive as torch's sync-debug warnings.
+    CUDA faked at the boundary (set_sync_debug_mode needs a CUDA build)."""
+    import warnings
+
+    import torch
+
+    gc = load_script()
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    counter = gc.SyncCounter()
+    with counter:
+        for i in range(4):
+            counter.tag = i
+            torch.cuda.synchronize()
+            if i == 2:
+                warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+    assert modes == ["warn", 0]
+    assert counter.per_iteration(1, 2) == 1.5 and counter.per_iteration(0, 3) == 5 / 4
+    assert "implicit x1" in counter.kinds(2, 2)
+    assert torch.cuda.synchronize.__name__ == "<lambda>"  # restored
+
+
+def test_speed_rows_check_the_goals_from_benchmark_rows(tmp_path, monkeypatch):
+    """The kernels check's goal rows, from hand-made benchmarks/kernels.py rows."""
+    gc = load_script()
+    real = gc._load_kernel_bench()
+    fake_p50 = {("rms_norm", "tpkit"): 1.0, ("rms_norm", "eager"): 2.5, ("rms_norm", "compile"): 1.2,
+                ("fused_linear_cross_entropy", "tpkit"): 10.5, ("fused_linear_cross_entropy", "eager"): 10.0,
+                ("fused_linear_cross_entropy", "compile"): 9.0}
+    peaks = {"tpkit": 4, "eager": 10, "compile": 8}
+
+    class FakeBench:
+        Case = real.Case
+        _time_gpu = None
+
+        @staticmethod
+        def cases(cpu_smoke):
+            return real.cases(cpu_smoke=False)
+
+        @staticmethod
+        def run(case_list, device, dtype, with_compile, measure, modes=(), peers=("tpkit", "eager", "compile")):
+            case = case_list[0]
+            return [dict(op=case.op, shape=case.shape, peer=p, p50_ms=fake_p50.get((case.op, p), float("nan")),
+                         peak_bytes=peaks[p]) for p in peers]
+
+    monkeypatch.setattr(gc, "_load_kernel_bench", lambda: FakeBench)
+    monkeypatch.setattr(gc, "_liger_peers", lambda: {})
+    ctx = gc.Ctx("kernels", False, tmp_path, tmp_path, deadline=float("inf"))
+    gc._speed_rows(ctx)
+    rows = {r.item: r for r in ctx.rows}
+    assert rows["goal_rms_norm_speed"].status == "PASS" and rows["goal_rms_norm_speed"].value == 2.5
+    assert rows["goal_flce_memory_time"].status == "PASS" and rows["goal_flce_memory_time"].value == 0.4
+    assert rows["speed_swiglu"].status == "SKIP" and rows["liger_peer"].status == "SKIP"
+    assert (tmp_path / "kernels_long.csv").is_file()
+
+
+def test_without_cuda_the_gpu_mode_says_what_is_missing_and_runs_nothing(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "sees no CUDA device" in done.stderr and "--dry" in done.stderr
+    assert not (tmp_path / "results.csv").exists()

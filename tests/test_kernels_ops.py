@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tpkit.kernels as K
-from tpkit.kernels import reference as R
 from tpkit.demo.models import rope_cache
+from tpkit.kernels import reference as R
 
 # the package exports the function under the module's name: reach the module itself
 flce_mod = importlib.import_module("tpkit.kernels.fused_linear_cross_entropy")
