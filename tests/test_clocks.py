@@ -307,7 +307,9 @@ def test_rate_limits():
 
 # -- NVML against the stand-in ----------------------------------------------------------------
 
-def test_nvml_backend_replays_a_recording_in_tpkit_units(nvml):
+def test_nvml_backend_replays_a_recording_in_tpkit_units(nvml, monkeypatch):
+    host_ns = iter(range(0, 10**10, 50_000_000))  # a sample every 50 ms
+    monkeypatch.setattr(cb, "perf_counter_ns", lambda: next(host_ns))
     mod = nvml()
     b = cb.NvmlBackend.open()
     assert isinstance(b, cb.NvmlBackend)
@@ -316,14 +318,48 @@ def test_nvml_backend_replays_a_recording_in_tpkit_units(nvml):
     b.close()
     assert mod.log == ["init", "shutdown"]
     assert [r[("cuda:0", "sm_clock_mhz")] for r in reads] == [1980, 1755, 1620, 1980, 1980]  # call 1 was the probe
-    assert [r[("cuda:0", "power_w")] for r in reads] == [640.0, 700.0, 698.0, 420.0, 420.0]
+    # no instant field here: power is the energy counter's change over the 50 ms between samples
+    # (NVML's own power reading is a ~1 s average on recent GPUs)
+    assert b.power_source == {"cuda:0": "energy"}
+    assert [r.get(("cuda:0", "power_w")) for r in reads] == [None, 700.0, 700.0, 420.0, 0.0]
     assert [r[("cuda:0", "energy_j")] for r in reads] == [0.0, 35.0, 70.0, 91.0, 91.0]  # counted from the first sample
     assert [r[("cuda:0", "throttle_reasons")] for r in reads] == [0.0, 4.0, 36.0, 0.0, 0.0]
     assert reads[0][("cuda:0", "mem_clock_mhz")] == 3201 and reads[0][("cuda:0", "temperature_c")] == 44
     assert reads[0][("cuda:0", "utilization_pct")] == 100
     assert b.meta()["devices"] == ["cuda:0: Fake H200"] and b.meta()["dropped"] == []
     assert decode_throttle(36) == ["sw_power_cap", "sw_thermal_slowdown"]
-    assert decode_throttle(0x1 | 0x400) == ["gpu_idle", "bit_0x400"]
+    assert decode_throttle(0x1 | 0x200 | 0x400) == ["gpu_idle", "board_limit", "reliability"]
+    assert decode_throttle(0x1 | 0x800) == ["gpu_idle", "bit_0x800"]
+
+
+def test_nvml_power_from_the_instant_field_when_the_driver_has_it(nvml):
+    mod = fake_pynvml()
+    mod.NVML_FI_DEV_POWER_INSTANT = 186
+    readings = iter([512_000, 515_000, 640_000])
+    mod.nvmlDeviceGetFieldValues = lambda h, ids: [types.SimpleNamespace(
+        nvmlReturn=0, value=types.SimpleNamespace(uiVal=next(readings)))]
+    nvml(mod)
+    b = cb.NvmlBackend.open()
+    assert b.power_source == {"cuda:0": "instant"}
+    assert [dict(((d, m), v) for d, m, v in b.read())[("cuda:0", "power_w")] for _ in range(2)] == [515.0, 640.0]
+    assert "instant" in b.meta()["power_w_from"]["cuda:0"]
+
+
+def test_nvml_pairs_cuda_devices_with_gpus_by_uuid_not_by_index(nvml, monkeypatch):
+    import torch
+
+    two = fake_pynvml([RECORDED, dict(RECORDED, sm=[1410])])
+    two.nvmlDeviceGetHandleByUUID = lambda u: {"GPU-aaaa": 1, "GPU-bbbb": 0}[u]  # NVML's order is the PCI bus
+    nvml(two)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid=["aaaa", "bbbb"][i]))
+    b = cb.NvmlBackend.open()
+    sm = dict(((d, m), v) for d, m, v in b.read())
+    assert sm[("cuda:0", "sm_clock_mhz")] == 1410  # cuda:0 is NVML's GPU 1
+    assert sm[("cuda:1", "sm_clock_mhz")] == 1980
 
 
 def test_nvml_missing_metric_and_error_mid_run_are_dropped_and_noted_never_invented(nvml):
@@ -566,7 +602,7 @@ def test_clocks_survive_save_and_load(tmp_path):
 
 
 def test_host_backend_reads_cpufreq_and_rapl_where_a_host_has_them(tmp_path):
-    """This VM has neither (shared/MEASURED.md); a tree laid out like a bare-metal host's
+    """This VM has neither (docs/MEASURED.md); a tree laid out like a bare-metal host's
     /sys stands in, to check the units, the wrap of the RAPL counter and the sources."""
     sys_root = tmp_path / "sys"
     for cpu, khz in enumerate([2_400_000, 3_100_000]):

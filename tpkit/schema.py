@@ -16,8 +16,10 @@ import pandas as pd
 # -- phases ---------------------------------------------------------------------------------
 #: Phases with a fixed column in ``run.steps``; every other phase name is a user phase.
 #: ``tpkit`` is tpkit's own probe work, shown so that what tpkit costs is measured in every
-#: run instead of hiding in ``other``.
-BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "tpkit")
+#: run instead of hiding in ``other``. ``comm`` is time the rank was blocked in collectives
+#: (capture/probes/comm.py): it is taken out of the phase it happened in.
+BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "comm",
+                                   "tpkit")
 #: Time no built-in phase covered.
 OTHER = "other"
 #: Every phase in the order a step usually runs, ``other`` last.
@@ -26,6 +28,11 @@ PHASE_ORDER: tuple[str, ...] = (*BUILTIN_PHASES, OTHER)
 PHASE_COLUMNS: tuple[str, ...] = tuple(f"{p}_s" for p in PHASE_ORDER)
 #: Python collector pauses recorded as spans nested in the phase they interrupted.
 GC_PHASE = "gc"
+#: Collectives in flight behind compute (not waited for): spans kept in ``run.spans`` for the
+#: timeline and trace exports, never charged to a step's phases.
+COMM_OVERLAPPED = "comm_overlapped"
+#: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
+UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 
 # -- memory ---------------------------------------------------------------------------------
 #: Memory categories, in the order they are drawn.
@@ -66,10 +73,12 @@ THROTTLE_BITS: dict[int, str] = {
     0x40: "hw_thermal_slowdown",
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
+    0x200: "board_limit",
+    0x400: "reliability",
 }
 #: The bits that mean the GPU ran slower than it could: idle and the clock settings are not
 #: slowdowns, so a step is "throttled" only when one of these was set.
-SLOWDOWN_MASK = 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x80
+SLOWDOWN_MASK = 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x80 | 0x200 | 0x400
 
 
 def decode_throttle(mask: float | int) -> list[str]:
@@ -98,7 +107,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "duration_s": "float64", "samples": "int64", "data_wait_s": "float64", "h2d_s": "float64",
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
         "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
-        "skipped": "bool",
+        "skipped": "bool", "comm_s": "float64",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
@@ -118,7 +127,7 @@ TABLES: tuple[str, ...] = tuple(SCHEMAS)
 #: Columns added after the first layout, with the value they take where a frame (a saved run,
 #: rows built by hand) has none. They come last in their table, so positional rows of the
 #: older layout still line up.
-DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False}}
+DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0}}
 #: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
 FORMAT_VERSION = 1
 
@@ -128,9 +137,10 @@ def frame(table: str, rows: Any = None) -> pd.DataFrame:
     Parquet round trip gives back the same frame)."""
     schema = SCHEMAS[table]
     defaults = DEFAULTS.get(table, {})
-    old_layout = (isinstance(rows, list) and bool(rows) and isinstance(rows[0], tuple)
-                  and len(rows[0]) == len(schema) - len(defaults))  # positional rows without them
-    columns = [c for c in schema if c not in defaults] if old_layout else list(schema)
+    columns = list(schema)
+    if isinstance(rows, list) and rows and isinstance(rows[0], tuple) and len(rows[0]) < len(columns) \
+            and all(c in defaults for c in columns[len(rows[0]):]):
+        columns = columns[:len(rows[0])]  # positional rows of an older layout: the added columns come last
     df = pd.DataFrame(rows if rows is not None else [], columns=columns)
     for col, value in defaults.items():  # missing (NaN after reindexing) -> the default
         df[col] = df[col].astype(object).fillna(value) if col in df.columns else value

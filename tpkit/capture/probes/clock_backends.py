@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import sys
 import time
 import weakref
 from time import perf_counter_ns
@@ -290,8 +291,46 @@ def _metric_readers(nvml: Any) -> dict[str, Callable[[Any], float]]:
     }
 
 
+def _instant_power_w(nvml: Any, handle: Any) -> float:
+    """The GPU's power now (W), from NVML's instant field where the driver has it; raises
+    ``NvmlError`` where it does not."""
+    field = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", None)
+    if field is None or not hasattr(nvml, "nvmlDeviceGetFieldValues"):
+        raise NvmlError("no instant power field in this pynvml", kind="NVMLError_NotSupported")
+    value = _nvml_call(nvml, "nvmlDeviceGetFieldValues", handle, [field])[0]
+    if getattr(value, "nvmlReturn", 0) != 0:
+        raise NvmlError(f"instant power field: NVML return {value.nvmlReturn}", code=value.nvmlReturn,
+                        kind="NVMLError_NotSupported")
+    return float(value.value.uiVal) / 1000.0  # mW
+
+
+def _handles_by_uuid(nvml: Any) -> list[tuple[str, Any]] | None:
+    """(torch device name, NVML handle) matched through each device's UUID, when torch has a CUDA
+    context already (asking for the UUIDs must not create one); None otherwise. NVML numbers GPUs
+    by PCI bus, CUDA by speed unless CUDA_DEVICE_ORDER=PCI_BUS_ID: indices alone can pair a device
+    with another GPU's readings."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    out = []
+    for i in range(torch.cuda.device_count()):
+        uuid = getattr(torch.cuda.get_device_properties(i), "uuid", None)
+        if uuid is None:
+            return None
+        text = str(uuid)
+        out.append((f"cuda:{i}", _nvml_call(nvml, "nvmlDeviceGetHandleByUUID",
+                                             text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")))
+    return out
+
+
 def _visible_indices(nvml: Any, count: int) -> list[tuple[str, Any]]:
     """(torch device name, NVML handle) per GPU this process may use (CUDA_VISIBLE_DEVICES)."""
+    try:
+        by_uuid = _handles_by_uuid(nvml)
+    except NvmlError:
+        by_uuid = None
+    if by_uuid is not None:
+        return by_uuid
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None:
         return [(f"cuda:{i}", _nvml_call(nvml, "nvmlDeviceGetHandleByIndex", i)) for i in range(count)]
@@ -323,6 +362,11 @@ class NvmlBackend:
         self.dropped: list[str] = []
         self.device_names = names
         self._energy0: dict[str, float] = {}
+        self._last_energy: dict[str, tuple[int, float]] = {}  # dev -> (ns, J) of the previous sample
+        #: Where each device's power_w comes from: "instant" (NVML's instant field), "energy"
+        #: (the energy counter's derivative between samples) or "average" (nvmlDeviceGetPowerUsage,
+        #: a ~1 s moving average on recent GPUs: steps shorter than that are smeared).
+        self.power_source: dict[str, str] = {}
         # Which metrics each device can give, decided once: a metric that fails now is left out.
         self._plan: list[tuple[str, Any, list[str]]] = []
         for dev, handle in devices:
@@ -334,7 +378,22 @@ class NvmlBackend:
                 except NvmlError as e:
                     self.dropped.append(f"{dev} {metric}: not readable ({e.kind})")
             self._plan.append((dev, handle, ok))
+            self.power_source[dev] = self._choose_power(handle, ok)
         self.metrics_at_start = sorted({m for _, _, ms in self._plan for m in ms})
+
+    def _choose_power(self, handle: Any, ok: list[str]) -> str:
+        try:
+            _instant_power_w(self._nvml, handle)
+            if "power_w" not in ok:
+                ok.append("power_w")
+            return "instant"
+        except NvmlError:
+            pass
+        if "energy_j" in ok:
+            if "power_w" not in ok:
+                ok.append("power_w")
+            return "energy"
+        return "average"
 
     @classmethod
     def open(cls) -> "NvmlBackend | NullBackend":
@@ -377,14 +436,25 @@ class NvmlBackend:
     def read(self) -> list[Reading]:
         rows: list[Reading] = []
         for dev, handle, metrics in self._plan:
+            source = self.power_source.get(dev, "average")
             for metric in list(metrics):
+                if metric == "power_w" and source == "energy":
+                    continue  # derived from the energy reading below
                 try:
-                    value = self._readers[metric](handle)
+                    if metric == "power_w" and source == "instant":
+                        value = _instant_power_w(self._nvml, handle)
+                    else:
+                        value = self._readers[metric](handle)
                 except NvmlError as e:  # dropped from now on; what was read stays
                     metrics.remove(metric)
                     self.dropped.append(f"{dev} {metric}: dropped mid-run after {e.kind}")
                     continue
                 if metric == "energy_j":
+                    now = perf_counter_ns()
+                    last = self._last_energy.get(dev)
+                    self._last_energy[dev] = (now, value)
+                    if source == "energy" and "power_w" in metrics and last is not None and now > last[0]:
+                        rows.append((dev, "power_w", (value - last[1]) / ((now - last[0]) / 1e9)))
                     value -= self._energy0.setdefault(dev, value)
                 rows.append((dev, metric, value))
         return rows
@@ -395,9 +465,12 @@ class NvmlBackend:
             self._nvml = None
 
     def meta(self) -> dict[str, Any]:
+        notes = {"instant": "NVML's instant power field", "energy": "the energy counter's change between samples",
+                 "average": "nvmlDeviceGetPowerUsage, a ~1 s average on recent GPUs (short steps are smeared)"}
         return {"sources": {"nvml": f"NVML, {len(self._plan)} GPU(s)"},
                 "devices": [f"{d}: {self.device_names.get(d, 'unknown')}" for d, _, _ in self._plan],
-                "dropped": list(self.dropped), "nvml_metrics": list(self.metrics_at_start)}
+                "dropped": list(self.dropped), "nvml_metrics": list(self.metrics_at_start),
+                "power_w_from": {d: notes[s] for d, s in self.power_source.items()}}
 
 
 def open_backends() -> list[Backend]:
