@@ -133,6 +133,14 @@ class RankWatchdog:
             for name in ("spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
                 setattr(snap, name, list(getattr(rec, name)))
             snap.cuda_timer = None  # CUDA events are resolved by the main thread only
+            snap.step_events = {}
+            # A loss still on the GPU cannot be read: on a rank stalled in NCCL the stream never
+            # drains and reading it would block this thread forever (the case it exists for).
+            on_host = [(s, v) for s, v in snap.losses if not getattr(v, "is_cuda", False)]
+            if len(on_host) < len(snap.losses):
+                snap.notes.append(f"{len(snap.losses) - len(on_host)} losses were on the GPU, which is stalled: "
+                                  "left out of the stalled rank's run")
+            snap.losses = on_host
             msg = (f"no step ended for {self.timeout_s:g} s: this rank stalled (a peer died or hangs); "
                    "the Run holds the steps before the stall")
             snap.notes.append(msg)
