@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean notebooks docs-image lint typecheck
+.PHONY: demo test setup clean notebooks docs-image lint typecheck gpu-check
 
 demo: $(STAMP)
 	$(BIN)/python -m tpkit demo --steps 20 --warmup 3 --out tpkit_report
@@ -22,6 +22,14 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# One prepared GPU check (benchmarks/gpu_check.py): <= 8 minutes on one H200; writes
+# benchmarks/results/gpu_check/ and the reference runs in datasets/reference_runs/.
+# DRY=1 runs its CPU half (CI does, in tests/test_gpu_check.py). GPU_PY: a Python whose torch is a
+# CUDA build (on a GPU image without .venv: make gpu-check GPU_PY=python3).
+GPU_PY ?= $(BIN)/python
+gpu-check: $(if $(DRY),$(STAMP))
+	$(GPU_PY) benchmarks/gpu_check.py $(if $(DRY),--dry)
 
 # The tutorials, executed with outputs into notebooks/executed/ (gitignored; git keeps them clean).
 notebooks: $(STAMP)
