@@ -8,9 +8,9 @@ import altair as alt
 import pandas as pd
 import pytest
 
-from tpkit.views import export
 from tpkit.run import TABLES, Run
 from tpkit.schema import frame as _frame
+from tpkit.views import export
 
 
 def make_run() -> Run:
@@ -90,3 +90,11 @@ def test_non_finite_clock_values_never_break_the_json(tmp_path, bad):
     run = make_run()
     run.clocks = _frame("clocks", [(0.0, "cpu", "cpu_util_pct", bad)])
     json.loads(run.to_perfetto(tmp_path / "t.json").read_text())
+
+
+def test_run_to_html_with_a_comparison(tmp_path):
+    other = make_run()
+    other.meta["name"] = "other"
+    page = make_run().to_html(tmp_path / "r.html", compare_with=[other]).read_text()
+    assert "Comparison of 2 runs" in page and "Changes against <b>other</b>" in page
+    assert "not enough data" in page  # one measured step each: no verdict on the change

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import pandas as pd
 
@@ -74,11 +74,12 @@ class Run:
 
         return {"text/plain": self.summary().to_text(), "text/html": dashboard_html(self)}
 
-    def to_html(self, path: str | Path) -> Path:
-        """A self-contained HTML report (charts interactive, no network needed)."""
+    def to_html(self, path: str | Path, compare_with: "Sequence[Run]" = ()) -> Path:
+        """A self-contained HTML report (charts interactive, no network needed); with
+        ``compare_with``, the comparison of those runs and this one (against the first)."""
         from .views.html import write_report
 
-        return write_report(self, path)
+        return write_report(self, path, compare_with)
 
     def to_perfetto(self, path: str | Path) -> Path:
         """A Chrome/Perfetto trace (JSON): steps, spans by depth, clock and memory counters."""

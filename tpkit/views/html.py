@@ -97,14 +97,22 @@ SECTIONS.append(("Memory", _memory_section))
 
 
 def _ranks_section(run: "Run") -> alt.TopLevelMixin | None:
-    """Per-rank step times and skew, for a Run merged by ``tp.load_ranks``."""
-    times = (run.meta.get("ranks") or {}).get("step_times")
+    """For a Run merged by ``tp.load_ranks``: the straggler verdict, per-rank step times and skew,
+    the merged timeline (one lane per rank), the memory peaks, and the missing ranks named."""
+    ranks = run.meta.get("ranks") or {}
+    times = ranks.get("step_times")
     if not times:
         return None
     from ..analysis.ranks import rank_skew
+    from ..charts.ranks import ranks_view
 
     steps = pd.DataFrame(times, columns=["rank", "step", "duration_s", "warmup"])
-    return charts.rank_step_times(steps, rank_skew(steps))
+    timeline = pd.DataFrame(ranks.get("timeline") or [], columns=["rank", "step", "phase", "start_s", "end_s"])
+    peaks = pd.DataFrame(ranks.get("memory_peaks") or [], columns=["rank", "device", "peak_bytes"])
+    return ranks_view(steps, rank_skew(steps), timeline, peaks,
+                      verdict=str(ranks.get("straggler") or "straggler: not computed (a run merged by an older tpkit)"),
+                      straggler=ranks.get("straggler_rank"), world_size=ranks.get("world_size"),
+                      missing=list(ranks.get("missing") or []))
 
 
 SECTIONS.append(("Ranks", _ranks_section))
@@ -156,6 +164,17 @@ def _recommendations(run: "Run") -> list["Recommendation"]:
     return recommendations(run)
 
 
+def _summary(run: "Run") -> "analysis.Summary":
+    """``summarize`` with clocks and memory; a clock analysis that fails on odd rows costs
+    the clock lines only (said in a note), never the summary."""
+    try:
+        return analysis.summarize(run.steps, run.meta, run.clocks, run.memory)
+    except Exception as e:  # noqa: BLE001 - the rest of the summary still stands
+        s = analysis.summarize(run.steps, run.meta, None, run.memory)
+        s.notes.append(f"clock summary unavailable ({type(e).__name__}: {e})")
+        return s
+
+
 def _num(v: float, digits: int = 3) -> str:
     if v != v:
         return "n/a"
@@ -165,7 +184,7 @@ def _num(v: float, digits: int = 3) -> str:
 def key_figures(run: "Run", s: "analysis.Summary | None" = None) -> list[tuple[str, str]]:
     """The summary's figures as ``(name, value with unit)``, for people: counts as integers,
     times in ms, shares in %, bytes in KiB/MiB/GiB, clocks by their names."""
-    s = s if s is not None else analysis.summarize(run.steps, run.meta, run.clocks)
+    s = s if s is not None else _summary(run)
     out: list[tuple[str, str]] = []
     if s.steps == 0:
         return [("measured steps", "0")]
@@ -229,7 +248,7 @@ def summary_html(run: "Run", draw: Draw = chart_html, timeline: bool = True,
     """The summary, answer first: verdict with evidence, top recommendation, where the time
     goes (chart) beside a small timeline, key figures, notes, then details. ``draw``: how a
     chart reaches the page (``render.chart_html`` live, ``render.svg_html`` static)."""
-    s = analysis.summarize(run.steps, run.meta, run.clocks, run.memory)
+    s = _summary(run)
     recs = list(recs) if recs is not None else _recommendations(run)
     state = "" if s.complete else (' <span class="tp-bad">INCOMPLETE: '
                                    f'{html.escape(str(run.meta.get("error", "")))}</span>')
