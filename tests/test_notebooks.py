@@ -24,7 +24,7 @@ import nbtool  # noqa: E402
 NOTEBOOKS = [p.name for p in nbtool.notebooks()]
 EXPECTED = ["01_quickstart.ipynb", "02_data_stalls.ipynb", "03_memory_waterfall_and_offload.ipynb",
             "04_triton_kernels.ipynb", "05_clocks_and_energy.ipynb", "06_deepspeed_and_ranks.ipynb",
-            "07_tuning.ipynb"]
+            "07_tuning.ipynb", "08_frameworks.ipynb"]
 CELL_TIMEOUT_S = 600  # generous: the first DeepSpeed build alone can take two minutes
 # DeepSpeed's JIT-built ops are cached where the offload tests cache them: built once per checkout.
 EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(NB_DIR.parent / "build" / "torch_extensions")
@@ -119,6 +119,17 @@ def test_07_tuning(executed):
     assert re.search(r"best setting: \{'num_workers': [1-9]", out)
     assert figure(out, r"workers at batch \d+: ([\d.]+)x samples/s") >= 1.2
     assert "rerun of" in out
+
+
+@pytest.mark.slow
+def test_08_frameworks(executed):
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    out = check_common(executed("08_frameworks.ipynb"), charts=4)  # 4 dashboards (+ a comparison)
+    assert "stopped through transformers.Trainer" in out and "on_train_end ran: True" in out
+    assert "Lightning: status FINISHED, global_step 11" in out
+    assert figure(out, r"\d+ workers: data stall .*= ([\d.]+)x") >= 1.3
+    assert "all claims hold in this run" in out
 
 
 @pytest.mark.slow
