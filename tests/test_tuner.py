@@ -27,7 +27,7 @@ def train_fn(workers_ms, fail=False):
 
 def test_run_slice_adds_runs_and_results():
     t = tp.tune(train_fn, knobs={"workers_ms": [8, 1], "fail": False}, steps=3, warmup=1,
-                memory=False, clock_hz=0)
+                memory=False, clock_hz=0, replicates=1)
     first = t.run_slice()
     second = t.run_slice(workers_ms=1)
     assert [r.name for r in t.runs] == ["tune-1", "tune-2"]
@@ -38,10 +38,72 @@ def test_run_slice_adds_runs_and_results():
     assert df.loc[0, "data_stall_pct"] > 50 > df.loc[1, "data_stall_pct"]
     assert "tune-2" in t.table.value and t.chart.outputs and t.compare.outputs
     assert "Comparison of 2 runs" in t.compare.outputs[0]["data"]["text/html"]
+    assert "<th>workers_ms</th><th>fail</th><th>slices</th>" in t.table.value  # one header per column
+
+
+def test_replicates_pool_into_one_setting_with_an_interval_and_stored_names(tmp_path):
+    from tpkit import store
+    from tpkit.run import Run
+
+    store.save(Run(meta={"name": "tune-1.2"}))  # a name from an earlier session: setting 1 is taken
+    t = tp.tune(train_fn, knobs={"workers_ms": [1], "fail": False}, steps=2, warmup=0, memory=False, clock_hz=0)
+    assert t.replicates == 3 and "3 slices per setting" in t.children[1].value
+    rep = t.run_slice()
+    names = [r.name for r in t.runs]
+    assert names == ["tune-2.1", "tune-2.2", "tune-2.3"]  # the names they are stored under
+    assert all((store.store_path() / n).is_dir() for n in names)
+    assert "tune-2.1, tune-2.2, tune-2.3" in t.status.value and "over 3 slices" in t.status.value
+    df = t.results()
+    assert len(df) == 1 and df.loc[0, "replicates"] == 3 and rep.name == df.loc[0, "run"]
+    thr = [r.summary().throughput for r in t.runs]
+    assert df.loc[0, "throughput"] == pytest.approx(sum(thr) / 3)
+    assert df.loc[0, "throughput_low"] <= min(thr) or df.loc[0, "throughput_low"] < df.loc[0, "throughput"]
+    assert len(t.run_results()) == 3
+    with pytest.raises(ValueError, match="replicates"):
+        tp.tune(train_fn, knobs={"workers_ms": [1]}, replicates=0)
+
+
+def test_best_is_chosen_from_replicate_means_not_single_slices():
+    import numpy as np
+
+    from tpkit.run import Run
+    from tpkit.schema import frame
+
+    def run(name, knobs, throughput):
+        d = np.full(6, 16 / throughput)  # 16 samples per step
+        steps = frame("steps", {"step": range(6), "warmup": False, "start_s": np.cumsum(d) - d, "end_s": np.cumsum(d),
+                                "duration_s": d, "samples": 16, "data_wait_s": 0.0, "h2d_s": 0.0, "forward_s": d,
+                                "backward_s": 0.0, "optimizer_s": 0.0, "offload_s": 0.0, "tpkit_s": 0.0,
+                                "other_s": 0.0, "throughput": throughput, "loss": 1.0})
+        return Run(steps=steps, meta={"name": name, "knobs": knobs})
+
+    # the same setting measured 93, 118 and 102 samples/s; the other 108, 110, 109
+    runs = [run(f"a{i}", {"w": 0}, x) for i, x in enumerate([93.0, 118.0, 102.0])]
+    runs += [run(f"b{i}", {"w": 2}, x) for i, x in enumerate([108.0, 110.0, 109.0])]
+    df = tuning.settings_frame(runs)
+    assert list(df["w"]) == [0, 2] and list(df["replicates"]) == [3, 3]
+    assert df["throughput"].tolist() == pytest.approx([313 / 3, 109.0])
+    assert df["best"].tolist() == [False, True]  # not the 118 of a single noisy slice
+    assert not df.loc[1, "clear"]  # its interval overlaps setting w=0's: within noise
+    assert df.loc[1, "throughput_low"] == pytest.approx(109 - 4.303 * 1.0 / np.sqrt(3))
+    assert df.loc[1, "run"] == "b2"  # the replicate nearest the mean (109) stands for it
+    assert tuning.results_frame(runs)["best"].tolist() == [False, True, False, False, False, False]
+
+
+def test_apply_is_offered_only_for_knobs_the_tuner_has():
+    t = tp.tune(train_fn, knobs={"workers_ms": [30], "fail": False}, steps=2, warmup=0, memory=False, clock_hz=0,
+                replicates=1)
+    t.run_slice()  # 30 ms of data wait in a 34 ms step: "use 2 loader workers"
+    html_of = [c for c in t.recs.children]
+    assert not any(isinstance(x, tp.views.tuner.w.HBox) for x in html_of)  # no Apply button
+    assert "to apply it here, add num_workers to knobs=" in str([x.children[1].value for x in html_of
+                                                                if hasattr(x, "children")])
+    assert t.controls["workers_ms"].style.description_width == "initial"  # "workers_ms", never cut
 
 
 def test_a_failing_setting_is_shown_and_changes_nothing():
-    t = tp.tune(train_fn, knobs={"workers_ms": [1], "fail": False}, steps=2, warmup=0, memory=False, clock_hz=0)
+    t = tp.tune(train_fn, knobs={"workers_ms": [1], "fail": False}, steps=2, warmup=0, memory=False, clock_hz=0,
+                replicates=1)
     t.run_slice()
     assert t.run_slice(fail=True) is None
     assert "failed: ValueError: this setting cannot run" in t.status.value
@@ -51,7 +113,7 @@ def test_a_failing_setting_is_shown_and_changes_nothing():
 
 def test_sweep_runs_the_grid_and_refuses_too_big_grids():
     t = tp.tune(train_fn, knobs={"workers_ms": [2, 1], "fail": [False]}, steps=2, warmup=0,
-                memory=False, clock_hz=0, sweep_limit=3)
+                memory=False, clock_hz=0, sweep_limit=3, replicates=1)
     done = t.sweep()
     assert [r.meta["knobs"]["workers_ms"] for r in done] == [2, 1]
     assert t.sweep({"workers_ms": [1, 2], "fail": [False, True]}) == []
@@ -59,7 +121,8 @@ def test_sweep_runs_the_grid_and_refuses_too_big_grids():
 
 
 def test_apply_sets_the_knob_and_reruns():
-    t = tp.tune(train_fn, knobs={"workers_ms": [9], "fail": False}, steps=2, warmup=0, memory=False, clock_hz=0)
+    t = tp.tune(train_fn, knobs={"workers_ms": [9], "fail": False}, steps=2, warmup=0, memory=False, clock_hz=0,
+                replicates=1)
     run = t.apply({"workers_ms": 1})
     assert run.meta["knobs"]["workers_ms"] == 1 and t.controls["workers_ms"].value == 1
     assert t.apply({"num_workers": 4}) is None and "no knob" in t.status.value

@@ -148,3 +148,23 @@ def cis_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool | None:
 
 
 # -- per-run metrics ---------------------------------------------------------------------------
+
+#: Two-sided 95% Student t quantiles by degrees of freedom (1..10); 1.96 beyond 30.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_interval(values: np.ndarray | list) -> tuple[float, float, float]:
+    """Mean of a few replicate values (e.g. one throughput per slice) with its 95% Student t
+    interval: ``(mean, low, high)``; NaN bounds for fewer than 2 finite values. Replicates
+    are few, so the bootstrap (which needs many) is not used here."""
+    v = np.asarray(values, dtype="float64")
+    v = v[np.isfinite(v)]
+    if not len(v):
+        return float("nan"), float("nan"), float("nan")
+    mean = float(v.mean())
+    if len(v) < 2:
+        return mean, float("nan"), float("nan")
+    df = len(v) - 1
+    t = _T95.get(df, 2.042 if df <= 30 else 1.96)
+    half = t * float(v.std(ddof=1)) / np.sqrt(len(v))
+    return mean, mean - half, mean + half

@@ -1,9 +1,13 @@
 """``tp.tune``: a control per knob, a "Run slice" button, a "Sweep", the results table, the
-trade-off chart, recommendations with an "Apply" button, and the comparison of every run.
+trade-off chart, recommendations with an "Apply" button, and the comparison of every setting.
 
-``train_fn(**knobs)`` builds and runs the user's loop; each click profiles one slice of it
-with the knobs' current values. An error in ``train_fn`` is shown in the panel and nothing
-else changes: earlier runs stay, the controls keep working.
+``train_fn(**knobs)`` builds and runs the user's loop; each click profiles ``replicates``
+short slices of it (default 3) with the knobs' current values, named ``<name>-<k>.<r>``
+(setting k, replicate r) under names the store does not hold yet, so the status names each
+run as it is stored. Results are per setting: the mean throughput over the replicates with
+its 95% interval, and "best" chosen from those means (``analysis.tuning.settings_frame``).
+An error in ``train_fn`` is shown in the panel and nothing else changes: earlier runs stay,
+the controls keep working. "Apply and rerun" is offered only for knobs this tuner has.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from ..analysis import tuning
 from ..capture.slice import profile
 from ..charts import tradeoff
 from . import html as report
-from .dashboard import _styled, compare_html, html_output
+from .dashboard import _styled, compare_html, html_output, shared_bundle
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -29,18 +33,19 @@ def knob_control(name: str, spec: Any) -> w.ValueWidget:
     slider, an int or float -> a number box, a ready ipywidget -> itself."""
     if isinstance(spec, w.ValueWidget):
         return spec
+    full = {"description": name, "style": {"description_width": "initial"}}  # the whole name, never "num_work..."
     if isinstance(spec, bool):
-        return w.Checkbox(value=spec, description=name, indent=False)
+        return w.Checkbox(value=spec, indent=False, **full)
     if isinstance(spec, range):
-        return w.IntSlider(value=spec.start, min=spec.start, max=spec[-1], step=spec.step, description=name)
+        return w.IntSlider(value=spec.start, min=spec.start, max=spec[-1], step=spec.step, **full)
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise ValueError(f"knob {name!r} has no options")
-        return w.Dropdown(options=list(spec), value=spec[0], description=name)
+        return w.Dropdown(options=list(spec), value=spec[0], layout=w.Layout(width="auto"), **full)
     if isinstance(spec, int):
-        return w.IntText(value=spec, description=name)
+        return w.IntText(value=spec, **full)
     if isinstance(spec, float):
-        return w.FloatText(value=spec, description=name)
+        return w.FloatText(value=spec, **full)
     raise TypeError(f"knob {name!r}: give a list of options, a bool, a range, a number or an ipywidget, "
                     f"not {type(spec).__name__}")
 
@@ -58,11 +63,17 @@ def sweep_options(control: w.ValueWidget) -> list[Any]:
 
 
 class Tuner(w.VBox):
+    """The tuning panel (``tp.tune``); its buttons call ``run_slice``, ``sweep`` and ``apply``."""
+
     def __init__(self, train_fn: Callable[..., Any], knobs: dict[str, Any], steps: int = 10, warmup: int = 2,
-                 name: str = "tune", sweep_limit: int = 16, memory: bool = True, clock_hz: float = 20.0) -> None:
+                 name: str = "tune", sweep_limit: int = 16, memory: bool = True, clock_hz: float = 20.0,
+                 replicates: int = 3) -> None:
         if not callable(train_fn):
             raise TypeError("tp.tune needs train_fn(**knobs): a function that builds and runs your training loop")
+        if not isinstance(replicates, int) or isinstance(replicates, bool) or replicates < 1:
+            raise ValueError(f"replicates must be a whole number of slices >= 1, not {replicates!r}")
         self.train_fn, self.steps, self.warmup, self.name = train_fn, steps, warmup, name
+        self.replicates, self._settings = replicates, 0
         self.sweep_limit, self.memory, self.clock_hz = sweep_limit, memory, clock_hz
         self.controls = {k: knob_control(k, v) for k, v in knobs.items()}
         self.runs: list[Run] = []
@@ -80,8 +91,9 @@ class Tuner(w.VBox):
         for i, t in enumerate(["Results", "Recommendations", "Compare"]):
             results.set_title(i, t)
         super().__init__(children=[
-            html_output(report.bundle_html(), display="none"),
-            w.HTML(f"<b>tpkit tuner</b>: {len(self.controls)} knobs, {steps} steps (+{warmup} warmup) per slice"),
+            shared_bundle(),
+            w.HTML(f"<b>tpkit tuner</b>: {len(self.controls)} knobs, {steps} steps (+{warmup} warmup) per slice, "
+                   f"{replicates} slice{'s' if replicates != 1 else ''} per setting"),
             w.HBox(list(self.controls.values()), layout=w.Layout(flex_flow="row wrap")),
             w.HBox([self.run_button, self.sweep_button]), self.status, self.progress, results,
         ])
@@ -90,35 +102,72 @@ class Tuner(w.VBox):
     def values(self) -> dict[str, Any]:
         return {k: c.value for k, c in self.controls.items()}
 
+    def _labels(self) -> list[str]:
+        """Names for the next setting's replicates that the store does not hold yet, so the
+        name shown while a slice runs is the name it is stored under."""
+        from ..store import safe_name, store_path
+
+        root = store_path()
+        taken = {r.name for r in self.runs}
+        while True:
+            self._settings += 1
+            k = self._settings
+            labels = [f"{self.name}-{k}" if self.replicates == 1 else f"{self.name}-{k}.{i}"
+                      for i in range(1, self.replicates + 1)]
+            if not any(lab in taken or (root is not None and (root / safe_name(lab)).exists()) for lab in labels):
+                return labels
+
     def run_slice(self, **overrides: Any) -> "Run | None":
-        """Profile one slice with the controls' values (``overrides`` set controls first).
-        Returns the Run, or None when ``train_fn`` failed (the error is shown)."""
+        """Profile ``replicates`` slices with the controls' values (``overrides`` set controls
+        first). Returns the replicate nearest the setting's mean throughput, or None when
+        ``train_fn`` failed (the error is shown; replicates that ran are kept)."""
         for k, v in overrides.items():
             self._set(k, v)
         knobs = self.values()
-        label = f"{self.name}-{len(self.runs) + 1}"
-        self._busy(True, f"running <b>{html.escape(label)}</b> with {html.escape(_fmt(knobs))}...")
+        done: list[Run] = []
         self.progress.clear_output()
-        error: Exception | None = None
-        with self.progress:  # (an Output widget swallows exceptions under IPython: catch inside)
-            try:
-                with profile(steps=self.steps, warmup=self.warmup, name=label, knobs=knobs,
-                             memory=self.memory, clock_hz=self.clock_hz) as prof:
-                    self.train_fn(**knobs)
-            except Exception as e:  # shown in the panel; earlier runs and the controls are untouched
-                error = e
-        self._busy(False)
-        if error is not None:
-            self.status.value = _error_html(label, error)
-            return None
-        run = prof.run
-        assert run is not None
-        self.runs.append(run)
-        s = run.summary()
-        self.status.value = (f"<b>{html.escape(run.name)}</b>: {s.throughput:,.1f} samples/s, "
-                             f"step p50 {s.step_p50_s * 1e3:.2f} ms; {html.escape(s.verdict.text)}")
+        for i, label in enumerate(self._labels()):
+            rep = f" (slice {i + 1} of {self.replicates})" if self.replicates > 1 else ""
+            self._busy(True, f"running <b>{html.escape(label)}</b>{rep} with {html.escape(_fmt(knobs))}...")
+            error: Exception | None = None
+            with self.progress:  # (an Output widget swallows exceptions under IPython: catch inside)
+                try:
+                    with profile(steps=self.steps, warmup=self.warmup, name=label, knobs=knobs,
+                                 memory=self.memory, clock_hz=self.clock_hz) as prof:
+                        self.train_fn(**knobs)
+                except Exception as e:  # shown in the panel; earlier runs and the controls are untouched
+                    error = e
+            self._busy(False)
+            if error is not None:
+                self.status.value = _error_html(label, error)
+                if done:
+                    self.refresh()
+                return None
+            run = prof.run
+            assert run is not None
+            self.runs.append(run)
+            done.append(run)
+        row = self._row(knobs)
+        by_name = {r.name: r for r in self.runs}
+        rep = by_name.get(row["run"], done[-1]) if row is not None else done[-1]
+        spread = ""
+        if row is not None and row["throughput_low"] == row["throughput_low"]:
+            spread = f" [{row['throughput_low']:,.1f}, {row['throughput_high']:,.1f}]"
+        thr = row["throughput"] if row is not None else rep.summary().throughput
+        p50 = row["step_p50_ms"] if row is not None else rep.summary().step_p50_s * 1e3
+        n = int(row["replicates"]) if row is not None else len(done)
+        self.status.value = (f"<b>{html.escape(', '.join(r.name for r in done))}</b>: this setting "
+                             f"{thr:,.1f}{spread} samples/s over {n} slice{'s' if n != 1 else ''}, step p50 "
+                             f"{p50:.2f} ms; {html.escape(rep.summary().verdict.text)}")
         self.refresh()
-        return run
+        return rep
+
+    def _row(self, knobs: dict[str, Any]) -> Any:
+        """The settings row of ``knobs`` (every replicate of that setting so far)."""
+        key = tuning.setting_key(knobs)
+        same = [r for r in self.runs if tuning.setting_key(r.meta.get("knobs", {}) or {}) == key]
+        df = tuning.settings_frame(same)
+        return df.iloc[0] if len(df) else None
 
     def sweep(self, options: dict[str, list[Any]] | None = None) -> list["Run"]:
         """Run every combination of ``options`` (default: every knob's options); a setting
@@ -148,18 +197,23 @@ class Tuner(w.VBox):
 
     # -- views --------------------------------------------------------------------------------
     def results(self) -> Any:
+        """One row per setting: knobs, replicates, mean throughput with its 95% interval, best."""
+        return tuning.settings_frame(self.runs)
+
+    def run_results(self) -> Any:
+        """One row per slice (every replicate)."""
         return tuning.results_frame(self.runs)
 
     def refresh(self) -> None:
         df = self.results()
-        self.table.value = _styled(df.to_html(index=False, float_format=lambda v: f"{v:,.4g}", border=0,
-                                              classes="tp-sum tp-results"))
+        self.table.value = _styled(results_html(df))
         self.chart.outputs = ()
         if len(df):
             self.chart.outputs = html_output(_styled(report.chart_html(tradeoff(df)))).outputs
         self.recs.children = self._rec_widgets(self.runs[-1]) if self.runs else ()
-        if len(self.runs) > 1:
-            self.compare.outputs = html_output(_styled(compare_html(self.runs))).outputs
+        if len(df) > 1:  # one run per setting (the replicate nearest its mean), against the first
+            by_name = {r.name: r for r in self.runs}
+            self.compare.outputs = html_output(compare_html([by_name[n] for n in df["run"]])).outputs
 
     def _rec_widgets(self, run: "Run") -> tuple[w.Widget, ...]:
         from ..analysis.recommend import recommendations
@@ -169,12 +223,15 @@ class Tuner(w.VBox):
             return (w.HTML("no recommendation for the last run: no rule fired"),)
         rows = []
         for r in recs:
-            text = w.HTML(f"<b>{html.escape(r.title)}</b><br><small>{html.escape(r.evidence)}; "
-                          f"expected: {html.escape(str(r.expected_gain))}</small>", layout=w.Layout(width="80%"))
-            if r.action:
-                b = w.Button(description="Apply and rerun", tooltip=_fmt(r.action))
+            text = w.HTML(report.recommendation_html(r), layout=w.Layout(width="80%"))
+            missing = [k for k in r.action if k not in self.controls]
+            if r.action and not missing:
+                b = w.Button(description="Apply and rerun", tooltip=_fmt(r.action), button_style="success")
                 b.on_click(lambda _b, a=dict(r.action): self.apply(a))
                 rows.append(w.HBox([text, b]))
+            elif missing:
+                rows.append(w.VBox([text, w.HTML(f"<small>to apply it here, add {html.escape(', '.join(missing))} "
+                                                 "to knobs=</small>")]))
             else:
                 rows.append(text)
         return tuple(rows)
@@ -193,6 +250,32 @@ class Tuner(w.VBox):
             self.status.value = message
 
 
+def results_html(df: Any) -> str:
+    """The settings as a readable table: one header per column, throughput with its interval."""
+    from ..charts.tuning import NOT_KNOBS
+
+    if df is None or len(df) == 0:
+        return '<div class="tp-note">no runs yet: press "Run slice" or "Sweep"</div>'
+    knobs = [c for c in df.columns if c not in NOT_KNOBS]
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in
+                   ["setting", *knobs, "slices", "throughput (samples/s, 95% interval)", "step p50 (ms)",
+                    "data stall (%)", "peak memory (MiB)", "verdict", ""])
+    rows = []
+    for i, r in enumerate(df.itertuples(index=False), 1):
+        d = r._asdict()
+        thr = "n/a" if d["throughput"] != d["throughput"] else f"{d['throughput']:,.1f}"
+        if d["throughput_low"] == d["throughput_low"]:
+            thr += f" [{d['throughput_low']:,.1f}, {d['throughput_high']:,.1f}]"
+        best = ("<b>best</b>" + ("" if d["clear"] else " (within noise of another)")) if d["best"] else ""
+        cells = [f"{i}: {html.escape(str(d['run']))}", *[html.escape(str(d[k])) for k in knobs], str(d["replicates"]),
+                 thr, f"{d['step_p50_ms']:,.2f}", f"{d['data_stall_pct']:.1f}",
+                 "n/a" if d["peak_mib"] != d["peak_mib"] else f"{d['peak_mib']:,.1f}",
+                 html.escape(str(d["verdict"])) + ("" if d["complete"] else " (incomplete)"), best]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return (f'<table class="tp-grid tp-results"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table>')
+
+
 def _fmt(knobs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in knobs.items())
 
@@ -205,12 +288,14 @@ def _error_html(label: str, e: BaseException) -> str:
 
 
 def tune(train_fn: Callable[..., Any], knobs: dict[str, Any], steps: int = 10, warmup: int = 2,
-         name: str = "tune", **kwargs: Any) -> Tuner:
+         name: str = "tune", replicates: int = 3, **kwargs: Any) -> Tuner:
     """A tuning panel for ``train_fn(**knobs)``::
 
         def train_fn(num_workers, batch_size):
             model, loader, opt = build(num_workers, batch_size)
             train(model, loader, opt)          # the slice stops it
         tp.tune(train_fn, knobs={"num_workers": [0, 2, 4], "batch_size": [16, 32]})
+
+    ``replicates``: slices per setting (default 3), whose mean and interval rank the settings.
     """
-    return Tuner(train_fn, knobs, steps=steps, warmup=warmup, name=name, **kwargs)
+    return Tuner(train_fn, knobs, steps=steps, warmup=warmup, name=name, replicates=replicates, **kwargs)
