@@ -180,6 +180,7 @@ class PhaseProbe:
         self._opt_posts = 0  # optimizer post hooks seen (a GradScaler step without one was skipped)
         self._worked = False  # a forward or backward since the last step ended
         self._ever_worked = False
+        self._backward_seen = False
         self._scaled: tuple[Any, torch.Tensor] | None = None  # (weakref to scaler.scale()'s output, its input)
         self.losses = LossSums(rec)
         self._framework_checked = False
@@ -257,6 +258,11 @@ class PhaseProbe:
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
+        if self._backward_seen and not self.models:
+            out.append("backward ran but no module's forward was seen: a model compiled in place "
+                       "(model.compile()) runs its hooks inside the compiled graph, and a functional "
+                       "model has none; use compiled = torch.compile(model), or mark the forward with "
+                       "tp.phase('forward')")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
@@ -479,7 +485,7 @@ class PhaseProbe:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(tensors, *args, **kwargs)
-            probe._worked = probe._ever_worked = True
+            probe._worked = probe._ever_worked = probe._backward_seen = True
             if (isinstance(tensors, torch.Tensor) and tensors.numel() == 1
                     and (probe._closure_depth == 0 or probe._closure_evals <= 1)):
                 probe.losses.add(rec.step_index, probe._loss_of(tensors))
