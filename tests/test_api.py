@@ -431,3 +431,15 @@ def test_a_model_compiled_in_place_gets_a_note_not_silence(one_thread):
     torch._dynamo.reset()
     assert len(prof.run.steps) == 3 and (prof.run.steps["forward_s"] == 0).all()
     assert any("compiled in place" in n for n in prof.run.meta["notes"])
+
+
+def test_a_run_saved_before_the_skipped_column_loads_with_false(tmp_path):
+    import pandas as pd
+
+    run = tp.profile_fn(lambda: torch.tensor(1.0), steps=2, warmup=0, progress=False, clocks=False)
+    run.save(tmp_path / "old")
+    f = tmp_path / "old" / "steps.parquet"
+    pd.read_parquet(f).drop(columns=["skipped"]).to_parquet(f)  # the layout before `skipped`
+    old = tp.load(tmp_path / "old")
+    assert old.steps["skipped"].dtype == bool and not old.steps["skipped"].any()
+    assert old.steps["loss"].tolist() == [1.0, 1.0]
