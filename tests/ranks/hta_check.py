@@ -2,7 +2,7 @@
 
 HTA is not a tpkit dependency (it brings plotly, pydot, jupyterlab and its own pins), so it
 lives in a venv of its own; this script is started with tpkit's interpreter, writes one trace per
-rank with ``tpkit/views/kineto.py`` and runs HTA with the other interpreter. HolisticTraceAnalysis
+rank with ``tpkit/analysis/kineto.py`` and runs HTA with the other interpreter. HolisticTraceAnalysis
 0.5.0 ran these three analyses on this export with pandas 2.3.3 and with pandas 3.1.1 alike:
 
     python3 -m venv /tmp/hta-venv && /tmp/hta-venv/bin/pip install HolisticTraceAnalysis==0.5.0
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_kineto():
-    spec = importlib.util.spec_from_file_location("tpkit_kineto", ROOT / "tpkit" / "views" / "kineto.py")
+    spec = importlib.util.spec_from_file_location("tpkit_kineto", ROOT / "tpkit" / "analysis" / "kineto.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

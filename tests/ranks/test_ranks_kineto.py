@@ -1,4 +1,4 @@
-"""tpkit/views/kineto.py: a rank's Run as the Kineto-style trace HTA reads. HolisticTraceAnalysis
+"""tpkit/analysis/kineto.py: a rank's Run as the Kineto-style trace HTA reads. HolisticTraceAnalysis
 is not a tpkit dependency (it lives in a venv of its own, tests/ranks/hta_check.py says how), so
 HTA itself runs only where ``HTA_PYTHON`` names an interpreter that has it; the format is checked
 here against what HTA's parser and the three analyses read (see the module docstring)."""
@@ -16,7 +16,7 @@ import pytest
 from hta_check import hand_made_rank
 from ranks_launch import HERE, ROOT
 
-spec = importlib.util.spec_from_file_location("tpkit_kineto_test", ROOT / "tpkit" / "views" / "kineto.py")
+spec = importlib.util.spec_from_file_location("tpkit_kineto_test", ROOT / "tpkit" / "analysis" / "kineto.py")
 kineto = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kineto)
 

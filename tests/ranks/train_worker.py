@@ -36,6 +36,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--delay-ms", type=float, default=150.0)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="tp.profile(memory=...): the memory probe on (default) or off")
     return ap.parse_args()
 
 
@@ -132,7 +134,7 @@ def run_case(framework: str, delay_phase: str, a: argparse.Namespace, rank: int)
     batches = loader(rank, n + 4, collate_s)  # more than the slice: tpkit stops the loop
     profiled: list[float] = []
     with tp.profile(steps=a.steps, warmup=a.warmup, name=framework, progress=False, clocks=False,
-                    save_dir=str(out)) as prof:
+                    memory=a.memory, save_dir=str(out)) as prof:
         train(framework, model, opt, batches, profiled)
     recorded = [float(v) for v in prof.run.steps["loss"]]
     (out / "losses").mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..run import Run
-from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, frame, jsonable
+from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
 from .recorder import Recorder
 
 
@@ -24,8 +24,11 @@ def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
     User phases (``tp.phase``) do not take time from built-in phases: a built-in phase
     inside a user phase keeps its time, and a user phase's own time falls to ``other``.
     Returns one row per step with columns ``step`` and ``<phase>_s`` for built-in phases.
+    Spans of ``UNCOUNTED_PHASES`` (collectives in flight behind compute) are left out.
     """
     cols = [f"{p}_s" for p in BUILTIN_PHASES]
+    if len(spans) and spans["phase"].isin(UNCOUNTED_PHASES).any():
+        spans = spans[~spans["phase"].isin(UNCOUNTED_PHASES)]
     if spans.empty:
         return pd.DataFrame(columns=["step", *cols])
     builtin = set(BUILTIN_PHASES)

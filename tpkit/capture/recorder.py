@@ -118,6 +118,14 @@ class Recorder:
         """Record a finished span measured elsewhere (another thread, a loader stage)."""
         self.spans.append((phase, start_ns, end_ns, depth, source, self.step_index, None, None))
 
+    def add_timed_span(self, phase: str, start_ns: int, end_ns: int, source: str, depth: int | None = None,
+                       start_event: Any = None, end_event: Any = None, raw_step: int | None = None) -> None:
+        """Record a finished span a probe timed on this clock (a wait in a collective), with its
+        CUDA events (or None; the ``cuda_timer``'s marks, resolved when the Run is built).
+        ``depth`` None: nested in the spans open now. ``raw_step`` None: the current step."""
+        self.spans.append((phase, start_ns, end_ns, len(self._stack) if depth is None else depth, source,
+                           self.step_index if raw_step is None else raw_step, start_event, end_event))
+
     # -- steps ----------------------------------------------------------------------------
     def add_samples(self, n: int) -> None:
         self.samples += n

@@ -13,6 +13,7 @@ import platform
 import socket
 import sys
 import threading
+import time
 from contextlib import ContextDecorator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -103,9 +104,20 @@ class Profile:
                 f"a tpkit profile ('{running.name}') is already running; a slice cannot start "
                 "inside another. Let the running one finish, or interrupt it, then start again.")
         cfg = self.config
+        if cfg.warmup == "auto" and cfg.stop:
+            from .ranks import rank_meta
+
+            world = int(rank_meta().get("world_size") or 1)
+            if world > 1:  # each rank would settle after its own count and stop alone: the others hang
+                raise TpkitError(
+                    f"warmup='auto' is decided by each rank on its own step times, so the {world} ranks of "
+                    "this launch could stop at different steps and leave the others waiting in a collective; "
+                    "give a fixed warmup (e.g. warmup=5), the same on every rank")
         rec = self.rec = _rec.Recorder(cfg.name or "run")
         rec.samples_per_step = cfg.samples_per_step
         rec.meta.update(_static_meta(cfg))
+        # the slice's start on the wall clock, to the nanosecond: ranks' timelines line up by it
+        rec.meta["start_unix_ns"] = time.time_ns() - (time.perf_counter_ns() - rec.t0_ns)
         rec.step_listeners.append(self._on_step)
         self._last_end_ns = rec.t0_ns
         try:
@@ -308,6 +320,20 @@ def _rank_watchdog(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 
 
 PROBE_FACTORIES.append(_rank_watchdog)
+
+
+def _comm_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    """Collectives, only where a process group is up (a single process has nothing to wait for)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from .probes.comm import SliceCommProbe
+
+    return SliceCommProbe(rec)
+
+
+PROBE_FACTORIES.append(_comm_probe)
 
 
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:

@@ -14,6 +14,7 @@ PHASE_COLORS: dict[str, str] = {
     "backward": "#6a51a3",
     "optimizer": "#2ca02c",
     "offload": "#8c564b",
+    "comm": "#393b79",  # blocked in collectives (waiting for other ranks)
     "tpkit": "#e7ba52",  # tpkit's own probe work
     "other": "#b0b0b0",
 }

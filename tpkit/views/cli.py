@@ -70,8 +70,34 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranks(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from ..ranks import load_ranks
+    from ..store import writable_folder
+
+    ranks = load_ranks(args.ranks_dir)
+    target = Path(args.out) if args.out else Path(args.ranks_dir) / "ranks_report.html"
+    writable_folder(target.parent, "the report's folder")
+    print(ranks.summary_text())
+    st = ranks.stragglers()
+    if len(st):
+        with pd.option_context("display.max_rows", args.rows, "display.width", 120):
+            shown = st.assign(excess_ms=(st["excess_s"] * 1e3).round(2)).drop(columns="excess_s")
+            print(f"\nstragglers per step (the rank the others waited for, its late phase, by how much):\n"
+                  f"{shown.to_string(index=False, max_rows=args.rows)}")
+    path = ranks.to_html(target)
+    print(f"\ndashboard written {Path(path).resolve()}")
+    if args.traces:
+        written = ranks.to_traces(args.traces)
+        print(f"{len(written)} Kineto-style traces written to {Path(args.traces).resolve()} "
+              "(HTA: TraceAnalysis(trace_dir=...))")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tpkit``: ``demo`` profiles the built-in slice, ``report`` draws a saved run."""
+    """``python -m tpkit``: ``demo`` profiles the built-in slice, ``report`` draws a saved run,
+    ``ranks`` merges the runs of a multi-process launch."""
     parser = argparse.ArgumentParser(prog="tpkit", description="Profile PyTorch training slices.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="profile the built-in tiny transformer on the CPU and write the dashboard")
@@ -87,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("run_dir")
     r.add_argument("--out", default=None)
     r.set_defaults(fn=_report)
+    k = sub.add_parser("ranks", help="merge the per-rank runs of a multi-process launch: straggler summary, "
+                                     "merged dashboard, optional per-rank traces for HTA")
+    k.add_argument("ranks_dir", help="the folder of rank<k> runs (TPKIT_SAVE_DIR of the launch)")
+    k.add_argument("--out", default=None, help="the merged dashboard (default: RANKS_DIR/ranks_report.html)")
+    k.add_argument("--traces", default=None, help="also write one Kineto-style trace per rank into this folder")
+    k.add_argument("--rows", type=_count(1), default=20, help="straggler rows printed at most")
+    k.set_defaults(fn=_ranks)
     args = parser.parse_args(argv)  # bad arguments: argparse's one-line usage error, exit 2
     from ..errors import RunFormatError, TpkitError
 

@@ -189,9 +189,12 @@ class CommProbe:
     """Times collectives; ``install()`` / ``remove()`` (idempotent, exact, safe after a failed
     install). One probe may be installed at a time."""
 
-    def __init__(self, on_span: OnSpan | None = None, *, max_ops: int = MAX_OPS) -> None:
+    def __init__(self, on_span: OnSpan | None = None, *, max_ops: int = MAX_OPS, cuda_clock: Any = None) -> None:
         self.on_span = on_span
         self.max_ops = max_ops
+        # On CUDA: what marks and resolves events (``mark()``, ``finish()``, ``resolve(mark)``); the
+        # slice passes its CUDA timer so the probe's events resolve with the Recorder's. None: its own.
+        self._clock = cuda_clock
         self.ops: list[Collective] = []
         self.exposed: list[tuple[int, int, dict]] = []  # every exposed span reported, host clock
         self.notes: list[str] = []
@@ -226,7 +229,7 @@ class CommProbe:
         _ACTIVE = self
         try:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                self._cuda = _CudaClock()
+                self._cuda = self._clock if self._clock is not None else _CudaClock()
             from torch._C import _distributed_c10d as c10d
 
             lib = torch.library.Library("c10d", "IMPL")
@@ -311,7 +314,7 @@ class CommProbe:
         for c in list(self.ops):
             start, end, bound = c.issue_ns, c.done_ns, "completed"
             if c.issue_event is not None and c.wait_event is not None:
-                res = resolve or (self._cuda.resolve if self._cuda is not None else None)
+                res = resolve or self._default_resolve()
                 if res is None:
                     continue
                 start, end, bound = res(c.issue_event), res(c.wait_event), "waited"
@@ -323,8 +326,16 @@ class CommProbe:
                 out.append((s, e, {"op": c.op, "bytes": c.bytes, "end": bound, "in_backward": c.in_backward}))
         return out
 
+    def _default_resolve(self) -> Callable[[Any], int] | None:
+        """The probe's CUDA clock's ``resolve``, its events completed first (one sync, after the slice)."""
+        if self._cuda is None:
+            return None
+        self._cuda.finish()
+        return self._cuda.resolve
+
     def _exposed_resolved(self, resolve: Callable[[Any], int] | None) -> list[tuple[int, int, dict]]:
-        res = resolve or (self._cuda.resolve if self._cuda is not None else None)
+        res = resolve or (self._default_resolve() if any(d.get("start_event") is not None for _, _, d in self.exposed)
+                          else None)
         out = []
         for s, e, d in self.exposed:
             if res is not None and d.get("start_event") is not None and d.get("end_event") is not None:
@@ -570,3 +581,59 @@ class CommProbe:
         blocking.__wrapped__ = orig  # type: ignore[attr-defined]
         blocking.__doc__ = getattr(orig, "__doc__", None)
         return blocking
+
+
+class SliceCommProbe:
+    """The probe as a slice runs it (``tpkit.capture.slice.PROBE_FACTORIES``): each exposed wait on
+    the loop's thread becomes a ``comm`` span of the Recorder, nested in the phase it interrupted
+    (so the steps table takes it out of that phase), timed on the GPU by the slice's CUDA timer
+    when there is one. After the slice, ``meta()`` adds the collectives' overlapped time as
+    ``comm_overlapped`` spans (in the step they fall in, never charged to a phase) and the probe's
+    facts to ``run.meta["comm"]``. ``rec`` is a ``tpkit.capture.recorder.Recorder``."""
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self.other_threads = 0  # waits seen on threads that are not the loop's
+        self.probe = CommProbe(self._on_span, cuda_clock=rec.cuda_timer)
+
+    def install(self) -> "SliceCommProbe":
+        self.probe.install()
+        return self
+
+    def remove(self) -> None:
+        self.probe.remove()
+
+    def _on_span(self, phase: str, start_ns: int, end_ns: int, detail: dict) -> None:
+        rec = self.rec
+        if detail.get("thread_id") != rec.thread_id:
+            self.other_threads += 1
+            return
+        rec.add_timed_span(phase, start_ns, end_ns, f"{detail.get('kind')}:{detail.get('op')}",
+                           start_event=detail.get("start_event"), end_event=detail.get("end_event"))
+
+    def meta(self) -> dict[str, Any]:
+        """Adds the overlapped spans to the Recorder (once) and returns ``{"comm": facts}``."""
+        import bisect
+
+        from ...schema import COMM_OVERLAPPED
+
+        rec, probe = self.rec, self.probe
+        timer = rec.cuda_timer if probe._cuda is rec.cuda_timer else None
+        resolve = None
+        if timer is not None:
+            timer.finish()
+            resolve = timer.resolve
+        ends = [e for e, _ in rec.step_ends]
+        pieces = probe.overlapped(resolve)
+        for s, e, d in pieces:
+            rec.add_timed_span(COMM_OVERLAPPED, s, e, str(d["op"]), depth=1, raw_step=bisect.bisect_left(ends, s))
+        out = probe.meta()
+        totals = probe.totals(resolve)
+        out["comm"].update(exposed_s=totals["exposed_s"], overlapped_s=totals["overlapped_s"], ops=totals["ops"],
+                           bytes=totals["bytes"], by_op=totals["by_op"])
+        if self.other_threads:
+            out["comm"]["notes"].append(f"{self.other_threads} waits on threads other than the loop's "
+                                        "were not charged to its steps")
+        self.probe.ops.clear()  # reported once: a second meta() adds nothing
+        self.probe.exposed.clear()
+        return out

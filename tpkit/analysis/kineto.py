@@ -4,6 +4,7 @@ breakdown, idle-time breakdown and communication/computation overlap.
 
 A pure function of the Run's frames (pandas only): ``run_to_kineto(steps, spans, meta, rank,
 world_size) -> dict``; ``kineto_json(doc)`` writes it the way HTA can find the rank.
+``RankRuns.to_traces(dir)`` (tpkit/ranks.py) writes one per rank.
 
 What HTA 0.5.0 needs, and how tpkit's spans fill it (measured in tests/ranks/hta_check.py):
 
@@ -181,3 +182,4 @@ def kineto_json(doc: dict[str, Any]) -> str:
     """The document as JSON HTA can read: default separators (``"rank": 0`` with its space) and
     ``distributedInfo`` first, as ``run_to_kineto`` orders it."""
     return json.dumps(doc)
+

@@ -1,0 +1,188 @@
+"""Many ranks without launching any (fast): the straggler rule, its one-line verdict, the merged
+timeline and memory peaks on hand-made frames; the comm phase in the steps table (taken out of
+the phase it interrupts; overlapped time never charged); runs saved before ``comm_s`` existed
+still load; the Ranks chart past altair's 5,000 rows; ``python -m tpkit ranks``; warmup='auto'
+refused in a multi-rank launch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/factories.py
+from factories import make_run, table  # noqa: E402
+
+import tpkit as tp  # noqa: E402
+from tpkit.analysis.ranks import (  # noqa: E402
+    rank_memory_peaks,
+    rank_offsets_s,
+    rank_stragglers,
+    rank_timeline,
+    straggler_verdict,
+)
+from tpkit.capture.build import exclusive_phase_times  # noqa: E402
+from tpkit.charts.ranks import rank_step_times, ranks_view  # noqa: E402
+from tpkit.schema import SCHEMAS, frame  # noqa: E402
+
+
+def three_ranks() -> pd.DataFrame:
+    """3 ranks, 2 measured steps (+1 warmup). Step 0: rank 2 waits 40 ms more for data, ranks 0
+    and 1 wait those 40 ms in collectives. Step 1: rank 1 is 30 ms late in forward."""
+    rows = []
+    for step in (-1, 0, 1):
+        for rank in range(3):
+            data, fwd, bwd, comm = 0.010, 0.050, 0.080, 0.002
+            if step == 0:
+                data += 0.040 if rank == 2 else 0.0
+                comm += 0.0 if rank == 2 else 0.040
+            if step == 1:
+                fwd += 0.030 if rank == 1 else 0.0
+                comm += 0.0 if rank == 1 else 0.030
+            if step == -1:
+                fwd += 0.5 * rank  # warmup: left out
+            dur = data + fwd + bwd + comm
+            rows.append(dict(rank=rank, step=step, warmup=step < 0, duration_s=dur, data_wait_s=data,
+                             forward_s=fwd, backward_s=bwd, comm_s=comm))
+    return pd.DataFrame(rows)
+
+
+def test_stragglers_name_the_rank_and_phase_the_others_waited_for():
+    st = rank_stragglers(three_ranks())
+    assert list(st.columns) == ["step", "rank", "phase", "excess_s"]
+    assert st[["step", "rank", "phase"]].values.tolist() == [[0, 2, "data_wait"], [1, 1, "forward"]]
+    assert st["excess_s"].tolist() == pytest.approx([0.040, 0.030])
+
+
+def test_verdict_line_and_noise():
+    steps = three_ranks()
+    v = straggler_verdict(rank_stragglers(steps), steps)
+    assert v["line"] == "rank 2's data_wait held 1 of 2 steps back by 40.0 ms (p50)"
+    assert (v["rank"], v["phase"], v["steps"], v["of_steps"]) == (2, "data_wait", 1, 2)
+    same = steps[steps["step"] == 0].assign(step=lambda d: d["step"] + 5)
+    every = pd.concat([steps[steps["step"] == 0], same])
+    assert straggler_verdict(rank_stragglers(every), every)["line"] == \
+        "rank 2's data_wait held every step back by 40.0 ms (p50)"
+    flat = steps.assign(data_wait_s=0.01, forward_s=0.05 + steps["rank"] * 1e-4, comm_s=0.0, duration_s=0.14)
+    quiet = straggler_verdict(rank_stragglers(flat), flat)
+    assert quiet["rank"] is None and quiet["line"].startswith("no rank held the others back")
+
+
+def test_comm_is_taken_out_of_the_phase_it_interrupts_and_overlap_is_never_charged():
+    spans = table("spans", step=[0, 0, 0, 0], phase=["forward", "backward", "comm_overlapped", "comm"],
+                  start_s=[0.0, 0.1, 0.15, 0.3], end_s=[0.1, 0.5, 0.3, 0.45], depth=[0, 0, 1, 1])
+    t = exclusive_phase_times(spans).iloc[0]
+    assert t["forward_s"] == pytest.approx(0.1)
+    assert t["backward_s"] == pytest.approx(0.25) and t["comm_s"] == pytest.approx(0.15)
+
+
+def test_old_layouts_still_load(tmp_path):
+    old = [(0, False, 0.0, 0.1, 0.1, 8, 0.01, 0.0, 0.04, 0.04, 0.01, 0.0, 0.0, 0.0, 80.0, 1.5)]  # before skipped
+    with_skipped = [old[0] + (True,)]
+    a, b = frame("steps", old), frame("steps", with_skipped)
+    assert list(a.columns) == list(SCHEMAS["steps"]) and a.loc[0, "comm_s"] == 0.0 and not a.loc[0, "skipped"]
+    assert b.loc[0, "skipped"] and b.loc[0, "comm_s"] == 0.0
+    run = make_run("old", [0.1, 0.2])
+    run.save(tmp_path / "old")
+    pq = tmp_path / "old" / "steps.parquet"
+    pd.read_parquet(pq).drop(columns=["comm_s"]).to_parquet(pq)  # a run saved before comm_s
+    again = tp.load(tmp_path / "old")
+    assert again.steps["comm_s"].tolist() == [0.0, 0.0]
+
+
+def test_timeline_lines_ranks_up_and_thins_lanes():
+    spans = {k: table("spans", step=[-1, 0, 0, 0, 0], phase=["forward", "data_wait", "forward", "comm", "tpkit"],
+                      start_s=[0.0, 1.0, 1.2, 1.25, 1.3], end_s=[0.5, 1.2, 1.5, 1.45, 1.31], depth=[0, 0, 0, 1, 1])
+             for k in range(4)}
+    metas = {0: {"start_unix_ns": 10_000_000_000}, 1: {"start_unix_ns": 10_500_000_000}, 2: {}, 3: {}}
+    off = rank_offsets_s(metas, {k: 1.0 for k in range(4)})
+    assert off[0] == 0.0 and off[1] == pytest.approx(0.5)
+    assert off[2] == off[3] == pytest.approx(0.25)  # no start stamp: first step at the others' median (1.25)
+    tl = rank_timeline(spans, off)
+    assert set(tl["phase"]) == {"data_wait", "forward", "comm"} and (tl["step"] >= 0).all()
+    assert tl["phase"].iloc[-1] == "comm"  # waits drawn last, over their phase
+    r1 = tl[(tl["rank"] == 1) & (tl["phase"] == "data_wait")].iloc[0]
+    assert r1["start_s"] == pytest.approx(1.5)
+    few = rank_timeline(spans, off, ranks=[3, 1, 0, 2], max_rows=7)
+    assert sorted(set(few["rank"])) == [1, 3]  # the preferred lanes that fit
+
+
+def test_memory_peaks_per_rank():
+    mem = {k: table("memory", step=[0, 0, 0, 1], phase=["forward"] * 4, event=["enter", "enter", "peak", "exit"],
+                    t_s=[1.0, 1.0, 1.1, 2.0], device="cpu", category=["parameters", "activations", "activations",
+                                                                         "parameters"],
+                    bytes=[100 * (k + 1), 50, 400, 10]) for k in range(2)}
+    p = rank_memory_peaks(mem)
+    assert p[["rank", "device", "peak_bytes", "phase"]].values.tolist() == [[0, "cpu", 400, "forward"],
+                                                                            [1, "cpu", 400, "forward"]]
+
+
+def test_rank_chart_past_five_thousand_rows():
+    rng = np.random.default_rng(0)
+    steps = pd.DataFrame({"rank": np.repeat(np.arange(256), 50), "step": np.tile(np.arange(50), 256),
+                          "warmup": False, "duration_s": rng.uniform(0.1, 0.2, 256 * 50)})
+    from tpkit.analysis.ranks import rank_skew
+
+    spec = rank_step_times(steps, rank_skew(steps), highlight=37).to_dict()  # altair refuses > 5,000 rows
+    text = json.dumps(spec)
+    assert "across 256 ranks" in text and "red: rank 37" in text
+    rows = sum(len(v) for v in spec["datasets"].values())
+    assert rows < 5000
+    view = ranks_view(steps.head(20), rank_skew(steps.head(20)), pd.DataFrame(columns=["rank", "step", "phase",
+                      "start_s", "end_s"]), pd.DataFrame(columns=["rank", "device", "peak_bytes"]),
+                      verdict="rank 3's data_wait held every step back by 42.0 ms (p50)", missing=[5])
+    title = view.to_dict()["title"]["text"]
+    assert title == ["rank 3's data_wait held every step back by 42.0 ms (p50)", "missing: rank 5 left no run"]
+
+
+def save_ranks(root: Path, world: int, late: int, late_s: float, skip: tuple[int, ...] = ()) -> None:
+    """Hand-made per-rank runs: 5 steps of 100 ms; rank ``late`` waits ``late_s`` longer for data,
+    the others that long in collectives."""
+    for k in range(world):
+        if k in skip:
+            continue
+        run = make_run("job", [0.1 + late_s] * 5, data_share=0.2, rank=k, world_size=world,
+                       start_unix_ns=1_800_000_000_000_000_000)
+        if k == late:
+            run.steps["data_wait_s"] += late_s
+        else:
+            run.steps["comm_s"] = late_s
+        run.save(root / f"rank{k}")
+
+
+def test_load_ranks_caches_and_names_missing(tmp_path):
+    save_ranks(tmp_path, 4, late=3, late_s=0.042, skip=(1,))
+    ranks = tp.load_ranks(tmp_path)
+    assert ranks.steps is ranks.steps and ranks.run is ranks.run
+    assert ranks.missing == [1]
+    s = ranks.summary()
+    assert s["straggler"] == "rank 3's data_wait held every step back by 42.0 ms (p50)"
+    assert "missing: rank 1 left no run" in ranks.summary_text()
+    assert "rank 1 of 4 left no run" in " ".join(ranks.run.meta["notes"])
+    assert "<tpkit.RankRuns: 3/4 ranks" in repr(ranks)
+
+
+def test_cli_ranks(tmp_path, capsys):
+    from tpkit.views.cli import main
+
+    save_ranks(tmp_path / "job", 2, late=1, late_s=0.03)
+    assert main(["ranks", str(tmp_path / "job"), "--out", str(tmp_path / "r.html"),
+                 "--traces", str(tmp_path / "tr")]) == 0
+    out = capsys.readouterr().out
+    assert "straggler: rank 1's data_wait held every step back by 30.0 ms (p50)" in out
+    assert "    4     1 data_wait       30.0" in out
+    assert (tmp_path / "r.html").is_file() and sorted(p.name for p in (tmp_path / "tr").iterdir()) == \
+        ["rank0.json", "rank1.json"]
+    assert main(["ranks", str(tmp_path / "nothing")]) == 1
+
+
+def test_warmup_auto_refused_in_a_multi_rank_launch(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(tp.TpkitError, match="fixed warmup"):
+        with tp.profile(steps=2, warmup="auto", progress=False, memory=False, clocks=False):
+            raise AssertionError("the slice must not start")
