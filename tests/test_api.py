@@ -443,3 +443,31 @@ def test_a_run_saved_before_the_skipped_column_loads_with_false(tmp_path):
     old = tp.load(tmp_path / "old")
     assert old.steps["skipped"].dtype == bool and not old.steps["skipped"].any()
     assert old.steps["loss"].tolist() == [1.0, 1.0]
+
+
+def test_graph_breaks_of_the_model_itself_are_noted(one_thread):
+    """A model that breaks dynamo's graph by itself (not because of tpkit) gets a note."""
+    import torch._dynamo
+
+    class Breaks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            torch._dynamo.graph_break()  # the model's own break
+            return self.b(h)
+
+    torch._dynamo.reset()
+    model = Breaks()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=2, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        for x, y in _data(8):
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    torch._dynamo.reset()
+    assert any("graph break(s) while the slice ran, none caused by tpkit" in n for n in prof.run.meta["notes"])
+    assert (prof.run.steps["forward_s"] > 0).all() and prof.run.meta["model"]["class"] == "Breaks"
