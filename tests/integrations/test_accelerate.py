@@ -1,0 +1,81 @@
+"""A Hugging Face ``accelerate`` loop profiled unchanged: ``Accelerator`` on the CPU,
+``prepare``, ``accelerator.accumulate``, ``accelerator.backward`` (which divides the loss by
+the accumulation count before backward).
+
+Truth: the self-timed parts of ``truth``, the loop's own losses (the step's loss is the mean
+of its micro-batches' losses: the sum of what ``accelerator.backward`` backpropagates), and
+the number of updates the optimizer made.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpkit as tp
+import truth
+from truth import STEPS, WARMUP
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState  # noqa: E402
+
+BATCH = 4
+
+
+def run_loop(ga: int, mixed_precision: str = "no") -> dict:
+    torch.manual_seed(0)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: new settings per loop
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ga, mixed_precision=mixed_precision)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    micro_losses: list[float] = []
+    before = truth.hook_state()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=f"accelerate-ga{ga}", progress=False, clock_hz=0) as prof, \
+            truth.TRUTH.recording():
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(x).float(), y)
+                micro_losses.append(loss.item())
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+    step_losses = [sum(micro_losses[i:i + ga]) / ga for i in range(0, len(micro_losses), ga)]
+    return dict(run=prof.run, before=before, micro=micro_losses, step_losses=step_losses,
+                truth=truth.snapshot())
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["ga1", "ga2"])
+def sliced(request):
+    return dict(ga=request.param, **run_loop(request.param))
+
+
+def test_loop_runs_and_hooks_are_removed(sliced):
+    truth.assert_hooks_removed(sliced["before"])
+    run, ga = sliced["run"], sliced["ga"]
+    assert len(run.steps) == STEPS + WARMUP and run.complete
+    assert len(sliced["micro"]) == ga * (STEPS + WARMUP)  # stopped right after the 7th update
+    assert sliced["truth"].calls["optimizer"] == STEPS + WARMUP  # updates the optimizer made
+    assert (run.steps[~run.steps["warmup"]]["samples"] == BATCH * ga).all()
+
+
+def test_samples_are_the_batches_trained_on(sliced):
+    assert (sliced["run"].steps["samples"] == BATCH * sliced["ga"]).all()
+
+
+def test_phases_match_the_truth(sliced):
+    truth.assert_phases(sliced["run"], sliced["truth"])
+
+
+def test_loss_is_the_steps_loss(sliced, request):
+    truth.assert_losses(sliced["run"].steps["loss"].tolist(), sliced["step_losses"])
+
+
+def test_bf16_mixed_precision_loss_and_phases():
+    """``mixed_precision="bf16"``: autocast on the CPU; the loss recorded is the loop's."""
+    out = run_loop(1, mixed_precision="bf16")
+    truth.assert_hooks_removed(out["before"])
+    truth.assert_losses(out["run"].steps["loss"].tolist(), out["step_losses"])
+    truth.assert_phases(out["run"], out["truth"])

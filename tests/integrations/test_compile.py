@@ -1,0 +1,133 @@
+"""``torch.compile`` under a slice: tpkit's hooks must not change what dynamo compiles.
+
+Truth: the same loop run without tpkit (dynamo's own counters: graphs captured and graph
+breaks), and the forward time the loop measures around each call of the compiled module.
+``backend="eager"`` needs no C compiler; inductor runs only where one works (slow).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import tpkit as tp
+import truth
+from truth import STEPS, WARMUP
+
+
+class Net(torch.nn.Module):
+    """(B, 256) -> (B, 1), a few ms per call; moves its input as real models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(256, 1024)
+        self.b = torch.nn.Linear(1024, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.a.weight.dtype)
+        return self.b(torch.relu(self.a(x)))  # (B, 1)
+
+
+def compiled_loop(backend: str, profile: bool, warm: bool = False) -> dict:
+    """A plain loop over a module compiled with ``backend``, first called inside the slice
+    (or, ``warm``, three times before it). Returns dynamo's counters and the run."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    cmodel = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(128, 256), torch.randn(128, 1)
+
+    def step() -> None:
+        with truth.timed("forward"):
+            out = cmodel(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    if warm:
+        for _ in range(3):
+            step()
+    before_graphs = counters["stats"]["unique_graphs"]
+    run, state = None, truth.hook_state()
+    if profile:
+        with tp.profile(steps=STEPS, warmup=WARMUP, name=f"compile-{backend}", progress=False, clock_hz=0) as prof, \
+                truth.TRUTH.recording():
+            for _ in range(100):
+                step()
+        run = prof.run
+    else:
+        for _ in range(STEPS + WARMUP):
+            step()
+    out = dict(run=run, before=state, model=model, truth=truth.snapshot(),
+               graphs=counters["stats"]["unique_graphs"], new_graphs=counters["stats"]["unique_graphs"] - before_graphs,
+               breaks=sum(counters["graph_break"].values()), break_reasons=list(counters["graph_break"]),
+               recompiles=sum(counters["recompiles"].values()) if "recompiles" in counters else 0)
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.fixture(scope="module")
+def eager_plain():
+    return compiled_loop("eager", profile=False)
+
+
+@pytest.fixture(scope="module")
+def eager_sliced():
+    return compiled_loop("eager", profile=True)
+
+
+def test_control_without_tpkit_is_one_graph(eager_plain):
+    assert eager_plain["graphs"] == 1 and eager_plain["breaks"] == 0
+
+
+def test_first_compile_inside_the_slice_is_unchanged(eager_plain, eager_sliced):
+    assert eager_sliced["breaks"] == 0, eager_sliced["break_reasons"]
+    assert eager_sliced["graphs"] == eager_plain["graphs"]
+
+
+def test_compiled_call_is_timed_as_forward_and_hooks_are_removed(eager_sliced):
+    run = eager_sliced["run"]
+    truth.assert_hooks_removed(eager_sliced["before"])
+    assert len(run.steps) == STEPS + WARMUP and run.complete
+    truth.assert_phases(run, eager_sliced["truth"], phases=("forward",))
+    assert run.meta["model"]["parameters"] == sum(p.numel() for p in eager_sliced["model"].parameters())
+
+
+@pytest.fixture(scope="module")
+def eager_warm():
+    return compiled_loop("eager", profile=True, warm=True)
+
+
+def test_warm_compiled_model_keeps_its_graph(eager_warm):
+    """Compiled before the slice: the slice adds no graph and no recompile, and the compiled
+    call is still timed as forward."""
+    truth.assert_hooks_removed(eager_warm["before"])
+    assert eager_warm["new_graphs"] == 0 and eager_warm["recompiles"] == 0
+    truth.assert_phases(eager_warm["run"], eager_warm["truth"], phases=("forward",))
+
+
+def test_warm_compiled_model_has_no_graph_break(eager_warm):
+    assert eager_warm["breaks"] == 0, eager_warm["break_reasons"]
+
+
+def _c_compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_c_compiler() is None, reason="inductor needs a C++ compiler; none on PATH")
+def test_inductor_first_compile_inside_the_slice_is_unchanged():
+    plain = compiled_loop("inductor", profile=False)
+    sliced = compiled_loop("inductor", profile=True)
+    truth.assert_hooks_removed(sliced["before"])
+    assert plain["graphs"] == 1 and plain["breaks"] == 0
+    assert sliced["breaks"] == 0, sliced["break_reasons"]
+    assert sliced["graphs"] == plain["graphs"]

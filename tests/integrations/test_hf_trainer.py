@@ -1,0 +1,117 @@
+"""Hugging Face ``Trainer`` on a tiny GPT-2 built from a config (no weights), profiled
+unchanged: ``trainer.train()`` under ``tp.profile`` and under ``%%tp_profile``.
+
+Truth: the Trainer's own ``log_history`` (``logging_steps=1``: one loss per optimizer step),
+its ``state.global_step``, ``on_train_end`` having run, and the known sleeps of
+``truth.tiny_gpt2`` / ``truth.sleepy_collate`` / ``truth.SleepyAdamW``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from IPython.utils.capture import capture_output
+
+import tpkit as tp
+import truth
+from truth import STEPS, WARMUP
+
+transformers = truth.import_transformers()
+pytest.importorskip("accelerate")
+
+BATCH = 4
+
+
+class Ends(transformers.TrainerCallback):
+    """What the Trainer told its callbacks."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+        self.events.append("train_end")
+
+
+def make_trainer(tmp_path, ga: int = 1, max_steps: int = 40) -> tuple:
+    model = truth.tiny_gpt2()
+    opt = truth.SleepyAdamW(model.parameters(), lr=1e-3)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ga,
+        max_steps=max_steps, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+        use_cpu=True, dataloader_num_workers=0, seed=0, max_grad_norm=0.0)
+    ends = Ends()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=truth.Tokens(),
+                                   data_collator=truth.sleepy_collate, optimizers=(opt, None), callbacks=[ends])
+    return trainer, ends
+
+
+def logged_losses(trainer) -> list[float]:  # noqa: ANN001
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["ga1", "ga2"])
+def sliced(request, tmp_path_factory):
+    """One ``trainer.train()`` under ``tp.profile(steps=5, warmup=2)`` per accumulation."""
+    ga = request.param
+    trainer, ends = make_trainer(tmp_path_factory.mktemp(f"ga{ga}"), ga=ga)
+    before = truth.hook_state()
+    t0 = time.perf_counter()
+    error = None
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=f"hf-ga{ga}", progress=False, clock_hz=0) as prof, \
+            truth.TRUTH.recording():
+        try:
+            trainer.train()
+        except Exception as e:  # noqa: BLE001 - the Trainer's own failure is part of what is checked
+            error = e
+    return dict(ga=ga, run=prof.run, trainer=trainer, ends=ends, before=before, error=error,
+                truth=truth.snapshot(), wall_s=time.perf_counter() - t0)
+
+
+def test_trainer_runs_and_hooks_are_removed(sliced):
+    assert sliced["error"] is None, sliced["error"]
+    truth.assert_hooks_removed(sliced["before"])
+    run = sliced["run"]
+    assert len(run.steps) == STEPS + WARMUP and run.steps["warmup"].sum() == WARMUP
+    measured = run.steps[~run.steps["warmup"]]
+    assert (measured["samples"] == BATCH * sliced["ga"]).all()
+
+
+def test_trainer_ends_normally_after_exactly_the_slice(sliced):
+    trainer, run = sliced["trainer"], sliced["run"]
+    assert trainer.state.global_step == STEPS + WARMUP == len(run.steps)
+    assert len(logged_losses(trainer)) == STEPS + WARMUP
+    assert sliced["ends"].events == ["train_end"]
+    assert run.meta["stopped_by"] == "slice" and run.complete
+
+
+def test_loss_matches_log_history(sliced, request):
+    """The loss per step is the Trainer's logged loss (``logging_steps=1``)."""
+    logged = logged_losses(sliced["trainer"])
+    got = sliced["run"].steps["loss"].tolist()[: len(logged)]
+    truth.assert_losses(got, logged)
+
+
+def test_phases_match_the_truth(sliced):
+    truth.assert_phases(sliced["run"], sliced["truth"])
+
+
+def test_model_identified(sliced):
+    model = sliced["trainer"].model
+    assert sliced["run"].meta["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_trainer_under_the_magic(ip, tmp_path):
+    trainer, ends = make_trainer(tmp_path)
+    ip.user_ns.update(trainer=trainer)
+    before = truth.hook_state()
+    with capture_output(), truth.TRUTH.recording() as known:
+        ip.run_cell_magic("tp_profile", f"--steps {STEPS} --warmup {WARMUP} --name hf-magic --clock-hz 0 --quiet",
+                          "trainer.train()")
+    run = ip.user_ns["_tp"]
+    truth.assert_hooks_removed(before)
+    assert run.complete and len(run.steps) == STEPS + WARMUP
+    truth.assert_phases(run, known)
+    assert trainer.state.global_step == STEPS + WARMUP
+    assert ends.events == ["train_end"]
+    truth.assert_losses(run.steps["loss"].tolist(), logged_losses(trainer))

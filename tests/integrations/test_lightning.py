@@ -1,0 +1,172 @@
+"""Lightning ``Trainer.fit`` profiled unchanged, automatic optimization (Lightning's default:
+``training_step`` runs inside ``optimizer.step(closure)``) and manual optimization (the same
+model, stepping itself), under ``tp.profile``, under ``%%tp_profile`` in IPython's shell, and
+in a real kernel.
+
+Truth: the self-timed parts of ``truth`` (forward, backward, the optimizer's own work, the
+collation), the loss each ``training_step`` returned (recorded by a callback), the trainer's
+``global_step``, and its end state (``TrainerStatus.FINISHED``, ``on_train_end`` called,
+``on_exception`` not).
+"""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+import torch
+import torch.nn.functional as F
+from IPython.utils.capture import capture_output
+
+import tpkit as tp
+import truth
+from truth import STEPS, WARMUP
+
+L = pytest.importorskip("lightning")
+
+BATCH = 4
+
+
+class Model(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.net = truth.SleepyNet()
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        return truth.SleepySGD(self.parameters(), lr=0.01)
+
+
+class Record(L.Callback):
+    """The loss Lightning logged for every batch (``self.log("train_loss", ...)``; not
+    ``outputs["loss"]``, which Lightning has divided by ``accumulate_grad_batches``) and the end
+    hooks the trainer called."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.events: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+        self.events.append("train_end")
+
+    def on_exception(self, trainer, pl_module, exception):  # noqa: ANN001
+        self.events.append(f"exception {type(exception).__name__}")
+
+
+def make(manual: bool = False, max_steps: int = 40, ga: int = 1) -> tuple:
+    torch.manual_seed(0)
+    model, record = Model(manual), Record()
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=1, callbacks=[record], num_sanity_val_steps=0,
+                        accumulate_grad_batches=ga)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    return trainer, model, loader, record
+
+
+@pytest.fixture(scope="module", params=["automatic", "manual", "automatic-ga2"])
+def sliced(request):
+    """``fit()`` under ``tp.profile``; ``automatic-ga2``: ``accumulate_grad_batches=2`` (Lightning
+    divides each micro-batch's loss by 2 before its backward)."""
+    manual = request.param == "manual"
+    ga = 2 if request.param.endswith("ga2") else 1
+    trainer, model, loader, record = make(manual, ga=ga)
+    before = truth.hook_state()
+    error = None
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=f"pl-{request.param}", progress=False, clock_hz=0) as prof, \
+            truth.TRUTH.recording():
+        try:
+            trainer.fit(model, loader)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    losses = record.losses  # one per micro-batch: the step's loss is their mean
+    step_losses = [sum(losses[i:i + ga]) / ga for i in range(0, len(losses), ga)]
+    return dict(manual=manual, ga=ga, run=prof.run, trainer=trainer, model=model, record=record, before=before,
+                error=error, truth=truth.snapshot(), step_losses=step_losses)
+
+
+def test_fit_runs_and_hooks_are_removed(sliced):
+    assert sliced["error"] is None, sliced["error"]
+    truth.assert_hooks_removed(sliced["before"])
+    run = sliced["run"]
+    assert len(run.steps) == STEPS + WARMUP and run.complete
+    assert (run.steps["samples"] == BATCH * sliced["ga"]).all()
+
+
+def test_loss_matches_training_step(sliced):
+    truth.assert_losses(sliced["run"].steps["loss"].tolist(), sliced["step_losses"])
+
+
+def test_fit_ends_normally_after_exactly_the_slice(sliced):
+    trainer, record = sliced["trainer"], sliced["record"]
+    assert trainer.global_step == STEPS + WARMUP
+    assert trainer.state.status == L.pytorch.trainer.states.TrainerStatus.FINISHED
+    assert record.events == ["train_end"]
+    assert len(record.losses) == sliced["ga"] * (STEPS + WARMUP)
+
+
+def test_phases_match_the_truth(sliced, request):
+    truth.assert_phases(sliced["run"], sliced["truth"])
+
+
+def test_model_identified(sliced, request):
+    assert sliced["run"].meta["model"]["parameters"] == sum(p.numel() for p in sliced["model"].parameters())
+
+
+def test_verdict_follows_the_truth(sliced, request):
+    """Forward (30 ms) outweighs the optimizer's own work (10 ms): never OPTIMIZER-BOUND."""
+    s = sliced["run"].summary()
+    assert s.phase_share["optimizer_s"] < s.phase_share["forward_s"]
+    assert s.verdict.kind != "optimizer-bound"
+
+
+def test_fit_under_the_magic(ip):
+    trainer, model, loader, record = make(manual=True)
+    ip.user_ns.update(trainer=trainer, model=model, loader=loader)
+    before = truth.hook_state()
+    with capture_output(), truth.TRUTH.recording() as known:
+        ip.run_cell_magic("tp_profile", f"--steps {STEPS} --warmup {WARMUP} --name pl-magic --clock-hz 0 --quiet",
+                          "trainer.fit(model, loader)")
+    run = ip.user_ns["_tp"]
+    truth.assert_hooks_removed(before)
+    assert run.complete and len(run.steps) == STEPS + WARMUP
+    truth.assert_phases(run, known)
+    assert trainer.state.status == L.pytorch.trainer.states.TrainerStatus.FINISHED
+    assert trainer.global_step == STEPS + WARMUP
+    assert record.events == ["train_end"]
+
+
+KERNEL_CELLS = [
+    f"import sys; sys.path.insert(0, {truth.HERE!r})\n"
+    "%load_ext tpkit\nimport tpkit as tp\nimport test_lightning as t\n"
+    "trainer, model, loader, record = t.make(manual=False)",
+    f"%%tp_profile --steps {STEPS} --warmup {WARMUP} --name pl-kernel --clock-hz 0\ntrainer.fit(model, loader)",
+    "print(len(_tp.steps), _tp.complete, trainer.global_step, trainer.state.status.name, record.events)",
+]
+
+
+@pytest.mark.slow
+def test_fit_under_the_magic_in_a_real_kernel():
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in KERNEL_CELLS])
+    NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True).execute()
+    errors = [o for c in nb.cells for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, [(e["ename"], e["evalue"]) for e in errors]
+    shown = [o for o in nb.cells[1].outputs if o.get("output_type") == "display_data"
+             and "tpkit run 'pl-kernel'" in o["data"].get("text/plain", "")]
+    assert len(shown) == 1 and "text/plain" in shown[0]["data"]
+    assert nb.cells[2].outputs[0]["text"].strip() == f"{STEPS + WARMUP} True {STEPS + WARMUP} FINISHED ['train_end']"

@@ -1,0 +1,165 @@
+"""Memory truths on plain CPU loops (issue 13's table), each against an independent truth:
+the storages autograd saves (``saved_tensors_hooks``), parameter and gradient bytes counted
+from the tensors, and allocations of a known size made at a known moment.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpkit as tp
+from truth import STEPS, WARMUP
+
+MiB = 1 << 20
+
+
+def _activations_at_forward_exit(run) -> "list[int]":  # noqa: ANN001
+    m = run.memory
+    fe = m[(m["phase"] == "forward") & (m["event"] == "exit") & (m["device"] == "cpu")
+           & (m["category"] == "activations") & (m["step"] >= 0)]
+    return fe.groupby("step")["bytes"].sum().tolist()
+
+
+@pytest.fixture(scope="module")
+def mse_loop():
+    """``loss = F.mse_loss(m(x), y)``: its 0-dim loss is a view of the (512, 128) element-wise
+    buffer, 262,144 B."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(512, 64), torch.randn(512, 128)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="mse", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.run
+
+
+def test_mse_loss_storage_is_the_element_wise_buffer():
+    """The premise of the next test, checked: the scalar loss shares a 262,144 B storage."""
+    loss = F.mse_loss(torch.randn(512, 128), torch.randn(512, 128))
+    assert loss.dim() == 0 and loss.untyped_storage().nbytes() == 512 * 128 * 4
+
+
+def test_plain_loop_memory_is_flat(mse_loop):
+    levels = _activations_at_forward_exit(mse_loop)
+    assert len(levels) == STEPS
+    assert max(levels) - min(levels) == 0, levels
+    assert not any("leak" in n for n in mse_loop.summary().notes), mse_loop.summary().notes
+
+
+# -- the peak --------------------------------------------------------------------------------
+TEMP_BYTES = 32 * MiB
+
+
+class BigTemp(torch.autograd.Function):
+    """Identity whose backward holds a TEMP_BYTES temporary: the step's peak is inside the
+    first backward node, before any parameter has a gradient (``zero_grad`` sets them to
+    None)."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        t = torch.ones(TEMP_BYTES // 4)
+        s = t.sum()
+        del t
+        return g * (s / s)
+
+
+def _peak_model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 512))
+    x, y = torch.randn(512, 1024), torch.randn(512, 512)
+    return m, x, y
+
+
+def _saved_activation_bytes(m, x, y) -> int:  # noqa: ANN001
+    """Unique storages autograd saves in one forward, beyond parameters and the batch."""
+    saved: dict[int, int] = {}
+
+    def pack(t):  # noqa: ANN001
+        s = t.untyped_storage()
+        saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.mse_loss(BigTemp.apply(m(x)), y)
+    del loss
+    known = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    known |= {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
+    return sum(n for ptr, n in saved.items() if ptr not in known)
+
+
+@pytest.fixture(scope="module")
+def peak_run():
+    m, x, y = _peak_model()
+    saved = _saved_activation_bytes(m, x, y)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with tp.profile(steps=3, warmup=1, name="peak", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            loss = F.mse_loss(BigTemp.apply(m(x)), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    params = sum(p.numel() * p.element_size() for p in m.parameters())
+    return dict(run=prof.run, saved=saved, params=params)
+
+
+def _peak(run) -> dict:  # noqa: ANN001
+    p = run.memory_peak("cpu")
+    return {"step": int(p["step"].iloc[0]), "phase": p["phase"].iloc[0], "total": int(p["total_bytes"].iloc[0]),
+            **dict(zip(p["category"], p["bytes"].astype(int)))}
+
+
+def test_peak_is_in_backward_with_the_parameters(peak_run):
+    peak = _peak(peak_run["run"])
+    assert peak["phase"] == "backward" and peak["parameters"] == peak_run["params"], peak
+
+
+def test_peak_categories_are_those_at_the_peak_instant(peak_run):
+    peak = _peak(peak_run["run"])
+    assert peak["gradients"] == 0, peak  # no .grad exists yet inside the first backward node
+    assert abs(peak["activations"] - peak_run["saved"]) <= 64 * 1024, (peak, peak_run["saved"])
+    assert peak.get("temporaries", 0) >= TEMP_BYTES, peak
+
+
+def test_peak_total_is_what_was_alive(peak_run):
+    """Alive at the peak instant: parameters (from before the slice), saved activations, the
+    temporary, and the incoming gradient of the loss' input (512x512 fp32 = 1 MiB)."""
+    peak = _peak(peak_run["run"])
+    want = peak_run["params"] + peak_run["saved"] + TEMP_BYTES + 1 * MiB
+    assert abs(peak["total"] - want) <= 64 * 1024, (peak["total"], want)
+
+
+def test_memory_peak_uses_measured_steps_only():
+    """The first (warmup) step builds a 64 MiB cache in forward and drops it: the slice's
+    measured peak is elsewhere."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(256, 64), torch.randn(256, 1)
+    first = [True]
+
+    def forward(inp):  # noqa: ANN001
+        if first[0]:
+            first[0] = False
+            cache = torch.ones(16 * MiB)  # 64 MiB, warmup only
+            del cache
+        return m(inp)
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="warm-peak", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            with tp.phase("forward"):
+                out = forward(x)
+            F.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+    peak = _peak(prof.run)
+    assert peak["step"] >= 0 and peak["total"] < 16 * MiB, peak

@@ -1,0 +1,93 @@
+"""A training loop run in a background thread while the slice is open in the caller's
+thread (a notebook keeping its kernel free, a GUI, a serving process).
+
+Truth: the loop calls ``optimizer.step()`` a known number of times.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+import pytest
+
+import tpkit as tp
+import truth
+from truth import STEPS, WARMUP
+
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def threaded():
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    iterations, errors = [], []
+
+    def train() -> None:  # exactly warmup + steps iterations: no stop is needed
+        try:
+            for i, (x, y) in zip(range(STEPS + WARMUP), loader):
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                iterations.append(i)
+        except BaseException as e:  # noqa: BLE001 - whatever reaches the thread is checked
+            errors.append(e)
+
+    before = truth.hook_state()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="thread", progress=False, clock_hz=0) as prof:
+        worker = threading.Thread(target=train, name="training-loop")
+        worker.start()
+        worker.join(timeout=60)
+    return dict(run=prof.run, before=before, iterations=iterations, errors=errors, alive=worker.is_alive())
+
+
+def test_thread_loop_ends_and_hooks_are_removed(threaded):
+    assert not threaded["alive"] and not threaded["errors"], threaded["errors"]
+    assert len(threaded["iterations"]) == STEPS + WARMUP
+    truth.assert_hooks_removed(threaded["before"])
+
+
+def test_thread_loop_steps_are_counted(threaded):
+    run = threaded["run"]
+    assert len(run.steps) == STEPS + WARMUP
+    assert run.steps["forward_s"].gt(0).all()
+    assert not any("tp.step()" in n for n in run.meta.get("notes", []))
+
+
+def test_thread_loop_longer_than_the_slice_runs_on():
+    """A loop that goes on after the slice: 7 steps recorded, nothing raised into its thread
+    (no one there could catch a stop), and the run says the loop ran on."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    iterations, errors = [], []
+    n = STEPS + WARMUP + 3
+
+    def train() -> None:
+        try:
+            for i, (x, y) in zip(range(n), loader):
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                iterations.append(i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    before = truth.hook_state()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="thread-long", progress=False, clock_hz=0) as prof:
+        worker = threading.Thread(target=train, name="long-loop")
+        worker.start()
+        worker.join(timeout=60)
+    run = prof.run
+    assert not worker.is_alive() and not errors, errors
+    assert len(iterations) == n
+    assert len(run.steps) == STEPS + WARMUP and run.complete
+    assert any("long-loop" in note for note in run.meta["notes"]), run.meta["notes"]
+    truth.assert_hooks_removed(before)
