@@ -181,6 +181,7 @@ class PhaseProbe:
         self._worked = False  # a forward or backward since the last step ended
         self._ever_worked = False
         self._backward_seen = False
+        self._read_ahead = 0  # > 0 while a read-ahead loader (accelerate) fetches its next batch
         self._scaled: tuple[Any, torch.Tensor] | None = None  # (weakref to scaler.scale()'s output, its input)
         self.losses = LossSums(rec)
         self._framework_checked = False
@@ -221,6 +222,9 @@ class PhaseProbe:
                         self._wrap_next(_dl._BaseDataLoaderIter.__next__, "DataLoader"))
             self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
             self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
+            shard = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderShard", None)
+            if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
+                self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__iter__))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -510,6 +514,31 @@ class PhaseProbe:
                 return scaled[1]
         return tensor
 
+    def _wrap_read_ahead(self, fn: Any) -> Any:
+        """accelerate's ``DataLoaderShard`` reads one batch ahead of the one it yields: its
+        samples (and the batch the memory probe counts as ``data``) are the batch it hands to
+        the loop, when it hands it over; the inner loader's reads stay ``data_wait``."""
+        probe = self
+
+        def __iter__(loader: Any) -> Any:
+            inner = fn(loader)
+            while True:
+                mine = probe.installed and threading.get_ident() == probe.rec.thread_id
+                probe._read_ahead += mine
+                try:
+                    batch = next(inner)
+                except StopIteration:
+                    return
+                finally:
+                    probe._read_ahead -= mine
+                if mine:
+                    handed_out(probe.rec, batch)
+                yield batch
+
+        __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
+        __iter__.__doc__ = fn.__doc__
+        return __iter__
+
     def _wrap_next(self, fn: Any, source: str) -> Any:
         rec, probe = self.rec, self
 
@@ -522,7 +551,8 @@ class PhaseProbe:
                 batch = fn(it)
             finally:
                 rec.exit(token)
-            handed_out(rec, batch)
+            if not probe._read_ahead:  # else the reading-ahead loader hands it over later
+                handed_out(rec, batch)
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
