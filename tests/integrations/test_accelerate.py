@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import tpkit as tp
 import truth
 from truth import STEPS, WARMUP
+
+import tpkit as tp
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402

@@ -14,10 +14,10 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-
-import tpkit as tp
 import truth
 from truth import STEPS, WARMUP
+
+import tpkit as tp
 
 BATCH = 4
 ACCUM = 2

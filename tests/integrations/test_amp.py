@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import tpkit as tp
 import truth
 from truth import STEPS, WARMUP
+
+import tpkit as tp
 
 BATCH = 4
 INF_AT = 3  # the iteration (1-based) whose gradients are made infinite

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-import tpkit as tp
 import truth
 from truth import STEPS, WARMUP
+
+import tpkit as tp
 
 
 def test_lbfgs_closure_is_forward_and_backward():

@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+import truth
 from torch._dynamo.utils import counters
+from truth import STEPS, WARMUP
 
 import tpkit as tp
-import truth
-from truth import STEPS, WARMUP
 
 
 class Net(torch.nn.Module):

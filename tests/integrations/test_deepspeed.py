@@ -15,10 +15,10 @@ import socket
 import pytest
 import torch
 import torch.nn.functional as F
-
-import tpkit as tp
 import truth
 from truth import STEPS, WARMUP
+
+import tpkit as tp
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(truth.REPO, "build", "torch_extensions"))
 

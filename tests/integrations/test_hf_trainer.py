@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import truth
 from IPython.utils.capture import capture_output
+from truth import STEPS, WARMUP
 
 import tpkit as tp
-import truth
-from truth import STEPS, WARMUP
 
 transformers = truth.import_transformers()
 pytest.importorskip("accelerate")

@@ -15,11 +15,11 @@ import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
+import truth
 from IPython.utils.capture import capture_output
+from truth import STEPS, WARMUP
 
 import tpkit as tp
-import truth
-from truth import STEPS, WARMUP
 
 L = pytest.importorskip("lightning")
 
@@ -118,15 +118,15 @@ def test_fit_ends_normally_after_exactly_the_slice(sliced):
     assert len(record.losses) == sliced["ga"] * (STEPS + WARMUP)
 
 
-def test_phases_match_the_truth(sliced, request):
+def test_phases_match_the_truth(sliced):
     truth.assert_phases(sliced["run"], sliced["truth"])
 
 
-def test_model_identified(sliced, request):
+def test_model_identified(sliced):
     assert sliced["run"].meta["model"]["parameters"] == sum(p.numel() for p in sliced["model"].parameters())
 
 
-def test_verdict_follows_the_truth(sliced, request):
+def test_verdict_follows_the_truth(sliced):
     """Forward (30 ms) outweighs the optimizer's own work (10 ms): never OPTIMIZER-BOUND."""
     s = sliced["run"].summary()
     assert s.phase_share["optimizer_s"] < s.phase_share["forward_s"]

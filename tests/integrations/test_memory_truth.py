@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from truth import STEPS, WARMUP
 
 import tpkit as tp
-from truth import STEPS, WARMUP
 
 MiB = 1 << 20
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
-
-import pytest
-
-import tpkit as tp
 import truth
 from truth import STEPS, WARMUP
+
+import tpkit as tp
 
 BATCH = 4
 
