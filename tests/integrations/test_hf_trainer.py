@@ -73,8 +73,7 @@ def test_trainer_runs_and_hooks_are_removed(sliced):
     truth.assert_hooks_removed(sliced["before"])
     run = sliced["run"]
     assert len(run.steps) == STEPS + WARMUP and run.steps["warmup"].sum() == WARMUP
-    measured = run.steps[~run.steps["warmup"]]
-    assert (measured["samples"] == BATCH * sliced["ga"]).all()
+    assert (run.steps["samples"] == BATCH * sliced["ga"]).all()  # accelerate's one-batch lookahead not counted
 
 
 def test_trainer_ends_normally_after_exactly_the_slice(sliced):
