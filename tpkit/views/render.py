@@ -3,9 +3,11 @@
 - ``chart_html(chart)``: a div and a script that embeds the chart once vega is on the page.
 - ``bundle_html()``: vega + vega-lite + vega-embed (~900 KB), guarded so that it runs at most
   once per page: a second copy does nothing (no "Identifier 'Ti' has already been declared").
-- ``svg_html(chart)``: the chart drawn by vl-convert as inline SVG (no JavaScript, no
+- ``svg_html(chart)``: the chart drawn by vl-convert as an SVG image (no JavaScript, no
   network): the static form every display also carries, for a notebook reopened without its
-  kernel, nbviewer and GitHub. A chart whose SVG would be very large becomes a PNG.
+  kernel, nbviewer and GitHub. It is an ``<img>`` with a ``data:`` URI, not inline ``<svg>``:
+  JupyterLab's sanitizer removes inline SVG from an untrusted notebook's HTML and keeps
+  images (seen in tests/test_browser.py). A chart whose SVG would be very large becomes a PNG.
 
 Nothing here measures or builds a chart; views call these on charts from ``tpkit.charts``.
 """
@@ -13,6 +15,7 @@ Nothing here measures or builds a chart; views call these on charts from ``tpkit
 from __future__ import annotations
 
 import base64
+import html
 import json
 import uuid
 from functools import lru_cache
@@ -83,8 +86,8 @@ def _vl_version() -> str:
 
 
 def svg_html(chart: Any) -> str:
-    """``chart`` drawn offline by vl-convert: inline SVG (or a PNG ``img`` for a chart whose
-    SVG passes ``SVG_MAX_BYTES``). Charts whose data altair refuses to inline are drawn
+    """``chart`` drawn offline by vl-convert: an SVG ``img`` (a PNG for a chart whose SVG
+    passes ``SVG_MAX_BYTES``). Charts whose data altair refuses to inline are drawn
     with the row limit lifted. An empty string if vl-convert fails (the live view remains)."""
     import altair as alt
     import vl_convert as vlc
@@ -94,9 +97,12 @@ def svg_html(chart: Any) -> str:
             spec = chart.to_dict()
         svg = vlc.vegalite_to_svg(spec, vl_version=_vl_version())
         if len(svg) <= SVG_MAX_BYTES:
-            return f'<div class="tp-static-chart">{svg}</div>'
-        png = vlc.vegalite_to_png(spec, vl_version=_vl_version(), scale=1.0)
-        return (f'<div class="tp-static-chart"><img alt="chart" '
-                f'src="data:image/png;base64,{base64.b64encode(png).decode()}"></div>')
+            data = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
+        else:
+            png = vlc.vegalite_to_png(spec, vl_version=_vl_version(), scale=1.0)
+            data = "data:image/png;base64," + base64.b64encode(png).decode()
+        title = html.escape(str(spec.get("title", "chart")) if isinstance(spec.get("title"), str) else "chart")
+        return f'<div class="tp-static-chart"><img alt="{title}" src="{data}"></div>'
+
     except Exception:  # noqa: BLE001 - a static picture is a fallback, never a failure
         return ""
