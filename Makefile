@@ -9,8 +9,10 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(BIN)/python -m tpkit demo --steps 20 --warmup 3 --out tpkit_report
 
+# pytest's own script, not `python -m pytest`: the repo root on sys.path would let the top-level
+# datasets/ and kernels/ folders shadow PyPI's datasets and kernels (transformers imports them).
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 $(BIN)/pytest -q tests
 
 setup: $(STAMP)
 
