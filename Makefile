@@ -42,11 +42,11 @@ docs-image: $(STAMP)
 	$(BIN)/python docs/make_image.py
 
 # torch is installed first and pinned, so pip takes the CPU wheel instead of a CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,integrations]"
 	touch $(STAMP)
 
 clean:
