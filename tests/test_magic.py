@@ -161,3 +161,42 @@ def test_stop_drops_the_last_steps_gradients(ip):
     with capture_output():
         ip.run_cell_magic("tp_profile", "--steps 1 --warmup 0 --quiet", LOOP)
     assert all(p.grad is None for p in ip.user_ns["model"].parameters())
+
+
+CLOSURE_LOOP = """
+import time, torch
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+        self.seconds = []
+    def forward(self, x):
+        t0 = time.perf_counter()
+        time.sleep(0.03)
+        out = self.lin(x)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+model = Slow()
+opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=1)
+x, y = torch.randn(4, 8), torch.randn(4, 1)
+def closure():
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+for _ in range(50):
+    opt.step(closure)
+"""
+
+
+def test_closure_loop_under_the_magic_charges_forward_not_optimizer(ip, one_thread):
+    """``opt.step(closure)`` (LBFGS here; Lightning's automatic optimization does the same):
+    the closure's forward is forward, against the model's own timing."""
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 3 --warmup 1 --name closure --clock-hz 0 --quiet", CLOSURE_LOOP)
+    run, model = ip.user_ns["_tp"], ip.user_ns["model"]
+    assert len(run.steps) == 4 and len(model.seconds) == 4  # max_iter=1: one closure call per step
+    for got, want in zip(run.steps["forward_s"], model.seconds, strict=True):
+        assert abs(got - want) <= 0.15 * want, (list(run.steps["forward_s"]), model.seconds)
+    assert (run.steps["optimizer_s"] < 0.5 * run.steps["forward_s"]).all()
+    assert run.summary().verdict.kind != "optimizer-bound"
