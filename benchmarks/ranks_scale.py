@@ -6,8 +6,9 @@ what the merged view needs, each timed, and the loading process's peak RSS.
 
     python benchmarks/ranks_scale.py [--ranks 256] [--steps 50] [--dir DIR] [--keep]
 
-``stragglers_of(ranks)`` is the one place that asks for the straggler table; it reports
-"not available" until ``RankRuns.stragglers()`` exists, and is timed from then on.
+``stragglers_of(ranks)`` is the one place that asks for the straggler table (``None`` with a
+tpkit that has no ``RankRuns.stragglers()``). Each piece is timed on its own, before the merged
+Run (which reuses the cached frames) is built: stragglers, the merged timeline, memory peaks.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def load(root: str) -> dict[str, Any]:
     ranks = timed("load_ranks", lambda: tp.load_ranks(root))
     steps = timed("steps", lambda: ranks.steps)
     skew = timed("skew", lambda: ranks.skew)
+    st = timed("stragglers", lambda: stragglers_of(ranks))
+    if hasattr(ranks, "timeline"):
+        timed("timeline", ranks.timeline)
+        timed("memory_peaks", lambda: ranks.memory_peaks)
     summary = timed("summary", ranks.summary)
     merged = timed("merged_run", lambda: ranks.run)
-    st = timed("stragglers", lambda: stragglers_of(ranks))
     html = Path(root) / "merged.html"
     timed("first_html", lambda: ranks.runs[min(ranks.runs)].to_html(html))  # imports the renderers once
     timed("to_html", lambda: merged.to_html(html))
@@ -89,7 +93,9 @@ def load(root: str) -> dict[str, Any]:
                world_size=ranks.world_size, missing=ranks.missing, step_rows=len(steps), skew_rows=len(skew),
                slowest_rank=summary.get("slowest_rank"),
                html_mb=html.stat().st_size / 1e6 if "to_html" not in errors else None,
-               stragglers=None if st is None else {"rows": len(st), "ranks": sorted(set(map(int, st["rank"])))[:5]})
+               stragglers=None if st is None else {"rows": len(st), "verdict": summary.get("straggler"),
+                                                   "top_ranks": {int(k): int(v) for k, v in
+                                                                 st["rank"].value_counts().head(3).items()}})
     return out
 
 
@@ -129,7 +135,9 @@ def main() -> None:
           f"step time: {r['slowest_rank']} (the straggler is {LATE_RANK}); merged HTML {html}")
     print(f"  peak RSS of the loading process {r['rss_peak_mb']:.0f} MB ({r['rss_after_import_mb']:.0f} MB "
           f"after importing tpkit)")
-    print("  stragglers(): " + ("not available in this tpkit" if st is None else f"{st['rows']} rows, ranks {st['ranks']}"))
+    print("  stragglers(): " + ("not available in this tpkit" if st is None else
+                                f"{st['rows']} rows; most often named (rank: steps) {st['top_ranks']}; "
+                                f"verdict: {st['verdict']}"))
     rows = [{"op": f"ranks_{name}", "ranks": a.ranks, "steps": a.steps, "seconds": s, "rss_peak_mb": r["rss_peak_mb"],
              "error": r["errors"].get(name, ""), "machine": machine(), "versions": versions()}
             for name, s in r["timings"].items()]

@@ -187,20 +187,15 @@ def rank_memory_peaks(memory: dict[int, pd.DataFrame]) -> pd.DataFrame:
     peak_bytes, step, phase`` (the boundary or in-phase peak where it was reached). Ranks without
     memory rows (``memory=False``) have no row."""
     cols = ["rank", "device", "peak_bytes", "step", "phase"]
-    parts = []
-    for k, mem in sorted(memory.items()):
-        if mem is None or mem.empty:
-            continue
-        m = mem[mem["step"] >= 0]
-        if m.empty:
-            continue
-        tot = m.groupby(["device", "t_s", "step", "phase", "event"], sort=False)["bytes"].sum().reset_index()
-        top = tot.loc[tot.groupby("device")["bytes"].idxmax()]
-        parts.append(pd.DataFrame({"rank": k, "device": top["device"].to_numpy(), "peak_bytes": top["bytes"].to_numpy(),
-                                   "step": top["step"].to_numpy(), "phase": top["phase"].to_numpy()}))
+    parts = [mem[mem["step"] >= 0].assign(rank=k) for k, mem in sorted(memory.items()) if mem is not None and len(mem)]
+    parts = [p for p in parts if len(p)]
     if not parts:
         return pd.DataFrame(columns=cols)
-    out = pd.concat(parts, ignore_index=True)
+    m = pd.concat(parts, ignore_index=True)  # one groupby for every rank: 256 ranks in well under a second
+    tot = m.groupby(["rank", "device", "t_s", "event"], sort=False, observed=True).agg(
+        bytes=("bytes", "sum"), step=("step", "first"), phase=("phase", "first")).reset_index()
+    out = tot.loc[tot.groupby(["rank", "device"], sort=True)["bytes"].idxmax()]
+    out = out.rename(columns={"bytes": "peak_bytes"}).reset_index(drop=True)
     out["peak_bytes"] = out["peak_bytes"].astype("int64")
     return out[cols]
 
