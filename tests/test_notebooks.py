@@ -24,7 +24,7 @@ import nbtool  # noqa: E402
 NOTEBOOKS = [p.name for p in nbtool.notebooks()]
 EXPECTED = ["01_quickstart.ipynb", "02_data_stalls.ipynb", "03_memory_waterfall_and_offload.ipynb",
             "04_triton_kernels.ipynb", "05_clocks_and_energy.ipynb", "06_deepspeed_and_ranks.ipynb",
-            "07_tuning.ipynb", "08_frameworks.ipynb"]
+            "07_tuning.ipynb", "08_frameworks.ipynb", "09_many_ranks.ipynb"]
 CELL_TIMEOUT_S = 600  # generous: the first DeepSpeed build alone can take two minutes
 # DeepSpeed's JIT-built ops are cached where the offload tests cache them: built once per checkout.
 EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(NB_DIR.parent / "build" / "torch_extensions")
@@ -167,6 +167,15 @@ def test_06_deepspeed_and_ranks(executed):
     assert figure(out, r"gradient memory: [\d,.]+ -> [\d,.]+ MiB \(([\d,]+)x less\)") >= 10
     assert "2 ranks finished" in out and "<tpkit.RankRuns: 2/2 ranks" in out
     assert figure(out, r"rank 1 waits ([\d.]+) ms more per step for data") > 0
+
+
+@pytest.mark.slow
+def test_09_many_ranks(executed):
+    out = check_common(executed("09_many_ranks.ipynb"), charts=1)  # the merged dashboard
+    assert "4 ranks finished" in out and "4 of 4 ranks loaded" in out
+    assert re.search(r"verdict: rank 2's data_wait held every step back by [\d.]+ ms \(p50\)", out)
+    assert figure(out, r"found: rank 2, data_wait, ([\d.]+) ms") == pytest.approx(100.0, rel=0.25)
+    assert "all claims hold in this run" in out and "rank3.json" in out
 
 
 def test_every_notebook_has_a_test():
