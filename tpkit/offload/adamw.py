@@ -81,7 +81,11 @@ def grad_fingerprint(grad: torch.Tensor | None) -> Fingerprint:
     ``_version``): cheap to take in the hook and to compare at ``step()``."""
     if grad is None:
         return None
-    return (id(grad), grad.data_ptr(), grad._version)
+    try:
+        ptr = grad.data_ptr()
+    except RuntimeError:  # no storage (a sparse gradient): the object and its version still tell
+        ptr = 0
+    return (id(grad), ptr, grad._version)
 
 
 @dataclass(eq=False)
