@@ -491,3 +491,23 @@ def test_offload_errors_are_tpkit_errors_with_their_builtin_base():
         CPUOffloadAdamW(make_model().parameters(), max_grad_value=-1.0)
     with pytest.raises(ValueError, match="kernel must be"):
         CPUOffloadAdamW(make_model().parameters(), kernel="fast")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_delayed_update_with_kept_gradients_is_not_raced_by_the_next_backward(set_to_none):
+    """DPU with offload_gradients=False: the update of step t runs behind step t+1's backward,
+    which zeroes and accumulates into p.grad in place when set_to_none=False; the update must
+    still use step t's gradient (same weights as with gradients offloaded)."""
+    def run(**kw):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+        g = torch.Generator().manual_seed(1)
+        with CPUOffloadAdamW(m.parameters(), lr=1e-2, kernel="torch", delayed_update=True, **kw) as opt:
+            for _ in range(6):
+                m(torch.randn(32, 256, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+            opt.flush()
+        return list(m.parameters())
+    for a, b in zip(run(), run(offload_gradients=False)):
+        assert torch.equal(a, b)

@@ -449,6 +449,10 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             due = self._consume_due()
             coef = self._clip_coef(due)
             for s in due:
+                if s.host_grad is not None and s.host_grad is s.param.grad:
+                    # p.grad itself (offload_gradients=False on the host): the loop may zero it or
+                    # accumulate into it in place while this update runs behind the next backward
+                    s.host_grad = s.host_grad.clone()
                 w.submit(functools.partial(self._update, s, coef))
             self._pending_copy_back = bool(due)
             return
