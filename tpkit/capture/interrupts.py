@@ -27,29 +27,29 @@ class Held:
 
 @contextmanager
 def held_sigint() -> Iterator[Held]:
-    """Hold SIGINT for the block; raise KeyboardInterrupt after it if one arrived (unless the
-    block is already leaving with an exception, which then wins)."""
+    """Within the block SIGINT is remembered, not raised; after it, the handler that was in place
+    runs (Python's raises KeyboardInterrupt; IPython's or the user's does what it does)."""
     held = Held()
     if threading.current_thread() is not threading.main_thread():
         yield held
         return
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-    except (ValueError, OSError):  # no signal support here (an embedded interpreter)
-        yield held
-        return
+    frames: list[Any] = []
 
     def remember(signum: int, frame: Any) -> None:
         held.pending = True
+        frames.append(frame)
 
     try:
-        signal.signal(signal.SIGINT, remember)
-    except (ValueError, OSError):
+        previous = signal.signal(signal.SIGINT, remember)
+    except (ValueError, OSError, TypeError):  # not the main interpreter, or no signal support
         yield held
         return
     try:
         yield held
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous)
     if held.pending:
-        raise KeyboardInterrupt("interrupted while tpkit was removing its probes (they are all removed)")
+        if callable(previous):
+            previous(signal.SIGINT, frames[0])
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt("interrupted while tpkit was removing its probes (they are all removed)")

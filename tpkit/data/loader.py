@@ -22,12 +22,12 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from tpkit.capture import recorder as _rec
 
+from ..capture.interrupts import held_sigint
 from .autotune import choose_workers
 from .engines import InlineEngine, ThreadEngine
 from .errors import LoaderArgumentError, WorkerError
 from .pinning import DevicePrefetcher, pin_batch, resolve_device
 from .process_pool import ProcessPool
-from .sigint import held_sigint
 from .worker_loop import LoadedBatch, WorkerSpec
 
 STATE_VERSION = 1

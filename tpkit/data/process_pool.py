@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from time import perf_counter, perf_counter_ns
 from typing import Any, Iterator, NamedTuple
 
+from ..capture.interrupts import held_sigint
 from .collate import merge_parts
 from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
-from .sigint import held_sigint
 from .slots import map_segment, read_slot, remove_segments, segment_path, segment_prefix
 from .worker_loop import BatchDone, BatchFailed, LoadedBatch, Reset, StreamEnded, Task, WorkerSpec, worker_main
 
