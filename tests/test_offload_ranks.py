@@ -95,6 +95,12 @@ def test_dead_rank_survivor_saved_and_marked(tmp_path):
     assert len(run0.steps) >= 3  # the steps before the peer died are kept
     notes = " ".join(ranks.run.meta["notes"])
     assert "rank 1 of 2 left no run" in notes and "rank 0's slice ended early" in notes
+    # the merged view names the missing rank: the summary and the dashboard's Ranks section
+    assert "missing: rank 1 left no run" in ranks.summary_text()
+    from tpkit.views.html import section_charts
+
+    title = dict(section_charts(ranks.run))["Ranks"].to_dict()["title"]["text"]
+    assert "missing: rank 1 left no run" in title
 
 
 @pytest.mark.slow

@@ -36,8 +36,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--delay-ms", type=float, default=150.0)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                    help="tp.profile(memory=...): the memory probe on (default) or off")
+    ap.add_argument("--memory", default="", help="comma-separated on/off, one per framework: "
+                    "tp.profile(memory=...) (default: on for every framework)")
     return ap.parse_args()
 
 
@@ -118,7 +118,7 @@ def train(framework: str, model: object, opt: object, batches: object, losses: l
             opt.zero_grad()
 
 
-def run_case(framework: str, delay_phase: str, a: argparse.Namespace, rank: int) -> None:
+def run_case(framework: str, delay_phase: str, memory: bool, a: argparse.Namespace, rank: int) -> None:
     delay_s = a.delay_ms / 1e3 if rank == a.delay_rank else 0.0
     collate_s = delay_s if delay_phase == "data_wait" else 0.0
     forward_s = delay_s if delay_phase == "forward" else 0.0
@@ -134,7 +134,7 @@ def run_case(framework: str, delay_phase: str, a: argparse.Namespace, rank: int)
     batches = loader(rank, n + 4, collate_s)  # more than the slice: tpkit stops the loop
     profiled: list[float] = []
     with tp.profile(steps=a.steps, warmup=a.warmup, name=framework, progress=False, clocks=False,
-                    memory=a.memory, save_dir=str(out)) as prof:
+                    memory=memory, save_dir=str(out)) as prof:
         train(framework, model, opt, batches, profiled)
     recorded = [float(v) for v in prof.run.steps["loss"]]
     (out / "losses").mkdir(parents=True, exist_ok=True)
@@ -147,8 +147,9 @@ def run_case(framework: str, delay_phase: str, a: argparse.Namespace, rank: int)
 def main() -> None:
     a = parse()
     frameworks, phases = a.framework.split(","), a.delay_phase.split(",")
-    if len(phases) != len(frameworks):
-        raise SystemExit("--delay-phase needs one phase per framework")
+    memory = [m == "on" for m in a.memory.split(",")] if a.memory else [True] * len(frameworks)
+    if not len(phases) == len(memory) == len(frameworks):
+        raise SystemExit("--delay-phase and --memory need one value per framework")
     torch.set_num_threads(1)  # a tiny op after a sleep waits for the pool otherwise (docs/MEASURED.md)
     if "zero2" in frameworks:
         import deepspeed
@@ -157,8 +158,8 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for framework, phase in zip(frameworks, phases):
-        run_case(framework, phase, a, rank)
+    for framework, phase, mem in zip(frameworks, phases, memory):
+        run_case(framework, phase, mem, a, rank)
     dist.destroy_process_group()
 
 

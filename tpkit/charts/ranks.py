@@ -14,6 +14,7 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
+from ..schema import MIB
 from .style import phase_scale
 
 #: altair's default row limit: a chart with more rows is drawn from an aggregate instead.
@@ -98,9 +99,9 @@ def rank_timeline(timeline: pd.DataFrame, width: int = 620, *, world_size: int |
 
 def rank_memory_peaks(peaks: pd.DataFrame, width: int = 620) -> alt.Chart:
     """Each rank's memory peak per device (``ranks.rank_memory_peaks`` rows), in MiB."""
-    p = peaks.assign(peak_mib=peaks["peak_bytes"] / 2**20, rank=peaks["rank"].astype(int))
+    p = peaks.assign(peak_mib=peaks["peak_bytes"] / MIB, rank=peaks["rank"].astype(int))
     return alt.Chart(p).mark_bar().encode(
-        x=alt.X("rank:O", title="rank"), y=alt.Y("peak_mib:Q", title="peak memory (MiB)"),
+        x=alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0)), y=alt.Y("peak_mib:Q", title="peak memory (MiB)"),
         color=alt.Color("device:N", legend=alt.Legend(title="device")), xOffset="device:N",
         tooltip=["rank:O", "device:N", alt.Tooltip("peak_mib:Q", format=",.1f", title="MiB")],
     ).properties(title="Memory peak per rank (measured steps)", width=width, height=120)
@@ -117,4 +118,5 @@ def ranks_view(steps: pd.DataFrame, skew: pd.DataFrame, timeline: pd.DataFrame, 
     if len(peaks):
         parts.append(rank_memory_peaks(peaks, width))
     title = [verdict] + ([f"missing: rank {', '.join(map(str, missing))} left no run"] if missing else [])
-    return alt.vconcat(*parts).properties(title=alt.TitleParams(title, anchor="start", fontSize=14))
+    return alt.vconcat(*parts).resolve_scale(color="independent").resolve_legend(color="independent").properties(
+        title=alt.TitleParams(title, anchor="start", fontSize=14))

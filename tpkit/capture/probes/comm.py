@@ -1,8 +1,10 @@
 """The communication probe: how long a rank is blocked in collectives, and which collectives ran
 behind compute.
 
-Standalone (imports only torch and the standard library), so it can be loaded and tested before
-it is wired into the Recorder. It calls ``on_span("comm", start_ns, end_ns, detail)`` for every
+``CommProbe`` is standalone (imports only torch and the standard library; tests load it from its
+file). A slice runs it through ``SliceCommProbe`` (at the end of this file), installed by
+``tpkit.capture.slice`` whenever a process group is up: waits become ``comm`` spans of the
+Recorder (``run.steps.comm_s``), in-flight time ``comm_overlapped`` spans. ``CommProbe`` calls ``on_span("comm", start_ns, end_ns, detail)`` for every
 *exposed* wait (the rank could not go on until a collective finished) and keeps every collective's
 *overlapped* time (in flight while the rank computed) in ``overlapped()``. Times are
 ``time.perf_counter_ns`` (the Recorder's clock).
@@ -597,7 +599,10 @@ class SliceCommProbe:
         self.probe = CommProbe(self._on_span, cuda_clock=rec.cuda_timer)
 
     def install(self) -> "SliceCommProbe":
-        self.probe.install()
+        try:
+            self.probe.install()
+        except RuntimeError as e:  # the user's own CommProbe is in: the slice runs without timing collectives
+            self.rec.note(f"collectives not timed: {e}")
         return self
 
     def remove(self) -> None:
