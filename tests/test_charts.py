@@ -17,16 +17,20 @@ def spans():
 
 def test_stall_timeline_spec():
     spec = charts.stall_timeline(analysis.timeline_frame(spans())).to_dict()
-    enc = spec["encoding"]
-    assert spec["mark"]["type"] == "bar"
+    strip, body = spec["vconcat"]  # the overview strip (drag to zoom) above the lanes
+    lanes = body["vconcat"][0]["layer"][0]
+    enc = lanes["encoding"]
+    assert lanes["mark"]["type"] == "bar"
     assert (enc["x"]["field"], enc["x2"]["field"], enc["y"]["field"]) == ("start_s", "end_s", "phase")
     scale = enc["color"]["scale"]
     assert scale["domain"] == ["data_wait", "forward", "backward", "augment"]
     assert scale["range"][0] == charts.PHASE_COLORS["data_wait"] == "#d62728"
     assert enc["y"]["sort"] == scale["domain"]
     assert {t["field"] for t in enc["tooltip"]} >= {"step", "phase", "duration_ms", "source"}
-    assert spec["params"][0]["bind"] == "scales" and spec["params"][0]["select"]["encodings"] == ["x"]
-    values = next(iter(spec["datasets"].values()))
+    (brush,) = spec["params"]
+    assert brush["select"]["encodings"] == ["x"] and brush["views"] == [strip["name"]]
+    assert enc["x"]["scale"]["domain"] == {"param": brush["name"], "encoding": "x"}
+    values = spec["datasets"][lanes["data"]["name"]]
     assert len(values) == 6 and [v["warmup"] for v in values[:2]] == [True, True]
 
 
@@ -45,7 +49,9 @@ def test_timeline_frame_cuts_long_runs():
     big = pd.concat([spans().assign(step=i, start_s=lambda d, i=i: d.start_s + i, end_s=lambda d, i=i: d.end_s + i)
                      for i in range(2000)], ignore_index=True)
     cut = analysis.timeline_frame(big, max_rows=600)
-    assert len(cut) == 594 and cut["step"].max() == 98  # whole steps only
+    # 6 spans a step and, from step 1 on, the 0.1 s no span covers before it ("other")
+    assert len(cut) == 594 and cut["step"].max() == 84  # whole steps only
+    assert (cut[cut["phase"] == "other"]["duration_s"].round(9) == 0.1).all()
 
 
 def test_dashboard_panel_tabs_and_plain_text():

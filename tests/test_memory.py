@@ -117,7 +117,8 @@ def test_mlp_adam_exact_bytes_through_the_magic(ip):
     from tpkit.views.html import section_charts
 
     memory = dict(section_charts(run))["Memory"].to_dict()
-    assert "Memory waterfall, step" in str(memory["hconcat"][0]["title"])
+    title = str(memory["hconcat"][0]["title"])
+    assert "Memory waterfall" in title and f"step {ma.peak_step(run.memory, 'cpu')}" in title
 
 
 def test_activations_match_the_saved_tensors_within_10_percent():
@@ -150,6 +151,31 @@ def test_second_slice_with_leftover_grads_counts_the_same():
     assert (rows(run2, "backward", "exit", "gradients") == 4 * P).all()
     assert (rows(run2, "optimizer", "enter", "activations").fillna(0) == 0).all()
     assert (rows(run2, "optimizer", "exit", "other") < 1024).all()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_exact_on_steps_whose_gradients_were_not_looked_at(accumulate):
+    """The probe looks at .grad after the first backward passes and then every 8th; the other
+    passes' gradients come from the replay's pattern and must be as exact, with accumulation too."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(B, D)
+
+    def step():
+        for _ in range(accumulate):
+            (model(x) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+
+    steps = mem.GRAD_LOOKS_FIRST + mem.GRAD_LOOK_EVERY + 2
+    run = tp.profile_fn(step, steps=steps, warmup=0, progress=False, clocks=False)
+    P = n_params(model)
+    g = run.memory.query("device == 'cpu' and category == 'gradients' and event != 'peak'")
+    at_exit = g.query("phase == 'backward' and event == 'exit'").groupby("step")["bytes"].apply(list)
+    assert len(at_exit) == steps and all(v == [4 * P] * accumulate for v in at_exit), at_exit.tolist()
+    assert (g.query("phase == 'forward' and event == 'enter'").groupby("step")["bytes"].first() == 0).all()
+    assert not any("could not be told" in n for n in run.meta["notes"])
 
 
 def test_tied_weights_count_once():
@@ -681,14 +707,15 @@ def test_chart_specs():
                                     capacity_bytes=2 * 2**30, step=0)
     spec = chart.to_dict()
     marks = [layer["mark"]["type"] if isinstance(layer["mark"], dict) else layer["mark"] for layer in spec["layer"]]
-    assert marks == ["bar", "line", "rule", "text"]
+    assert marks == ["bar", "line", "tick", "text"]  # the peak: a tick in its bar
     bar = spec["layer"][0]["encoding"]
     assert bar["y"]["field"] == "y0_mib" and bar["y2"]["field"] == "y1_mib"
-    assert bar["xOffset"]["field"] == "direction"  # rises and falls side by side
+    assert bar["xOffset"]["field"] == "kind"  # rises and falls side by side
     assert bar["color"]["scale"]["domain"] == list(MEMORY_CATEGORIES)
     texts = [d for d in spec["datasets"].values() if d and "text" in d[0]]
-    assert texts and texts[0][0]["text"].startswith("peak 0.00 MiB in forward (activations")
-    assert "headroom" in spec["title"]["subtitle"][0]
+    assert texts and texts[0][0]["text"] == "peak 0.00 MiB"
+    assert spec["title"]["subtitle"][0].startswith("step 0: peak 0.00 MiB during forward (activations")
+    assert "headroom" in spec["title"]["subtitle"][1]
     across = charts.memory_by_step(ma.across_steps(m)).to_dict()
     assert [layer["mark"]["type"] for layer in across["layer"]] == ["bar", "line"]
     assert across["layer"][0]["encoding"]["y"]["stack"] == "zero"

@@ -16,22 +16,24 @@ from typing import TYPE_CHECKING, Any, Sequence
 import pandas as pd
 
 from .errors import RunFormatError
-from .schema import DEFAULTS, FORMAT_VERSION, SCHEMAS, TABLES, frame, jsonable
+from .schema import ADDED_TABLES, DEFAULTS, FORMAT_VERSION, SCHEMAS, TABLES, frame, jsonable
 
 if TYPE_CHECKING:
     from .analysis.steps import Summary
 
 class Run:
-    """One profiled slice. Tables: ``steps, spans, memory, clocks, loader``; ``meta`` dict."""
+    """One profiled slice. Tables: ``steps, spans, memory, clocks, loader, ops``; ``meta`` dict."""
 
     def __init__(self, steps: pd.DataFrame | None = None, spans: pd.DataFrame | None = None,
                  memory: pd.DataFrame | None = None, clocks: pd.DataFrame | None = None,
-                 loader: pd.DataFrame | None = None, meta: dict | None = None) -> None:
+                 loader: pd.DataFrame | None = None, meta: dict | None = None,
+                 ops: pd.DataFrame | None = None) -> None:
         self.steps = steps if steps is not None else frame("steps")
         self.spans = spans if spans is not None else frame("spans")
         self.memory = memory if memory is not None else frame("memory")
         self.clocks = clocks if clocks is not None else frame("clocks")
         self.loader = loader if loader is not None else frame("loader")
+        self.ops = ops if ops is not None else frame("ops")  # operator events (``--ops``), else empty
         self.meta: dict[str, Any] = meta or {}
 
     # -- views ------------------------------------------------------------------------------
@@ -136,6 +138,9 @@ class Run:
         tables: dict[str, pd.DataFrame] = {}
         for table in TABLES:
             f = src / f"{table}.parquet"
+            if not f.is_file() and table in ADDED_TABLES:
+                tables[table] = frame(table)  # saved before the table existed: empty
+                continue
             if not f.is_file():
                 raise RunFormatError(f"{src} is incomplete: {f.name} is missing")
             try:

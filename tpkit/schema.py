@@ -33,6 +33,12 @@ GC_PHASE = "gc"
 COMM_OVERLAPPED = "comm_overlapped"
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
+#: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.
+PHASE_NAMES: dict[str, str] = {
+    "data_wait": "waiting for data", "h2d": "copy to device", "forward": "forward", "backward": "backward",
+    "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "tpkit": "tpkit's own work",
+    "other": "other (no phase)", "gc": "garbage collection",
+}
 
 # -- memory ---------------------------------------------------------------------------------
 #: Memory categories, in the order they are drawn.
@@ -122,8 +128,16 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "batch": "int64", "worker": "int64", "fetch_s": "float64", "collate_s": "float64",
         "queue_wait_s": "float64", "transfer_s": "float64",
     },
+    # one row per operator event torch.profiler saw in the traced steps (``--ops``); times on
+    # the slice's clock, self times exclusive of the op's children; shapes as text
+    "ops": {
+        "step": "int64", "op": "object", "start_s": "float64", "end_s": "float64",
+        "self_cpu_s": "float64", "self_device_s": "float64", "input_shapes": "object",
+    },
 }
 TABLES: tuple[str, ...] = tuple(SCHEMAS)
+#: Tables added after the first layout: a saved run without the file loads them empty.
+ADDED_TABLES: tuple[str, ...] = ("ops",)
 #: Columns added after the first layout, with the value they take where a frame (a saved run,
 #: rows built by hand) has none. They come last in their table, so positional rows of the
 #: older layout still line up.

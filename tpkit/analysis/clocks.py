@@ -301,3 +301,55 @@ def trace_frame(clocks: pd.DataFrame, max_rows: int = 4000) -> pd.DataFrame:
         agg = g.assign(_bin=idx).groupby("_bin", sort=True)[["t_s", "value"]].mean()
         parts.append(agg.assign(device=device, metric=metric)[["t_s", "device", "metric", "value"]])
     return pd.concat(parts, ignore_index=True)
+
+
+#: Per-core series within this many units (MHz, %) of their mean at every sample are drawn as
+#: the mean alone: one line, one legend entry.
+CORE_FOLD_TOLERANCE = 5.0
+
+
+def fold_cores(trace: pd.DataFrame, tolerance: float = CORE_FOLD_TOLERANCE) -> pd.DataFrame:
+    """``trace_frame`` rows without the per-core series (``cpu0``, ``cpu1``...) of a metric
+    whose cores never strayed more than ``tolerance`` from their mean (``cpu``): a VM's flat
+    clock is one line, not three. Cores that differ are kept, so a busy core still shows."""
+    if trace.empty:
+        return trace
+    core = trace["device"].astype(str).str.fullmatch(r"cpu\d+")
+    keep = ~core
+    for metric, g in trace[core].groupby("metric", sort=False):
+        mean = trace[(trace["device"] == "cpu") & (trace["metric"] == metric)]
+        if mean.empty:
+            keep |= core & (trace["metric"] == metric)
+            continue
+        ref = np.interp(g["t_s"].to_numpy(dtype="float64"), mean["t_s"].to_numpy(dtype="float64"),
+                        mean["value"].to_numpy(dtype="float64"))
+        if float(np.abs(g["value"].to_numpy(dtype="float64") - ref).max()) > tolerance:
+            keep |= core & (trace["metric"] == metric)
+    return trace[keep].reset_index(drop=True)
+
+
+#: The host counts as loaded by others when it was at least this busy on average...
+HOST_BUSY_PCT = 80.0
+#: ...while this process used at most this share of what the host used.
+PROCESS_SHARE_MAX = 0.5
+
+
+def host_load(clocks: pd.DataFrame) -> dict | None:
+    """Whether other processes loaded the host during the slice: the mean ``cpu_util_pct`` of
+    the whole host (device ``cpu``) against this process's own (device ``process``, on the
+    same 0-100 scale). ``{"host_pct", "process_pct", "others_pct", "loaded", "text"}``;
+    None without both series. ``loaded`` when the host was >= ``HOST_BUSY_PCT`` busy while
+    this process used <= ``PROCESS_SHARE_MAX`` of it: step times then say more about the
+    neighbours than about the training loop."""
+    if clocks.empty:
+        return None
+    util = clocks[clocks["metric"] == "cpu_util_pct"]
+    host, proc = util[util["device"] == "cpu"]["value"], util[util["device"] == "process"]["value"]
+    if host.empty or proc.empty:
+        return None
+    h, p = float(host.mean()), float(proc.mean())
+    others = max(0.0, h - p)
+    loaded = h >= HOST_BUSY_PCT and p <= PROCESS_SHARE_MAX * h
+    text = (f"host {h:.0f}% busy, this process {p:.0f}%: other processes used ~{others:.0f}% of the CPUs "
+            "(step times may suffer)" if loaded else f"host {h:.0f}% busy, this process {p:.0f}%")
+    return {"host_pct": h, "process_pct": p, "others_pct": others, "loaded": bool(loaded), "text": text}

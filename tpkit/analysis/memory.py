@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import MEMORY_CATEGORIES, fmt_bytes
+from ..schema import MEMORY_CATEGORIES, PHASE_NAMES, fmt_bytes
 
 _GROUP = ["step", "t_s", "phase", "event", "device"]
 
@@ -80,36 +80,49 @@ def memory_peak(memory: pd.DataFrame, device: str | None = None,
 
 
 def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFrame:
-    """The waterfall of one step on one device.
+    """The waterfall of one step on one device, its stretches in the order they ran.
 
-    The first bar (``phase == "step start"``) is the level at the step's first boundary,
+    The first bar (``label`` "start of step") is the level at the step's first boundary,
     stacked by category from zero. Each later bar is the stretch between two boundaries,
-    labelled with the innermost phase open during it ("between" when none is), and holds one
-    row per category that changed: ``delta_bytes`` drawn from ``y0_bytes`` to ``y1_bytes``
-    (rises stack up from the previous running total, falls hang down from the top of the
-    rises). ``total_bytes`` is the running total after the bar. Stretches where nothing changed
-    are left out. Columns: ``order, phase, category, delta_bytes, y0_bytes, y1_bytes,
-    total_bytes``.
+    named for a person after the innermost phase open during it ("forward", "optimizer
+    step"; "zero_grad" for the optimizer's clearing before the step's forward), or "after X"
+    when none is open and X ended last. It holds one row per category that changed:
+    ``delta_bytes`` drawn from ``y0_bytes`` to ``y1_bytes`` (``kind`` "allocated": rises stack
+    up from the previous running total; "freed": falls hang down from the top of the rises).
+    ``total_bytes`` is the running total after the bar, ``peak_bytes`` the highest total
+    inside the stretch (its boundaries and any peak recorded in it), so the step's peak is
+    drawn in the bar where it happened. A stretch where nothing changed is left out unless
+    its peak rose above both ends (one ``kind`` "peak only" row, delta 0). Columns: ``order,
+    phase, label, category, kind, delta_bytes, y0_bytes, y1_bytes, total_bytes, peak_bytes``.
     """
-    cols = ["order", "phase", "category", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes"]
+    cols = ["order", "phase", "label", "category", "kind", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes",
+            "peak_bytes"]
     w = wide(memory)
     w = w[(w["step"] == step) & (w["device"] == device)]
     if w.empty:
         return pd.DataFrame(columns=cols)
+    pk = wide(memory, ("peak",))
+    pk = pk[(pk["step"] == step) & (pk["device"] == device)]
+    peak_t, peak_v = pk["t_s"].to_numpy(dtype="float64"), pk["total_bytes"].to_numpy(dtype="int64")
     rows: list[tuple] = []
     first = w.iloc[0]
     y = 0
     start_total = int(first["total_bytes"])
     for c in MEMORY_CATEGORIES:
         if first[c]:
-            rows.append((0, "step start", c, int(first[c]), y, y + int(first[c]), start_total))
+            rows.append((0, "step start", "start of step", c, "start", int(first[c]), y, y + int(first[c]),
+                         start_total, start_total))
             y += int(first[c])
     stack: list[str] = []
     prev = first
     order = 1
+    last_exit = ""
+    seen: set[str] = set()
+    names: dict[str, int] = {}
     _walk(stack, first)
     for _, b in w.iloc[1:].iterrows():
-        label = stack[-1] if stack else "between"
+        phase = stack[-1] if stack else "between"
+        label = _plain(phase, last_exit, seen)
         delta = {c: int(b[c]) - int(prev[c]) for c in MEMORY_CATEGORIES}
         # the same bytes change name from activations (or temporaries) to other when
         # forward/backward ends: only the part that really came or went is drawn
@@ -121,20 +134,76 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
                 delta["other"] -= int(np.sign(o)) * moved
         deltas = list(delta.items())
         total_before, total_after = int(prev["total_bytes"]), int(b["total_bytes"])
-        if any(d for _, d in deltas):
+        inside = (peak_t > float(prev["t_s"])) & (peak_t <= float(b["t_s"]))
+        top = max(total_before, total_after, int(peak_v[inside].max()) if inside.any() else 0)
+        changed = any(d for _, d in deltas)
+        if changed or top > max(total_before, total_after):
+            n = names[label] = names.get(label, 0) + 1
+            shown = label if n == 1 else f"{label} ({n})"
             y = total_before
             for c, d in deltas:
                 if d > 0:
-                    rows.append((order, label, c, d, y, y + d, total_after))
+                    rows.append((order, phase, shown, c, "allocated", d, y, y + d, total_after, top))
                     y += d
             for c, d in deltas:
                 if d < 0:
-                    rows.append((order, label, c, d, y + d, y, total_after))
+                    rows.append((order, phase, shown, c, "freed", d, y + d, y, total_after, top))
                     y += d
+            if not changed:
+                rows.append((order, phase, shown, "other", "peak only", 0, total_after, total_after, total_after, top))
             order += 1
+        if b["event"] == "exit":
+            last_exit = str(b["phase"])
+        if b["event"] == "enter":
+            seen.add(str(b["phase"]))
         _walk(stack, b)
         prev = b
     return pd.DataFrame(rows, columns=cols)
+
+
+def _plain(phase: str, last_exit: str, seen: set[str]) -> str:
+    """A stretch's name for people: the phase open during it (the optimizer's work before the
+    step's forward is its zero_grad), or "after X" when none is open."""
+    if phase == "between":
+        if not last_exit:
+            return "start of step"
+        return "after " + (_plain(last_exit, "", seen) if last_exit != "between" else "start of step")
+    if phase == "optimizer" and "forward" not in seen:
+        return "zero_grad"
+    return PHASE_NAMES.get(phase, phase)
+
+
+def waterfalls(memory: pd.DataFrame, steps: list[int] | None = None, device: str = "cpu",
+               max_steps: int = 40) -> pd.DataFrame:
+    """``waterfall`` of several steps (default: the measured ones, at most ``max_steps``: every
+    k-th, the first, the last and the peak step) in one frame with a ``step`` column, for a
+    chart with a step selector."""
+    if steps is None:
+        a = across_steps(memory, device)
+        a = a[a["step"] >= 0] if not a.empty else a
+        all_steps = sorted(int(s) for s in a["step"].unique()) if not a.empty else []
+        if len(all_steps) > max_steps:
+            k = -(-len(all_steps) // max_steps)
+            keep = set(all_steps[::k]) | {all_steps[0], all_steps[-1]}
+            keep.add(int(a.loc[a["peak_bytes"].idxmax(), "step"]))
+            all_steps = sorted(keep)
+        steps = all_steps
+    parts = [waterfall(memory, s, device).assign(step=s) for s in steps]
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        return pd.DataFrame(columns=["step", *waterfall(memory.iloc[:0], 0, device).columns])
+    out = pd.concat(parts, ignore_index=True)
+    return out[["step", *[c for c in out.columns if c != "step"]]]
+
+
+def peak_step(memory: pd.DataFrame, device: str) -> int | None:
+    """The measured step with the highest peak on ``device`` (a warmup step when none was measured)."""
+    a = across_steps(memory, device)
+    if a.empty:
+        return None
+    measured = a[a["step"] >= 0]
+    pool = measured if not measured.empty else a
+    return int(pool.loc[pool["peak_bytes"].idxmax(), "step"])
 
 
 def _walk(stack: list[str], boundary: Any) -> None:
@@ -239,3 +308,16 @@ def memory_notes(memory: pd.DataFrame) -> list[str]:
                      f"(+{fmt_bytes(r.per_step_bytes)} per step, mostly {r.top_category}): a leak, or a "
                      "cache that never settles (a list keeping outputs or losses with their graph?)")
     return notes
+
+
+def levels_over_time(memory: pd.DataFrame, device: str, max_points: int = 600) -> pd.DataFrame:
+    """``wide`` rows (boundaries and peaks) of one device in time order, for memory over time:
+    at most ``max_points`` rows (every k-th, the first, the last and the highest), so a long
+    run still draws quickly and its peak stays visible."""
+    w = wide(memory, ("enter", "exit", "peak"))
+    w = w[w["device"] == device].reset_index(drop=True)
+    if len(w) <= max_points:
+        return w
+    k = -(-len(w) // max_points)
+    keep = set(range(0, len(w), k)) | {0, len(w) - 1, int(w["total_bytes"].idxmax())}
+    return w.iloc[sorted(keep)].reset_index(drop=True)

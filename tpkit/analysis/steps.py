@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..schema import PHASE_COLUMNS, VERDICTS
+from ..schema import PHASE_COLUMNS, UNCOUNTED_PHASES, VERDICTS
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
 INPUT_BOUND = 0.20
@@ -198,14 +198,64 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
     return out
 
 
-def timeline_frame(spans: pd.DataFrame, max_rows: int = 4000) -> pd.DataFrame:
+def timeline_frame(spans: pd.DataFrame, max_rows: int = 4000, steps: pd.DataFrame | None = None) -> pd.DataFrame:
     """Spans for the stall timeline (warmup flagged, so a chart can fade it), cut to the first
-    steps that fit in ``max_rows`` so a long run still draws quickly."""
+    steps that fit in ``max_rows`` so a long run still draws quickly.
+
+    Time that no span covered, from the slice's start (0 s) to the end of the last step (or
+    span), is added as ``other`` rows (``source`` "unattributed"): the timeline draws every
+    second of the slice, the stretch before the first span included. With ``steps``
+    (``run.steps``) such a stretch is split at step boundaries and numbered by its step."""
     s = spans.sort_values("start_s", kind="stable") if not spans.empty else spans
+    s = pd.concat([s, _unattributed(s, steps)], ignore_index=True) if not s.empty or steps is not None else s
+    s = s.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True) if not s.empty else s
     if len(s) > max_rows:
         last = s["step"].iloc[max_rows - 1]
         s = s[s["step"] < last]
     return s.assign(duration_ms=s["duration_s"] * 1e3, warmup=s["step"] < 0)
+
+
+#: Gaps shorter than this are not drawn as ``other`` (the few microseconds between two stamps).
+MIN_GAP_S = 20e-6
+
+
+def _unattributed(spans: pd.DataFrame, steps: pd.DataFrame | None) -> pd.DataFrame:
+    """``other`` rows for the stretches of [0, end] that no span covers."""
+    cols = list(spans.columns) if len(spans.columns) else ["step", "phase", "start_s", "end_s", "duration_s",
+                                                            "depth", "source"]
+    counted = spans[~spans["phase"].isin(UNCOUNTED_PHASES)] if not spans.empty else spans
+    end = float(counted["end_s"].max()) if not counted.empty else 0.0
+    if steps is not None and not steps.empty:
+        end = max(end, float(steps["end_s"].max()))
+    gaps: list[tuple[float, float]] = []
+    t = 0.0
+    for a, b in zip(counted["start_s"].to_numpy(), counted["end_s"].to_numpy()) if not counted.empty else []:
+        if a - t >= MIN_GAP_S:
+            gaps.append((t, float(a)))
+        t = max(t, float(b))
+    if end - t >= MIN_GAP_S:
+        gaps.append((t, end))
+    if steps is not None and not steps.empty:  # cut at step boundaries, each piece numbered by its step
+        bounds = steps.sort_values("start_s")[["step", "start_s", "end_s"]].to_numpy()
+        cut = []
+        for a, b in gaps:
+            for step, s0, s1 in bounds:
+                lo, hi = max(a, s0), min(b, s1)
+                if hi - lo >= MIN_GAP_S:
+                    cut.append((int(step), lo, hi))
+            if a < bounds[0][1] and min(b, bounds[0][1]) - a >= MIN_GAP_S:  # before the first step
+                cut.append((int(bounds[0][0]), a, min(b, float(bounds[0][1]))))
+        rows = cut
+    else:
+        starts = counted["start_s"].to_numpy() if not counted.empty else np.array([])
+        step_of = counted["step"].to_numpy() if not counted.empty else np.array([])
+        rows = []
+        for a, b in gaps:  # the step of the next span (the stretch before the first: the first's)
+            i = int(np.searchsorted(starts, a, side="left"))
+            rows.append((int(step_of[min(i, len(step_of) - 1)]) if len(step_of) else 0, a, b))
+    out = pd.DataFrame([{"step": st, "phase": "other", "start_s": a, "end_s": b, "duration_s": b - a,
+                         "depth": 0, "source": "unattributed"} for st, a, b in rows], columns=cols)
+    return out.astype({c: spans[c].dtype for c in cols if c in spans.columns}) if len(spans.columns) else out
 
 
 def breakdown_long(steps: pd.DataFrame, max_bars: int = 500) -> pd.DataFrame:

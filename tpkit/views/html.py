@@ -40,12 +40,12 @@ Draw = Callable[[Any], str]
 
 
 def _timeline_section(run: "Run") -> alt.TopLevelMixin | None:
-    spans = analysis.timeline_frame(run.spans)
+    spans = analysis.timeline_frame(run.spans, steps=run.steps)
     if spans.empty and run.steps.empty:
         return None
     parts = []
     if not spans.empty:
-        parts.append(charts.stall_timeline(spans))
+        parts.append(charts.stall_timeline(spans, steps=analysis.thin_steps(run.steps)))
     if not run.steps.empty:
         parts.append(charts.step_breakdown(analysis.breakdown_long(run.steps)))
     return alt.hconcat(*parts).resolve_scale(color="independent") if len(parts) > 1 else parts[0]
@@ -60,9 +60,15 @@ def _clocks_section(run: "Run") -> alt.TopLevelMixin | None:
     if run.clocks.empty:
         return None
     from ..analysis import clocks as ca
+    from ..analysis import memory as ma
 
-    return charts.clocks_with_timeline(analysis.timeline_frame(run.spans), ca.trace_frame(run.clocks),
-                                       analysis.thin_steps(run.steps), ca.throttle_bands(run.clocks))
+    device = ma.main_device(run.memory) if not run.memory.empty else None
+    load = ca.host_load(run.clocks)
+    return charts.clocks_with_timeline(analysis.timeline_frame(run.spans, steps=run.steps),
+                                       ca.fold_cores(ca.trace_frame(run.clocks)),
+                                       analysis.thin_steps(run.steps), ca.throttle_bands(run.clocks),
+                                       memory=ma.levels_over_time(run.memory, device) if device else None,
+                                       note=load["text"] if load and load["loaded"] else None)
 
 
 SECTIONS.append(("Clocks and power", _clocks_section))
@@ -79,14 +85,14 @@ def _memory_section(run: "Run") -> alt.TopLevelMixin | None:
     if device is None:
         return None
     across = ma.across_steps(run.memory, device)
-    measured = across[across["step"] >= 0]
-    pool = measured if not measured.empty else across
-    step = int(pool.loc[pool["peak_bytes"].idxmax(), "step"])
+    step = ma.peak_step(run.memory, device)
+    assert step is not None
     room = ma.headroom(run.memory, run.meta)
     room = room[room["device"] == device]
     head = room.iloc[0] if not room.empty else None
     wf = charts.memory_waterfall(
-        ma.waterfall(run.memory, step, device), ma.step_peak(run.memory, step, device),
+        ma.waterfalls(run.memory, device=device) if step >= 0 else ma.waterfall(run.memory, step, device),
+        ma.step_peak(run.memory, step, device),
         headroom_bytes=None if head is None or head["headroom_bytes"] != head["headroom_bytes"] else float(head["headroom_bytes"]),
         capacity_bytes=None if head is None or head["capacity_bytes"] != head["capacity_bytes"] else float(head["capacity_bytes"]),
         step=step, device=device)
