@@ -154,7 +154,7 @@ class RankRuns:
 
     def to_html(self, path: str | os.PathLike) -> Path:
         """Write the merged dashboard (the "Ranks" section first among the rank views)."""
-        return self.run.to_html(path)
+        return self.run.to_html(Path(path))
 
     def to_traces(self, path: str | os.PathLike) -> list[Path]:
         """Write one Kineto-style trace per rank, ``path/rank<k>.json``, that Holistic Trace

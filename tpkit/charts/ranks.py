@@ -112,7 +112,7 @@ def ranks_view(steps: pd.DataFrame, skew: pd.DataFrame, timeline: pd.DataFrame, 
                missing: list[int] | None = None, width: int = 620) -> alt.VConcatChart:
     """The "Ranks" section: the straggler verdict as its title, then the step times and skew, the
     merged timeline and the memory peaks (the last two only when there are rows)."""
-    parts: list[alt.TopLevelMixin] = [rank_step_times(steps, skew, width, highlight=straggler)]
+    parts: list[alt.VConcatChart | alt.Chart] = [rank_step_times(steps, skew, width, highlight=straggler)]
     if len(timeline):
         parts.append(rank_timeline(timeline, width, world_size=world_size, missing=missing))
     if len(peaks):
