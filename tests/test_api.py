@@ -471,3 +471,48 @@ def test_graph_breaks_of_the_model_itself_are_noted(one_thread):
     torch._dynamo.reset()
     assert any("graph break(s) while the slice ran, none caused by tpkit" in n for n in prof.run.meta["notes"])
     assert (prof.run.steps["forward_s"] > 0).all() and prof.run.meta["model"]["class"] == "Breaks"
+
+
+def test_steps_in_a_thread_tpkit_does_not_follow_are_explained_not_misadvised(one_thread):
+    """The slice's thread trains first, then a second loop runs in another thread: that
+    thread's steps are not followed, and the note says so (never "call tp.step()")."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _data(1)[0]
+    with tp.profile(steps=3, warmup=0, progress=False, clock_hz=0, memory=False) as prof:
+        model(x)  # the slice's own thread did training work first
+
+        def other() -> None:
+            for _ in range(2):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+
+        t = threading.Thread(target=other, name="second-loop")
+        t.start()
+        t.join()
+    notes = prof.run.meta["notes"]
+    assert len(prof.run.steps) == 0
+    assert any("optimizer.step() ran in thread 'second-loop' (2x)" in n for n in notes), notes
+    assert not any("tp.step()" in n for n in notes), notes
+
+
+def test_a_helper_thread_joined_before_the_loop_is_not_taken_for_the_loop(one_thread):
+    """The slice's thread waits for a helper thread that runs a module (preprocessing), then
+    trains itself: tpkit follows the slice's thread, and nothing of the helper is in the run."""
+    torch.manual_seed(0)
+    model, prep = SlowNet(), torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = _data(8)
+    with tp.profile(steps=3, warmup=0, progress=False, clock_hz=0, memory=False) as prof:
+        t = threading.Thread(target=lambda: [prep(x) for x, _ in data], name="prep")
+        t.start()
+        t.join()
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert len(run.steps) == 3 and "loop_thread" not in run.meta
+    assert _close(run.steps["forward_s"], model.seconds[:3]), (run.steps["forward_s"].tolist(), model.seconds)
+    assert set(run.spans[run.spans["phase"] == "forward"]["source"]) == {"SlowNet"}
+    assert not any("thread" in n for n in run.meta["notes"]), run.meta["notes"]

@@ -55,6 +55,7 @@ class SliceConfig:
     clock_hz: float = 20.0
     knobs: dict[str, Any] = field(default_factory=dict)
     save_dir: str | None = None  # save the Run under it (per rank: DIR/rank<k>); env TPKIT_SAVE_DIR
+    ops: bool | int = False  # trace operators with torch.profiler in this many measured steps (True: 3)
 
     def validate(self) -> "SliceConfig":
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
@@ -71,6 +72,8 @@ class SliceConfig:
         for flag in ("stop", "progress", "memory", "memory_detail"):
             if not isinstance(getattr(self, flag), bool):
                 raise TpkitError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not isinstance(self.ops, (bool, int)) or (not isinstance(self.ops, bool) and self.ops < 0):
+            raise TpkitError(f"ops must be True/False or a number of steps >= 0 to trace, got {self.ops!r}")
         if self.name is not None and not isinstance(self.name, str):
             raise TpkitError(f"name must be a string, got {self.name!r}")
         return self
@@ -124,6 +127,9 @@ class Profile:
             rec.cuda_timer = maybe_cuda_timer()
             self._probes = [PhaseProbe(rec).install()]
             self._probes += _optional_probes(rec, cfg)
+            for probe in self._probes:
+                if hasattr(probe, "follow"):  # probes that act on measured steps learn the warmup
+                    probe.follow(lambda: self.warmup_steps)
             if cfg.progress:
                 self._bar = _progress_bar(cfg, self.warmup_steps)
             _rec.set_active(rec)
@@ -235,7 +241,7 @@ class Profile:
                         error=f"{type(exc).__name__}: {exc}")
             rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
                      "the Run holds what was recorded")
-        if done == 0:
+        if done == 0 and not any(getattr(p, "foreign_steps", None) for p in self._removed):  # else the probe says why
             rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
                      "without an optimizer, call tp.step() at the end of each iteration")
         if self.warmup_steps is None and done:
@@ -252,6 +258,11 @@ class Profile:
             meta.update(rec.cuda_timer.meta())
         try:
             self.run = build_run(rec, warmup, meta)
+            for probe in self._removed:
+                if hasattr(probe, "table_rows"):  # the ops probe's operator events
+                    from ..schema import frame
+
+                    self.run.ops = frame("ops", probe.table_rows(warmup))
         except Exception as e:  # never lose the user's error to a failure of ours
             self.run = Run(meta={"name": rec.name, "complete": False, "notes": [f"building the Run failed: {e!r}"]})
             _LAST_RUN = self.run
@@ -336,6 +347,25 @@ def _comm_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 PROBE_FACTORIES.append(_comm_probe)
 
 
+def ops_steps(ops: bool | int, steps: int) -> int:
+    """Measured steps ``--ops`` traces: ``True`` is 3; never more than the slice measures."""
+    n = 3 if ops is True else int(ops or 0)
+    return min(n, steps)
+
+
+def _ops_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    """torch.profiler over the first measured steps, only when ``ops`` asks for it."""
+    n = ops_steps(cfg.ops, cfg.steps)
+    if n <= 0:
+        return None
+    from .probes.ops import OpsProbe
+
+    return OpsProbe(rec, n, cfg.warmup if cfg.warmup != "auto" else None)
+
+
+PROBE_FACTORIES.append(_ops_probe)
+
+
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
     from tqdm.auto import tqdm
 
@@ -402,7 +432,7 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
             stop: bool = True, progress: bool = True, samples_per_step: int | None = None,
             memory: bool = True, clock_hz: float = 20.0, clocks: bool = True,
             knobs: dict[str, Any] | None = None, memory_detail: bool = False,
-            save_dir: str | None = None) -> Profile:
+            save_dir: str | None = None, ops: bool | int = False) -> Profile:
     """Profile a slice of a training loop::
 
         with tp.profile(steps=20, warmup=3, name="baseline") as prof:
@@ -411,11 +441,13 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
 
     ``clocks=False`` (or ``clock_hz=0``) turns the clock/power sampler off. ``save_dir`` (or
     ``TPKIT_SAVE_DIR``) saves the Run there, under ``rank<k>`` in a multi-process launch.
+    ``ops=3`` (or True) traces operators with torch.profiler in the first 3 measured steps:
+    ``run.ops``, and the Ops section (top operators by self time within each phase).
     """
     return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,
                                samples_per_step=samples_per_step, memory=memory,
                                memory_detail=memory_detail, clock_hz=clock_hz if clocks else 0.0,
-                               knobs=dict(knobs or {}), save_dir=save_dir))
+                               knobs=dict(knobs or {}), save_dir=save_dir, ops=ops))
 
 
 def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Literal["auto"] = 3,

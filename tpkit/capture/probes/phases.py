@@ -189,11 +189,13 @@ class PhaseProbe:
         self.optimizers: dict[int, str] = {}
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
+        self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
         self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
         self.installed = False
         self._gc_installed = False
         self._gc_start = 0
         self._start_tid = rec.thread_id  # the thread that started the slice
+        self._early: tuple[str, int, int] | None = None  # (note, spans, samples) at an early adoption
         self._warning_filter: Any = None
         self._graph_breaks_at_start = _graph_breaks()
 
@@ -262,6 +264,11 @@ class PhaseProbe:
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
+        if self.foreign_steps and not self.rec.step_ends:
+            where = ", ".join(f"'{n}' ({k}x)" for n, k in self.foreign_steps.items())
+            out.append(f"no step was recorded here, but optimizer.step() ran in thread {where}: tpkit "
+                       "follows one loop per slice, and the thread that started this slice trained first; "
+                       "start the slice in the training thread (or let this one only wait for it)")
         if self._backward_seen and not self.models:
             out.append("backward ran but no module's forward was seen: a model compiled in place "
                        "(model.compile()) runs its hooks inside the compiled graph, and a functional "
@@ -279,12 +286,17 @@ class PhaseProbe:
         """Whether to follow thread ``tid`` as the loop's from now on: only before the slice's
         own thread did any training work, and then at the loop's first optimizer step
         (``at_step``), or earlier (its first batch or forward) when the slice's thread is
-        waiting in ``Thread.join`` (``with tp.profile(): t.start(); t.join()``), so that the
-        first step is seen whole. A loader thread's transform modules never qualify."""
+        starting or joining that very thread (``with tp.profile(): t.start(); t.join()``), so
+        that the first step is seen whole. Should the slice's own thread then train before any
+        step ended, the early choice was wrong (a loader thread's transform module): tpkit
+        goes back to the slice's thread and drops what it recorded of the other."""
         rec = self.rec
+        if tid == self._start_tid and self._early is not None and not rec.step_ends:
+            self._back_to_start()
+            return True
         if self._ever_worked or rec.step_ends or self._opt_tokens or rec.slice_steps is not None:
             return False
-        if not at_step and not _joining(self._start_tid):
+        if not at_step and not _waits_for_current_thread(self._start_tid):
             return False
         rec.thread_id = tid
         name = threading.current_thread().name
@@ -294,9 +306,25 @@ class PhaseProbe:
                      "tpkit follows it from its first optimizer.step(), so that first step's data wait, "
                      "forward and backward were not seen (it is a warmup step when warmup >= 1)")
         else:
-            rec.note(f"the training loop runs in thread '{name}', not the one that started the slice "
-                     "(which waits for it): tpkit follows that thread")
+            text = (f"the training loop runs in thread '{name}', not the one that started the slice "
+                    "(which waits for it): tpkit follows that thread")
+            self._early = (text, len(rec.spans), rec.samples)
+            rec.note(text)
         return True
+
+    def _back_to_start(self) -> None:
+        """Undo an early adoption (see ``_adopt``): the slice's own thread is the loop's."""
+        rec = self.rec
+        text, n_spans, samples = self._early
+        self._early = None
+        rec.close_all()
+        del rec.spans[n_spans:]
+        rec.samples = samples
+        rec.thread_id = self._start_tid
+        rec.meta.pop("loop_thread", None)
+        if text in rec.notes:
+            rec.notes.remove(text)
+        self._fwd_depth, self._fwd_token = 0, None
 
     # -- garbage collection -------------------------------------------------------------------
     def _gc(self, event: str, info: dict) -> None:
@@ -348,6 +376,9 @@ class PhaseProbe:
             return None
         tid = threading.get_ident()
         if tid != self.rec.thread_id and not self._adopt(tid, at_step=True):
+            if not self.rec.step_ends:  # why a slice may end with no step: said in notes()
+                name = threading.current_thread().name
+                self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
         key = id(opt)
         if key not in self.optimizers:
@@ -487,7 +518,10 @@ class PhaseProbe:
         rec, probe = self.rec, self
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if _compiling() or threading.get_ident() != rec.thread_id:
+            if _compiling():
+                return fn(tensors, *args, **kwargs)
+            tid = threading.get_ident()
+            if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(tensors, *args, **kwargs)
             probe._worked = probe._ever_worked = probe._backward_seen = True
             if (isinstance(tensors, torch.Tensor) and tensors.numel() == 1
@@ -577,14 +611,15 @@ class PhaseProbe:
         return move
 
 
-def _joining(tid: int, max_frames: int = 64) -> bool:
-    """Whether thread ``tid`` is now waiting in ``threading.Thread.join``."""
+def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:
+    """Whether thread ``tid`` is now inside ``start()`` or ``join()`` of the calling thread."""
+    me = threading.current_thread()
     f = sys._current_frames().get(tid)
     n = 0
     while f is not None and n < max_frames:
         code = f.f_code
-        if code.co_name == "join" and code.co_filename == threading.__file__:
-            return True
+        if code.co_name in ("join", "start") and code.co_filename == threading.__file__:
+            return f.f_locals.get("self") is me
         f, n = f.f_back, n + 1
     return False
 
