@@ -13,11 +13,19 @@ Rounds rotate the order of the modes so drift and a noisy neighbour hit all alik
 figure is the median over every step of every round, plus the median of per-round ratios.
 
     python benchmarks/memory_overhead.py [--rounds 6] [--steps 30] [--peers] [--threads 1] [--cpu-time]
+        [--loop tiny|gpt2-2|gpt2-12] [--before REV]
+
+``--loop gpt2-2`` / ``gpt2-12``: a GPT-2 built from ``transformers.GPT2Config`` (2 or 12 layers,
+n_embd 64, vocab 1024, batch 8 x 64 tokens, AdamW, a DataLoader) in a plain loop: the layer count
+is the knob that showed the probe's per-boundary cost growing with the model (issue 14). Every
+mode also reports tpkit's own time per step (the Run's ``tpkit_s``) and the collections the
+Python gc ran inside the measured steps. ``--before REV`` adds the memory probe as it was at git
+revision REV (``git show REV:tpkit/capture/probes/memory.py``), for a before/after in one run.
 
 Measured on the 2-core dev VM (tiny transformer, 1 torch thread): tpkit +4.5% wall, +0.5% to
 +4.6% main-thread CPU time; torch.profiler with memory +3% to +8%; the dispatch tracker +20% to
 +26%. With torch's 2 default threads on a shared 2-core VM the wall times are dominated by the
-thread pool waking late (shared/MEASURED.md): p20 37 ms against p80 440 ms, no usable ratio.
+thread pool waking late (docs/MEASURED.md): p20 37 ms against p80 440 ms, no usable ratio.
 
 ``--cpu-time`` (with ``--threads 1``) times each step by the main thread's CPU time instead of
 the wall clock: on a shared machine whose neighbours come and go, that is the figure that
@@ -28,9 +36,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import weakref
+from pathlib import Path
+from typing import Any
 
 import torch
 from common import machine, quantiles, step_times, transformer_step, versions, write_rows
@@ -40,10 +55,48 @@ import tpkit as tp
 
 OFF, ON = "memory off", "memory on (tpkit)"
 PROFILER, DISPATCH = "torch.profiler profile_memory", "dispatch-mode tracker"
+BEFORE = "memory on (before)"
+#: GPT-2 shapes for the --loop gpt2-N loops (the same as benchmarks/overhead.py's Trainer loops).
+GPT2 = {"n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": 1024}
+SEQ_LEN, GPT2_BATCH = 64, 8
 
 
-def make_step():
-    return transformer_step()
+def gpt2_step(n_layer: int):
+    """A training step of a GPT-2 of ``n_layer`` layers on synthetic tokens (a DataLoader of
+    dict batches, AdamW), as a Trainer runs it minus the Trainer."""
+    import transformers
+    from common import training_step
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, **GPT2))
+    tokens = torch.randint(0, GPT2["vocab_size"], (4096, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    loader = torch.utils.data.DataLoader(data, batch_size=GPT2_BATCH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return training_step(model, loader, opt, lambda m, b: m(**b).loss)
+
+
+def make_step(loop: str = "tiny"):
+    if loop == "tiny":
+        return transformer_step()
+    return gpt2_step(int(loop.split("-")[1]))
+
+
+def probe_at(rev: str) -> Any:
+    """The ``MemoryProbe`` class of ``tpkit/capture/probes/memory.py`` at git revision ``rev``,
+    loaded as a module of the installed package (its relative imports resolve as they did)."""
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{rev}:tpkit/capture/probes/memory.py"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="tpkit-probe-")) / "memory_before.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("tpkit.capture.probes.memory_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.MemoryProbe
 
 
 class DispatchTracker(TorchDispatchMode):
@@ -82,15 +135,47 @@ def cpu_step_times(fn, n: int) -> list[float]:
     return out
 
 
-def run_mode(mode: str, step, steps: int, cpu_time: bool = False) -> list[float]:
+class GcCount:
+    """Collections the Python gc ran while installed."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.n += 1
+
+
+def run_mode(mode: str, step, steps: int, cpu_time: bool = False, before: Any = None) -> tuple[list[float], dict]:
+    """Step times of one run in ``mode``, and ``{"tpkit_s": [...], "gc": n}`` of that run."""
+    import tpkit.capture.probes.memory as probe_module
+
     peer: contextlib.AbstractContextManager = contextlib.nullcontext()
     if mode == PROFILER:
         peer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     elif mode == DISPATCH:
         peer = DispatchTracker()
-    with tp.profile(steps=steps, warmup=0, stop=False, progress=False, clocks=False, memory=mode == ON):
-        with peer:
-            return (cpu_step_times if cpu_time else step_times)(step, steps)
+    current = probe_module.MemoryProbe
+    if mode == BEFORE:
+        probe_module.MemoryProbe = before
+    watch = GcCount()
+    try:
+        prof = tp.profile(steps=steps, warmup=0, stop=False, progress=False, clocks=False,
+                          memory=mode in (ON, BEFORE))
+        with prof:
+            with peer:
+                gc.callbacks.append(watch)
+                try:
+                    ts = (cpu_step_times if cpu_time else step_times)(step, steps)
+                finally:
+                    gc.callbacks.remove(watch)
+    finally:
+        probe_module.MemoryProbe = current
+    run = prof.run
+    st = run.steps if run is not None else None
+    own = [float(v) for v in st["tpkit_s"]] if st is not None and not st.empty else []
+    share = [float(a / b) for a, b in zip(st["tpkit_s"], st["duration_s"]) if b > 0] if own else []
+    return ts, {"tpkit_s": own, "share": share, "gc": watch.n}
 
 
 def main() -> None:
@@ -100,43 +185,58 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="also time torch.profiler and a dispatch-mode tracker")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--cpu-time", action="store_true", help="time steps by the main thread's CPU time")
+    ap.add_argument("--loop", default="tiny", choices=["tiny", "gpt2-2", "gpt2-12"])
+    ap.add_argument("--before", default=None, help="git revision whose memory probe is timed too")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = [OFF, ON] + ([PROFILER, DISPATCH] if args.peers else [])
-    step = make_step()
+    before = probe_at(args.before) if args.before else None
+    modes = [OFF, ON] + ([BEFORE] if before is not None else []) + ([PROFILER, DISPATCH] if args.peers else [])
+    step = make_step(args.loop)
     step_times(step, 10)  # warm caches and the allocator
     times: dict[str, list[float]] = {m: [] for m in modes}
     per_round: dict[str, list[float]] = {m: [] for m in modes}
+    own: dict[str, list[float]] = {m: [] for m in modes}
+    share: dict[str, list[float]] = {m: [] for m in modes}
+    gcs: dict[str, int] = dict.fromkeys(modes, 0)
     for r in range(args.rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         if r % 2:
             order = order[::-1]
         medians = {}
         for mode in order:
-            ts = run_mode(mode, step, args.steps, args.cpu_time)
+            ts, extra = run_mode(mode, step, args.steps, args.cpu_time, before)
             times[mode] += ts
+            own[mode] += extra["tpkit_s"]
+            share[mode] += extra["share"]
+            gcs[mode] += extra["gc"]
             medians[mode] = statistics.median(ts)
         for mode in modes:
             per_round[mode].append(medians[mode] / medians[OFF])
     base = statistics.median(times[OFF])
     clock = "main-thread CPU time" if args.cpu_time else "wall time"
-    print(f"tiny transformer, {args.rounds} rounds x {args.steps} steps, torch threads {torch.get_num_threads()}, "
+    workload = {"tiny": "tiny transformer", "gpt2-2": "GPT-2 2 layers", "gpt2-12": "GPT-2 12 layers"}[args.loop]
+    print(f"{workload}, {args.rounds} rounds x {args.steps} steps, torch threads {torch.get_num_threads()}, "
           f"{clock}, {machine()}")
     rows = []
     for mode, ts in times.items():
         p20, p50, p80 = quantiles(ts)
         ratio = p50 / base
+        tk = statistics.median(own[mode]) if own[mode] else float("nan")
+        tk_share = statistics.median(share[mode]) if share[mode] else float("nan")
         print(f"  {mode:30s} step p50 {p50 * 1e3:7.2f} ms (p20 {p20 * 1e3:.2f}, p80 {p80 * 1e3:.2f})  "
-              f"ratio vs off {ratio:.3f}x, median of per-round ratios {statistics.median(per_round[mode]):.3f}x")
-        rows.append({"op": "train_step", "workload": "tiny transformer", "peer": mode, "clock": clock,
+              f"ratio vs off {ratio:.3f}x, median of per-round ratios {statistics.median(per_round[mode]):.3f}x  "
+              f"tpkit_s p50 {tk * 1e3:.3f} ms ({100 * tk_share:.2f}% of the Run's step), gc runs {gcs[mode]}")
+        rows.append({"op": "train_step", "workload": workload, "peer": mode, "clock": clock,
+                     "tpkit_s_p50_ms": tk * 1e3, "tpkit_share_p50": tk_share, "gc_runs": gcs[mode],
                      "threads": torch.get_num_threads(), "p20_ms": p20 * 1e3,
                      "p50_ms": p50 * 1e3, "p80_ms": p80 * 1e3, "ratio_vs_off": ratio,
                      "ratio_round_median": statistics.median(per_round[mode]),
                      "machine": machine(), "versions": versions()})
     on = statistics.median(per_round[ON])
     print(f"memory tracking costs {(on - 1) * 100:+.1f}% of step time (goal: at most +10%)")
-    print(f"rows written to {write_rows('memory_overhead', rows)}")
+    name = "memory_overhead" if args.loop == "tiny" else f"memory_overhead_{args.loop}"
+    print(f"rows written to {write_rows(name, rows)}")
 
 
 if __name__ == "__main__":

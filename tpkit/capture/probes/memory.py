@@ -49,6 +49,7 @@ walked from then on.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import weakref
@@ -60,7 +61,7 @@ import torch
 import torch.optim.optimizer as _optim
 from torch.autograd import profiler as _autograd_profiler
 
-from ...schema import KIB, KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES
+from ...schema import KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES, MIB
 from ..recorder import Recorder
 
 #: Phases during which what the allocator holds beyond the known sets is called activations.
@@ -242,9 +243,14 @@ def host_capacity_bytes() -> int | None:
 _BOUND, _OBS, _GRAD_SET, _GONE = 0, 1, 2, 3
 #: CPU parameters at least this large get a post-accumulate-grad hook, so that their gradient
 #: counts as ``gradients`` from the instant it is stored in ``.grad`` (before that it is an
-#: autograd temporary in flight). Smaller ones count from their allocation: the mix is off by
-#: at most their bytes, for the few microseconds between the two.
-GRAD_HOOK_MIN_BYTES = 16 * KIB
+#: autograd temporary in flight). Smaller ones count from their allocation, microseconds
+#: earlier: the mix is off by at most their bytes for that window. The hook and its marker cost
+#: ~5-20 us per parameter per backward, negligible beside a 1 MiB gradient's own computation
+#: (hooking every GPT-2 weight cost ~1 ms per step at 12 layers, twice the rest of the probe).
+GRAD_HOOK_MIN_BYTES = MIB
+#: Gradients are looked at after each of the first GRAD_LOOKS_FIRST backward passes, then after
+#: every GRAD_LOOK_EVERY-th; in between, the replay finds them by the pattern of the last look.
+GRAD_LOOKS_FIRST, GRAD_LOOK_EVERY = 3, 8
 #: Pseudo category of model buffers: counted with what the allocator holds beyond the known sets.
 _BUFFER = "buffer"
 #: Pseudo category of tpkit's own tensors (``Recorder.own_tensors``): counted nowhere.
@@ -293,26 +299,32 @@ class MemoryProbe:
         self.detail = detail
         self.cpu = cpu if cpu is not None else CpuAllocatorStream()
         self.cuda = cuda if cuda is not None else CudaAllocator()
-        #: (phase, event, raw_step, t_ns) per boundary
-        self.bounds: list[tuple[str, str, int, int]] = []
-        #: markers in the CPU stream, in order: (ptr, bytes, kind, index)
-        self.marks: list[tuple[int, int, int, int]] = []
-        #: CPU storages seen at each observation: [(ptr, bytes, category, parameter slot or -1)]
-        self.observations: list[list[tuple[int, int, str, int]]] = []
+        # The hot path appends plain ints and interned strings to flat lists (4 per entry), so
+        # that nothing it keeps is tracked by the gc: no collection is triggered by tpkit.
+        #: phase, event, raw_step, t_ns per boundary
+        self._bounds_flat: list[Any] = []
+        #: markers in the CPU stream, in order: ptr, bytes, kind, index
+        self._marks_flat: list[int] = []
+        #: CPU storages seen at each observation: ptr, bytes, category, parameter slot (or -1), ...
+        self.observations: list[list[Any]] = []
         #: boundary -> known sets walked there (no CPU stream, or CUDA devices in use)
         self.walks: dict[int, dict[tuple[str, str], int]] = {}
         #: boundary -> {device: (allocated, peak in the stretch before, peak exact)}
         self.cuda_reads: dict[int, dict[str, tuple[int, int, bool]]] = {}
-        self.optimizers: "weakref.WeakValueDictionary[int, torch.optim.Optimizer]" = weakref.WeakValueDictionary()
+        # the optimizers that stepped (held for the slice only: dropped in remove())
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self._batch: list[weakref.ref] = []
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}  # id(parameter) -> slot
         self._grad_hooks: list[Any] = []
         self._seen_key: tuple[int, int] = (-1, -1)  # (models, optimizer parameters) last counted
+        self._seen_opts = -1  # optimizers when last counted
         self._opt_key: tuple = ()
         self._params_new = False  # parameters refreshed since the last observation
         self._own_seen = 0
+        self._grad_looks = 0  # chances to look at the gradients so far (one per backward)
+        self._grads_seen_at: list[int] = []  # observations that looked at every gradient
         self._grads_watched: set[int] = set()  # parameter slots whose first gradient is watched
         self._finalizers: list[weakref.finalize] = []
         self.gone: list[tuple[int, int]] = []  # (ptr, bytes) of watched CPU tensors that died  # rec.own_tensors already observed
@@ -405,6 +417,8 @@ class MemoryProbe:
                 self.rec.note(self._cpu_note)
             self._emit(events)
             self._batch = []
+            self.optimizers = {}
+            self._params, self._buffers = [], []
 
     _history_ours = False
 
@@ -437,20 +451,38 @@ class MemoryProbe:
 
     def _mark(self, kind: int, index: int) -> None:
         """A marker allocation, made and freed at once: it cuts the CPU stream here."""
-        size = MARKER_BASE_BYTES + 2 * (len(self.marks) % 512)
+        flat = self._marks_flat
+        size = MARKER_BASE_BYTES + 2 * ((len(flat) >> 2) % 512)
         m = torch.empty(size, dtype=torch.uint8)
-        self.marks.append((m.data_ptr(), size, kind, index))
+        flat += (m.data_ptr(), size, kind, index)
         del m
+
+    @property
+    def bounds(self) -> list[tuple[str, str, int, int]]:
+        """``(phase, event, raw_step, t_ns)`` of every boundary so far."""
+        f = self._bounds_flat
+        return list(zip(f[0::4], f[1::4], f[2::4], f[3::4]))
+
+    @property
+    def marks(self) -> list[tuple[int, int, int, int]]:
+        """``(ptr, bytes, kind, index)`` of every marker so far, in stream order."""
+        f = self._marks_flat
+        return list(zip(f[0::4], f[1::4], f[2::4], f[3::4]))
 
     def _on_phase(self, phase: str, event: str, raw_step: int) -> None:
         t_ns = perf_counter_ns()
-        k = len(self.bounds)
-        self.bounds.append((phase, event, raw_step, t_ns))
+        flat = self._bounds_flat
+        k = len(flat) >> 2
+        flat += (phase, event, raw_step, t_ns)
         if event == "enter" and self._grads_new and phase in ("optimizer", "forward"):
             # new gradients since the last look: they are alive at the optimizer's step or
-            # zero_grad (or, in a loop without optimizer, at the next forward)
+            # zero_grad (or, in a loop without optimizer, at the next forward). Looked at in
+            # the first backward passes and then every GRAD_LOOK_EVERY-th: the replay finds
+            # the others' gradients from those (``_template_gradients``).
             self._grads_new = False
-            self._observe()
+            n = self._grad_looks
+            self._grad_looks += 1
+            self._observe(grads=n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0)
         elif phase == "backward" and event == "exit":
             self._grads_new = True
         if len(self.rec.models) != self._seen_key[0]:
@@ -475,14 +507,18 @@ class MemoryProbe:
             except TypeError:
                 pass
         self._batch = refs
-        items = self._storages([t for r in refs if (t := r()) is not None], "data",
-                               watch=self.cpu.active and self._stream_lost_at is None)
+        items = self._storages([t for r in refs if (t := r()) is not None], "data")
         if self.cpu.active and self._stream_lost_at is None:
-            self._add_observation([(ptr, nb, c, s) for dev, ptr, nb, c, s in items if dev == "cpu"])
+            flat: list[Any] = []
+            for dev, ptr, nb, c, s in items:
+                if dev == "cpu":
+                    flat += (ptr, nb, c, s)
+            self._add_observation(flat)
         # Loaders report the batch right after their data_wait span closed: count it as data
         # at that exit boundary too (the previous batch, still held by the loop, stays there).
-        k = len(self.bounds) - 1
-        if k in self.walks and self.bounds[k][0] == "data_wait" and self.bounds[k][1] == "exit":
+        f = self._bounds_flat
+        k = (len(f) >> 2) - 1
+        if k in self.walks and f[-4] == "data_wait" and f[-3] == "exit":
             known = self.walks[k]
             for dev, _, nb, _, _ in items:
                 known[(dev, "data")] = known.get((dev, "data"), 0) + nb
@@ -505,8 +541,11 @@ class MemoryProbe:
         return now, max(now, last[0]), False
 
     # -- the known sets ---------------------------------------------------------------------
-    def _refresh_params(self) -> bool:
+    def _refresh_params(self, force: bool = False) -> bool:
         opts = list(self.optimizers.values())
+        if not force and len(self.rec.models) == self._seen_key[0] and len(opts) == self._seen_opts:
+            return False  # the same model set and optimizers (checked at every look: keep it cheap)
+        self._seen_opts = len(opts)
         key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
         if key == self._seen_key:
             return False
@@ -607,7 +646,7 @@ class MemoryProbe:
                         key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
         return tuple(key)
 
-    def _observe(self, final: bool = False) -> None:
+    def _observe(self, final: bool = False, grads: bool = True) -> None:
         """Record the CPU known sets' storages at this point of the stream: parameters and
         buffers when the model set changed, every gradient, optimizer state when it changed.
         Runs at the first optimizer (or forward) boundary after a backward, never at every
@@ -615,43 +654,48 @@ class MemoryProbe:
         if not (self.cpu.active and self._stream_lost_at is None):
             self._refresh_params()
             return
-        items: list[tuple[int, int, str, int]] = []
-        self._refresh_params()
+        items: list[Any] = []  # flat: ptr, bytes, category, slot, ...
+
+        def add(found: list[tuple[str, int, int, str, int]]) -> None:
+            for dev, ptr, nb, c, _ in found:
+                if dev == "cpu":
+                    items.extend((ptr, nb, c, -1))
+
+        self._refresh_params(force=final)  # parameter groups added mid-slice are found at the end
         if self._params_new or final:
             self._params_new = False
-            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in
-                      self._storages(self._params, "parameters", watch=not final) if dev == "cpu"]
-            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in
-                      self._storages(self._buffers, _BUFFER, watch=not final) if dev == "cpu"]
-        slots, watched = self._slots, self._grads_watched
-        for p in self._params:
-            g = p.grad
-            if g is not None and g.is_cpu:
-                s = g.untyped_storage()
-                nbytes = s.nbytes()
-                if nbytes:
-                    slot = slots.get(id(p), -1)
-                    items.append((s.data_ptr(), nbytes, "gradients", slot))
-                    if slot not in watched:  # a gradient first seen may predate the slice
-                        watched.add(slot)
-                        self._watch(g, s.data_ptr(), nbytes)
+            add(self._storages(self._params, "parameters"))
+            add(self._storages(self._buffers, _BUFFER))
+        if grads or final:
+            slots, watched = self._slots, self._grads_watched
+            for p in self._params:
+                g = p.grad
+                if g is not None and g.is_cpu:
+                    s = g.untyped_storage()
+                    nbytes = s.nbytes()
+                    if nbytes:
+                        slot = slots.get(id(p), -1)
+                        items.extend((s.data_ptr(), nbytes, "gradients", slot))
+                        if slot not in watched:  # a gradient first seen may predate the slice
+                            watched.add(slot)
+                            self._watch(g, s.data_ptr(), nbytes)
+            if grads and not final:  # a look right after a backward: its result is that pass's pattern
+                self._grads_seen_at.append(len(self.observations))
         fp = self._opt_fingerprint()
         if fp != self._opt_key or final:
             self._opt_key = fp
-            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in
-                      self._storages(self._opt_state_tensors(), "optimizer_state", watch=not final)
-                      if dev == "cpu"]
+            add(self._storages(self._opt_state_tensors(), "optimizer_state"))
         own = self.rec.own_tensors
         if len(own) > self._own_seen:
-            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in self._storages(own[self._own_seen:], _OWN)
-                      if dev == "cpu"]
+            add(self._storages(own[self._own_seen:], _OWN))
             self._own_seen = len(own)
         if final:
-            batch = [t for r in self._batch if (t := r()) is not None]
-            items += [(ptr, nb, c, -1) for dev, ptr, nb, c, _ in self._storages(batch, "data") if dev == "cpu"]
+            add(self._storages([t for r in self._batch if (t := r()) is not None], "data"))
+        if grads and not final and not items:
+            items.extend((0, 0, "gradients", -1))  # none alive: still a look at the gradients
         self._add_observation(items)
 
-    def _add_observation(self, items: list[tuple[int, int, str, int]]) -> None:
+    def _add_observation(self, items: list[Any]) -> None:
         if items and self.cpu.active:
             self.observations.append(items)
             self._mark(_OBS, len(self.observations) - 1)
@@ -710,6 +754,22 @@ class MemoryProbe:
         at_bound: dict[int, int] = {}  # event position -> boundary
         hooks: dict[int, list[int]] = {}  # parameter slot -> positions where its .grad was stored
         ends: dict[int, list[int]] = {}  # position -> blocks from before the slice that ended there
+        slot_of: dict[int, int] = {}  # gradient block -> its parameter's slot
+        outside_data: dict[int, int] = {}  # batch blocks not in the stream -> their address
+        freed_at: dict[int, int] = {}  # block -> position of its free
+        spans: list[tuple[int, int, list[int]]] = []  # backward passes: (enter, exit, blocks allocated)
+        looked: list[bool] = []  # whether the gradients were looked at after each backward pass
+        span_ids: list[int] = []
+        span_start = 0
+        grads_seen = set(self._grads_seen_at)
+
+        def first_hook(slot: int, after: int) -> int:
+            pos = hooks.get(slot)
+            if not pos:
+                return after
+            h = bisect.bisect_right(pos, after)
+            return pos[h] if h < len(pos) else after
+
         j = 0
         bwd_depth = 0
         skip: tuple[int, int] | None = None
@@ -722,6 +782,11 @@ class MemoryProbe:
                     phase, event = bounds[idx][0], bounds[idx][1]
                     if phase == "backward":
                         bwd_depth += 1 if event == "enter" else -1
+                        if event == "enter" and bwd_depth == 1:
+                            span_ids, span_start = [], i
+                        elif event == "exit" and bwd_depth == 0:
+                            spans.append((span_start, i, span_ids))
+                            looked.append(False)
                     at_bound[i] = idx
                 elif kind == _GRAD_SET:
                     hooks.setdefault(idx, []).append(i)
@@ -732,7 +797,23 @@ class MemoryProbe:
                         del live[gptr]  # a block from before the slice ended here
                         ends.setdefault(i, []).append(a)
                 else:
-                    for optr, onb, cat, slot in obs[idx]:
+                    if idx in grads_seen and looked:
+                        looked[-1] = True  # the look right after that backward pass
+                    items = obs[idx]
+                    if "data" in items:
+                        # a batch made outside the stream (another thread) has no free event:
+                        # it counts until a batch that does not hold it is handed out
+                        batch = {items[q] for q in range(0, len(items), 4) if items[q + 2] == "data"}
+                        for a, dptr in list(outside_data.items()):
+                            if dptr not in batch:
+                                del outside_data[a]
+                                if live.get(dptr) == a:
+                                    del live[dptr]
+                                    ends.setdefault(i, []).append(a)
+                    for q in range(0, len(items), 4):
+                        optr, onb, cat, slot = items[q:q + 4]
+                        if not onb:
+                            continue
                         a = live.get(optr)
                         if a is None:  # made before the slice (or in another thread)
                             a = len(size)
@@ -742,19 +823,24 @@ class MemoryProbe:
                             tag.append(cat)
                             alloc_at.append(-1)
                             known_at.append(i if cat == "data" else -1)
+                            if cat == "data":
+                                outside_data[a] = optr
                         elif tag[a] is None and size[a] == onb:
                             tag[a] = cat
-                            at = alloc_at[a]
-                            if cat == "gradients" and slot in hooks:
-                                at = next((h for h in hooks[slot] if h > at), at)
-                            known_at[a] = at
-                        if slot >= 0:
-                            hooks.pop(slot, None)
+                            known_at[a] = alloc_at[a]
+                            if cat == "gradients":
+                                slot_of[a] = slot
+                                known_at[a] = first_hook(slot, alloc_at[a])
                 continue
             if skip is not None and ptr == skip[0] and sz == skip[1]:
                 skip = None
                 continue
             if sz > 0:
+                old = live.get(ptr)
+                if old is not None and alloc_at[old] < 0:
+                    # a storage from before the slice ended before its address came back
+                    ends.setdefault(i, []).append(old)
+                    outside_data.pop(old, None)
                 a = len(size)
                 live[ptr] = a
                 size.append(sz)
@@ -763,10 +849,14 @@ class MemoryProbe:
                 alloc_at.append(i)
                 known_at.append(i)
                 ids[i] = a
+                if bwd_depth > 0:
+                    span_ids.append(a)
             else:
                 a = live.pop(ptr, None)  # None: a block from before the slice, not in the stream
                 if a is not None:
                     ids[i] = a
+                    freed_at[a] = i
+        self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
 
         # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest, rest in backward]
         index = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "data": 3, _BUFFER: 4, _OWN: -2}
@@ -795,6 +885,12 @@ class MemoryProbe:
         best: _Levels | None = None
         for i in range(n):
             a = ids[i]
+            if i in ends:
+                for b in ends[i]:
+                    if where[b] >= 0:
+                        c[where[b]] -= size[b]
+                        total -= size[b]
+                    where[b] = -1
             if a < 0:
                 for b in moves.get(i, ()):
                     if where[b] >= 0:
@@ -804,11 +900,6 @@ class MemoryProbe:
                     if where[b] >= 0:
                         c[where[b]] += size[b]
                         total += size[b]
-                for b in ends.get(i, ()):
-                    if where[b] >= 0:
-                        c[where[b]] -= size[b]
-                        total -= size[b]
-                    where[b] = -1
                 k = at_bound.get(i)
                 if k is not None:
                     if k_open is not None and best is not None:
@@ -832,6 +923,46 @@ class MemoryProbe:
         if k_open is not None and best is not None:
             seg[k_open] = best
         return levels, seg
+
+    def _template_gradients(self, spans: list[tuple[int, int, list[int]]], looked: list[bool], size: list[int],
+                            tag: list[str | None], known_at: list[int], alloc_at: list[int],
+                            slot_of: dict[int, int], freed_at: dict[int, int], first_hook: Any) -> None:
+        """Gradients of the backward passes after which they were not looked at: a looked-at
+        pass gives a pattern, the sizes (and parameter slots) of the gradient blocks it
+        allocated, in order; a pass whose blocks alive at its end contain that sequence of sizes
+        (in order) gets those blocks as its gradients. The longest pattern that fits is taken
+        (with accumulation, the micro-batch that allocates the gradients fits the full one)."""
+        patterns: dict[tuple[int, ...], list[int]] = {}
+        for (_, _, blocks), seen in zip(spans, looked):
+            if seen:
+                grads = [a for a in blocks if tag[a] == "gradients"]
+                patterns.setdefault(tuple(size[a] for a in grads), [slot_of.get(a, -1) for a in grads])
+        ordered = sorted(patterns.items(), key=lambda kv: -len(kv[0]))
+        missed = 0
+        for (_, end, blocks), seen in zip(spans, looked):
+            if seen:
+                continue
+            alive = [a for a in blocks if tag[a] is None and freed_at.get(a, 1 << 62) > end]
+            for sizes, slots in ordered:
+                if not sizes:
+                    break
+                found: list[int] = []
+                k = 0
+                for a in alive:
+                    if k < len(sizes) and size[a] == sizes[k]:
+                        found.append(a)
+                        k += 1
+                if k == len(sizes):
+                    for a, slot in zip(found, slots):
+                        tag[a] = "gradients"
+                        known_at[a] = first_hook(slot, alloc_at[a])
+                    break
+            else:
+                missed += 1 if ordered else 0
+        if missed:
+            self.rec.note(f"memory: the gradients of {missed} backward pass(es) could not be told from autograd "
+                          "temporaries (their allocations did not follow a pattern seen); counted as "
+                          "temporaries/other there")
 
     def _backfill_walks(self) -> None:
         """Walked boundaries before the model was known get the parameters seen first (alive
