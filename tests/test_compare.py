@@ -408,3 +408,18 @@ def test_identical_runs_are_never_significant(d, samples, share):
     assert not (c.table["significant"] == cmp.SIGNIFICANT).any()
     tested = c.table[(c.table["run"] == "x#2") & c.table["significant"].isin([cmp.NO_DIFFERENCE])]
     assert (tested["delta"] == 0).all() and (tested["delta_low"] == 0).all()
+
+
+def test_a_phase_share_that_rises_because_the_step_got_faster_is_not_called_worse():
+    d = np.array(NOISE)
+    slow = make_run("slow", d * 3, data_share=0.0)
+    fast = make_run("fast", d, data_share=0.0)
+    slow.steps["other_s"] = 0.003  # the same 3 ms of overhead in both: 1% -> 3%
+    fast.steps["other_s"] = 0.003
+    slow.steps["forward_s"] -= 0.003
+    fast.steps["forward_s"] -= 0.003
+    c = cmp.compare(slow, fast)
+    assert row(c, "step_time_p50", "fast")["direction"] == "better"
+    other = row(c, "other_share", "fast")
+    assert other["value"] > 3 * row(c, "other_share", "slow")["value"] * 0.9
+    assert other["significant"] == cmp.SIGNIFICANT and other["direction"] == ""  # a change, not "worse"
