@@ -66,10 +66,8 @@ def export(ranks_dir: str | None, out: Path) -> list[Path]:
     if ranks_dir:
         import tpkit as tp
 
-        rr = tp.load_ranks(ranks_dir)
-        items = [(k, r.steps, r.spans, r.meta, rr.world_size) for k, r in sorted(rr.runs.items())]
-    else:
-        items = [(k, *hand_made_rank(k), 2) for k in (0, 1)]
+        return tp.load_ranks(ranks_dir).to_traces(out)  # the public export: out/rank<k>.json
+    items = [(k, *hand_made_rank(k), 2) for k in (0, 1)]
     paths = []
     for k, steps, spans, meta, world in items:
         p = out / f"rank{k}.json"

@@ -11,11 +11,15 @@ rank's is small), and the merged view (summary line, Ranks section, one trace pe
 from __future__ import annotations
 
 import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from ranks_launch import LaunchError, torchrun
+from ranks_launch import HERE, LaunchError, torchrun
 
 import tpkit as tp
 
@@ -168,3 +172,17 @@ def test_fsdp2_with_the_memory_probe(launched):
     ranks = tp.load_ranks(out)
     assert ranks.missing == [] and ranks.incomplete == []
     assert (ranks.memory_peaks["peak_bytes"] > 0).all() and len(ranks.memory_peaks) == 2
+
+
+@pytest.mark.skipif(not os.environ.get("HTA_PYTHON"), reason="HTA_PYTHON (an interpreter with HolisticTraceAnalysis "
+                    "0.5.0) not set: HTA is kept out of tpkit's environment (tests/ranks/hta_check.py)")
+def test_hta_reads_the_ddp_launch(launched, tmp_path):
+    """HTA's temporal breakdown of the DDP launch's traces: the on-time rank 0 spends most of its
+    steps in communication (its wait for rank 1), rank 1 most of its steps idle (its data wait)."""
+    p = subprocess.run([sys.executable, str(HERE / "hta_check.py"), str(launched("ddp")), "--out", str(tmp_path),
+                        "--hta-python", os.environ["HTA_PYTHON"]], text=True, capture_output=True, timeout=300)
+    assert p.returncode == 0 and "FAILED" not in p.stdout, p.stdout + p.stderr
+    rows = {int(m.group(1)): [float(x) for x in m.group(2).split()]
+            for m in re.finditer(r"^(\d)\s+\d\s+((?:[\d.]+\s+){6}[\d.]+)$", p.stdout, re.M)}
+    # idle, compute, non-compute, kernel (us), then idle %, compute %, non-compute %
+    assert rows[0][6] >= 75 and rows[1][4] >= 75, p.stdout
