@@ -141,6 +141,20 @@ def _loader_section(run: "Run") -> alt.TopLevelMixin | None:
 SECTIONS.append(("Loader", _loader_section))
 
 
+def _ops_section(run: "Run") -> alt.TopLevelMixin | None:
+    """Top operators by self time within each phase (``--ops``: torch.profiler's traced steps)."""
+    if run.ops is None or run.ops.empty:
+        return None
+    from ..analysis.ops import top_ops
+    from ..charts.ops import ops_per_phase
+
+    top = top_ops(run.ops, run.spans)
+    return None if top.empty else ops_per_phase(top, steps=(run.meta.get("ops") or {}).get("steps"))
+
+
+SECTIONS.append(("Ops", _ops_section))
+
+
 def section_charts(run: "Run") -> list[tuple[str, alt.TopLevelMixin]]:
     """The dashboard's charts for this Run, in order, skipping sections with no data."""
     out = []
