@@ -6,13 +6,14 @@ is the Run's own rich representation.
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
@@ -59,12 +60,29 @@ class TpkitMagics(Magics):
     @argument("--kernels", choices=["on", "off", "ab"], default=None,
               help="tpkit's Triton kernels for the models in the notebook: on, off, or ab (the slice twice, "
                    "without then with kernels, from the same state: time, memory and loss side by side)")
-    @cell_magic
-    def tp_profile(self, line: str, cell: str) -> None:
-        """Profile a slice of the training loop in this cell and show where the time went.
+    @argument("--ops", type=int, nargs="?", const=3, default=0, metavar="N",
+              help="operator time per phase with torch.profiler (CPU and CUDA, input shapes) in the first N "
+                   "measured steps (default N: 3); those steps run slower, the others are untouched")
+    @line_cell_magic
+    def tp_profile(self, line: str, cell: str | None = None) -> None:
+        """Profile a slice of a training loop and show where the time went.
+
+        As a cell magic, the cell is the loop; as a line magic (IPython's convention, like
+        ``%timeit`` / ``%%timeit``), the statement after the options is::
+
+            %tp_profile --steps 20 train(model, loader)
+
+            %%tp_profile --steps 20 --warmup 3 --name baseline --ops
+            for batch in loader:
+                loss = model(batch).mean(); loss.backward(); opt.step(); opt.zero_grad()
 
         The loop runs until warmup + steps optimizer steps are done, then stops by itself.
         """
+        if cell is None:
+            line, cell = _split_statement(self.tp_profile, line)
+            if not cell.strip():
+                raise UsageError("%tp_profile: no statement to profile; e.g. %tp_profile --steps 20 "
+                                 "train(model, loader), or %%tp_profile for a whole cell")
         config, save_dir, kernels = self._config(line, cell)
         previous = last_run()
         code = self.ip.transform_cell(cell)
@@ -136,7 +154,7 @@ class TpkitMagics(Magics):
                                  stop=not args.no_stop, progress=not args.quiet,
                                  samples_per_step=args.samples_per_step, memory=not args.no_memory,
                                  memory_detail=args.memory_detail,
-                                 clock_hz=args.clock_hz).validate()
+                                 clock_hz=args.clock_hz, ops=args.ops).validate()
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
         if args.save:
@@ -191,6 +209,27 @@ class TpkitMagics(Magics):
         comparison = compare(*loaded)
         self.ip.user_ns["_tp_compare"] = comparison
         display(comparison)
+
+
+def _split_statement(magic: Any, line: str) -> tuple[str, str]:
+    """``'--steps 20 train(m, l)'`` -> ``('--steps 20', 'train(m, l)')``: the options the magic
+    knows, then the statement from the first word that is neither an option nor its value."""
+    actions = magic.parser._option_string_actions  # argparse's table of option strings
+    words = list(re.finditer(r"\S+", line))
+    i = 0
+    while i < len(words):
+        word = words[i].group()
+        name = word.split("=", 1)[0]
+        if not word.startswith("-") or name not in actions:
+            break
+        action = actions[name]
+        if "=" not in word and action.nargs != 0:
+            nxt = words[i + 1].group() if i + 1 < len(words) else None
+            takes = action.nargs != "?" or (nxt is not None and re.fullmatch(r"\d+", nxt) is not None)
+            i += 1 if takes else 0
+        i += 1
+    cut = words[i].start() if i < len(words) else len(line)
+    return line[:cut].strip(), line[cut:].strip()
 
 
 def _parse(magic: Any, line: str, prefix: str) -> Any:
