@@ -511,3 +511,175 @@ def test_delayed_update_with_kept_gradients_is_not_raced_by_the_next_backward(se
         return list(m.parameters())
     for a, b in zip(run(), run(offload_gradients=False)):
         assert torch.equal(a, b)
+
+
+# -- the CUDA path through stand-ins at the torch.cuda boundary (issue 17, items 8, 9, 13) --------
+
+from tpkit.offload.arena import HostArena, plan_arena  # noqa: E402
+from tpkit.offload.streams import CopyStreams  # noqa: E402
+
+
+class FakeCuda:
+    """torch.cuda's streams, events and device switching, recording who did what where."""
+
+    def __init__(self) -> None:
+        import threading
+        self.main = threading.get_ident()
+        self.current = 0  # the current device index
+        self.streams: list = []  # every Stream() made: (device asked, device current when made)
+        self.syncs: list[tuple[str, bool]] = []  # (what, on the main thread)
+        self.waits: list[str] = []
+        self.compute: dict = {}
+        fake = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.stream = None
+
+            def record(self, stream=None) -> None:
+                self.stream = stream if stream is not None else fake.current_stream()
+
+            def synchronize(self) -> None:
+                fake.syncs.append(("event", fake.on_main()))
+
+        class Stream:
+            def __init__(self, device=None, priority=0) -> None:
+                self.device = device
+                fake.streams.append((device, fake.current))
+
+            def wait_event(self, ev) -> None:
+                fake.waits.append("wait_event")
+
+            def wait_stream(self, s) -> None:
+                fake.waits.append("wait_stream")
+
+            def synchronize(self) -> None:
+                fake.syncs.append(("stream", fake.on_main()))
+
+        self.Event, self.Stream = Event, Stream
+
+    def on_main(self) -> bool:
+        import threading
+        return threading.get_ident() == self.main
+
+    def device(self, dev):
+        import contextlib
+
+        @contextlib.contextmanager
+        def switch():
+            before, self.current = self.current, (dev.index if isinstance(dev, torch.device) else dev)
+            try:
+                yield
+            finally:
+                self.current = before
+        return switch()
+
+    def stream(self, s):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def current_stream(self, dev=None):
+        key = dev if dev is not None else self.current
+        if key not in self.compute:
+            self.compute[key] = object.__new__(self.Stream)  # not counted among made streams
+            self.compute[key].device = key
+        return self.compute[key]
+
+    def install(self, monkeypatch) -> "FakeCuda":
+        for name in ("Event", "Stream", "device", "stream", "current_stream"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
+        return self
+
+
+class HostAsDevice(CPUOffloadAdamW):
+    """The optimizer's CUDA path with CPU tensors standing for device tensors."""
+
+    accelerator_type = "cpu"
+
+
+def test_copy_streams_and_events_are_made_on_the_parameters_device(monkeypatch):
+    fake = FakeCuda().install(monkeypatch)
+    dev = torch.device("cuda", 1)
+    cs = CopyStreams([dev, dev])  # two parameters on cuda:1, the current device is 0
+    assert fake.streams == [(dev, 1)]  # one stream, made while cuda:1 was current
+    assert fake.current == 0  # and the current device is left alone
+    fake.current_stream(1)  # the compute stream of cuda:1
+    ev = cs.compute_event(dev)
+    assert ev.stream is fake.compute[dev]  # recorded on cuda:1's compute stream, not cuda:0's
+    assert 0 not in fake.compute  # nothing touched device 0
+
+
+def test_delayed_update_never_synchronises_the_training_thread(monkeypatch):
+    """DPU through the CUDA path (stand-in streams): the training thread never waits on the
+    host for a copy (was copy_stream.synchronize() every step); the worker waits where it
+    reads a gradient or overwrites a master a copy still reads; weights equal the host DPU."""
+    fake = FakeCuda().install(monkeypatch)
+    steps = 6
+    ref, dev = make_model(), make_model()
+    with CPUOffloadAdamW(ref.parameters(), lr=1e-2, kernel="torch", delayed_update=True) as a:
+        train(ref, a, steps=1)
+        train(ref, a, steps=steps - 1)  # the same batches as below
+        a.flush()
+    with HostAsDevice(dev.parameters(), lr=1e-2, kernel="torch", delayed_update=True, pin_memory=False) as b:
+        n_params = len(b.param_groups[0]["params"])
+        assert len(fake.streams) == 1 and b.pinned_bytes == 0
+        train(dev, b, steps=1)  # the check step: gradients taken at step() on this thread
+        fake.syncs.clear()
+        train(dev, b, steps=steps - 1)
+        b.flush()
+        main = [s for s in fake.syncs if s[1]]
+        worker = [s for s in fake.syncs if not s[1]]
+    assert main == []
+    # one wait per gradient copied out, one per update that overwrites masters still being copied
+    assert worker.count(("stream", False)) == n_params * (steps - 1)
+    assert worker.count(("event", False)) == steps - 1
+    assert_same_weights(ref, dev, rtol=0, atol=0)
+
+
+def test_streaming_through_the_cuda_path_matches_adamw(monkeypatch):
+    fake = FakeCuda().install(monkeypatch)
+    ref, dev = make_model(), make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    with HostAsDevice(dev.parameters(), lr=1e-2, kernel="torch", pin_memory=False) as opt:
+        train(dev, opt)
+        # separate host masters, as for parameters on a GPU
+        assert all(opt.state[p]["master_param"].data_ptr() != p.data_ptr() for p in dev.parameters())
+    assert_same_weights(ref, dev)
+    assert [s for s in fake.syncs if s[1]] == [("stream", True)] * 6  # only the check step's 6 gradients
+
+
+def test_host_arena_layout_is_aligned_packed_and_truthful():
+    specs = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((0,), torch.float32), ((1000,), torch.float16),
+             ((64, 65), torch.float32), ((1,), torch.int64)]
+    arena = HostArena(specs, pin_memory=torch.cuda.is_available(), min_buffer_bytes=4096)
+    lay = arena.layout
+    nbytes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in specs]
+    assert [p.nbytes for p in lay.placements] == nbytes
+    assert all(p.offset_bytes % 512 == 0 for p in lay.placements)
+    assert lay.used_bytes == sum(-(-n // 512) * 512 for n in nbytes)
+    assert lay.requested_bytes == sum(lay.buffer_bytes) == sum(b.numel() for b in arena.buffers)
+    assert all(b & (b - 1) == 0 for b in lay.buffer_bytes)  # powers of two: the allocator adds nothing
+    by_buffer: dict[int, list[tuple[int, int]]] = {}
+    for p in lay.placements:
+        by_buffer.setdefault(p.buffer, []).append((p.offset_bytes, p.offset_bytes + p.nbytes))
+    for spans in by_buffer.values():
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    for k, v in enumerate(arena.views):  # views hold their own values: nothing overlaps
+        v.fill_(k + 1)
+    for k, ((shape, dtype), v) in enumerate(zip(specs, arena.views)):
+        assert v.shape == torch.Size(shape) and v.dtype == dtype and bool((v == k + 1).all())
+    assert arena.pinned_bytes == (lay.requested_bytes if torch.cuda.is_available() else 0)
+
+
+def test_arena_pins_about_what_a_large_master_needs():
+    """A 2.1 GB fp32 master as GPT-2-sized tensors: one pinned block each would pin the sum of
+    their powers of two; the arena pins less than 64 MiB over what the tensors hold."""
+    sizes = [50257 * 1600 * 4] + [1600 * 6400 * 4] * 2 * 24 + [1600 * 4800 * 4] * 24 + [1600 * 1600 * 4] * 24
+    sizes += [1600 * 4] * 200
+    total = sum(sizes)
+    lay = plan_arena(sizes)
+    assert lay.used_bytes >= total and lay.requested_bytes - lay.used_bytes < 2 ** 26 + 2 ** 28
+    per_tensor = sum(1 << (n - 1).bit_length() for n in sizes)
+    assert lay.requested_bytes < per_tensor

@@ -38,8 +38,18 @@ micro-batches still consumes what arrived. More ``backward()`` calls than that b
 raises ``ExtraBackwardError`` naming ``accumulation_steps`` and the next step starts clean.
 
 On a CPU-only machine the "device" is the host: with fp32 parameters and no delayed update,
-the master weights *are* the parameters (no copy is made or moved back). The CUDA path
-(pinned buffers, a side stream for copies) is written but was not run on a GPU yet.
+the master weights *are* the parameters (no copy is made or moved back). The CUDA path was
+not run on a GPU yet; it is built so:
+
+- host buffers the GPU copies to or from (fp32 masters, gradient buffers) are views into a few
+  large pinned arenas (tpkit/offload/arena.py): the pinned allocator rounds each block up to a
+  power of two, so one block per parameter could pin twice the bytes; ``pinned_bytes`` is what
+  the arenas asked of the allocator, which is what it pinned.
+- one copy stream per device of the parameters, made on that device; events record each
+  gradient's readiness on its device's compute stream (tpkit/offload/streams.py).
+- sync points: the worker thread waits for a gradient's copy to the host before reading it, and
+  (delayed update) for the weights' copy back before overwriting the master they are read
+  from. The training thread never synchronises: the compute streams wait on events.
 
 The work is reported to a running tpkit slice: the part of ``step()`` that waits for or does
 host work is the ``offload`` phase; the background work and its overlap go to
@@ -60,8 +70,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..capture import recorder as _rec
+from .arena import HostArena
 from .errors import ExtraBackwardError, GradientChangedError, OffloadArgumentError, OffloadError, StateDictLayoutError
 from .kernels import HostKernel, KernelName, select_kernel
+from .streams import CopyStreams, wait_host
 
 _LIVE: "weakref.WeakSet[CPUOffloadAdamW]" = weakref.WeakSet()
 
@@ -104,6 +116,7 @@ class ParamState:
     updated: bool = False  # host update done this step
     grad_norm: torch.Tensor | None = None  # L2 norm of the final host gradient (clipping)
     seen: Fingerprint = None  # p.grad as the hook left it, compared at step()
+    grad_buf: torch.Tensor | None = None  # device parameters: the host buffer gradients are copied into
 
 
 class _Worker:
@@ -171,6 +184,9 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
     stops when the optimizer is garbage-collected.
     """
 
+    #: Parameters on this device type go through host buffers and copy streams (the CUDA path).
+    accelerator_type: str = "cuda"
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
                  max_grad_value: float | None = None,
@@ -212,11 +228,17 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         params_flat = [(p, g) for g in self.param_groups for p in g["params"]]
         if len({id(p) for p, _ in params_flat}) != len(params_flat):
             raise OffloadArgumentError("a parameter appears more than once in the parameter groups")
-        cuda = any(p.device.type == "cuda" for p, _ in params_flat)
+        devices = [p.device for p, _ in params_flat if self._on_device(p)]
+        cuda = bool(devices)
         self.pin_memory = (torch.cuda.is_available() and cuda) if pin_memory is None else bool(pin_memory)
-        self._copy_stream = torch.cuda.Stream() if cuda else None
-        self.pinned_bytes = 0
+        self._streams = CopyStreams(devices) if cuda else None
         self._slots: list[ParamState] = [self._init_host_state(i, p, g) for i, (p, g) in enumerate(params_flat)]
+        self._arenas = self._make_arenas()
+        #: bytes the pinned arenas asked of the allocator (= pinned: each arena buffer is a power of two)
+        self.pinned_bytes = sum(a.pinned_bytes for a in self._arenas)
+        # copies of weights back to the device that the host must see done before it writes
+        # their master again (delayed update; see step())
+        self._unlanded: list[Any] = []
         # tensors the worker is done with, freed by the main thread at the next step(): a tensor
         # allocated on the main thread is then also freed there, where memory trackers (torch's
         # profiler memory events) see it, as they would see p.grad freed by zero_grad
@@ -240,15 +262,15 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         _LIVE.add(self)
 
     # -- host state -------------------------------------------------------------------------
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is on the accelerator (reached through host buffers and copy streams)."""
+        return t.device.type == self.accelerator_type
+
     def _init_host_state(self, index: int, p: torch.nn.Parameter, group: dict) -> ParamState:
-        alias = p.device.type == "cpu" and p.dtype == torch.float32 and not self.delayed_update
-        if alias:
-            master = p.detach()
-        else:
-            master = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin_memory)
-            master.copy_(p.detach())
-            if self.pin_memory:
-                self.pinned_bytes += master.numel() * 4
+        on_host = not self._on_device(p)
+        alias = on_host and p.dtype == torch.float32 and not self.delayed_update
+        # a separate master is placed in a host arena by _make_arenas (this one is temporary)
+        master = p.detach() if alias else torch.empty(0)
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros(p.shape, dtype=self.moments_dtype)
@@ -256,8 +278,27 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         if not alias:
             state["master_param"] = master
         # DPU on the host: weights are handed over by swapping storages, not copied (see _copy_back)
-        swap = self.delayed_update and p.device.type == "cpu" and p.dtype == torch.float32
+        swap = self.delayed_update and on_host and p.dtype == torch.float32
         return ParamState(index=index, param=p, group=group, master=master, alias=alias, swap=swap)
+
+    def _make_arenas(self) -> list[HostArena]:
+        """Separate fp32 masters (and, for device parameters, host gradient buffers): with
+        ``pin_memory``, views into one flat pinned arena; else tensors of their own (pageable
+        memory is not rounded up). Masters take the parameters' values."""
+        masters = [s for s in self._slots if not s.alias]
+        grads = [s for s in self._slots if self._on_device(s.param) and s.param.requires_grad]
+        specs = [(s.param.shape, torch.float32) for s in masters + grads]
+        if not specs:
+            return []
+        arena = HostArena(specs, pin_memory=True) if self.pin_memory else None
+        views = arena.views if arena is not None else [torch.empty(shape, dtype=dt) for shape, dt in specs]
+        for s, view in zip(masters, views):
+            view.copy_(s.param.detach())
+            s.master = view
+            self.state[s.param]["master_param"] = view
+        for s, view in zip(grads, views[len(masters):]):
+            s.grad_buf = view
+        return [arena] if arena is not None else []
 
     def host_state_bytes(self) -> int:
         """Bytes of the host optimizer state (moments, step counters, separate master copies):
@@ -291,9 +332,9 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             p.grad = None  # the device copy is freed once the worker holds it
         s.seen = grad_fingerprint(p.grad)
         event = None
-        if grad.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        if self._on_device(grad):
+            assert self._streams is not None
+            event = self._streams.compute_event(grad.device)
         update = final and self.streaming
         self._worker.submit(lambda: self._take_grad(s, grad, event, first, final, update))
 
@@ -301,15 +342,15 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                    update: bool) -> None:
         """Worker: gradient to host (copy or add), its norm if clipping, the update if due."""
         t = perf_counter_ns()
-        if grad.device.type == "cuda":
-            stream = self._copy_stream
-            assert stream is not None  # made in __init__ when a parameter is on a GPU
-            with torch.cuda.stream(stream):
-                stream.wait_event(event)
+        if self._on_device(grad):
+            assert self._streams is not None  # made in __init__ when a parameter is on a GPU
+            stream = self._streams.stream(grad.device)
+            with torch.cuda.device(grad.device), torch.cuda.stream(stream):
+                stream.wait_event(event)  # the gradient is complete on the compute stream
                 host = self._host_grad_buffer(s)
                 if first:
                     host.copy_(grad, non_blocking=True)
-                    torch.cuda.current_stream().synchronize()
+                    stream.synchronize()  # sync point (worker thread): the host reads it next
                 else:
                     host.add_(grad.to("cpu", torch.float32))
                 grad.record_stream(stream)
@@ -318,7 +359,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             s.host_grad = grad if grad.dtype == torch.float32 else grad.float()
         else:
             s.host_grad.add_(grad)
-        if grad.device.type == "cpu":  # a device gradient is freed at once: that is the point
+        if not self._on_device(grad):  # a device gradient is freed at once: that is the point
             self._spent.append(grad)
         self.counters["copy_out_ns"] += perf_counter_ns() - t
         self.counters["grads"] += 1
@@ -335,13 +376,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             self._update(s, clip_coef=None)
 
     def _host_grad_buffer(self, s: ParamState) -> torch.Tensor:
-        buf = s.host_grad
-        if buf is None:
-            buf = torch.empty(s.param.shape, dtype=torch.float32, pin_memory=self.pin_memory)
-            if self.pin_memory:
-                self.pinned_bytes += buf.numel() * 4
-            s.host_grad = buf
-        return buf
+        """The host gradient being summed this step, else the parameter's arena buffer."""
+        if s.host_grad is None:
+            if s.grad_buf is None:  # a gradient the hooks never saw, on a frozen parameter
+                s.grad_buf = torch.empty(s.param.shape, dtype=torch.float32)
+            s.host_grad = s.grad_buf
+        return s.host_grad
 
     def _update(self, s: ParamState, clip_coef: float | None) -> None:
         """Worker: one parameter's host AdamW update, then its weights back to the device."""
@@ -365,9 +405,9 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         t2 = perf_counter_ns()
         self.counters["host_step_ns"] += t2 - t
         s.updated = True
-        if g.device.type == "cpu" and not self.pin_memory:
-            self._spent.append(g)
-            s.host_grad = None  # a host gradient we own is dropped like p.grad would be
+        if g is not s.grad_buf:
+            self._spent.append(g)  # a host gradient we own is dropped like p.grad would be
+        s.host_grad = None  # (an arena buffer is kept for the next gradient)
         if not self.delayed_update:
             self._copy_back(s)
             self.counters["copy_back_ns"] += perf_counter_ns() - t2
@@ -387,8 +427,9 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             self.state[p]["master_param"] = old
             s.refresh = True
             return
-        if p.device.type == "cuda":
-            with torch.cuda.stream(self._copy_stream):
+        if self._on_device(p):
+            assert self._streams is not None
+            with torch.cuda.device(p.device), torch.cuda.stream(self._streams.stream(p.device)):
                 p.detach().copy_(s.master, non_blocking=True)
         else:
             p.detach().copy_(s.master)
@@ -434,20 +475,20 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 grad = p.grad
                 if self.offload_gradients:
                     p.grad = None
-                self._take_grad(s, grad, None if grad.device.type != "cuda" else _recorded_event(),
-                                True, True, False)
+                self._take_grad(s, grad, self._grad_event(grad), True, True, False)
         if self.delayed_update:
             for s in self._slots:  # update t-1 is done; t's are due now
                 s.updated = False
             if self._pending_copy_back:
-                for s in self._slots:
-                    self._copy_back(s)
-                if self._copy_stream is not None:
-                    self._copy_stream.synchronize()  # the worker may overwrite master next
-                self._pending_copy_back = False
+                self._apply_copy_back()  # update t-1 to the parameters (queued, not waited for)
             self._spent.clear()  # update t-1's gradients; t's stay until the next step
             due = self._consume_due()
             coef = self._clip_coef(due)
+            if due and self._unlanded:
+                # the worker writes the masters next: first the copies reading them must have run
+                # (a sync on the worker thread, behind the next forward; not on this thread)
+                w.submit(functools.partial(wait_host, self._unlanded))
+                self._unlanded = []
             for s in due:
                 if s.host_grad is not None and s.host_grad is s.param.grad:
                     # p.grad itself (offload_gradients=False on the host): the loop may zero it or
@@ -464,8 +505,27 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         for s in self._slots:
             s.updated = False
         self._spent.clear()  # the worker is idle: consumed gradients are freed here, on this thread
-        if self._copy_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._copy_stream)  # weights back before forward
+        if self._streams is not None:
+            self._streams.publish()  # weights back before the next forward (on the GPU)
+
+    def _grad_event(self, grad: torch.Tensor) -> Any:
+        """Readiness of a device gradient on its compute stream (None on the host)."""
+        if not self._on_device(grad):
+            return None
+        assert self._streams is not None
+        return self._streams.compute_event(grad.device)
+
+    def _apply_copy_back(self) -> None:
+        """Delayed update: the finished host update to every parameter. On a GPU the copies
+        are queued after the compute work already queued (a backward may still read the
+        weights) and the compute streams wait for them; the host does not wait."""
+        if self._streams is not None:
+            self._streams.after_compute()
+        for s in self._slots:
+            self._copy_back(s)
+        if self._streams is not None:
+            self._unlanded += self._streams.publish()
+        self._pending_copy_back = False
 
     def _check_loop(self) -> None:
         """Refuse a loop the host update cannot follow, before anything of this step is applied
@@ -508,8 +568,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             s.updated = False
             s.grad_norm = None
             s.seen = None
-            if s.host_grad is not None and s.host_grad.device.type == "cpu" and not self.pin_memory:
-                s.host_grad = None
+            s.host_grad = None  # (an arena buffer stays for the next gradient)
         self._extra_backward = 0
         self._spent.clear()
 
@@ -525,8 +584,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 grad = p.grad
                 if self.offload_gradients:
                     p.grad = None
-                self._take_grad(s, grad, None if grad.device.type != "cuda" else _recorded_event(),
-                                True, True, False)
+                self._take_grad(s, grad, self._grad_event(grad), True, True, False)
         if self.streaming:
             for s in due:
                 self._update(s, None)
@@ -555,11 +613,7 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         parameters (call before evaluating or saving the model)."""
         self._worker.wait()
         if self._pending_copy_back:
-            for s in self._slots:
-                self._copy_back(s)
-            if self._copy_stream is not None:
-                self._copy_stream.synchronize()
-            self._pending_copy_back = False
+            self._apply_copy_back()  # the compute streams wait for it; the host need not
         self._spent.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -622,6 +676,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 raise StateDictLayoutError(f"parameter {index[key]}: no 'step' in its state; nothing was loaded")
         # layout checked: now change things
         self.flush()
+        wait_host(self._unlanded)  # sync point: the masters are written below, copies read them
+        self._unlanded = []
         by_index = {index[k]: s for k, s in saved_state.items()}
         for slot in self._slots:
             p = slot.param
@@ -669,12 +725,6 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 "parameters": sum(s.param.numel() for s in self._slots),
                 "pinned_bytes": self.pinned_bytes, "host_state_bytes": self.host_state_bytes(),
                 "host_grad_bytes": self.host_grad_bytes()}
-
-
-def _recorded_event() -> Any:
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
 
 
 def _grad_hook(ref: "weakref.ref[CPUOffloadAdamW]", i: int) -> Callable[[torch.Tensor], None]:
