@@ -130,6 +130,9 @@ class LossSums:
     def add(self, raw_step: int, loss: torch.Tensor) -> None:
         """Add a one-element loss tensor to step ``raw_step``'s sum."""
         value = loss.detach().reshape(())
+        if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
+            self.rec.losses.append((raw_step, value.clone()))
+            return
         key = (raw_step, value.device)
         slot = self._slots.get(key)
         if slot is None:
