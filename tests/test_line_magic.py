@@ -44,7 +44,7 @@ def test_line_magic_profiles_the_statement(ip):
     # --ops from the line, with and without its number; the statement starts after the options
     with redirect_stdout(io.StringIO()):
         ip.run_line_magic("tp_profile", "--steps 3 --warmup 0 --ops 2 --quiet --name lmops lm_train(lm_model, lm_opt, 9)")
-    assert tp.last_run().meta["ops"]["steps"] == [0, 1] and "aten::addmm" in set(tp.last_run().ops["op"])
+    assert tp.last_run().meta["ops"]["steps"] == [1, 2] and "aten::addmm" in set(tp.last_run().ops["op"])
     with redirect_stdout(io.StringIO()):
         ip.run_line_magic("tp_profile", "--steps 3 --warmup 0 --quiet --ops lm_train(lm_model, lm_opt, 9)")
     assert tp.last_run().meta["ops"]["steps"] == [0, 1, 2]

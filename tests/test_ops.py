@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import leftovers
 import pandas as pd
+import pytest
 import torch
 from factories import table
 
@@ -63,13 +64,17 @@ def test_top_op_per_phase_with_shapes_only_in_the_requested_steps(one_thread):
     run = traced_run(ops=2)
     assert leftovers.diff(before, leftovers.snapshot()) == {}  # the profiler is off, every hook out
     assert not torch.autograd.profiler._is_profiler_enabled
-    # only measured steps 0 and 1 were traced, and every event lies inside them
-    assert run.meta["ops"]["steps"] == [0, 1]
-    assert sorted(run.ops["step"].unique()) == [0, 1]
+    # only the last 2 measured steps (3, 4) were traced, and every event lies inside them
+    assert run.meta["ops"]["steps"] == [3, 4]
+    assert sorted(run.ops["step"].unique()) == [3, 4]
     s = run.steps.set_index("step")
-    assert run.ops["start_s"].min() >= s.loc[0, "start_s"] and run.ops["start_s"].max() <= s.loc[1, "end_s"]
+    assert run.ops["start_s"].min() >= s.loc[3, "start_s"] and run.ops["start_s"].max() <= s.loc[4, "end_s"]
     # (torch's "Optimizer.step" annotation closes just after tpkit stamps the step's end)
-    assert run.ops["end_s"].max() <= s.loc[1, "end_s"] + 0.002
+    assert run.ops["end_s"].max() <= s.loc[4, "end_s"] + 0.002
+    # the profiler's cost touches the traced steps only: its start is tpkit time of step 3, its
+    # stop came after the slice
+    cost = run.spans[run.spans["source"] == "ops profiler"]
+    assert cost["step"].tolist() == [3] and cost["phase"].tolist() == ["tpkit"]
     top = top_ops(run.ops, run.spans, n=3)
     fwd = top[top["phase"] == "forward"].iloc[0]
     assert fwd["op"] == "aten::addmm" and fwd["calls"] == 2  # one per traced step
@@ -82,7 +87,7 @@ def test_top_op_per_phase_with_shapes_only_in_the_requested_steps(one_thread):
     by = ops_by_phase(run.ops, run.spans)
     fwd_s = by[by["phase"] == "forward"]["self_cpu_s"].sum()
     assert 0 < fwd_s <= run.steps[run.steps["step"].isin([0, 1])]["forward_s"].sum() * 1.05
-    assert any("traced measured steps 0-1" in n for n in run.meta["notes"])
+    assert any("traced measured steps 3-4" in n for n in run.meta["notes"])
     # the memory probe's allocator stream had to give torch's one profiler session up: said so
     assert any("one profiler session" in n for n in run.meta["notes"])
     # the dashboard and the report get an Ops section
@@ -91,7 +96,7 @@ def test_top_op_per_phase_with_shapes_only_in_the_requested_steps(one_thread):
 
 def test_ops_true_traces_three_steps_and_a_run_without_ops_has_none(one_thread, tmp_path):
     run = traced_run(ops=True, steps=4, warmup=1)
-    assert run.meta["ops"]["steps"] == [0, 1, 2] and sorted(run.ops["step"].unique()) == [0, 1, 2]
+    assert run.meta["ops"]["steps"] == [1, 2, 3] and sorted(run.ops["step"].unique()) == [1, 2, 3]
     back = Run.load(run.save(tmp_path / "r"))
     pd.testing.assert_frame_equal(back.ops, run.ops)
     (tmp_path / "r" / "ops.parquet").unlink()  # a run saved before the ops table existed
@@ -115,3 +120,63 @@ def test_ops_go_to_the_innermost_phase_by_hand():
     # device time ranks ops when the run has any (a GPU run)
     gpu = ops.assign(self_device_s=[0.0, 0.0, 0.0, 0.3, 0.0])
     assert ops_by_phase(gpu, spans).set_index("op").loc["d", "self_s"] == 0.3
+
+
+class StandInProfiler:
+    """torch.profiler at its boundary, for the GPU path on a CPU machine: a CPU op that launched
+    a 500 us kernel, and the kernel itself (CUDA device type: counted through the op only)."""
+
+    def __init__(self, activities: list) -> None:
+        self.activities = activities
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        import time
+        from types import SimpleNamespace
+
+        self.calls.append("start")
+        wall = time.time_ns()
+        self.profiler = SimpleNamespace(kineto_results=SimpleNamespace(trace_start_ns=lambda: wall))
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def events(self) -> list:
+        from types import SimpleNamespace as E
+
+        return [E(name="aten::mm", time_range=E(start=50.0, end=80.0), self_cpu_time_total=30.0,
+                  self_device_time_total=500.0, input_shapes=[[2, 3], [3, 4]], device_type="DeviceType.CPU"),
+                E(name="ampere_sgemm_32x32", time_range=E(start=60.0, end=560.0), self_cpu_time_total=0.0,
+                  self_device_time_total=500.0, input_shapes=[], device_type="DeviceType.CUDA")]
+
+
+def test_gpu_path_through_a_stand_in_profiler(monkeypatch):
+    import time
+
+    from tpkit.capture.probes.ops import OpsProbe
+    from tpkit.capture.recorder import Recorder
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    made: list[StandInProfiler] = []
+    rec = Recorder("standin")
+    probe = OpsProbe(rec, 2, warmup=1, steps=None,  # a slice that runs on: the first 2 measured steps
+                     profiler_factory=lambda acts: made.append(StandInProfiler(acts)) or made[-1])
+    probe.install()
+    stopped_after = None
+    for _ in range(4):  # raw steps 0 (warmup), 1, 2 (traced), 3
+        time.sleep(0.002)
+        rec.end_step()
+        if stopped_after is None and made and made[0].calls == ["start", "stop"]:
+            stopped_after = rec.step_index
+    probe.remove()
+    assert stopped_after == 3  # stopped at the end of the 2nd traced step, not at the slice's end
+    (prof,) = made
+    assert prof.calls == ["start", "stop"]
+    assert torch.profiler.ProfilerActivity.CUDA in prof.activities
+    rows = probe.table_rows(warmup=1)
+    assert len(rows) == 1  # the kernel is not an op row: its time is the op's self device time
+    step, op, start_s, end_s, cpu_s, dev_s, shapes = rows[0]
+    assert (step, op, shapes) == (0, "aten::mm", "[[2, 3], [3, 4]]")
+    assert cpu_s == pytest.approx(30e-6) and dev_s == pytest.approx(500e-6)
+    assert end_s - start_s == pytest.approx(30e-6, abs=1e-6)
+    assert probe.meta()["ops"]["steps"] == [0, 1] and probe.meta()["ops"]["activities"] == ["cpu", "cuda"]

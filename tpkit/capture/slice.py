@@ -354,13 +354,13 @@ def ops_steps(ops: bool | int, steps: int) -> int:
 
 
 def _ops_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
-    """torch.profiler over the first measured steps, only when ``ops`` asks for it."""
+    """torch.profiler over the last measured steps, only when ``ops`` asks for it."""
     n = ops_steps(cfg.ops, cfg.steps)
     if n <= 0:
         return None
     from .probes.ops import OpsProbe
 
-    return OpsProbe(rec, n, cfg.warmup if cfg.warmup != "auto" else None)
+    return OpsProbe(rec, n, cfg.warmup if cfg.warmup != "auto" else None, cfg.steps if cfg.stop else None)
 
 
 PROBE_FACTORIES.append(_ops_probe)
@@ -441,7 +441,7 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
 
     ``clocks=False`` (or ``clock_hz=0``) turns the clock/power sampler off. ``save_dir`` (or
     ``TPKIT_SAVE_DIR``) saves the Run there, under ``rank<k>`` in a multi-process launch.
-    ``ops=3`` (or True) traces operators with torch.profiler in the first 3 measured steps:
+    ``ops=3`` (or True) traces operators with torch.profiler in the last 3 measured steps:
     ``run.ops``, and the Ops section (top operators by self time within each phase).
     """
     return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,

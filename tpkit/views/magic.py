@@ -61,7 +61,7 @@ class TpkitMagics(Magics):
               help="tpkit's Triton kernels for the models in the notebook: on, off, or ab (the slice twice, "
                    "without then with kernels, from the same state: time, memory and loss side by side)")
     @argument("--ops", type=int, nargs="?", const=3, default=0, metavar="N",
-              help="operator time per phase with torch.profiler (CPU and CUDA, input shapes) in the first N "
+              help="operator time per phase with torch.profiler (CPU and CUDA, input shapes) in the last N "
                    "measured steps (default N: 3); those steps run slower, the others are untouched")
     @line_cell_magic
     def tp_profile(self, line: str, cell: str | None = None) -> None:

@@ -1,10 +1,13 @@
 """The ops probe (``--ops`` / ``tp.profile(ops=3)``): operator-level time for a few measured
 steps, from torch's own profiler, on tpkit's time base.
 
-torch.profiler (CPU activity, and CUDA when a GPU is there, ``record_shapes=True``) starts at
-the end of the last warmup step and stops at the end of the ``n``-th measured step, so its
-overhead lands only in the traced steps (and its start/stop cost is a ``tpkit`` span, tpkit's
-own time, as every probe's). The events are read after the slice: one row per operator
+torch.profiler (CPU activity, and CUDA when a GPU is there, ``record_shapes=True``) traces the
+*last* ``n`` measured steps of a slice that stops by itself: it starts at the end of the step
+before them (its start cost is a ``tpkit`` span of the first traced step, tpkit's own time, as
+every probe's) and stops after the slice, when the loop is no longer timed. Its overhead
+touches only the traced steps; the steps before them are measured as without ``--ops``. A
+slice that does not stop (``--no-stop``) traces the first ``n`` measured steps instead, and
+stops the profiler at the end of the last one (that cost is a ``tpkit`` span of the next). The events are read after the slice: one row per operator
 event (name, self CPU time, self device time, input shapes, start and end on the slice's
 clock) in the Run's ``ops`` table; ``analysis.ops`` assigns each to the tpkit phase it ran in.
 
@@ -29,12 +32,15 @@ SKIP_PREFIXES: tuple[str, ...] = ("ProfilerStep", "[memory]", "[OutOfMemory]")
 
 
 class OpsProbe:
-    """Traces measured steps ``0 .. n-1`` with torch.profiler (see the module docstring)."""
+    """Traces ``n_steps`` measured steps with torch.profiler (see the module docstring):
+    the last ones of a slice of ``steps`` measured steps, or the first ones when
+    ``steps`` is None (a slice that does not stop by itself)."""
 
-    def __init__(self, rec: Recorder, n_steps: int, warmup: int | None,
+    def __init__(self, rec: Recorder, n_steps: int, warmup: int | None, steps: int | None = None,
                  profiler_factory: Callable[..., Any] | None = None) -> None:
         self.rec = rec
         self.n_steps = int(n_steps)
+        self.steps = steps
         self._warmup = warmup  # None (warmup 'auto'): told by the slice once it is known
         self._warmup_of: Callable[[], int | None] = lambda: self._warmup
         self._factory = profiler_factory or _torch_profiler
@@ -56,7 +62,7 @@ class OpsProbe:
         if not self.installed:
             self.installed = True
             self.rec.step_listeners.append(self._on_step)
-            if self._warmup_of() == 0:  # no warmup: the first measured step starts now
+            if self._first_traced(self._warmup_of()) == 0:  # the first traced step starts now
                 self._start(0)
         return self
 
@@ -71,14 +77,20 @@ class OpsProbe:
         self._stop(partial=True)
 
     # -- steps ------------------------------------------------------------------------------
-    def _on_step(self, raw_step: int, end_ns: int) -> None:
-        warmup = self._warmup_of()
+    def _first_traced(self, warmup: int | None) -> int | None:
+        """The raw step the profiler starts with, once the warmup is known."""
         if warmup is None:
+            return None
+        return warmup + (self.steps - self.n_steps if self.steps is not None else 0)
+
+    def _on_step(self, raw_step: int, end_ns: int) -> None:
+        first = self._first_traced(self._warmup_of())
+        if first is None:
             return
-        if self._prof is None and self._first_raw is None and raw_step + 1 == warmup:
+        if self._prof is None and self._first_raw is None and raw_step + 1 == first:
             self._start(raw_step + 1)
-        elif self._prof is not None and self._first_raw is not None:
-            if raw_step + 1 >= self._first_raw + self.n_steps:
+        elif self._prof is not None and self._first_raw is not None and self.steps is None:
+            if raw_step + 1 >= self._first_raw + self.n_steps:  # a slice that runs on: stop here
                 self._stop(partial=False)
 
     def _start(self, first_raw: int) -> None:
@@ -137,10 +149,13 @@ class OpsProbe:
         """``ops`` table rows (``schema.SCHEMAS["ops"]`` order): each event numbered by the step
         whose end comes first after its start (raw steps renumbered from 0 after warmup)."""
         ends = [e for e, _ in self.rec.step_ends]
+        last = min(len(ends), self._end_raw or len(ends)) - 1  # the last step that ended while traced
         out = []
         t0 = self.rec.t0_ns
         for start, end, name, cpu_s, dev_s, shapes in self.rows:
-            raw = next((i for i, e in enumerate(ends) if start <= e), len(ends) - 1)
+            if last < 0 or start > ends[last]:
+                continue  # after the traced steps (a trainer's end hooks): not a step's work
+            raw = next(i for i, e in enumerate(ends) if start <= e)
             out.append((raw - warmup, name, (start - t0) / 1e9, (end - t0) / 1e9, cpu_s, dev_s, shapes))
         return out
 
@@ -156,6 +171,8 @@ class OpsProbe:
                           "stream was it: from the first traced step on, CPU memory beyond parameters, gradients, "
                           "optimizer state and data (activations, temporaries) was not measured; profile again "
                           "without --ops for the full memory picture")
+        if not steps and not self.error:
+            self.rec.note("--ops: no step was traced (the loop ended before the steps to trace)")
         if steps:
             self.rec.note(f"--ops: torch.profiler traced measured steps {steps[0]}-{steps[-1]} (operator time "
                           "with shapes); those steps ran slower under it")
