@@ -147,7 +147,7 @@ def model_modes(steps: int, rounds: int, rows: list[dict]) -> None:
                 opt = CPUOffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, kernel="auto", **kw)
             it = iter(loader)
 
-            def one_step() -> torch.Tensor:
+            def one_step(it=it, model=model, opt=opt) -> torch.Tensor:  # this round's objects
                 b = next(it)
                 loss = model(b["x"], b["y"])
                 loss.backward()

@@ -13,8 +13,9 @@ import time
 
 from common import machine, versions, write_rows
 
-from tpkit.views import html as report
 from tpkit.datasets.synthetic_run import synthetic_run
+from tpkit.views import html as report
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()

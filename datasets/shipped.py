@@ -106,6 +106,7 @@ def make_samples() -> dict[str, dict[str, np.ndarray]]:
 
 
 def write_samples(folder: str | Path | None = None) -> list[Path]:
+    """Write the shipped samples (deterministic) into ``folder`` (default: ``samples/`` beside this file)."""
     folder = Path(folder) if folder is not None else Path(__file__).with_name("samples")
     folder.mkdir(parents=True, exist_ok=True)
     written = []

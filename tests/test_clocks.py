@@ -20,16 +20,16 @@ from IPython.utils.capture import capture_output
 import tpkit as tp
 from tpkit.analysis import clocks as ca
 from tpkit.analysis import steps as analysis
-from tpkit.views import html as report
+from tpkit.capture.probes import clock_backends as cb
+from tpkit.capture.probes import clocks as clocks_mod
+from tpkit.capture.recorder import Recorder
 from tpkit.charts import clock_traces, clocks_with_timeline
 from tpkit.charts.timeline import TIME_BRUSH_NAME
 from tpkit.errors import MissingExtraError, NvmlError, TpkitError
-from tpkit.capture.probes import clock_backends as cb
-from tpkit.schema import decode_throttle
-from tpkit.capture.probes import clocks as clocks_mod
-from tpkit.capture.recorder import Recorder
 from tpkit.run import SCHEMAS, Run
+from tpkit.schema import decode_throttle
 from tpkit.schema import frame as run_frame
+from tpkit.views import html as report
 
 
 def _clock_threads() -> list[threading.Thread]:

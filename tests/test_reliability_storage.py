@@ -7,13 +7,13 @@ import json
 import shutil
 from pathlib import Path
 
+import factories
 import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import factories
 import tpkit as tp
 from tpkit.analysis import catalog
 from tpkit.errors import RunFormatError

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import factories
 import numpy as np
 import pandas as pd
 import pytest
 
-import factories
 from tpkit import store
 from tpkit.analysis import catalog
 from tpkit.errors import RunFormatError
