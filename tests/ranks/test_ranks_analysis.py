@@ -186,3 +186,35 @@ def test_warmup_auto_refused_in_a_multi_rank_launch(monkeypatch):
     with pytest.raises(tp.TpkitError, match="fixed warmup"):
         with tp.profile(steps=2, warmup="auto", progress=False, memory=False, clocks=False):
             raise AssertionError("the slice must not start")
+
+
+def test_a_slice_times_the_collectives_of_a_process_group(tmp_path, one_thread):
+    """One gloo rank in the test's own process: each step runs a synchronous all_reduce of 1,000
+    fp32 (4,000 bytes) after backward. The slice counts them exactly, reports each wait as a
+    ``comm`` span (its own phase, out of ``other``), and leaves the dispatcher as it found it."""
+    import torch
+    import torch.distributed as dist
+
+    before = torch._C._dispatch_dump("c10d::allreduce_")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t = torch.ones(1000)
+        with tp.profile(steps=3, warmup=1, progress=False, memory=False, clocks=False) as prof:
+            for _ in range(10):
+                model(torch.ones(4, 8)).sum().backward()
+                dist.all_reduce(t)
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    run = prof.run
+    assert run.meta["comm"]["by_op"] == {"all_reduce": {"ops": 4, "bytes": 16_000}}
+    waits = run.spans[run.spans["phase"] == "comm"]
+    assert len(waits) == 4 and set(waits["source"]) == {"wait:all_reduce"}
+    per_step = waits.groupby("step")["duration_s"].sum()
+    assert run.steps.set_index("step")["comm_s"].to_dict() == pytest.approx(per_step.to_dict())
+    assert isinstance(run.meta["start_unix_ns"], int)
+    assert torch._C._dispatch_dump("c10d::allreduce_") == before
