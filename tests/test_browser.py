@@ -86,7 +86,7 @@ def test_quickstart_summary_shows_a_chart_and_the_top_recommendation(lab):
         dash = panel.locator(".tpkit-live").first
         dash.scroll_into_view_if_needed()
         summary = dash.locator(".tp-live-chart:visible")
-        assert browser.wait_for_charts(dash) >= 1 and summary.first.locator("svg, canvas").count() == 1
+        assert browser.wait_for_charts(dash) >= 1 and summary.first.locator("svg.marks, canvas.marks").count() == 1
         assert dash.locator("text=Top recommendation").count() == 1 or dash.locator(
             "text=No recommendation: no rule fired").count() == 1
         assert dash.locator(".tp-verdict").first.inner_text().split(":")[0] in (
@@ -139,8 +139,10 @@ def test_tuning_notebook_and_every_tuner_tab(lab):
         assert results.locator("text=best").count() >= 1
         labels = panel.locator(".widget-dropdown label")
         assert "num_workers" in labels.all_inner_texts()  # the whole knob name, never cut
-        tuner = panel.locator(".jp-OutputArea-output").filter(has=panel.locator(".tp-results")).first
+        tuner = panel.locator(".jp-OutputArea-output").filter(has=page.locator(".tp-results")).first
         tabs = tuner.locator(".lm-TabBar-tab")
+        assert tabs.all_inner_texts() == ["Summary", "Results", "Recommendations", "Compare"]
+        assert tuner.locator("text=Top recommendation").count() + tuner.locator("text=No recommendation").count() >= 1
         for t in range(tabs.count()):
             title = tabs.nth(t).inner_text().strip()
             tabs.nth(t).click()

@@ -99,6 +99,23 @@ def test_apply_is_offered_only_for_knobs_the_tuner_has():
     assert "to apply it here, add num_workers to knobs=" in str([x.children[1].value for x in html_of
                                                                 if hasattr(x, "children")])
     assert t.controls["workers_ms"].style.description_width == "initial"  # "workers_ms", never cut
+    summary = t.summary.children
+    assert len(summary) == 1 and "Top recommendation: Use 2 loader workers" in summary[0].outputs[0]["data"]["text/html"]
+
+
+def test_the_summary_tab_applies_the_top_recommendation_when_the_tuner_has_its_knob():
+    calls = []
+
+    def fn(num_workers, workers_ms=30):
+        calls.append(num_workers)
+        train_fn(workers_ms if num_workers == 0 else 1)
+
+    t = tp.tune(fn, knobs={"num_workers": [0]}, steps=2, warmup=0, memory=False, clock_hz=0, replicates=1)
+    t.run_slice()
+    button = t.summary.children[-1]
+    assert button.description == "Apply num_workers=2 and rerun"
+    button.click()
+    assert calls == [0, 2] and t.runs[-1].meta["knobs"] == {"num_workers": 2}
 
 
 def test_a_failing_setting_is_shown_and_changes_nothing():

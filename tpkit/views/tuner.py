@@ -87,8 +87,9 @@ class Tuner(w.VBox):
         self.compare = w.Output()
         self.run_button.on_click(lambda _: self.run_slice())
         self.sweep_button.on_click(lambda _: self.sweep())
-        results = w.Tab(children=[w.VBox([self.table, self.chart]), self.recs, self.compare])
-        for i, t in enumerate(["Results", "Recommendations", "Compare"]):
+        self.summary = w.VBox()
+        results = w.Tab(children=[self.summary, w.VBox([self.table, self.chart]), self.recs, self.compare])
+        for i, t in enumerate(["Summary", "Results", "Recommendations", "Compare"]):
             results.set_title(i, t)
         super().__init__(children=[
             shared_bundle(),
@@ -211,9 +212,25 @@ class Tuner(w.VBox):
         if len(df):
             self.chart.outputs = html_output(_styled(report.chart_html(tradeoff(df)))).outputs
         self.recs.children = self._rec_widgets(self.runs[-1]) if self.runs else ()
+        self.summary.children = self._summary_widgets(self.runs[-1]) if self.runs else ()
         if len(df) > 1:  # one run per setting (the replicate nearest its mean), against the first
             by_name = {r.name: r for r in self.runs}
             self.compare.outputs = html_output(compare_html([by_name[n] for n in df["run"]])).outputs
+
+    def _summary_widgets(self, run: "Run") -> tuple[w.Widget, ...]:
+        """The last run's summary, answer first, with a button that applies its top
+        recommendation when this tuner has every knob it names."""
+        from ..analysis.recommend import recommendations
+
+        recs = recommendations(run)
+        out: list[w.Widget] = [html_output(_styled(report.summary_html(run, recs=recs)))]
+        top = recs[0] if recs else None
+        if top is not None and top.action and set(top.action) <= set(self.controls):
+            b = w.Button(description=f"Apply {_fmt(top.action)} and rerun", button_style="success",
+                         layout=w.Layout(width="auto"))
+            b.on_click(lambda _b, a=dict(top.action): self.apply(a))
+            out.append(b)
+        return tuple(out)
 
     def _rec_widgets(self, run: "Run") -> tuple[w.Widget, ...]:
         from ..analysis.recommend import recommendations
