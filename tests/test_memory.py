@@ -178,6 +178,37 @@ def test_gradients_exact_on_steps_whose_gradients_were_not_looked_at(accumulate)
     assert not any("could not be told" in n for n in run.meta["notes"])
 
 
+def test_loop_in_another_thread_gets_the_known_sets_walked():
+    """The profiler reports only the starting thread's allocations: a loop tpkit follows into
+    another thread gets exact known sets at its boundaries, and its mix is said approximate."""
+    import threading
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D)
+    stopped: list[str] = []
+
+    def loop() -> None:
+        try:
+            for _ in range(20):
+                model(x).backward()
+                opt.step()
+                opt.zero_grad()
+        except BaseException as e:  # the slice's stop reaches the loop's thread
+            stopped.append(type(e).__name__)
+
+    with tp.profile(steps=3, warmup=1, progress=False, clocks=False) as prof:
+        t = threading.Thread(target=loop)
+        t.start()
+        t.join()
+    run = prof.run
+    assert len(run.steps) == 4
+    assert (rows(run, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+    assert (rows(run, "forward", "enter", "gradients") == 0).all()
+    assert run.meta["memory"]["approximate_mix"] == ["cpu"]
+
+
 def test_tied_weights_count_once():
     run = tp.profile_fn(_tied_step(), steps=2, warmup=0, progress=False, clocks=False)
     V, C = 100, 16

@@ -52,6 +52,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -338,6 +339,8 @@ class MemoryProbe:
         self._cuda_in_use: set[int] = set()  # CUDA devices holding tensors the probe has seen
         self._cuda_last: dict[int, tuple[int, int]] = {}  # device -> (allocated, max allocated) at the last read
         self._user_profiler_flag = _user_profiler_flag
+        self._stream_tid = -1  # the thread whose allocations the CPU stream sees
+        self._cpu_walked = False  # some CPU boundary was walked, not replayed
         self.installed = False
         self._finished = False
 
@@ -349,6 +352,7 @@ class MemoryProbe:
         try:
             self._handle = _optim.register_optimizer_step_pre_hook(self._see_optimizer)
             try:
+                self._stream_tid = threading.get_ident()
                 self.cpu.start()
             except Exception as e:  # e.g. a torch.profiler already running
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
@@ -432,7 +436,7 @@ class MemoryProbe:
                 cap[f"cuda:{i}"] = self.cuda.capacity(i)
             except Exception:
                 pass
-        exact_cpu = self._cpu_note is None and self._stream_lost_at is None
+        exact_cpu = self._cpu_note is None and self._stream_lost_at is None and not self._cpu_walked
         out: dict[str, Any] = {
             "capacity_bytes": cap,
             "cpu_source": "allocator stream (torch profiler memory events only)" if self._cpu_note is None
@@ -448,6 +452,12 @@ class MemoryProbe:
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(opt) not in self.optimizers:
             self.optimizers[id(opt)] = opt
+
+    def _streaming(self) -> bool:
+        """Whether what happens now is in the CPU stream: it is on, no other profiler took it
+        over, and this is the thread that started it (the profiler reports no other thread's
+        allocations: a loop in another thread gets the known sets walked at its boundaries)."""
+        return self.cpu.active and self._stream_lost_at is None and threading.get_ident() == self._stream_tid
 
     def _mark(self, kind: int, index: int) -> None:
         """A marker allocation, made and freed at once: it cuts the CPU stream here."""
@@ -487,7 +497,7 @@ class MemoryProbe:
             self._grads_new = True
         if len(self.rec.models) != self._seen_key[0]:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
-        stream = self.cpu.active and self._stream_lost_at is None
+        stream = self._streaming()
         if stream and self._user_profiler_flag():
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
@@ -496,6 +506,7 @@ class MemoryProbe:
             self._mark(_BOUND, k)
         if not stream or self._cuda_in_use:
             self.walks[k] = self._known_sets()
+            self._cpu_walked = self._cpu_walked or not stream
         if self._cuda_in_use:
             self.cuda_reads[k] = {f"cuda:{i}": self._read_cuda(i) for i in sorted(self._cuda_in_use)}
 
@@ -508,7 +519,7 @@ class MemoryProbe:
                 pass
         self._batch = refs
         items = self._storages([t for r in refs if (t := r()) is not None], "data")
-        if self.cpu.active and self._stream_lost_at is None:
+        if self._streaming():
             flat: list[Any] = []
             for dev, ptr, nb, c, s in items:
                 if dev == "cpu":
@@ -524,7 +535,7 @@ class MemoryProbe:
                 known[(dev, "data")] = known.get((dev, "data"), 0) + nb
 
     def _on_grad_set(self, slot: int) -> None:
-        if self.cpu.active:
+        if self._streaming():
             self._mark(_GRAD_SET, slot)
 
     def _read_cuda(self, index: int) -> tuple[int, int, bool]:
@@ -618,7 +629,7 @@ class MemoryProbe:
         self._finalizers.append(f)
 
     def _gone(self, ptr: int, nbytes: int) -> None:
-        if self.cpu.active and self._stream_lost_at is None:
+        if self._streaming():
             self.gone.append((ptr, nbytes))
             self._mark(_GONE, len(self.gone) - 1)
 
@@ -651,7 +662,7 @@ class MemoryProbe:
         buffers when the model set changed, every gradient, optimizer state when it changed.
         Runs at the first optimizer (or forward) boundary after a backward, never at every
         boundary."""
-        if not (self.cpu.active and self._stream_lost_at is None):
+        if not self._streaming():
             self._refresh_params()
             return
         items: list[Any] = []  # flat: ptr, bytes, category, slot, ...
@@ -696,7 +707,7 @@ class MemoryProbe:
         self._add_observation(items)
 
     def _add_observation(self, items: list[Any]) -> None:
-        if items and self.cpu.active:
+        if items and self._streaming():
             self.observations.append(items)
             self._mark(_OBS, len(self.observations) - 1)
 
