@@ -78,7 +78,7 @@ def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
         if code.co_argcount and code.co_varnames[0] == "self":
             obj = f.f_locals.get("self")
             for name, cls in classes:
-                if isinstance(obj, cls):
+                if cls is not None and isinstance(obj, cls):
                     return FrameworkTrainer(name, obj)
         f, n = f.f_back, n + 1
     return None

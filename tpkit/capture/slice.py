@@ -204,6 +204,8 @@ class Profile:
         another thread than the slice's is left to run on, no longer followed: nothing there
         would catch the exception, and the thread may be the user's server or GUI."""
         rec = self.rec
+        if rec is None:  # never: steps are recorded only while the slice runs
+            raise StopSlice()
         fw = rec.framework
         if rec.slice_steps is None:
             rec.slice_steps = raw_step + 1

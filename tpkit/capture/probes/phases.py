@@ -38,7 +38,7 @@ import threading
 import warnings
 import weakref
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.optim.optimizer as _optim
@@ -229,7 +229,7 @@ class PhaseProbe:
             self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
             shard = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderShard", None)
             if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
-                self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__iter__))
+                self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -252,7 +252,7 @@ class PhaseProbe:
             self._gc_installed = False
         if self._warning_filter is not None:
             with contextlib.suppress(ValueError):
-                warnings.filters.remove(self._warning_filter)
+                cast(list, warnings.filters).remove(self._warning_filter)
             warnings._filters_mutated()  # type: ignore[attr-defined]  # as warnings.resetwarnings does
             self._warning_filter = None
         while self._handles:
@@ -318,6 +318,7 @@ class PhaseProbe:
     def _back_to_start(self) -> None:
         """Undo an early adoption (see ``_adopt``): the slice's own thread is the loop's."""
         rec = self.rec
+        assert self._early is not None  # set by _adopt, which this undoes
         text, n_spans, samples = self._early
         self._early = None
         rec.close_all()
