@@ -44,11 +44,19 @@ class DevicePrefetcher:
 
     Two staging sets alternate: set ``i`` is written again only after the copy that read it
     has finished (its event), so a slow training step never sees a half-overwritten buffer.
+
+    The copy is ``Tensor.copy_`` into a fresh device tensor, not ``Tensor.to``: tpkit's phase
+    probe times ``Tensor.to`` on the loop's thread as exposed ``h2d``
+    (tpkit/capture/probes/phases.py), and this copy runs beside the step; only its wait in
+    ``finish`` is exposed, and the loader records that as ``h2d``. Staging buffers are pinned
+    when CUDA is available (``pin_memory=None``).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pin_memory: bool | None = None) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.pin_memory = cuda_usable() if pin_memory is None else bool(pin_memory)
+        with torch.cuda.device(device):  # made on its device, whichever is current
+            self.stream = torch.cuda.Stream(device=device)
         self._staging: list[dict] = [{}, {}]
         self._events: list[Any] = [None, None]
         self._turn = 0
@@ -56,7 +64,7 @@ class DevicePrefetcher:
     def _stage(self, t: torch.Tensor, buf: dict, key: int) -> torch.Tensor:
         s = buf.get(key)
         if s is None or s.shape != t.shape or s.dtype != t.dtype:
-            s = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            s = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
             buf[key] = s
         s.copy_(t)
         return s
@@ -70,12 +78,17 @@ class DevicePrefetcher:
         buf = self._staging[i]
         counter = iter(range(1 << 30))
         staged = map_tensors(batch, lambda t: self._stage(t, buf, next(counter)))
-        with torch.cuda.stream(self.stream):
-            dev = map_tensors(staged, lambda t: t.to(self.device, non_blocking=True))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            dev = map_tensors(staged, self._to_device)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self._events[i] = ev
         return dev, ev
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)  # on the side stream
+        out.copy_(t, non_blocking=True)  # not Tensor.to: see the class doc
+        return out
 
     def finish(self, handle: tuple[Any, Any]) -> tuple[Any, float]:
         """Make the current stream wait for the copy; returns (device batch, seconds spent)."""
