@@ -11,17 +11,21 @@ tensors (``Recorder.own_tensors``) count nowhere.
 
 Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker
 allocation (made and freed at once: it cuts the allocator stream); no Python loop over
-parameters runs there. The known sets are *observed* a few times per step: gradients at the
-first optimizer (or forward) boundary after a backward, parameters and buffers when the model
-set changes, optimizer state when its cheap fingerprint changes, each batch when a loader hands
-it out, and once at the end; each observation is a marker too. After the slice the stream is
-replayed twice: pass 1 gives every block allocated in the slice a category from the
-observations that found it alive (a known storage counts from its allocation; a gradient of a
-CPU parameter of at least ``GRAD_HOOK_MIN_BYTES`` from its post-accumulate-grad hook, before
-which it is a temporary), pass 2 keeps running totals per category and snapshots them at every
-boundary and at the highest instant between two boundaries. Storages from before the slice
-have no free event in the stream (torch's CPU allocator reports none): a weakref on each such
-tensor puts a marker in the stream when it dies.
+parameters runs there, and the hot path keeps only ints and strings in flat lists (nothing the
+gc tracks). The known sets are *observed* now and then: gradients at the first optimizer (or
+forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and then after every
+``GRAD_LOOK_EVERY``-th, parameters and buffers when the model set changes, optimizer state when
+its cheap fingerprint changes, each batch when a loader hands it out, and once at the end; each
+observation is a marker too. After the slice the stream is replayed twice: pass 1 gives every
+block allocated in the slice a category from the observations that found it alive (a known
+storage counts from its allocation; a gradient of a CPU parameter of at least
+``GRAD_HOOK_MIN_BYTES`` from its post-accumulate-grad hook, before which it is a temporary; the
+gradients of a backward pass not looked after are the blocks alive at its end that follow the
+last look's pattern of sizes), pass 2 keeps running totals per category and snapshots them at
+every boundary and at the highest instant between two boundaries. Storages from before the
+slice have no free event in the stream (torch's CPU allocator reports none): a gradient first
+seen gets a weakref that puts a marker in the stream when it dies; any other such storage ends
+when its address comes back in the stream (a batch made outside it: when the next batch comes).
 
 How the allocator is read:
 
@@ -39,7 +43,8 @@ How the allocator is read:
   recording is read and left on, and tpkit switches off only the one it started.
 
 Limits, said plainly: allocations made in other threads are not in the CPU stream (a loader
-thread's batch counts as ``data`` from when it is handed out); a gradient of a CPU parameter
+thread's batch counts as ``data`` from when it is handed out; a training loop in another thread
+gets the known sets walked at its boundaries, and no rest); a gradient of a CPU parameter
 under ``GRAD_HOOK_MIN_BYTES`` counts as ``gradients`` from its allocation, a few microseconds
 before it reaches ``.grad``. The stream is a profiler session: with a ``torch.profiler`` already
 running, only the known sets are counted, walked at every boundary (the user's session is left
