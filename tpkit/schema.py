@@ -159,6 +159,8 @@ def frame(table: str, rows: Any = None) -> pd.DataFrame:
     for col, value in defaults.items():  # missing (NaN after reindexing) -> the default
         df[col] = df[col].astype(object).fillna(value) if col in df.columns else value
     for col, dtype in schema.items():
+        if df[col].dtype == dtype:
+            continue  # already right (a frame read back from Parquet): no copy
         if dtype == "object":
             df[col] = df[col].astype(object)
         else:
