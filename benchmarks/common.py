@@ -79,3 +79,25 @@ def transformer_step() -> Callable[[], None]:
     from tpkit.demo import make_training
 
     return training_step(*make_training(), lambda m, b: m(b["x"], b["y"]))
+
+
+def load_avg() -> tuple[float, float, float]:
+    """The machine's 1, 5 and 15 minute load averages (printed next to every timing)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
+
+
+def peer_versions(*packages: str) -> str:
+    """``versions()`` plus the installed version of each peer package that is present."""
+    from importlib import metadata
+
+    names = packages or ("transformers", "accelerate", "traceml-ai", "torchdata", "spdl-core")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join([versions(), *found])

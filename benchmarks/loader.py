@@ -1,16 +1,39 @@
-"""tpkit.data.Loader vs torch's DataLoader, same worker count, three workloads, one run.
+"""tpkit.data.Loader against torch's DataLoader, torchdata.nodes and SPDL, same worker count,
+three workloads, one run; and against the 2-core ceiling (the same work in a plain loop in
+the main process, times the number of workers).
 
     python benchmarks/loader.py [--workers 2] [--repeats 3] [--workloads tiny,numpy_1ms,images]
+    python benchmarks/loader.py --quick     # smoke run, under a minute
 
-Each measurement runs in a fresh subprocess (so peak memory and start-up are its own):
-time to first batch from constructing the loader, then samples/s over the following batches, while
-the loop touches one byte per 4 KiB page of every tensor (as training would read it).
-Peak memory is the largest sum of PSS (proportional set size: a shared page counts once in
-total) over the main process and its workers, sampled every 20 ms; the CSV also keeps the
-peak sum of RSS (which counts a shared page once per process mapping it).
-CPU ms per 1,000 samples (main + workers) is printed too: on a shared machine it is the
-steadier measure of what each loader costs. Prints ratios (tpkit / torch, medians over repeats) and writes long-format rows to
-benchmarks/results/loader.csv.
+Peers (all shuffle with seed 0, batch with ``default_collate``):
+  torch               torch.utils.data.DataLoader(num_workers=W)
+  tpkit               tpkit.data.Loader(num_workers=W), its defaults otherwise
+  torchdata process   torchdata.nodes: SamplerWrapper -> Batcher -> ParallelMapper(fetch and
+                      collate a batch, W workers, method="process") -> Prefetcher -> Loader
+                      (the DataLoader migration recipe of torchdata's documentation)
+  torchdata thread    the same with method="thread"
+  spdl thread         spdl.pipeline: batches of indices -> pipe(fetch and collate, concurrency=W)
+                      -> sink, built with W threads
+  plain x1            no loader: fetch and collate in the main process; W x its rate is the
+                      ceiling a loader with W workers could reach on W free cores
+
+Each measurement runs in a fresh subprocess (so peak memory and start-up are its own): time to
+first batch from constructing the loader, then samples/s over the following batches (up to a
+batch count or ``--max-seconds``), while the loop touches one byte per 4 KiB page of every
+tensor (as training would read it).
+
+Memory: peak PSS (proportional set size: a shared page counts once in total) summed over the
+main process and its workers, read from /proc/<pid>/smaps_rollup every ``--pss-interval``
+seconds (default 0.5 s) and at the first batch and the end of the timed loop. A smaps_rollup
+read walks the process's page tables and costs milliseconds of CPU, so the sampler's own CPU
+time is measured (its thread's CPU clock), printed, and taken out of the CPU figures. The CSV
+also keeps the exact peak RSS per process summed (VmHWM from /proc/<pid>/status).
+
+Work per sample is fixed (tpkit.datasets.cost: a number of iterations calibrated to take
+``cpu_ms`` on an idle core); this script calibrates once and hands the same figure to every
+subprocess, so every peer does the same work.
+
+Prints ratios (medians over repeats) and writes long-format rows to benchmarks/results/loader.csv.
 """
 
 from __future__ import annotations
@@ -27,21 +50,24 @@ import time
 from pathlib import Path
 
 WORKLOADS = {
-    # name: (dataset factory args, batch_size, batches timed)
+    # name: (dataset class in tpkit.datasets, its args, batch_size, batches timed at most)
     "tiny": ("TinySamples", {"n": 200_000}, 64, 1500),
-    "numpy_1ms": ("NumpyWork", {"n": 20_000, "cpu_ms": 1.0}, 32, 50),
+    "numpy_1ms": ("NumpyWork", {"n": 20_000, "cpu_ms": 1.0}, 32, 60),
     "images": ("Images", {"n": 20_000}, 32, 60),
 }
-GOALS = {"tiny": 2.0, "numpy_1ms": 1.0, "images": 1.5}
+PEERS = ("torch", "tpkit", "torchdata process", "torchdata thread", "spdl thread", "plain x1")
+#: Goals of issue 14 for tpkit vs torch's DataLoader with the same workers.
+SPEED_GOALS = {"tiny": 4.0, "numpy_1ms": 1.1, "images": 3.0}
+FIRST_BATCH_GOAL, PSS_GOAL, CEILING_GOAL = 0.5, 1.0, 0.7
 
 
+# -- measuring, in the child -------------------------------------------------------------------
 def _touch(obj) -> None:
     import torch
     if isinstance(obj, torch.Tensor):
         flat = obj.reshape(-1).view(torch.uint8) if obj.numel() else obj
         if flat.numel():
-            step = 4096
-            flat[::step].sum()
+            flat[::4096].sum()
     elif isinstance(obj, dict):
         for v in obj.values():
             _touch(v)
@@ -50,157 +76,357 @@ def _touch(obj) -> None:
             _touch(v)
 
 
-def _rss_tree_bytes(proc) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except Exception:
-            pass
-    return total
+def _tree(proc) -> list:
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except Exception:  # noqa: BLE001 - a child that exits while listed is simply gone
+        return [proc]
 
 
 def _cpu_tree_s(proc) -> float:
     """User + system CPU seconds of the process and its live workers."""
     total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
+    for p in _tree(proc):
         try:
             t = p.cpu_times()
             total += t.user + t.system
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
     return total
 
 
-def _pss_tree_bytes(proc) -> int:
-    """Proportional set size of the process and its workers: shared pages (shared-memory
-    batches, pages shared since fork) are split between the processes that map them, so
-    the sum counts each page once."""
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            with open(f"/proc/{p.pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            pass
-    return total
+def _read_kb(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
-def measure_one(workload: str, peer: str, workers: int) -> dict:
+class MemorySampler:
+    """Peak PSS of a process tree, sampled every ``interval`` s by a daemon thread that keeps
+    account of its own CPU time (``time.thread_time``: user + system of this thread)."""
+
+    def __init__(self, proc, interval: float) -> None:
+        self.proc, self.interval = proc, interval
+        self.peak_pss = 0
+        self.peak_hwm = 0
+        self.samples = 0
+        self.cpu_s = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def sample(self) -> None:
+        t = time.thread_time()
+        procs = _tree(self.proc)
+        pss = sum(_read_kb(f"/proc/{p.pid}/smaps_rollup", "Pss:") for p in procs) * 1024
+        hwm = sum(_read_kb(f"/proc/{p.pid}/status", "VmHWM:") for p in procs) * 1024
+        with self._lock:
+            self.peak_pss = max(self.peak_pss, pss)
+            self.peak_hwm = max(self.peak_hwm, hwm)
+            self.samples += 1
+            self.cpu_s += time.thread_time() - t
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def start(self) -> "MemorySampler":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.sample()
+
+
+class _FetchAndCollate:
+    """Fetch a list of indices and collate them (one task per batch, picklable)."""
+
+    def __init__(self, ds) -> None:
+        self.ds = ds
+
+    def __call__(self, idxs):
+        from torch.utils.data import default_collate
+
+        return default_collate([self.ds[i] for i in idxs])
+
+
+def _index_batches(n: int, bs: int, seed: int = 0):
+    import torch
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    return BatchSampler(RandomSampler(range(n), generator=torch.Generator().manual_seed(seed)), bs, drop_last=False)
+
+
+def make_loader(peer: str, ds, bs: int, workers: int):
+    """An iterable over batches, and a function that shuts it down."""
+    import torch
+
+    if peer == "torch":
+        from torch.utils.data import DataLoader
+
+        return DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
+                          generator=torch.Generator().manual_seed(0)), lambda: None
+    if peer == "tpkit":
+        from tpkit.data import Loader
+
+        return Loader(ds, batch_size=bs, shuffle=True, num_workers=workers, seed=0), lambda: None
+    if peer.startswith("torchdata"):
+        import torchdata.nodes as tn
+        from torch.utils.data import RandomSampler
+
+        node = tn.SamplerWrapper(RandomSampler(ds, generator=torch.Generator().manual_seed(0)))
+        node = tn.Batcher(node, batch_size=bs, drop_last=False)
+        node = tn.ParallelMapper(node, map_fn=_FetchAndCollate(ds), num_workers=workers,
+                                 method=peer.split()[1], in_order=True)
+        node = tn.Prefetcher(node, prefetch_factor=2 * workers)
+        return tn.Loader(node), lambda: None
+    if peer == "spdl thread":
+        from spdl.pipeline import PipelineBuilder
+
+        pipeline = (PipelineBuilder()
+                    .add_source(_index_batches(len(ds), bs))
+                    .pipe(_FetchAndCollate(ds), concurrency=workers, output_order="input")
+                    .add_sink(buffer_size=2 * workers)
+                    .build(num_threads=workers))
+        pipeline.start()
+        return pipeline.get_iterator(timeout=120), lambda: pipeline.stop()
+    if peer == "plain x1":
+        fetch = _FetchAndCollate(ds)
+        return (fetch(idxs) for idxs in _index_batches(len(ds), bs)), lambda: None
+    raise ValueError(f"unknown peer {peer!r}; peers are {', '.join(PEERS)}")
+
+
+def measure_one(workload: str, peer: str, workers: int, max_seconds: float, pss_interval: float) -> dict:
     """Runs in the child process."""
     import psutil
     import torch
+
     import tpkit.datasets as tds
+    from tpkit.datasets import cost
 
     torch.set_num_threads(1)
     cls, kw, bs, n_batches = WORKLOADS[workload]
     ds = getattr(tds, cls)(**kw)
     me = psutil.Process()
-    peak = [_pss_tree_bytes(me)]
-    peak_rss = [_rss_tree_bytes(me)]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.02):
-            peak[0] = max(peak[0], _pss_tree_bytes(me))
-            peak_rss[0] = max(peak_rss[0], _rss_tree_bytes(me))
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    from torch.utils.data import DataLoader
-    from tpkit.data import Loader
+    mem = MemorySampler(me, pss_interval).start()
     t0 = time.perf_counter()  # first batch counted from construction: nothing starts earlier
-    if peer == "torch":
-        loader = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
-                            generator=torch.Generator().manual_seed(0))
-    elif peer == "tpkit":
-        loader = Loader(ds, batch_size=bs, shuffle=True, num_workers=workers, seed=0)
-    else:
-        raise ValueError(peer)
+    loader, shutdown = make_loader(peer, ds, bs, workers)
     it = iter(loader)
     b = next(it)
     _touch(b)
     first_s = time.perf_counter() - t0
     del b
+    mem.sample()
     t1 = time.perf_counter()
-    cpu0 = _cpu_tree_s(me)
+    cpu0, sampler0 = _cpu_tree_s(me), mem.cpu_s
     n = 0
     for i, b in enumerate(it):
         _touch(b)
-        n += bs
-        if i + 1 >= n_batches:
+        n += len(b[1]) if isinstance(b, (list, tuple)) else len(b["y"])
+        if i + 1 >= n_batches or (i >= 2 and time.perf_counter() - t1 > max_seconds):
             break
     dt = time.perf_counter() - t1
-    cpu_s = _cpu_tree_s(me) - cpu0  # workers still alive: their CPU time is still readable
-    del b, it
-    stop.set()
-    th.join()
-    peak[0] = max(peak[0], _pss_tree_bytes(me))
-    peak_rss[0] = max(peak_rss[0], _rss_tree_bytes(me))
-    return {"samples_per_s": n / dt, "first_batch_s": first_s,
-            "cpu_ms_per_ksample": 1e6 * cpu_s / n, "peak_pss_bytes": peak[0],
-            "peak_rss_bytes": peak_rss[0]}
+    mem.sample()  # workers still alive: their memory and CPU time are still readable
+    cpu_s = _cpu_tree_s(me) - cpu0 - (mem.cpu_s - sampler0)
+    mem.stop()
+    shutdown()
+    return {"samples_per_s": n / dt, "samples": n, "timed_s": dt, "first_batch_s": first_s,
+            "cpu_ms_per_ksample": 1e6 * cpu_s / n, "peak_pss_bytes": mem.peak_pss,
+            "peak_rss_hwm_bytes": mem.peak_hwm, "pss_samples": mem.samples,
+            "sampler_cpu_ms_per_sample": 1e3 * mem.cpu_s / max(mem.samples, 1),
+            "sampler_core_pct": 100 * mem.cpu_s / (time.perf_counter() - t0),
+            "burn_iters_per_ms": cost.ITERS_PER_MS}
+
+
+# -- the parent --------------------------------------------------------------------------------
+def peer_available(peer: str) -> str | None:
+    """None when the peer's package imports here, else why not."""
+    mod = {"torchdata": "torchdata.nodes", "spdl": "spdl.pipeline"}.get(peer.split()[0])
+    if mod is None:
+        return None
+    try:
+        __import__(mod)
+    except Exception as e:  # noqa: BLE001 - any failure to import means the peer cannot run
+        pkg = {"torchdata.nodes": "torchdata==0.11.0", "spdl.pipeline": "spdl==0.8.0"}[mod]
+        return f"{mod} does not import ({e!r}); pip install {pkg}"
+    return None
+
+
+def run_child(cmd: list[str], env: dict, timeout: float = 600) -> tuple[int, str, str]:
+    """Runs one measurement in its own process group, output to files (a worker left behind
+    by a peer must not hold a pipe open), and kills whatever of the group is left."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = -9
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return rc, out.read(), err.read()
 
 
 def _versions() -> str:
-    import torch
-    return f"torch={torch.__version__};python={platform.python_version()}"
+    from importlib import metadata
+
+    out = [f"python={platform.python_version()}"]
+    for name in ("torch", "tpkit", "torchdata", "spdl-core"):
+        try:
+            out.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ";".join(out)
+
+
+def _med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--max-seconds", type=float, default=5.0, help="timed loop stops after this long")
+    ap.add_argument("--pss-interval", type=float, default=0.5, help="seconds between PSS samples")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 0.5 s timed per peer")
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "PEER"))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "loader.csv"))
+    ap.add_argument("--out", default=None, help="CSV path (default results/loader.csv, loader_quick.csv with --quick)")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure_one(args.one[0], args.one[1], args.workers)))
+        m = measure_one(args.one[0], args.one[1], args.workers, args.max_seconds, args.pss_interval)
+        print(json.dumps(m), flush=True)
+        # A normal exit lets multiprocessing stop daemonic workers; if a loader's shutdown
+        # hangs, leave anyway (the parent also kills this process group).
+        watchdog = threading.Timer(30, os._exit, args=(0,))
+        watchdog.daemon = True
+        watchdog.start()
         return
+    if args.quick:
+        args.repeats, args.max_seconds = 1, 0.5
+    out_path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        "loader_quick.csv" if args.quick else "loader.csv")
 
-    machine = f"{platform.machine()} {os.cpu_count()} cpus {platform.node()}"
-    rows = []
-    results: dict = {}
-    for wl in args.workloads.split(","):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from common import load_avg, machine
+
+    from tpkit.datasets import cost
+
+    # One calibration for every child: the fastest of many short trials (an idle core's speed).
+    iters = cost.calibrate(trials=40)
+    env = {**os.environ, cost.ENV_VAR: f"{iters:.3f}"}
+    workloads = args.workloads.split(",")
+    peers, notes = [], []
+    for p in args.peers.split(","):
+        why = peer_available(p)
+        if why:
+            notes.append(f"{p} not run: {why}")
+        else:
+            peers.append(p)
+    la = load_avg()
+    print(f"{machine()}; load average at start {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}; {_versions()}\n"
+          f"{args.workers} workers, {args.repeats} repeats, timed loop <= {args.max_seconds:g} s, PSS every "
+          f"{args.pss_interval:g} s; cpu_ms calibrated once: {iters:.1f} iterations per ms, handed to every child")
+
+    mach, rows, results = machine(), [], {}
+    t_start = time.perf_counter()
+    for wl in workloads:
         for r in range(args.repeats):
-            for peer in (("torch", "tpkit") if r % 2 == 0 else ("tpkit", "torch")):
-                out = subprocess.run([sys.executable, __file__, "--one", wl, peer,
-                                      "--workers", str(args.workers)],
-                                     capture_output=True, text=True, timeout=600)
-                if out.returncode != 0:
-                    print(out.stderr, file=sys.stderr)
-                    raise SystemExit(f"{wl}/{peer} failed")
-                m = json.loads(out.stdout.strip().splitlines()[-1])
+            order = peers[r % len(peers):] + peers[:r % len(peers)]  # rotate: no peer always first
+            for peer in order:
+                rc, stdout, stderr = run_child([sys.executable, __file__, "--one", wl, peer, "--workers",
+                                                str(args.workers), "--max-seconds", str(args.max_seconds),
+                                                "--pss-interval", str(args.pss_interval)], env)
+                try:
+                    m = json.loads(stdout.strip().splitlines()[-1])
+                except (IndexError, ValueError):
+                    tail = " | ".join(stderr.strip().splitlines()[-4:])
+                    notes.append(f"{wl}/{peer} repeat {r} failed (exit {rc}): {tail}")
+                    continue
+                m["load_avg_1m"] = round(load_avg()[0], 2)
                 results.setdefault((wl, peer), []).append(m)
-                rows.append({"op": "loader", "workload": wl, "peer": peer, "workers": args.workers,
-                             "repeat": r, **m, "machine": machine, "versions": _versions()})
+                rows.append({"op": "loader", "workload": wl, "peer": peer, "workers": args.workers, "repeat": r,
+                             **m, "machine": mach, "versions": _versions()})
+        print(f"{wl} done at {time.perf_counter() - t_start:.0f} s, load {load_avg()[0]:.2f}", flush=True)
 
-    def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2]
+    def med(wl, peer, key):
+        return _med([m[key] for m in results.get((wl, peer), [])])
 
-    print(f"{'workload':<10} {'torch/s':>10} {'tpkit/s':>10} {'ratio':>6} {'goal':>5} "
-          f"{'first torch':>11} {'first tpkit':>11} {'cpu ms/1k torch':>15} {'tpkit':>6} "
-          f"{'PSS torch':>10} {'PSS tpkit':>10}")
-    for wl in args.workloads.split(","):
-        t, k = results[(wl, "torch")], results[(wl, "tpkit")]
-        rt, rk = med([m["samples_per_s"] for m in t]), med([m["samples_per_s"] for m in k])
-        ft, fk = med([m["first_batch_s"] for m in t]), med([m["first_batch_s"] for m in k])
-        pt, pk = med([m["peak_pss_bytes"] for m in t]), med([m["peak_pss_bytes"] for m in k])
-        ct, ck = med([m["cpu_ms_per_ksample"] for m in t]), med([m["cpu_ms_per_ksample"] for m in k])
-        print(f"{wl:<10} {rt:>10,.0f} {rk:>10,.0f} {rk / rt:>5.2f}x {GOALS[wl]:>4.1f}x "
-              f"{ft * 1e3:>9.1f}ms {fk * 1e3:>9.1f}ms {ct:>15.1f} {ck:>6.1f} "
-              f"{pt / 2**20:>8.0f}MB {pk / 2**20:>8.0f}MB")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {len(rows)} rows to {args.out}")
+    la = load_avg()
+    print(f"\n== loaders, {args.workers} workers (medians of {args.repeats}; load average now {la[0]:.2f} / "
+          f"{la[1]:.2f} / {la[2]:.2f}) ==")
+    print("ceiling: plain x1 (the same fetch + collate in the main process, no loader) times "
+          f"{args.workers} = what {args.workers} workers could reach on {args.workers} free cores")
+    head = (f"{'workload':<10}{'peer':<19}{'samples/s':>11}{'vs torch':>9}{'of ceil':>8}{'first ms':>10}"
+            f"{'vs torch':>9}{'PSS MB':>8}{'vs torch':>9}{'cpu ms/1k':>10}{'sampler':>9}")
+    print(head)
+    for wl in workloads:
+        ts, tf, tp_ = med(wl, "torch", "samples_per_s"), med(wl, "torch", "first_batch_s"), med(wl, "torch", "peak_pss_bytes")
+        ceiling = args.workers * med(wl, "plain x1", "samples_per_s")
+        for peer in peers:
+            if (wl, peer) not in results:
+                print(f"{wl:<10}{peer:<19}{'failed':>11}")
+                continue
+            s, f, p = med(wl, peer, "samples_per_s"), med(wl, peer, "first_batch_s"), med(wl, peer, "peak_pss_bytes")
+            c, sc = med(wl, peer, "cpu_ms_per_ksample"), med(wl, peer, "sampler_core_pct")
+            print(f"{wl:<10}{peer:<19}{s:>11,.0f}{s / ts:>8.2f}x{s / ceiling:>8.2f}{f * 1e3:>10.0f}{f / tf:>8.2f}x"
+                  f"{p / 2**20:>8.0f}{p / tp_:>8.2f}x{c:>10.0f}{sc:>8.2f}%")
+    print("  of ceil: samples/s over the ceiling; cpu ms/1k: CPU of the main process and its workers per 1,000 "
+          "samples, the sampler's own CPU taken out; sampler: the PSS sampler's CPU as % of one core")
+    sampler_ms = _med([m["sampler_cpu_ms_per_sample"] for ms in results.values() for m in ms])
+    print(f"  the PSS sampler: {sampler_ms:.2f} ms of CPU per sample of the whole tree (median over all runs)")
+
+    print("\n== goals (issue 14), tpkit ==")
+    for wl in workloads:
+        if (wl, "tpkit") not in results or (wl, "torch") not in results:
+            print(f"{wl}: not measured")
+            continue
+        speed = med(wl, "tpkit", "samples_per_s") / med(wl, "torch", "samples_per_s")
+        first = med(wl, "tpkit", "first_batch_s") / med(wl, "torch", "first_batch_s")
+        pss = med(wl, "tpkit", "peak_pss_bytes") / med(wl, "torch", "peak_pss_bytes")
+        checks = [(f"samples/s vs torch >= {SPEED_GOALS[wl]:g}x", speed, speed >= SPEED_GOALS[wl]),
+                  (f"first batch vs torch <= {FIRST_BATCH_GOAL:g}x", first, first <= FIRST_BATCH_GOAL),
+                  (f"peak PSS vs torch <= {PSS_GOAL:g}x", pss, pss <= PSS_GOAL)]
+        if (wl, "plain x1") in results:
+            frac = med(wl, "tpkit", "samples_per_s") / (args.workers * med(wl, "plain x1", "samples_per_s"))
+            checks.append((f"fraction of the {args.workers}-core ceiling >= {CEILING_GOAL:g}", frac, frac >= CEILING_GOAL))
+        for peer in ("torchdata process", "torchdata thread", "spdl thread"):
+            if (wl, peer) in results:
+                other = med(wl, peer, "samples_per_s") / med(wl, "torch", "samples_per_s")
+                checks.append((f"samples/s ahead of {peer} ({other:.2f}x)", speed, speed > other))
+        print(f"{wl}:")
+        for what, value, met in checks:
+            print(f"  {what:<48}{value:>8.2f}  {'met' if met else 'NOT met'}")
+    if la[0] > (os.cpu_count() or 1):
+        notes.append(f"load average {la[0]:.2f} is above the {os.cpu_count()} cores: other work shared the machine")
+    for n in notes:
+        print(f"note: {n}")
+    if rows:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        fields = list(dict.fromkeys(k for row in rows for k in row))
+        with open(out_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {len(rows)} rows to {out_path}; whole run {time.perf_counter() - t_start:.0f} s")
 
 
 if __name__ == "__main__":

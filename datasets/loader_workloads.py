@@ -2,8 +2,10 @@
 
 - ``TinySamples``: overhead-bound: an 8-float tensor and an int per sample, almost no work.
   Measures what a loader costs per batch.
-- ``NumpyWork``: ~``cpu_ms`` of single-threaded numpy per sample (``burn_cpu``), returning a
-  small float tensor. Measures how well workers are kept busy.
+- ``NumpyWork``: ``cpu_ms`` of single-threaded numpy per sample (``burn_cpu``: a fixed number
+  of iterations calibrated to take ``cpu_ms`` on an idle core, so a loader that shares a core
+  between threads pays for it in time), returning a small float tensor. Measures how well
+  workers are kept busy.
 - ``Images``: 3x224x224 uint8 images with a light transform (random crop after padding,
   horizontal flip). Measures moving large batches between processes.
 """
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .tokens import burn_cpu
+from . import cost
 
 
 class TinySamples(Dataset):
@@ -31,16 +33,17 @@ class TinySamples(Dataset):
 
 
 class NumpyWork(Dataset):
-    """``{"x": FloatTensor[16], "y": int}`` after ~cpu_ms of numpy work."""
+    """``{"x": FloatTensor[16], "y": int}`` after ``cpu_ms`` of numpy work (fixed, calibrated)."""
 
     def __init__(self, n: int = 10_000, cpu_ms: float = 1.0) -> None:
+        cost.check_cost(cpu_ms, 0.0)
         self.n, self.cpu_ms = n, cpu_ms
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        burn_cpu(self.cpu_ms / 1e3)
+        cost.burn_cpu(self.cpu_ms / 1e3)
         x = np.sin(np.arange(16, dtype=np.float32) + i)
         return {"x": torch.from_numpy(x), "y": i % 1000}
 
