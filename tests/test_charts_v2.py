@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
+import pytest
 from factories import table
 
 from tpkit import charts
@@ -236,3 +237,62 @@ def test_queue_wait_is_drawn_apart_from_the_work():
     queue = next(u for u in units(spec) if u["encoding"].get("y", {}).get("field") == "queue_ms")
     assert [round(v["queue_ms"], 9) for v in spec["datasets"][queue["data"]["name"]]] == [50.0] * 3
     assert "not a stall" in json.dumps(queue["title"])
+
+
+# -- the brush in a real browser ---------------------------------------------------------------
+@pytest.mark.slow
+def test_dragging_the_strip_zooms_every_view_and_never_below_zero(tmp_path):
+    """Chromium draws the composed chart (vega inlined, no network); a drag on the overview strip
+    sets the one shared x scale of the timeline, clocks and memory panels to the dragged
+    interval, a drag past the left edge stops at 0, and a double-click shows the whole slice."""
+    import time
+
+    import browser
+
+    if browser.missing():
+        pytest.skip(browser.missing())
+    from playwright.sync_api import sync_playwright
+
+    from tpkit.views import render
+
+    spans = analysis.timeline_frame(gap_spans(), steps=two_steps())
+    clocks = table("clocks", t_s=[0.1, 0.6, 1.1, 1.6, 2.0], device=["cpu"] * 5, metric=["cpu_util_pct"] * 5,
+                   value=[50.0, 60, 70, 80, 90])
+    spec = json.dumps(charts.clocks_with_timeline(spans, ca.trace_frame(clocks), two_steps(), width=600).to_dict())
+    page = tmp_path / "brush.html"
+    page.write_text("<html><body>" + render.bundle_html() + '<div id="c"></div><script>'
+                    f'vegaEmbed("#c", {spec}, {{renderer: "svg", actions: false}}).then(r => {{ window.V = r.view; }});'
+                    "</script></body></html>")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.CHROME_ARGS)
+        try:
+            pg = b.new_page(viewport={"width": 1000, "height": 1200})
+            pg.goto(page.as_uri())
+            pg.wait_for_function("window.V !== undefined", timeout=30000)
+
+            def domain() -> list[float]:
+                return pg.evaluate("window.V.scale('concat_1_x').domain()")
+
+            assert domain() == [0, 2.0]  # the whole slice, from 0 to the end of the data
+            x0, y0, w, _ = pg.evaluate("""() => { const r = document.querySelector('#c svg g.mark-group.role-scope')
+                .getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; }""")
+            y = y0 + 30  # inside the strip, under its title
+
+            def drag(a: float, b: float) -> None:
+                pg.mouse.move(a, y)
+                pg.mouse.down()
+                pg.mouse.move(b, y, steps=5)
+                pg.mouse.up()
+                time.sleep(0.3)
+
+            drag(x0 + 0.5 * w, x0 + 0.75 * w)
+            lo, hi = domain()
+            assert lo == pytest.approx(1.0, abs=0.05) and hi == pytest.approx(1.5, abs=0.05)
+            pg.mouse.dblclick(x0 + 0.3 * w, y)
+            time.sleep(0.3)
+            assert domain() == [0, 2.0]
+            drag(x0 + 0.1 * w, x0 - 150)  # past the left edge
+            lo, hi = domain()
+            assert lo == 0 and hi == pytest.approx(0.2, abs=0.05)
+        finally:
+            b.close()
