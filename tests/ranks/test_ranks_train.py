@@ -6,7 +6,7 @@ Every rank's Run is saved, ``tp.load_ranks`` merges them, the losses are those o
 training without tpkit, the straggler table names the late rank and its phase with the injected
 delay as its excess, the other ranks' ``comm_s`` is the injected delay within 25% (and the late
 rank's is small), and the merged view (summary line, Ranks section, one trace per rank) says so.
-2 ranks: DDP and FSDP2 (one launch); slow: ZeRO-2 on 2 ranks, DDP and FSDP2 on 4 ranks."""
+2 ranks: DDP and FSDP2 (one launch); slow: ZeRO-2 on 2 ranks, DDP, FSDP2 and ZeRO-2 on 4 ranks."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ CASES = {
     "zero2": ("zero2", "zero2", 2, 1, "data_wait", True, True),
     "ddp4": ("four", "ddp", 4, 2, "forward", True, True),
     "fsdp2_4": ("four", "fsdp2", 4, 2, "data_wait", True, False),
+    "zero2_4": ("zero2_4", "zero2", 4, 3, "forward", True, True),
     "fsdp2_memory": ("fsdp2_memory", "fsdp2", 2, 1, "forward", True, True),
 }
 
