@@ -183,7 +183,8 @@ def test_waterfall_chart_shows_the_peak_step_first_with_a_selector_and_its_own_l
     bars = next(u for u in units(spec) if u["mark"]["type"] == "bar")
     enc = bars["encoding"]
     assert enc["color"]["legend"]["title"] == "memory category"
-    assert enc["fillOpacity"]["scale"] == {"domain": ["start", "allocated", "freed"], "range": [1.0, 1.0, 0.3]}
+    assert enc["fillOpacity"]["scale"] == {"type": "ordinal", "domain": ["start", "allocated", "freed"],
+                                          "range": [1.0, 1.0, 0.3]}  # frees drawn light
     assert enc["strokeDash"]["field"] == "kind"
     assert enc["x"]["sort"] == {"field": "order", "op": "min"}
     # the peak: a tick in the bar where it happened, at its height

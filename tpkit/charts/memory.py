@@ -31,6 +31,12 @@ STEP_PARAM = "waterfall_step"
 KIND_ORDER = ["start", "allocated", "freed"]
 
 
+def _change_legend() -> alt.Legend:
+    """One legend for how a bar changed memory (solid: allocated, light and dashed: freed)."""
+    return alt.Legend(title="change", orient="right", values=["allocated", "freed"], symbolType="square",
+                      symbolSize=160, symbolFillColor="#6a51a3", symbolStrokeColor="#3f2d6e", symbolStrokeWidth=1.5)
+
+
 def memory_waterfall(wf: pd.DataFrame, peak: dict[str, Any] | None = None, headroom_bytes: float | None = None,
                      capacity_bytes: float | None = None, step: int | None = None, device: str = "cpu",
                      width: int = 460) -> alt.LayerChart:
@@ -67,12 +73,11 @@ def memory_waterfall(wf: pd.DataFrame, peak: dict[str, Any] | None = None, headr
         y=alt.Y("y0_mib:Q", title="MiB"), y2="y1_mib:Q",
         color=alt.Color("category:N", scale=category_scale(),
                         legend=alt.Legend(title="memory category", orient="right")),
-        fillOpacity=alt.FillOpacity("kind:N", scale=alt.Scale(domain=KIND_ORDER, range=[1.0, 1.0, 0.3]),
-                                    legend=alt.Legend(title="change", orient="right", symbolType="square",
-                                                      symbolFillColor="#6a51a3", symbolStrokeColor="#6a51a3")),
+        fillOpacity=alt.FillOpacity("kind:N", scale=alt.Scale(type="ordinal", domain=KIND_ORDER, range=[1.0, 1.0, 0.3]),
+                                    legend=_change_legend()),
         stroke=alt.Color("category:N", scale=category_scale(), legend=None),
         strokeDash=alt.StrokeDash("kind:N", scale=alt.Scale(domain=KIND_ORDER, range=[[1, 0], [1, 0], [3, 2]]),
-                                  legend=alt.Legend(title="change", orient="right")),
+                                  legend=_change_legend()),
         tooltip=[alt.Tooltip("label:N", title="stretch"), alt.Tooltip("category:N"), alt.Tooltip("kind:N"),
                  alt.Tooltip("delta_mib:Q", format="+,.3f", title="change (MiB)"),
                  alt.Tooltip("total_mib:Q", format=",.3f", title="total after (MiB)")],
