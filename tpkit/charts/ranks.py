@@ -97,13 +97,17 @@ def rank_timeline(timeline: pd.DataFrame, width: int = 620, *, world_size: int |
                  height=max(60, min(16, 600 // max(1, len(lanes))) * max(1, len(lanes))))
 
 
-def rank_memory_peaks(peaks: pd.DataFrame, width: int = 620) -> alt.Chart:
-    """Each rank's memory peak per device (``ranks.rank_memory_peaks`` rows), in MiB."""
+def rank_memory_peaks(peaks: pd.DataFrame, width: int = 620, *, max_labels: int = 32) -> alt.Chart:
+    """Each rank's memory peak per device (``ranks.rank_memory_peaks`` rows), in MiB; past
+    ``max_labels`` ranks the rank axis is numeric (one thin bar per rank and device)."""
     p = peaks.assign(peak_mib=peaks["peak_bytes"] / MIB, rank=peaks["rank"].astype(int))
+    many = p["rank"].nunique() > max_labels
+    x = alt.X("rank:Q", title="rank") if many else alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0))
+    enc: dict = {} if many else {"xOffset": "device:N"}
     return alt.Chart(p).mark_bar().encode(
-        x=alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0)), y=alt.Y("peak_mib:Q", title="peak memory (MiB)"),
-        color=alt.Color("device:N", legend=alt.Legend(title="device")), xOffset="device:N",
-        tooltip=["rank:O", "device:N", alt.Tooltip("peak_mib:Q", format=",.1f", title="MiB")],
+        x=x, y=alt.Y("peak_mib:Q", title="peak memory (MiB)"),
+        color=alt.Color("device:N", legend=alt.Legend(title="device")),
+        tooltip=["rank:O", "device:N", alt.Tooltip("peak_mib:Q", format=",.1f", title="MiB")], **enc,
     ).properties(title="Memory peak per rank (measured steps)", width=width, height=120)
 
 
