@@ -69,8 +69,8 @@ def test_top_op_per_phase_with_shapes_only_in_the_requested_steps(one_thread):
     assert sorted(run.ops["step"].unique()) == [3, 4]
     s = run.steps.set_index("step")
     assert run.ops["start_s"].min() >= s.loc[3, "start_s"] and run.ops["start_s"].max() <= s.loc[4, "end_s"]
-    # (torch's "Optimizer.step" annotation closes just after tpkit stamps the step's end)
-    assert run.ops["end_s"].max() <= s.loc[4, "end_s"] + 0.002
+    # (an event still open when the slice stopped counts up to the last step's end only)
+    assert run.ops["end_s"].max() <= s.loc[4, "end_s"]
     # the profiler's cost touches the traced steps only: its start is tpkit time of step 3, its
     # stop came after the slice
     cost = run.spans[run.spans["source"] == "ops profiler"]
@@ -86,12 +86,17 @@ def test_top_op_per_phase_with_shapes_only_in_the_requested_steps(one_thread):
     # self times add up: what the phase's ops spent is within the phase's own time
     by = ops_by_phase(run.ops, run.spans)
     fwd_s = by[by["phase"] == "forward"]["self_cpu_s"].sum()
-    assert 0 < fwd_s <= run.steps[run.steps["step"].isin([0, 1])]["forward_s"].sum() * 1.05
+    assert 0 < fwd_s <= run.steps[run.steps["step"].isin([3, 4])]["forward_s"].sum() * 1.05
     assert any("traced measured steps 3-4" in n for n in run.meta["notes"])
     # the memory probe's allocator stream had to give torch's one profiler session up: said so
     assert any("one profiler session" in n for n in run.meta["notes"])
     # the dashboard and the report get an Ops section
     assert "Ops" in [t for t, _ in report.section_charts(run)]
+    from tpkit.views.dashboard import Dashboard
+
+    tab = Dashboard(run, static=False).tab
+    assert "Ops" in [tab.get_title(i) for i in range(len(tab.children))]
+    assert "aten::sort" in report.dashboard_html(run, include_js=False)
 
 
 def test_ops_true_traces_three_steps_and_a_run_without_ops_has_none(one_thread, tmp_path):

@@ -155,6 +155,10 @@ class OpsProbe:
         for start, end, name, cpu_s, dev_s, shapes in self.rows:
             if last < 0 or start > ends[last]:
                 continue  # after the traced steps (a trainer's end hooks): not a step's work
+            if end > ends[last]:  # open when the slice stopped (torch's "Optimizer.step" annotation while
+                # the stop unwinds): only its part inside the step counts
+                cpu_s = max(0.0, cpu_s - (end - ends[last]) / 1e9)
+                end = ends[last]
             raw = next(i for i, e in enumerate(ends) if start <= e)
             out.append((raw - warmup, name, (start - t0) / 1e9, (end - t0) / 1e9, cpu_s, dev_s, shapes))
         return out
