@@ -297,3 +297,15 @@ def test_dragging_the_strip_zooms_every_view_and_never_below_zero(tmp_path):
             assert lo == 0 and hi == pytest.approx(0.2, abs=0.05)
         finally:
             b.close()
+
+
+def test_a_gap_across_steps_is_cut_at_each_boundary():
+    """Nothing measured from 0.9 s to 2.1 s: the stretch is split into the end of step 0, all of
+    step 1 and the start of step 2, each numbered by its step."""
+    spans = table("spans", step=[0, 2], phase=["forward", "forward"], start_s=[0.0, 2.1], end_s=[0.9, 3.0],
+                  duration_s=[0.9, 0.9], depth=[0, 0], source=["t", "t"])
+    steps = table("steps", step=[0, 1, 2], start_s=[0.0, 1.0, 2.0], end_s=[1.0, 2.0, 3.0], duration_s=[1.0] * 3)
+    f = analysis.timeline_frame(spans, steps=steps)
+    other = f[f["phase"] == "other"]
+    assert other[["step", "start_s", "end_s"]].round(9).values.tolist() == [[0, 0.9, 1.0], [1, 1.0, 2.0],
+                                                                             [2, 2.0, 2.1]]

@@ -227,24 +227,30 @@ def _unattributed(spans: pd.DataFrame, steps: pd.DataFrame | None) -> pd.DataFra
     end = float(counted["end_s"].max()) if not counted.empty else 0.0
     if steps is not None and not steps.empty:
         end = max(end, float(steps["end_s"].max()))
-    gaps: list[tuple[float, float]] = []
-    t = 0.0
-    for a, b in zip(counted["start_s"].to_numpy(), counted["end_s"].to_numpy()) if not counted.empty else []:
-        if a - t >= MIN_GAP_S:
-            gaps.append((t, float(a)))
-        t = max(t, float(b))
+    # the union of the spans (sorted by start): a gap opens where a span starts after every
+    # earlier one has ended
+    starts = counted["start_s"].to_numpy(dtype="float64") if not counted.empty else np.array([])
+    reach = np.maximum.accumulate(counted["end_s"].to_numpy(dtype="float64")) if not counted.empty else np.array([])
+    before = np.concatenate([[0.0], reach[:-1]]) if len(reach) else np.array([0.0])
+    before = np.maximum(before, 0.0)
+    open_at = np.nonzero(starts[: len(before)] - before[: len(starts)] >= MIN_GAP_S)[0] if len(starts) else []
+    gaps: list[tuple[float, float]] = [(float(before[i]), float(starts[i])) for i in open_at]
+    t = float(reach[-1]) if len(reach) else 0.0
     if end - t >= MIN_GAP_S:
         gaps.append((t, end))
     if steps is not None and not steps.empty:  # cut at step boundaries, each piece numbered by its step
-        bounds = steps.sort_values("start_s")[["step", "start_s", "end_s"]].to_numpy()
+        st = steps.sort_values("start_s")
+        s_step, s0, s1 = st["step"].to_numpy(), st["start_s"].to_numpy(dtype="float64"), st["end_s"].to_numpy(dtype="float64")
         cut = []
         for a, b in gaps:
-            for step, s0, s1 in bounds:
-                lo, hi = max(a, s0), min(b, s1)
+            if a < s0[0] and min(b, s0[0]) - a >= MIN_GAP_S:  # before the first step
+                cut.append((int(s_step[0]), a, min(b, float(s0[0]))))
+            i = int(np.searchsorted(s1, a, side="right"))  # the first step ending after the gap opens
+            while i < len(s0) and s0[i] < b:
+                lo, hi = max(a, float(s0[i])), min(b, float(s1[i]))
                 if hi - lo >= MIN_GAP_S:
-                    cut.append((int(step), lo, hi))
-            if a < bounds[0][1] and min(b, bounds[0][1]) - a >= MIN_GAP_S:  # before the first step
-                cut.append((int(bounds[0][0]), a, min(b, float(bounds[0][1]))))
+                    cut.append((int(s_step[i]), lo, hi))
+                i += 1
         rows = cut
     else:
         starts = counted["start_s"].to_numpy() if not counted.empty else np.array([])
