@@ -191,9 +191,13 @@ def test_compare_loads_store_names(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "_configured", [store._UNSET])
     store.save(make_run("base", [0.1, 0.1]))
     store.save(make_run("base", [0.2, 0.2]))
-    c = cmp.compare("base", "base-2")
-    assert c.labels == ["base", "base-2"]
-    assert row(c, "step_time_p50", "base-2")["delta"] == pytest.approx(100.0)
+    import tpkit as tp
+
+    c = tp.compare("base", "base-2", baseline="base-2")
+    assert c.labels == ["base", "base-2"] and c.baseline == "base-2"
+    with pytest.raises(TypeError, match="tp.compare loads names"):
+        cmp.compare("base", "base-2")  # the analysis function takes Runs only
+    assert row(c, "step_time_p50", "base")["delta"] == pytest.approx(-100.0)
 
 
 def test_idle_phase_shares_are_left_out_but_data_stall_stays():

@@ -31,7 +31,9 @@ def test_magic_in_a_real_kernel():
     html_outputs = [o["data"]["text/html"] for s in state.values() if s["model_name"] == "OutputModel"
                     for o in s["state"].get("outputs", []) if "text/html" in o.get("data", {})]
     bundles = [h for h in html_outputs if "window.vegaEmbed=" in h]
-    assert len(bundles) == 2  # vega inlined once per dashboard (the good run's and the failed one's)
+    assert len(bundles) == 1  # vega inlined once for both dashboards (one hidden widget they share)
+    static = [o for o in profile_cell if "tpkit-static" in o.get("data", {}).get("text/html", "")]
+    assert len(static) == 1 and "<script" not in static[0]["data"]["text/html"]  # the copy shown without a kernel
     charts = [h for h in html_outputs if "vegaEmbed(" in h and "Stall timeline" in h]
     assert charts and "cdn.jsdelivr" not in "".join(html_outputs)
     assert nb.cells[2].outputs[0]["text"].strip() == "(4, 16) True nb"

@@ -16,7 +16,8 @@ from typing import Any
 
 from ._version import __version__
 from .analysis.catalog import runs
-from .analysis.compare import Comparison, compare
+from .analysis.compare import Comparison
+from .analysis.compare import compare as _compare
 from .capture.probes.phases import watch
 from .capture.slice import Profile, SliceConfig, last_run, phase, profile, profile_fn, step
 from .errors import MissingExtraError, ProfileActiveError, RunFormatError, TpkitError
@@ -37,6 +38,18 @@ def __getattr__(name: str) -> Any:
         module = {"dashboard": ".views.dashboard", "tune": ".views.tuner"}[name]
         return getattr(importlib.import_module(module, __name__), name)
     raise AttributeError(f"module 'tpkit' has no attribute {name!r}")
+
+
+def compare(*runs: Any, baseline: Any = None, **kwargs: Any) -> Comparison:
+    """Compare runs (Runs, store names or saved folders) against a baseline (default: the
+    first): ``tp.compare("base", "workers4", baseline="base")``. See
+    ``tpkit.analysis.compare`` for the statistics and when a change is called significant."""
+    if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
+        runs = tuple(runs[0])
+    loaded = [load(r) for r in runs]
+    if isinstance(baseline, str) and not any(baseline == r.name for r in loaded):
+        baseline = load(baseline).name  # a folder or a store name given for one of the runs
+    return _compare(*loaded, baseline=baseline, **kwargs)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -45,7 +45,25 @@ import pandas as pd
 
 from ..errors import TpkitError
 from ..schema import MIB, PHASE_COLUMNS, metric_label
-from .stats import BOOTSTRAP_N, BOOTSTRAP_SEED, CI_LEVEL, content_seed, diff_interval, resamples_for, step_resamples
+from .stats import (
+    BASELINE,
+    BOOTSTRAP_N,
+    BOOTSTRAP_SEED,
+    CI_LEVEL,
+    MIN_STEPS,
+    NO_DIFFERENCE,
+    NOT_ENOUGH_DATA,
+    NOT_TESTED,
+    REL_THRESHOLD,
+    SHARE_THRESHOLD_PP,
+    SIGNIFICANT,
+    content_seed,
+    diff_interval,
+    fmt_num,
+    fmt_signed,
+    resamples_for,
+    step_resamples,
+)
 from .steps import measured
 
 if TYPE_CHECKING:
@@ -54,17 +72,6 @@ if TYPE_CHECKING:
 TABLE_COLUMNS: tuple[str, ...] = ("metric", "label", "unit", "run", "value", "ci_low", "ci_high", "delta",
                                   "delta_pct", "delta_low", "delta_high", "delta_low_pct", "delta_high_pct", "significant",
                                   "direction")
-SIGNIFICANT = "significant"
-NO_DIFFERENCE = "no meaningful difference"
-NOT_ENOUGH_DATA = "not enough data"
-BASELINE = "baseline"
-NOT_TESTED = "n/a"
-#: Fewer measured steps than this in either run: "not enough data".
-MIN_STEPS = 5
-#: Smallest change in a time or a rate called significant: 2% (as ``|ln(b / a)| >= ln 1.02``).
-REL_THRESHOLD = 0.02
-#: Smallest change in a share of step time called significant: 1 percentage point.
-SHARE_THRESHOLD_PP = 1.0
 
 
 @dataclass
@@ -251,20 +258,6 @@ class Comparison:
         return self.to_text()
 
 
-def fmt_num(x: float) -> str:
-    """A figure for people: 4 significant digits, thousands separated, ``n/a`` for NaN."""
-    if x is None or not np.isfinite(x):
-        return "n/a"
-    return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.1f}"
-
-
-def fmt_signed(x: float) -> str:
-    """``fmt_num`` with a sign."""
-    if x is None or not np.isfinite(x):
-        return "n/a"
-    return f"{x:+,.4g}" if abs(x) < 1000 else f"{x:+,.1f}"
-
-
 def unique_labels(runs: list["Run"]) -> list[str]:
     """Run names, with ``#2``, ``#3``... added where two runs share a name."""
     seen: dict[str, int] = {}
@@ -424,21 +417,23 @@ def baseline_index(baseline: "int | str | Run | None", runs: Sequence["Run"], la
     raise TpkitError("baseline is a Run that is not among the compared runs: pass it to compare too")
 
 
-def compare(*runs: "Run | str", baseline: "int | str | Run | None" = None, n: int = BOOTSTRAP_N,
+def compare(*runs: "Run", baseline: "int | str | Run | None" = None, n: int = BOOTSTRAP_N,
             seed: int = BOOTSTRAP_SEED) -> Comparison:
-    """Compare runs (Runs, store names or folders) against a baseline (default: the first).
+    """Compare Runs against a baseline (default: the first); ``tp.compare`` also takes store
+    names and folders (it loads them, then calls this).
 
-    ``tp.compare(a, b, c, baseline="b")``: ``.table`` per (metric, run), ``.wide()`` one row
+    ``compare(a, b, c, baseline="b")``: ``.table`` per (metric, run), ``.wide()`` one row
     per run, ``.warnings``, ``.to_text()``, ``.to_html()``; the rule that calls a change
     significant is in this module's docstring.
     """
-    from ..store import load
-
     if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
         runs = tuple(runs[0])
     if not runs:
         raise ValueError("compare needs at least one run")
-    loaded = [load(r) for r in runs]
+    bad = [r for r in runs if not hasattr(r, "steps")]
+    if bad:
+        raise TypeError(f"compare takes Runs, not {type(bad[0]).__name__}: tp.compare loads names and folders")
+    loaded = list(runs)
     labels = unique_labels(loaded)
     base = baseline_index(baseline, loaded, labels)
     dropped = {label: clean_measured(r.steps)[1] for r, label in zip(loaded, labels)}
@@ -450,3 +445,8 @@ def compare(*runs: "Run | str", baseline: "int | str | Run | None" = None, n: in
     return Comparison(runs=loaded, labels=labels, table=table, warnings=comparison_warnings(loaded, labels, dropped),
                       steps=steps_frame(loaded, labels), phases=phases_frame(loaded, labels), baseline=labels[base],
                       counts={label: len(clean_measured(r.steps)[0]) for r, label in zip(loaded, labels)})
+
+
+__all__ = ["BASELINE", "MIN_STEPS", "NOT_ENOUGH_DATA", "NOT_TESTED", "NO_DIFFERENCE", "REL_THRESHOLD",
+           "SHARE_THRESHOLD_PP", "SIGNIFICANT", "TABLE_COLUMNS", "Comparison", "Metric", "compare", "comparison_table",
+           "fmt_num", "fmt_signed", "judge", "run_metrics"]

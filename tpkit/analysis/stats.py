@@ -14,6 +14,19 @@ import numpy as np
 
 Stat = Union[str, Callable[[np.ndarray], np.ndarray]]
 
+# -- judging a change (``analysis.compare``'s rule; views read the words from here) ----------
+SIGNIFICANT = "significant"
+NO_DIFFERENCE = "no meaningful difference"
+NOT_ENOUGH_DATA = "not enough data"
+BASELINE = "baseline"
+NOT_TESTED = "n/a"
+#: Fewer measured steps than this in either run: "not enough data".
+MIN_STEPS = 5
+#: Smallest change in a time or a rate called significant: 2% (as ``|ln(b / a)| >= ln 1.02``).
+REL_THRESHOLD = 0.02
+#: Smallest change in a share of step time called significant: 1 percentage point.
+SHARE_THRESHOLD_PP = 1.0
+
 BOOTSTRAP_N = 2000
 BOOTSTRAP_SEED = 0
 CI_LEVEL = 0.95
@@ -168,3 +181,17 @@ def mean_interval(values: np.ndarray | list) -> tuple[float, float, float]:
     t = _T95.get(df, 2.042 if df <= 30 else 1.96)
     half = t * float(v.std(ddof=1)) / np.sqrt(len(v))
     return mean, mean - half, mean + half
+
+
+def fmt_num(x: float | None) -> str:
+    """A figure for people: 4 significant digits, thousands separated, ``n/a`` for NaN."""
+    if x is None or not np.isfinite(x):
+        return "n/a"
+    return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.1f}"
+
+
+def fmt_signed(x: float | None) -> str:
+    """``fmt_num`` with a sign."""
+    if x is None or not np.isfinite(x):
+        return "n/a"
+    return f"{x:+,.4g}" if abs(x) < 1000 else f"{x:+,.1f}"

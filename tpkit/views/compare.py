@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import altair as alt
 import numpy as np
 
-from ..analysis import compare as cmp
+from ..analysis import stats as cmp  # the words and thresholds of the verdicts on a change
 from ..analysis.stats import CI_LEVEL
 from ..charts import compare as ch
 from . import render
