@@ -95,14 +95,21 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
     its peak rose above both ends (one ``kind`` "peak only" row, delta 0). Columns: ``order,
     phase, label, category, kind, delta_bytes, y0_bytes, y1_bytes, total_bytes, peak_bytes``.
     """
-    cols = ["order", "phase", "label", "category", "kind", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes",
-            "peak_bytes"]
     w = wide(memory)
-    w = w[(w["step"] == step) & (w["device"] == device)]
+    pk = wide(memory, ("peak",))
+    return _waterfall(w[(w["step"] == step) & (w["device"] == device)],
+                      pk[(pk["step"] == step) & (pk["device"] == device)])
+
+
+_WF_COLUMNS = ["order", "phase", "label", "category", "kind", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes",
+               "peak_bytes"]
+
+
+def _waterfall(w: pd.DataFrame, pk: pd.DataFrame) -> pd.DataFrame:
+    """``waterfall`` from one step's ``wide`` boundary rows ``w`` and peak rows ``pk``."""
+    cols = _WF_COLUMNS
     if w.empty:
         return pd.DataFrame(columns=cols)
-    pk = wide(memory, ("peak",))
-    pk = pk[(pk["step"] == step) & (pk["device"] == device)]
     peak_t, peak_v = pk["t_s"].to_numpy(dtype="float64"), pk["total_bytes"].to_numpy(dtype="int64")
     rows: list[tuple] = []
     first = w.iloc[0]
@@ -174,12 +181,12 @@ def _plain(phase: str, last_exit: str, seen: set[str]) -> str:
 
 
 def waterfalls(memory: pd.DataFrame, steps: list[int] | None = None, device: str = "cpu",
-               max_steps: int = 40) -> pd.DataFrame:
+               max_steps: int = 40, across: pd.DataFrame | None = None) -> pd.DataFrame:
     """``waterfall`` of several steps (default: the measured ones, at most ``max_steps``: every
     k-th, the first, the last and the peak step) in one frame with a ``step`` column, for a
-    chart with a step selector."""
+    chart with a step selector. ``across``: ``across_steps(memory, device)`` when already made."""
     if steps is None:
-        a = across_steps(memory, device)
+        a = across if across is not None else across_steps(memory, device)
         a = a[a["step"] >= 0] if not a.empty else a
         all_steps = sorted(int(s) for s in a["step"].unique()) if not a.empty else []
         if len(all_steps) > max_steps:
@@ -188,17 +195,21 @@ def waterfalls(memory: pd.DataFrame, steps: list[int] | None = None, device: str
             keep.add(int(a.loc[a["peak_bytes"].idxmax(), "step"]))
             all_steps = sorted(keep)
         steps = all_steps
-    parts = [waterfall(memory, s, device).assign(step=s) for s in steps]
+    m = memory[(memory["device"] == device) & memory["step"].isin(steps)] if not memory.empty else memory
+    w, pk = wide(m), wide(m, ("peak",))
+    by_w, by_pk = dict(tuple(w.groupby("step"))), dict(tuple(pk.groupby("step")))
+    parts = [_waterfall(by_w[s], by_pk.get(s, pk.iloc[:0])).assign(step=s) for s in steps if s in by_w]
     parts = [p for p in parts if not p.empty]
     if not parts:
-        return pd.DataFrame(columns=["step", *waterfall(memory.iloc[:0], 0, device).columns])
+        return pd.DataFrame(columns=["step", *_WF_COLUMNS])
     out = pd.concat(parts, ignore_index=True)
     return out[["step", *[c for c in out.columns if c != "step"]]]
 
 
-def peak_step(memory: pd.DataFrame, device: str) -> int | None:
-    """The measured step with the highest peak on ``device`` (a warmup step when none was measured)."""
-    a = across_steps(memory, device)
+def peak_step(memory: pd.DataFrame, device: str, across: pd.DataFrame | None = None) -> int | None:
+    """The measured step with the highest peak on ``device`` (a warmup step when none was
+    measured). ``across``: ``across_steps(memory, device)`` when already made."""
+    a = across if across is not None else across_steps(memory, device)
     if a.empty:
         return None
     measured = a[a["step"] >= 0]

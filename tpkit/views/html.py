@@ -85,13 +85,13 @@ def _memory_section(run: "Run") -> alt.TopLevelMixin | None:
     if device is None:
         return None
     across = ma.across_steps(run.memory, device)
-    step = ma.peak_step(run.memory, device)
+    step = ma.peak_step(run.memory, device, across=across)
     assert step is not None
     room = ma.headroom(run.memory, run.meta)
     room = room[room["device"] == device]
     head = room.iloc[0] if not room.empty else None
     wf = charts.memory_waterfall(
-        ma.waterfalls(run.memory, device=device) if step >= 0 else ma.waterfall(run.memory, step, device),
+        ma.waterfalls(run.memory, device=device, across=across) if step >= 0 else ma.waterfall(run.memory, step, device),
         ma.step_peak(run.memory, step, device),
         headroom_bytes=None if head is None or head["headroom_bytes"] != head["headroom_bytes"] else float(head["headroom_bytes"]),
         capacity_bytes=None if head is None or head["capacity_bytes"] != head["capacity_bytes"] else float(head["capacity_bytes"]),
