@@ -147,7 +147,7 @@ def wait_for_charts(scope: object, timeout_s: float = 60) -> int:
     charts = scope.locator(".tp-live-chart:visible")
     n = charts.count()
     for i in range(n):
-        charts.nth(i).locator("svg, canvas").first.wait_for(timeout=timeout_s * 1000)
+        charts.nth(i).locator("svg.marks, canvas.marks").first.wait_for(timeout=timeout_s * 1000)
     return n
 
 
