@@ -185,3 +185,21 @@ def test_gpu_path_through_a_stand_in_profiler(monkeypatch):
     assert cpu_s == pytest.approx(30e-6) and dev_s == pytest.approx(500e-6)
     assert end_s - start_s == pytest.approx(30e-6, abs=1e-6)
     assert probe.meta()["ops"]["steps"] == [0, 1] and probe.meta()["ops"]["activities"] == ["cpu", "cuda"]
+
+
+def test_ops_chart_spec():
+    from tpkit.charts.ops import ops_per_phase
+
+    top = pd.DataFrame({"phase": ["forward", "forward", "backward"], "op": ["aten::addmm", "aten::gelu", "aten::mm"],
+                        "input_shapes": ["[[8], [4, 2], [2, 8], [], []]", "", "[[8, 4], [4, 2]]"], "calls": [2, 2, 4],
+                        "self_cpu_s": [0.004, 0.001, 0.002], "self_device_s": [0.0] * 3, "self_s": [0.004, 0.001, 0.002],
+                        "self_ms_per_step": [2.0, 0.5, 1.0], "share_of_phase": [0.6, 0.15, 0.5]})
+    spec = ops_per_phase(top, steps=[3, 4]).to_dict()
+    assert spec["title"]["text"] == "Ops per phase (steps 3-4, torch.profiler)"
+    fwd, bwd = spec["vconcat"]
+    assert fwd["title"]["text"] == "forward: top operators by self time (75% of the phase's operator time)"
+    labels = [v["label"] for v in spec["datasets"][fwd["data"]["name"]]]
+    assert labels == ["aten::addmm  [[8], [4, 2], [2, 8], [], []]", "aten::gelu"]  # shapes with the op
+    assert fwd["encoding"]["x"]["field"] == "self_ms_per_step" and fwd["encoding"]["y"]["sort"] == "-x"
+    assert bwd["encoding"]["color"]["scale"]["range"][bwd["encoding"]["color"]["scale"]["domain"].index("backward")] \
+        == "#6a51a3"

@@ -21,8 +21,9 @@ def ops_per_phase(top: pd.DataFrame, width: int = 420, steps: list[int] | None =
     charts = []
     for phase in phases:
         part = data[data["phase"] == phase]
-        charts.append(alt.Chart(part, title=alt.Title(f"{phase}: top operators by self time", anchor="start",
-                                                      fontSize=12)).mark_bar().encode(
+        shown = float(part["share_of_phase"].sum())
+        head = f"{phase}: top operators by self time ({shown:.0%} of the phase's operator time)"
+        charts.append(alt.Chart(part, title=alt.Title(head, anchor="start", fontSize=12)).mark_bar().encode(
             x=alt.X("self_ms_per_step:Q", title="ms of self time per traced step"),
             y=alt.Y("label:N", sort="-x", title=None, axis=alt.Axis(labelLimit=360)),
             color=alt.Color("phase:N", scale=scale, legend=None),
