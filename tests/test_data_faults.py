@@ -192,6 +192,7 @@ def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
         "from tests.test_data_faults import Slow\n"
         "it = iter(Loader(Slow(), batch_size=2, num_workers=2))\n"
         "next(it)\n"
+        "next(it)\n"  # the first batch is made in this process, the workers start at the second
         "print(' '.join(str(p.pid) for p in __import__('psutil').Process().children()), flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n" % os.getcwd())
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -224,8 +225,9 @@ def _tpkit_threads() -> list[str]:
 
 
 def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
-    """Ctrl-C inside iter() (after the first worker was forked, before the second): the
-    started worker and its segment go too."""
+    """Ctrl-C while the workers start (after the first worker was forked, before the second;
+    at the second batch, the first being made in this process): the started worker and its
+    segment go too."""
     from tpkit.data import process_pool
 
     real, calls = process_pool.ProcessPool._dispatch, []
@@ -237,8 +239,11 @@ def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
         return real(self)
     monkeypatch.setattr(process_pool.ProcessPool, "_dispatch", interrupted)
     loader = Loader(Slow(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    assert calls == [] and not live_children()
     with pytest.raises(KeyboardInterrupt):
-        iter(loader)
+        next(it)
     assert len(calls) == 2 and not live_children() and not shm_files()
 
 

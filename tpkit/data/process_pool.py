@@ -14,6 +14,16 @@ the user, and no slot is overwritten while a view of it is alive.
 batch alive while asking for the next, and with round-robin order those come from different
 workers. With one worker both come from the same ring, so ``hold`` is 2. A loop that keeps
 more batches alive still works; it gets copies for the extra ones.
+
+First batch in-process: when the workers are about to be started (first epoch, or every epoch
+without persistent workers) of a map-style dataset without ``worker_init_fn``, in order and
+without ``timeout`` (a hang here could not be timed out), the main
+process makes the epoch's first batch itself, before forking: it costs one batch of work,
+where forking the workers and their first hand-over cost tens of milliseconds (the sampler's
+order is drawn either way). It is made as worker 0 would make it: with worker 0's seeds, and
+worker 0 starts from the random state that batch left behind (handed over at the fork), so
+the batches and their random transforms are the same as torch's. The workers are forked at
+the next ``next()``.
 """
 
 from __future__ import annotations
@@ -34,8 +44,23 @@ from typing import Any, Iterator, NamedTuple
 from ..capture.interrupts import held_sigint
 from .collate import merge_parts
 from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
-from .slots import map_segment, read_slot, remove_segments, segment_path, segment_prefix
-from .worker_loop import BatchDone, BatchFailed, LoadedBatch, Reset, StreamEnded, Task, WorkerSpec, worker_main
+from .slots import flatten, map_segment, read_slot, remove_segments, segment_path, segment_prefix
+from .worker_loop import (
+    BatchDone,
+    BatchFailed,
+    BatchMaker,
+    LoadedBatch,
+    Reset,
+    RngStates,
+    StreamEnded,
+    Task,
+    WorkerSpec,
+    failed,
+    get_rng_states,
+    seed_worker,
+    set_rng_states,
+    worker_main,
+)
 
 
 def hold_slots(num_workers: int) -> int:
@@ -152,13 +177,18 @@ class ProcessPool:
         self._leases: dict[int, tuple[weakref.ref, tuple[int, int, int]]] = {}
         self._next_id = 0  # batch ids never repeat across epochs: stale answers are recognisable
         self._started = False
+        self._local: tuple[int, Any] | None = None  # (batch id, indices): made in this process
+        self._unstarted: list[int] | None = None  # skip counts of workers to fork at the next next()
+        self._rng0: RngStates | None = None  # worker 0's random state after the local batch
         self.closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.prefix)
 
     # -- life cycle ---------------------------------------------------------------------------
     def _start_worker(self, w: _Worker, skip_batches: int) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
-        w.proc = self.ctx.Process(target=worker_main, args=(w.id, w.life, child, self.spec, skip_batches),
+        rng = self._rng0 if w.id == 0 and w.life == 0 else None
+        self._rng0 = None if w.id == 0 else self._rng0
+        w.proc = self.ctx.Process(target=worker_main, args=(w.id, w.life, child, self.spec, skip_batches, rng),
                                   name=f"tpkit-data-{w.id}", daemon=True)
         # Objects that exist now are left out of the child's garbage collections, so they are
         # not written to (copied page by page) in every worker; the parent unfreezes at once.
@@ -202,10 +232,22 @@ class ProcessPool:
                 self._next_id += 1
             elif first is not None:
                 tasks = itertools.chain([first], tasks)
+        self._local = None
+        if (not self._started and tasks is not None and not self.splits and self.in_order
+                and not self.timeout_s and self.spec.worker_init_fn is None):
+            first = next(tasks, None)
+            if first is not None:  # made here by the first next(); the workers start after it
+                self._local = (self._next_id, first)
+                self._next_id += 1
+                self._unstarted = list(skips)
         self.tasks = tasks
         self.tasks_done = False
         self.results: dict[int, _Answer] = {}
         self.rr = first_worker  # iterables: whose turn the next batch is (resume keeps it)
+        if self._unstarted is not None:
+            for w in self.workers:
+                w.buffered, w.delivered, w.exhausted = 0, skips[w.id], False
+            return
         for w in self.workers:
             w.buffered = 0
             w.delivered = skips[w.id]
@@ -217,6 +259,38 @@ class ProcessPool:
                 self._dispatch()
             elif tasks is None:
                 w.conn.send(Reset(skips[w.id]))
+        self._started = True
+
+    def _make_local(self, bid: int, indices: Any) -> LoadedBatch:
+        """The epoch's first batch, made in this process as worker 0 would make it (its seeds;
+        the random state it leaves is worker 0's start); this process's own random state is
+        restored. A failure is reported as worker 0's, and the epoch goes on."""
+        self._local = None
+        self.next_yield = bid + 1
+        mine = get_rng_states()
+        seed_worker(self.spec.base_seed, 0)
+        maker = BatchMaker(self.spec)
+        try:
+            made = maker.make(indices)
+            assert made is not None  # map-style: never exhausted
+            flatten(made.batch, [])  # what a worker could not hand over fails here too
+        except Exception as e:
+            err = failed(bid, maker.current_index, e)
+            raise WorkerError(0, bid - self.epoch_first_id, err.index, err.exc_type, err.message,
+                              err.traceback) from None
+        finally:
+            self._rng0 = get_rng_states()
+            set_rng_states(mine)
+        return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
+
+    def _start_deferred(self) -> None:
+        """Fork the workers held back by the in-process first batch, each handed its first tasks
+        before the next is forked."""
+        skips, self._unstarted = self._unstarted, None
+        assert skips is not None
+        for w in self.workers:
+            self._start_worker(w, skips[w.id])
+            self._dispatch()
         self._started = True
 
     def shutdown(self) -> None:
@@ -463,6 +537,10 @@ class ProcessPool:
     def next(self) -> LoadedBatch:
         """The next batch; raises StopIteration at the end of the epoch."""
         waited_s = 0.0
+        if self._local is not None and self._local[0] == self.next_yield:
+            return self._make_local(*self._local)
+        if self._unstarted is not None:
+            self._start_deferred()
         while True:
             self._dispatch()
             if self.in_order:

@@ -126,12 +126,35 @@ class WorkerSpec:
 
 
 def seed_worker(base_seed: int, worker: int) -> int:
-    """Seed Python, torch and numpy in a worker; returns the torch seed (base + id)."""
+    """Seed Python, torch and numpy in a worker as torch's DataLoader seeds its workers
+    (numpy from torch's own seed-state generator where this torch has it); returns the torch
+    seed (base + id)."""
     seed = base_seed + worker
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(np.random.SeedSequence([base_seed & (2**63 - 1), worker]).generate_state(4))
+    try:
+        from torch.utils.data._utils.worker import _generate_state
+        np_seed = _generate_state(base_seed, worker)
+    except (ImportError, AttributeError):  # a torch without it: still a per-worker stream
+        np_seed = np.random.SeedSequence([base_seed & (2**63 - 1), worker]).generate_state(4)
+    np.random.seed(np_seed)
     return seed
+
+
+RngStates = tuple[Any, Any, Any]  # (torch, numpy, random) global random states
+
+
+def get_rng_states() -> RngStates:
+    """This process's global random states (torch CPU, numpy, Python's random)."""
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def set_rng_states(states: RngStates) -> None:
+    """Restore what ``get_rng_states`` returned."""
+    t, n, r = states
+    torch.set_rng_state(t)
+    np.random.set_state(n)
+    random.setstate(r)
 
 
 def set_worker_info(worker: int, num_workers: int, seed: int, dataset: Any, method: str) -> None:
@@ -212,11 +235,15 @@ class BatchMaker:
         return Made(batch, t1 - t0, perf_counter() - t1, len(samples))
 
 
-def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batches: int) -> None:
-    """Entry point of a worker process."""
+def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batches: int,
+                rng_states: RngStates | None = None) -> None:
+    """Entry point of a worker process. ``rng_states``: where this worker's random state
+    starts when the main process made a batch in its place (see process_pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns Ctrl-C and our exit
     torch.set_num_threads(1)
     seed = seed_worker(spec.base_seed, worker)
+    if rng_states is not None:
+        set_rng_states(rng_states)
     set_worker_info(worker, spec.num_workers, seed, spec.dataset, "multiprocessing")
     ring = WorkerRing(spec.seg_prefix, worker, life, spec.n_slots)
     maker = BatchMaker(spec, in_ring=True)
