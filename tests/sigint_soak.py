@@ -19,9 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import tpkit as tp  # noqa: E402
 from leftovers import diff, snapshot  # noqa: E402
 from test_faults import make, train  # noqa: E402
+
+import tpkit as tp  # noqa: E402
 
 
 def one_slice() -> None:

@@ -51,7 +51,7 @@ def test_phase_durations_an_hour_in_keep_microsecond_precision(clock):
     cuda = FakeCuda()
     timer = ct.CudaTimer(SimpleNamespace(cuda=cuda))
     marks, truth = [], []
-    for i in range(7200):  # an hour of half-second steps, each boundary 123,457 ns into the step
+    for _ in range(7200):  # an hour of half-second steps, each boundary 123,457 ns into the step
         clock.ns += 500_000_000
         cuda.gpu_ns += 500_000_000
         marks.append(timer.mark())

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from leftovers import diff, snapshot
 
 import tpkit as tp
-from leftovers import diff, snapshot
 from tpkit.capture import slice as slice_mod
 from tpkit.capture.probes.clocks import ClockProbe
 from tpkit.capture.probes.memory import MemoryProbe
