@@ -345,6 +345,10 @@ class MemoryProbe:
         self._cuda_last: dict[int, tuple[int, int]] = {}  # device -> (allocated, max allocated) at the last read
         self._user_profiler_flag = _user_profiler_flag
         self._stream_tid = -1  # the thread whose allocations the CPU stream sees
+        self._params_version = 0  # how many times the parameter set was found anew
+        self._static_key: tuple = ()  # what the walked parameters/optimizer state/buffers were
+        self._static_seen: set[tuple[str, int]] = set()
+        self._static_known: dict[tuple[str, str], int] = {}
         self._cpu_walked = False  # some CPU boundary was walked, not replayed
         self.installed = False
         self._finished = False
@@ -580,6 +584,7 @@ class MemoryProbe:
         self._params = list(params.values())
         self._buffers = list(buffers.values())
         self._params_new = True
+        self._params_version += 1
         for p in self._params:
             if id(p) in self._slots:
                 continue
@@ -717,24 +722,35 @@ class MemoryProbe:
             self._mark(_OBS, len(self.observations) - 1)
 
     def _known_sets(self) -> dict[tuple[str, str], int]:
-        """Bytes per (device, category) of unique storages walked from the tensors. Used at every boundary only where no CPU stream
-        can be replayed (a torch profiler owns it) or a CUDA device is in use."""
+        """Bytes per (device, category) of unique storages walked from the tensors. Used at every
+        boundary only where no CPU stream can be replayed (a torch profiler owns it, a loop in
+        another thread) or a CUDA device is in use. Parameters, buffers, optimizer state and
+        tpkit's own tensors are walked again only when they changed (the model set, the
+        optimizer state's fingerprint, new own tensors); gradients and the batch every time."""
         self._refresh_params()
-        params = self._params
-        items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in params]
-        items += [(g, "gradients") for p in params if (g := p.grad) is not None]
-        items += [(t, "optimizer_state") for t in self._opt_state_tensors()]
+        key = (self._params_version, self._opt_fingerprint(), len(self.rec.own_tensors))
+        if self._static_key != key:
+            self._static_key = key
+            items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in self._params]
+            items += [(t, "optimizer_state") for t in self._opt_state_tensors()]
+            items += [(b, None) for b in self._buffers]
+            items += [(t, _OWN) for t in self.rec.own_tensors]
+            self._static_seen = set()
+            self._static_known = self._count(items, self._static_seen, {})
+        items = [(g, "gradients") for p in self._params if (g := p.grad) is not None]
         items += [(t, "data") for r in self._batch if (t := r()) is not None]
-        items += [(b, None) for b in self._buffers]
-        items += [(t, _OWN) for t in self.rec.own_tensors]
-        seen: set[tuple[str, int]] = set()
-        known: dict[tuple[str, str], int] = {}
+        return self._count(items, set(self._static_seen) if items else self._static_seen,
+                           dict(self._static_known))
+
+    def _count(self, items: list[tuple[torch.Tensor, str | None]], seen: set[tuple[str, int]],
+               known: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+        """Add the unique storages of ``items`` to ``known`` (``seen``: storages counted already)."""
         for t, category in items:
             try:
                 s = t.untyped_storage()
                 ptr = s.data_ptr()
                 dev = "cpu" if t.is_cpu else self._device(t)
-            except Exception:
+            except Exception:  # meta, fake or exotic tensor subclasses: nothing allocated to count
                 continue
             key = (dev, ptr)
             if key in seen:
