@@ -316,6 +316,10 @@ def test_a_running_torch_profiler_leaves_the_known_sets_and_a_note():
     assert any(e.name == "aten::addmm" for e in prof.events())  # the user's profiler kept its session
     assert set(run.memory["category"]) == {"parameters", "gradients", "optimizer_state", "data"}
     assert (rows(run, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+    # Adam's state appears in the step: walked again once its fingerprint changed
+    adam = 8 * n_params(model) + 4 * len(list(model.parameters()))
+    assert rows(run, "optimizer", "enter", "optimizer_state").iloc[0] == 0
+    assert rows(run, "optimizer", "exit", "optimizer_state").iloc[0] == adam
     assert any("could not start" in n for n in run.meta["notes"])
     assert run.meta["memory"]["cpu_source"] == "known sets only"
 
