@@ -98,3 +98,14 @@ def test_run_to_html_with_a_comparison(tmp_path):
     page = make_run().to_html(tmp_path / "r.html", compare_with=[other]).read_text()
     assert "Comparison of 2 runs" in page and "Changes against <b>other</b>" in page
     assert "not enough data" in page  # one measured step each: no verdict on the change
+
+
+def test_a_run_whose_durations_are_all_nan_still_has_a_report(tmp_path):
+    run = make_run()
+    run.steps["duration_s"] = float("nan")
+    other = make_run()
+    other.meta["name"] = "other"
+    with pytest.warns(RuntimeWarning, match="NaN duration left out"):
+        page = run.to_html(tmp_path / "r.html", compare_with=[other]).read_text()
+    assert "unknown (step durations missing)" in page and "nan ms" not in page
+    assert "Comparison of 2 runs" in page
