@@ -22,7 +22,16 @@ mode also reports tpkit's own time per step (the Run's ``tpkit_s``) and the coll
 Python gc ran inside the measured steps. ``--before REV`` adds the memory probe as it was at git
 revision REV (``git show REV:tpkit/capture/probes/memory.py``), for a before/after in one run.
 
-Measured on the 2-core dev VM (tiny transformer, 1 torch thread): tpkit +4.5% wall, +0.5% to
+Measured 2026-12-01 on the shared 2-core dev VM (load average 5-7), ``--cpu-time --threads 1
+--rounds 6 --steps 16 --before 26f2255`` (26f2255: the probe that walked the known sets at every
+boundary), ratio of main-thread CPU time per step vs memory off (median of per-round ratios),
+tpkit_s per step, gc collections inside the 96 measured steps (memory off: 4 / 8):
+
+    GPT-2 2 layers     now 0.98x, tpkit_s 0.26 ms, gc 5      before 1.09x, 2.38 ms, gc 172
+    GPT-2 12 layers    now 1.02x, tpkit_s 0.47 ms, gc 16     before 1.08x, 15.3 ms, gc 922
+
+(the ratios move by +-5% from run to run on that machine; tpkit_s is the steadier figure).
+Earlier, on the tiny transformer (1 torch thread): tpkit +4.5% wall, +0.5% to
 +4.6% main-thread CPU time; torch.profiler with memory +3% to +8%; the dispatch tracker +20% to
 +26%. With torch's 2 default threads on a shared 2-core VM the wall times are dominated by the
 thread pool waking late (docs/MEASURED.md): p20 37 ms against p80 440 ms, no usable ratio.
