@@ -544,6 +544,8 @@ class MemoryProbe:
                 known[(dev, "data")] = known.get((dev, "data"), 0) + nb
 
     def _on_grad_set(self, slot: int) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced by compiled autograd: nothing of tpkit's may enter the graph
         if self._streaming():
             self._mark(_GRAD_SET, slot)
 
