@@ -193,6 +193,18 @@ def test_waterfall_chart_shows_the_peak_step_first_with_a_selector_and_its_own_l
     step1 = next(t for t in top if t["step"] == 1)
     assert step1["label"] == "backward" and step1["peak_mib"] == (4 * 2**20 + 65536 + 2 * 2**20 + 6 * 2**20) / 2**20
     assert not any(u["mark"]["type"] == "rule" for u in units(spec))  # no line floating over every bar
+    # a stretch that rose above both its ends but is not its step's peak: a light tick there
+    mib = 1 << 20
+    fwd_peak = [(0, "forward", "peak", 0.05, "cpu", c, v) for c, v in
+                {"parameters": 4 * mib, "gradients": 0, "activations": 3 * mib, "temporaries": 0,
+                 "data": 65536}.items()]
+    cols = ["step", "phase", "event", "t_s", "device", "category", "bytes"]
+    mem0 = pd.concat([mem[mem["step"] == 0], table("memory", **{c: [r[i] for r in fwd_peak]
+                                                               for i, c in enumerate(cols)})], ignore_index=True)
+    spec0 = charts.memory_waterfall(ma.waterfall(mem0, 0, "cpu"), step=0).to_dict()
+    light = [u for u in units(spec0) if u["mark"]["type"] == "tick" and u["mark"].get("opacity")]
+    (row,) = spec0["datasets"][light[0]["data"]["name"]]
+    assert row["label"] == "forward" and row["peak_mib"] == (7 * mib + 65536) / mib
 
 
 # -- clocks ----------------------------------------------------------------------------------

@@ -742,7 +742,7 @@ def test_chart_specs():
                                     capacity_bytes=2 * 2**30, step=0)
     spec = chart.to_dict()
     marks = [layer["mark"]["type"] if isinstance(layer["mark"], dict) else layer["mark"] for layer in spec["layer"]]
-    assert marks == ["bar", "line", "tick", "text"]  # the peak: a tick in its bar
+    assert marks == ["bar", "line", "tick", "text", "tick"]  # the peak: a tick in its bar (+ transients)
     bar = spec["layer"][0]["encoding"]
     assert bar["y"]["field"] == "y0_mib" and bar["y2"]["field"] == "y1_mib"
     assert bar["xOffset"]["field"] == "kind"  # rises and falls side by side

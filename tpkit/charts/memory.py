@@ -91,7 +91,15 @@ def memory_waterfall(wf: pd.DataFrame, peak: dict[str, Any] | None = None, headr
         x=x, y="peak_mib:Q", tooltip=[alt.Tooltip("label:N", title="peak during"),
                                       alt.Tooltip("peak_mib:Q", format=",.3f", title="peak (MiB)")])
     text = alt.Chart(top).mark_text(align="center", dy=-10, color="#b00020").encode(x=x, y="peak_mib:Q", text="text:N")
-    layers: list[Any] = [bars, line, tick, text]
+    # other stretches that rose above both their ends inside (a transient): a light tick at that height
+    t = totals.sort_values(["step", "order"])
+    before = t.groupby("step")["total_mib"].shift(1).fillna(t["total_mib"])
+    inner = t[(t["peak_mib"] > t["total_mib"] + 1e-9) & (t["peak_mib"] > before + 1e-9)
+              & ~t.index.isin(top.index)]
+    transient = alt.Chart(inner).mark_tick(color="#b00020", opacity=0.45, thickness=2, size=14).encode(
+        x=x, y="peak_mib:Q", tooltip=[alt.Tooltip("label:N", title="highest inside"),
+                                      alt.Tooltip("peak_mib:Q", format=",.3f", title="MiB")])
+    layers: list[Any] = [bars, line, tick, text, transient]
     title = f"Memory waterfall ({device})"
     subtitle = []
     if steps and len(steps) > 1:
