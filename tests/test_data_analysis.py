@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import pytest
+import torch
 
-from tests.data_helpers import Mixed
+from tests.data_helpers import Mixed, live_children
 from tpkit.analysis.loader import loader_verdict
 from tpkit.capture import recorder
 from tpkit.data import Loader
@@ -81,6 +84,55 @@ def test_workers_auto_picks_a_count_and_loads_correctly():
     assert isinstance(loader.num_workers, int) and 0 <= loader.num_workers <= 2
     assert got == [list(range(i, i + 8)) for i in range(0, 64, 8)]
     assert Loader(Mixed(64), batch_size=8).autotune(max_workers=1, trial_batches=3) in (0, 1)
+
+
+def test_suggest_workers_from_measured_batches():
+    from tpkit.data.autotune import suggest_workers
+
+    ms = 1e-3
+    # workers keep up: a batch takes 8 ms to make, the step 3 ms, hand-over 0.1 ms -> ceil(1.1*8/3.1) = 3
+    assert suggest_workers([8 * ms] * 5, [0.1 * ms, 0.2 * ms, 0.1 * ms, 0.3 * ms, 0.1 * ms], [3 * ms] * 5, 8)[0] == 3
+    assert suggest_workers([8 * ms] * 5, [0.1 * ms] * 5, [3 * ms] * 5, 2) == (
+        2, "a batch takes 8.00 ms to make and the loop 3.10 ms per step: 3 worker(s) keep up, capped at 2")
+    # the loop waits 2x longer for a worker's batch than it takes to make one itself: none
+    n, why = suggest_workers([0.2 * ms] * 5, [0.4 * ms] * 5, [0.01 * ms] * 5, 8)
+    assert n == 0 and why.startswith("the loop waited 0.40 ms per batch")
+    # a slow step needs one worker however cheap the hand-over
+    assert suggest_workers([2 * ms] * 3, [0.05 * ms] * 3, [50 * ms] * 3, 8)[0] == 1
+
+
+class Sleepy(torch.utils.data.Dataset):
+    """Each sample takes 4 ms (a sleep)."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.004)
+        return torch.tensor([i])
+
+
+def test_workers_auto_never_delays_the_first_batch_and_chooses_from_the_epoch():
+    """No timed trials before the first batch: it comes as fast as a fixed count's, before any
+    worker is forked; the first epoch's batches (4 ms each to make, a 2 ms step) decide the
+    next epoch's count: ceil(1.1 * 4 / (2 + hand-over)) = 3 workers, capped at the cores."""
+    import os
+
+    loader = Loader(Sleepy(), batch_size=1, workers="auto")
+    assert loader.num_workers == min(2, os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    first = next(it)
+    assert time.perf_counter() - t0 < 0.5 and not live_children() and first.tolist() == [[0]]
+    got = [0]
+    for b in it:
+        got.append(int(b))
+        time.sleep(0.002)
+    assert got == list(range(48))
+    iter(loader)
+    assert loader.num_workers == min(3, os.cpu_count() or 1)
+    assert "a batch takes" in loader.workers_reason
+    loader.close()
 
 
 def test_step_time_from_run_steps_ignores_warmup_and_data_wait():

@@ -23,7 +23,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from tpkit.capture import recorder as _rec
 
 from ..capture.interrupts import held_sigint
-from .autotune import choose_workers
+from .autotune import AutoProbe, choose_workers, initial_workers
 from .engines import InlineEngine, ThreadEngine
 from .errors import LoaderArgumentError, WorkerError
 from .pinning import DevicePrefetcher, pin_batch, resolve_device
@@ -55,7 +55,10 @@ class Loader:
       prefetch: batches in flight per worker (torch's ``prefetch_factor``).
       seed: shuffle/worker seeding from ``torch.Generator().manual_seed(seed)``; None draws
         from torch's global RNG like torch does.
-      num_workers: an int, or "auto" (same as ``workers="auto"``): measured on first use.
+      num_workers: an int, or "auto" (same as ``workers="auto"``): starts with
+        ``initial_workers()`` (no trial delays the first batch), measures the first batches as
+        the loop reads them and uses the count they call for from the next epoch on
+        (``workers_reason`` says why); see tpkit/data/autotune.py.
       in_order: False hands out whichever batch is ready first (a slow sample does not block
         the batches behind it); the set of batches is the same.
       mode: "process" (default; shared-memory slots) or "thread".
@@ -86,7 +89,10 @@ class Loader:
                          drop_last, timeout, mode, prefetch, prefetch_factor, persistent_workers)
         self.dataset = dataset
         self.iterable = _is_iterable_dataset(dataset)
-        self.num_workers = num_workers  # may be "auto" until autotune() has run
+        self.auto_workers = num_workers == "auto"
+        self.num_workers: int | str = initial_workers() if self.auto_workers else num_workers
+        self.workers_reason = "workers='auto': starting count, not measured yet" if self.auto_workers else ""
+        self._auto_probe: AutoProbe | None = None
         self.prefetch = prefetch or prefetch_factor or 2
         self.drop_last, self.timeout = drop_last, float(timeout)
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
@@ -179,8 +185,13 @@ class Loader:
 
     # -- epochs -----------------------------------------------------------------------------------
     def __iter__(self) -> "_LoaderIter":
-        if self.num_workers == "auto":
-            self.autotune()
+        probe = self._auto_probe
+        if self.auto_workers and probe is not None and probe.result is not None:
+            n, self.workers_reason = probe.result
+            if n != self.num_workers and self._pool is not None:
+                self.close()  # persistent workers of the old count
+            self.num_workers = n
+            self._auto_probe = None  # measured once; the count stays
         old = self._iter() if self._iter is not None else None
         if old is not None:
             old._detach()
@@ -340,6 +351,11 @@ class _LoaderIter:
             self.engine = pool
         self._prefetcher = DevicePrefetcher(loader.device) if loader.device is not None else None
         self._ahead: Any = None
+        # workers="auto": the first epoch's batches are measured (see tpkit/data/autotune.py)
+        self.auto_probe: AutoProbe | None = None
+        if loader.auto_workers and loader.workers_reason.startswith("workers='auto': starting"):
+            self.auto_probe = loader._auto_probe = AutoProbe(os.cpu_count() or 1, skip=2 + W * loader.prefetch)
+        self.last_make_s = 0.0
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -404,7 +420,15 @@ class _LoaderIter:
 
     def __next__(self) -> Any:
         try:
-            return self._next_batch()
+            probe = self.auto_probe
+            if probe is None:
+                return self._next_batch()
+            t0 = perf_counter()
+            batch = self._next_batch()
+            probe.record(t0, perf_counter(), self.last_make_s)
+            if probe.result is not None:
+                self.auto_probe = None
+            return batch
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C anywhere in here: stop the workers now
             self.loader.close()
             raise
@@ -439,6 +463,7 @@ class _LoaderIter:
             if rec.batch_listeners and tok is not None:
                 rec.yielded(item.batch)  # the memory probe counts the batch's tensors as data
         self.batches_done += 1
+        self.last_make_s = item.fetch_s + item.collate_s
         if self.worker_batches:
             self.worker_batches[item.worker] += 1
             self.next_worker = (item.worker + 1) % len(self.worker_batches)
