@@ -390,3 +390,39 @@ def test_first_batch_made_in_process_draws_like_worker_0(workers):
     assert [alive for alive, _ in ours] == [0, 0]  # the first batch came before the fork
     assert after_ours == after_ref  # the main process's RNGs are where torch leaves them
     assert not live_children() and not shm_files()
+
+
+class Logged(torch.utils.data.Dataset):
+    """Samples of ``nbytes`` bytes; each fetch appends a line to ``path`` (any process)."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.path, self.nbytes = path, nbytes
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with open(self.path, "a") as f:
+            f.write(f"{i}\n")
+        return torch.full((self.nbytes,), i % 100, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("nbytes, ahead", [(64, (3 + 2 * 7, 3 + 2 * 8 + 2)), (400_000, (3 + 2, 3 + 2 * 2 + 2))])
+def test_small_batches_get_a_deeper_queue(tmp_path, nbytes, ahead):
+    """Default prefetch: batches of <= 256 KiB get 8 in flight per worker (the round trip, not
+    the work, limits their rate), larger ones torch's 2. Counted by what the workers fetched
+    while the loop, holding its third batch, waits."""
+    import time
+
+    from tpkit.data.process_pool import DEEP_PREFETCH, SMALL_SLOT_BYTES
+    assert (DEEP_PREFETCH, SMALL_SLOT_BYTES) == (8, 256 * 1024)
+    log = tmp_path / "fetched.txt"
+    loader = Loader(Logged(str(log), nbytes), batch_size=1, num_workers=2)
+    it = iter(loader)
+    held = [next(it) for _ in range(3)]
+    time.sleep(1.0)
+    fetched = len(log.read_text().split())
+    lo, hi = ahead
+    assert lo <= fetched <= hi, fetched
+    assert [int(b[0, 0]) for b in held] == [0, 1, 2]
+    loader.close()

@@ -52,7 +52,8 @@ class Loader:
     """Batches from a map-style or iterable dataset, made by worker processes (or threads).
 
     Arguments are torch's DataLoader's, plus:
-      prefetch: batches in flight per worker (torch's ``prefetch_factor``).
+      prefetch: batches in flight per worker (torch's ``prefetch_factor``; default 2, and 8
+        for batches of at most 256 KiB, whose rate the hand-over round trip limits).
       seed: shuffle/worker seeding from ``torch.Generator().manual_seed(seed)``; None draws
         from torch's global RNG like torch does.
       num_workers: an int, or "auto" (same as ``workers="auto"``): starts with
@@ -94,6 +95,8 @@ class Loader:
         self.workers_reason = "workers='auto': starting count, not measured yet" if self.auto_workers else ""
         self._auto_probe: AutoProbe | None = None
         self.prefetch = prefetch or prefetch_factor or 2
+        # default prefetch: small batches get a deeper queue (tpkit/data/process_pool.py)
+        self.prefetch_default = prefetch is None and prefetch_factor is None
         self.drop_last, self.timeout = drop_last, float(timeout)
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
         self.persistent_workers, self.in_order, self.mode = persistent_workers, in_order, mode
@@ -252,7 +255,8 @@ class Loader:
                 import multiprocessing as mp
                 ctx = mp.get_context(ctx)
             self._pool = ProcessPool(self._spec_args(base_seed), self._workers_int(), self.prefetch,
-                                     self.in_order, self.restart_workers, self.timeout, ctx)
+                                     self.in_order, self.restart_workers, self.timeout, ctx,
+                                     deep_small=self.prefetch_default)
         return self._pool
 
     def close(self) -> None:

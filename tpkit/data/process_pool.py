@@ -5,7 +5,11 @@ One duplex pipe per worker carries tasks one way and small result tuples the oth
 once, so a worker that dies is noticed at the moment it dies, not after a timeout.
 
 Flow control, per worker: at most ``prefetch`` batches dispatched and not yet answered,
-within ``prefetch + hold`` slots. A handed-out batch keeps its slot until the training loop
+within ``prefetch + hold`` slots. With the default prefetch (``deep_small=True``), a worker
+whose batches are small (a slot of at most ``SMALL_SLOT_BYTES``) gets ``DEEP_PREFETCH``
+batches in flight: for batches that cost little to make, the hand-over round trip (a wake-up
+of each side) is what limits the rate, and a deeper queue hides it; a slot that is never
+needed is never written, so it costs no memory (tmpfs pages come on first write). A handed-out batch keeps its slot until the training loop
 drops every view of it; when the loop already holds ``hold`` of a worker's slots, the next
 batch from that worker is handed out as a private copy instead. So a dispatch never waits on
 the user, and no slot is overwritten while a view of it is alive.
@@ -62,6 +66,9 @@ from .worker_loop import (
     worker_main,
 )
 
+SMALL_SLOT_BYTES = 256 * 1024
+DEEP_PREFETCH = 8
+
 
 def hold_slots(num_workers: int) -> int:
     """Batches of one worker the training loop may keep alive before we copy (see above)."""
@@ -84,6 +91,7 @@ class _Worker:
     delivered: int = 0  # batches answered this epoch (iterables: where a restart resumes)
     exhausted: bool = False
     maps: dict = field(default_factory=dict)  # (life, gen) -> mmap
+    slot_bytes: int = -1  # of its ring, once a batch told (-1: not known yet)
 
 
 class _Answer(NamedTuple):
@@ -158,11 +166,13 @@ class ProcessPool:
     """Worker processes, their rings, and the reorder buffer of one loader."""
 
     def __init__(self, spec_args: dict, num_workers: int, prefetch: int, in_order: bool,
-                 restart_workers: bool, timeout_s: float, context: Any = None) -> None:
+                 restart_workers: bool, timeout_s: float, context: Any = None,
+                 deep_small: bool = False) -> None:
         self.loader_id = next(_loader_ids)
         self.prefix = segment_prefix(os.getpid(), self.loader_id)
         self.hold = hold_slots(num_workers)
-        self.n_slots = prefetch + self.hold
+        self.deep_small = deep_small and prefetch < DEEP_PREFETCH
+        self.n_slots = (DEEP_PREFETCH if self.deep_small else prefetch) + self.hold
         self.spec = WorkerSpec(**spec_args, num_workers=num_workers, seg_prefix=self.prefix,
                                n_slots=self.n_slots, parent_pid=os.getpid())
         self.num_workers, self.prefetch, self.in_order = num_workers, prefetch, in_order
@@ -314,8 +324,10 @@ class ProcessPool:
     def _has_room(self, w: _Worker) -> bool:
         # Like torch, count batches the worker still owes; a finished batch waiting in the
         # reorder buffer holds a slot (the hard limit) but must not idle its worker.
+        depth = (DEEP_PREFETCH if self.deep_small and 0 <= w.slot_bytes <= SMALL_SLOT_BYTES
+                 else self.prefetch)
         return (w.proc is not None and not w.exhausted and bool(w.free)
-                and len(w.inflight) < self.prefetch)
+                and len(w.inflight) < depth)
 
     def _pick(self) -> _Worker | None:
         ws = self.workers
@@ -384,6 +396,7 @@ class ProcessPool:
         if isinstance(msg, BatchFailed) and bid == -1:
             raise WorkerError(w.id, -1, None, msg.exc_type, msg.message, msg.traceback)
         if isinstance(msg, BatchDone):
+            w.slot_bytes = max(w.slot_bytes, msg.slot_bytes)
             mm = None
             if msg.gen >= 0:  # the batch has tensors in the ring (else the skeleton is all of it)
                 mm = w.maps.get((w.life, msg.gen))
