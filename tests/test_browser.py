@@ -222,13 +222,15 @@ def test_tuner_run_slice_in_jupyterlab(lab):
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
         panel = page.locator(".jp-NotebookPanel:visible")
         results = panel.locator(".tp-results")
-        results.wait_for(timeout=120_000)
+        results.wait_for(state="attached", timeout=120_000)
+        panel.get_by_role("tab", name="Results").click()  # Summary is the first tab
         assert "tune-1" in results.inner_text() and "tune-2" not in results.inner_text()
         panel.locator(".widget-dropdown select").first.select_option("16")
         panel.get_by_role("button", name="Run slice").click()
         panel.locator(".tp-results", has_text="tune-2").wait_for(timeout=120_000)
         assert panel.locator(".tp-results tbody tr").count() == 2
-        panel.locator(".vega-embed svg, .vega-embed canvas").first.wait_for(timeout=30_000)
+        panel.locator(".tp-live-chart:visible").first.wait_for(timeout=30_000)  # refresh swaps the chart in
+        assert browser.wait_for_charts(panel) >= 1  # the trade-off chart, drawn by vega
         panel.get_by_role("tab", name="Compare").click()
         panel.locator("text=Comparison of 2 runs").wait_for(timeout=30_000)
         shot(page, panel, "tuner")
