@@ -326,7 +326,8 @@ class ProcessPool:
         # reorder buffer holds a slot (the hard limit) but must not idle its worker.
         depth = (DEEP_PREFETCH if self.deep_small and 0 <= w.slot_bytes <= SMALL_SLOT_BYTES
                  else self.prefetch)
-        return (w.proc is not None and not w.exhausted and bool(w.free)
+        in_use = self.n_slots - len(w.free)  # in flight, answered and waiting, or held by the loop
+        return (w.proc is not None and not w.exhausted and in_use < depth + self.hold
                 and len(w.inflight) < depth)
 
     def _pick(self) -> _Worker | None:
