@@ -7,8 +7,8 @@ import time
 import pandas as pd
 import pytest
 import torch
+from data_helpers import Mixed, live_children
 
-from tests.data_helpers import Mixed, live_children
 from tpkit.analysis.loader import loader_verdict
 from tpkit.capture import recorder
 from tpkit.data import Loader

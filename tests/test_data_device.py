@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from data_helpers import Mixed, as_lists, live_children
 
-from tests.data_helpers import Mixed, as_lists, live_children
 from tpkit.capture import recorder
 from tpkit.data import Loader
 

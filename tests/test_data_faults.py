@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from data_helpers import Mixed, live_children, shm_files
 from torch.utils.data import Dataset
 
-from tests.data_helpers import Mixed, live_children, shm_files
 from tpkit.data import Loader, UnsupportedBatchError, WorkerDiedError, WorkerError
 
 
@@ -96,7 +96,7 @@ def test_restart_workers_replaces_a_killed_worker_without_loss_or_repeat(tmp_pat
 
 
 def test_restart_workers_with_an_iterable_dataset(tmp_path):
-    from tests.data_helpers import Shards
+    from data_helpers import Shards
 
     class KillingShards(Shards):
         def __iter__(self):
@@ -157,7 +157,7 @@ def test_bad_arguments_say_what_to_do():
         Loader(Mixed(), mode="fiber")
     with pytest.raises(ValueError, match="not both"):
         Loader(Mixed(), shuffle=True, sampler=[0, 1])
-    from tests.data_helpers import Shards
+    from data_helpers import Shards
     with pytest.raises(ValueError, match="iterable dataset"):
         Loader(Shards(), shuffle=True)
 
@@ -189,12 +189,12 @@ def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
         "import os, signal, sys\n"
         "sys.path.insert(0, %r)\n"
         "from tpkit.data import Loader\n"
-        "from tests.test_data_faults import Slow\n"
+        "from test_data_faults import Slow\n"
         "it = iter(Loader(Slow(), batch_size=2, num_workers=2))\n"
         "next(it)\n"
         "next(it)\n"  # the first batch is made in this process, the workers start at the second
         "print(' '.join(str(p.pid) for p in __import__('psutil').Process().children()), flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n" % os.getcwd())
+        "os.kill(os.getpid(), signal.SIGKILL)\n" % os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=60)
     pids = [int(p) for p in out.split()]

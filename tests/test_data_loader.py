@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
+from data_helpers import Mixed, RandomAug, Shards, as_lists, live_children, shm_files
 from torch.utils.data import DataLoader, RandomSampler
 
-from tests.data_helpers import Mixed, RandomAug, Shards, as_lists, live_children, shm_files
 from tpkit.data import Loader
 
 
@@ -261,7 +261,8 @@ def test_fast_start_splits_the_first_batch_and_changes_nothing_else(in_order):
 
 
 def test_fast_start_failure_in_one_part_names_the_sample():
-    from tests.test_data_faults import Fails
+    from test_data_faults import Fails
+
     from tpkit.data import WorkerError
     it = iter(Loader(Fails(), batch_size=10, num_workers=2, fast_start=True))
     with pytest.raises(WorkerError, match="sample index 7"):
