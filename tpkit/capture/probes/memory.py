@@ -115,6 +115,13 @@ def _user_profiler_flag() -> bool:
 
 
 # -- allocator backends ----------------------------------------------------------------------
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this process: a DTensor's (FSDP2's) local
+    shard, ``t`` itself otherwise. A DTensor's own storage is not real memory."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
 class CpuAllocatorStream:
     """CPU allocations and frees as torch's profiler sees them, with no op events."""
 
@@ -593,7 +600,7 @@ class MemoryProbe:
             slot = self._slots[id(p)] = len(self._slots)
             try:
                 hookable = (p.is_cpu and p.requires_grad and p.is_leaf
-                            and p.untyped_storage().nbytes() >= GRAD_HOOK_MIN_BYTES)
+                            and _local(p).untyped_storage().nbytes() >= GRAD_HOOK_MIN_BYTES)
             except Exception:
                 hookable = False
             if hookable and self.cpu.active:
@@ -620,6 +627,7 @@ class MemoryProbe:
         replay learns when such a known storage ended."""
         out = []
         for t in tensors:
+            t = _local(t)
             try:
                 s = t.untyped_storage()
                 ptr, nbytes = s.data_ptr(), s.nbytes()
@@ -692,16 +700,19 @@ class MemoryProbe:
         if grads or final:
             slots, watched = self._slots, self._grads_watched
             for p in self._params:
-                g = p.grad
+                g = _local(p.grad) if p.grad is not None else None
                 if g is not None and g.is_cpu:
-                    s = g.untyped_storage()
-                    nbytes = s.nbytes()
+                    try:
+                        s = g.untyped_storage()
+                        ptr, nbytes = s.data_ptr(), s.nbytes()
+                    except RuntimeError:  # a storage a framework freed or swapped (FSDP2): nothing alive
+                        continue
                     if nbytes:
                         slot = slots.get(id(p), -1)
-                        items.extend((s.data_ptr(), nbytes, "gradients", slot))
+                        items.extend((ptr, nbytes, "gradients", slot))
                         if slot not in watched:  # a gradient first seen may predate the slice
                             watched.add(slot)
-                            self._watch(g, s.data_ptr(), nbytes)
+                            self._watch(g, ptr, nbytes)
             if grads and not final:  # a look right after a backward: its result is that pass's pattern
                 self._grads_seen_at.append(len(self.observations))
         fp = self._opt_fingerprint()
@@ -748,6 +759,7 @@ class MemoryProbe:
                known: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
         """Add the unique storages of ``items`` to ``known`` (``seen``: storages counted already)."""
         for t, category in items:
+            t = _local(t)
             try:
                 s = t.untyped_storage()
                 ptr = s.data_ptr()
