@@ -92,3 +92,9 @@ def test_summary_figures():
 ])
 def test_warmup_settled_rule(durations, expected):
     assert slice_mod.settled(durations) is expected
+
+
+def test_a_step_that_mostly_waits_in_collectives_is_comm_bound_not_compute_bound():
+    v = analysis.verdict({"forward_s": 0.25, "backward_s": 0.10, "comm_s": 0.60, "other_s": 0.05})
+    assert v.kind == "comm-bound" and "60%" in v.evidence
+    assert analysis.verdict({"forward_s": 0.70, "backward_s": 0.20, "comm_s": 0.10}).kind == "compute-bound"

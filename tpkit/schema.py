@@ -210,6 +210,7 @@ VERDICTS: dict[str, str] = {
     "input-limited": "INPUT-LIMITED",
     "copy-bound": "COPY-BOUND",
     "offload-bound": "OFFLOAD-BOUND",
+    "comm-bound": "COMM-BOUND",
     "optimizer-bound": "OPTIMIZER-BOUND",
     "overhead-bound": "OVERHEAD-BOUND",
     "compute-bound": "COMPUTE-BOUND",

@@ -18,7 +18,8 @@ INPUT_BOUND = 0.20
 INPUT_LIMITED = 0.10
 COPY_BOUND = 0.15
 OPTIMIZER_BOUND = 0.30
-OFFLOAD_BOUND = 0.30
+#: Time blocked in collectives (``comm_s``): waiting for a slower rank or for the network.
+COMM_BOUND = 0.30
 OVERHEAD_BOUND = 0.30
 
 
@@ -134,6 +135,10 @@ def verdict(shares: dict[str, float]) -> Verdict:
                         "hide it: the streaming step or delayed_update=True of tp.offload.CPUOffloadAdamW; "
                         "shorten it: all cores in torch.set_num_threads, cores bound to the rank, bf16 moments, "
                         "kernel='auto'")
+    if shares.get("comm_s", 0.0) >= COMM_BOUND:
+        return _verdict("comm-bound", f"{shares['comm_s']:.0%} of step time waits in collectives",
+                        "in a multi-rank run, find the rank that holds the others back (tp.load_ranks(dir).stragglers()); "
+                        "otherwise overlap communication (DDP bucket_cap_mb, FSDP2 prefetching) or send fewer bytes")
     if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
         return _verdict("optimizer-bound", f"{shares['optimizer_s']:.0%} of step time is the optimizer",
                         "fused/foreach kernels, fewer parameter tensors")
