@@ -18,6 +18,7 @@ INPUT_BOUND = 0.20
 INPUT_LIMITED = 0.10
 COPY_BOUND = 0.15
 OPTIMIZER_BOUND = 0.30
+OFFLOAD_BOUND = 0.30
 #: Time blocked in collectives (``comm_s``): waiting for a slower rank or for the network.
 COMM_BOUND = 0.30
 OVERHEAD_BOUND = 0.30
