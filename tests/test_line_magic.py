@@ -64,3 +64,16 @@ def test_help_lists_every_option_with_an_example(ip):
                    "--memory-detail", "--clock-hz", "--samples-per-step", "--kernels", "--ops"):
         assert option in doc, option
     assert ip.find_cell_magic("tp_profile").__doc__ == doc  # one magic, both forms
+
+
+def test_tp_compare_takes_a_baseline(ip):
+    import factories
+
+    ip.user_ns["fast"] = factories.make_run("fast", [0.10] * 8)
+    ip.user_ns["slow"] = factories.make_run("slow", [0.20] * 8)
+    ip.run_line_magic("tp_compare", "--baseline slow fast slow")
+    assert ip.user_ns["_tp_compare"].baseline == "slow"
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="not one of the runs"):
+        ip.run_line_magic("tp_compare", "--baseline other fast slow")

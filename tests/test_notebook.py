@@ -36,7 +36,9 @@ def test_magic_in_a_real_kernel():
     assert len(static) == 1 and "<script" not in static[0]["data"]["text/html"]  # the copy shown without a kernel
     charts = [h for h in html_outputs if "vegaEmbed(" in h and "Stall timeline" in h]
     assert charts and "cdn.jsdelivr" not in "".join(html_outputs)
-    assert nb.cells[2].outputs[0]["text"].strip() == "(4, 16) True nb"
+    from tpkit.schema import SCHEMAS
+
+    assert nb.cells[2].outputs[0]["text"].strip() == f"(4, {len(SCHEMAS['steps'])}) True nb"
     bad = nb.cells[3].outputs
     assert bad[-1]["output_type"] == "error" and bad[-1]["ename"] == "ValueError"
     assert any(o.get("output_type") == "display_data" and "INCOMPLETE" in o["data"]["text/plain"] for o in bad)

@@ -192,6 +192,8 @@ def clock_correlation(duration_s: np.ndarray, clock: np.ndarray) -> float:
     d, c = np.asarray(duration_s, dtype="float64"), np.asarray(clock, dtype="float64")
     ok = ~(np.isnan(d) | np.isnan(c))
     d, c = d[ok], c[ok]
+    if d.size < 3:
+        return float("nan")
     # "constant" within float noise: per-step means of a flat 2596.13 MHz differ in the 13th digit
     flat = np.ptp(c) <= 1e-9 * max(1.0, float(np.abs(c).max(initial=0.0)))
     if d.size < 3 or np.ptp(d) == 0 or flat:

@@ -183,11 +183,14 @@ class TpkitMagics(Magics):
         return table
 
     @magic_arguments()
-    @argument("names", nargs="+", help="runs to compare: store names, saved folders or variables holding a Run; "
-                                       "the first is the baseline")
+    @argument("--baseline", default=None, help="the run the others are compared with (one of NAMES); default: the first")
+    @argument("names", nargs="+", help="runs to compare: store names, saved folders or variables holding a Run")
     @line_magic
     def tp_compare(self, line: str) -> None:
-        """Compare runs against the first: figures with 95% intervals, deltas, significance, warnings."""
+        """Compare runs against a baseline: figures with 95% intervals, deltas, significance, warnings.
+
+        ``%tp_compare baseline workers4 workers8`` or ``%tp_compare --baseline workers4 baseline workers4``.
+        """
         from ..analysis.compare import compare
         from ..run import Run
         from ..store import load, names
@@ -206,7 +209,13 @@ class TpkitMagics(Magics):
                 if "known runs" not in msg:
                     msg += f"\nknown runs: {', '.join(names()) or 'none'}"
                 raise UsageError(msg) from None
-        comparison = compare(*loaded)
+        baseline = None
+        if args.baseline is not None:
+            if args.baseline not in args.names:
+                raise UsageError(f"%tp_compare: --baseline {args.baseline!r} is not one of the runs named: "
+                                 f"{' '.join(args.names)}")
+            baseline = args.names.index(args.baseline)
+        comparison = compare(*loaded, baseline=baseline)
         self.ip.user_ns["_tp_compare"] = comparison
         display(comparison)
 
