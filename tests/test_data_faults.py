@@ -192,7 +192,6 @@ def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
         "from test_data_faults import Slow\n"
         "it = iter(Loader(Slow(), batch_size=2, num_workers=2))\n"
         "next(it)\n"
-        "next(it)\n"  # the first batch is made in this process, the workers start at the second
         "print(' '.join(str(p.pid) for p in __import__('psutil').Process().children()), flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n" % os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -226,7 +225,7 @@ def _tpkit_threads() -> list[str]:
 
 def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
     """Ctrl-C while the workers start (after the first worker was forked, before the second;
-    at the second batch, the first being made in this process): the started worker and its
+    in the first next(), once its batch was made in this process): the started worker and its
     segment go too."""
     from tpkit.data import process_pool
 
@@ -240,8 +239,7 @@ def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
     monkeypatch.setattr(process_pool.ProcessPool, "_dispatch", interrupted)
     loader = Loader(Slow(), batch_size=2, num_workers=2)
     it = iter(loader)
-    next(it)
-    assert calls == [] and not live_children()
+    assert calls == [] and not live_children()  # forked by the first next(), after its batch
     with pytest.raises(KeyboardInterrupt):
         next(it)
     assert len(calls) == 2 and not live_children() and not shm_files()

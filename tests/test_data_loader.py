@@ -147,8 +147,6 @@ def test_resume_global_rng_shuffle_and_iterable():
 def test_gc_and_end_of_iteration_leave_nothing_behind():
     loader = Loader(Mixed(100), batch_size=2, num_workers=2)
     it = iter(loader)
-    next(it)  # made in this process: the workers start at the next batch
-    assert live_children() == []
     next(it)
     assert len(live_children()) == 2
     del it, loader
@@ -355,18 +353,20 @@ class ThreeRngs(torch.utils.data.Dataset):
         return 18
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        import os
         import random
 
         import numpy as np
-        return torch.tensor([float(i), float(torch.rand(1)), float(np.random.rand()), random.random()],
-                            dtype=torch.float64)
+        return torch.tensor([float(i), float(torch.rand(1)), float(np.random.rand()), random.random(),
+                             float(os.getpid())], dtype=torch.float64)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_first_batch_made_in_process_draws_like_worker_0(workers):
-    """The epoch's first batch is made in this process before any fork (no worker alive after
-    it), with worker 0's seeds; worker 0 goes on from the state it left: every random draw
-    equals torch's DataLoader's, over two epochs, and this process's own RNGs are untouched."""
+    """The epoch's first batch is made in this process (its samples carry this pid), with
+    worker 0's seeds; worker 0 goes on from the state it left: every random draw equals torch's
+    DataLoader's, over two epochs, and this process's own RNGs are untouched."""
+    import os
     import random
 
     import numpy as np
@@ -378,17 +378,17 @@ def test_first_batch_made_in_process_draws_like_worker_0(workers):
         torch.manual_seed(3), np.random.seed(3), random.seed(3)
         loader, out = make(), []
         for _ in range(2):
-            it = iter(loader)
-            first = next(it)
-            alive = len(live_children())
-            out.append((alive, [first.tolist()] + [b.tolist() for b in it]))
+            batches = list(loader)
+            pids = [{int(p) for p in b[:, 4].tolist()} for b in batches]
+            out.append((pids[0] == {os.getpid()} and os.getpid() not in set().union(*pids[1:]),
+                        [b[:, :4].tolist() for b in batches]))
         return out, draws()
 
     ours, after_ours = epochs(lambda: Loader(ThreeRngs(), batch_size=4, shuffle=True, seed=5, num_workers=workers))
     ref, after_ref = epochs(lambda: DataLoader(ThreeRngs(), batch_size=4, shuffle=True, num_workers=workers,
                                                generator=torch.Generator().manual_seed(5)))
     assert [b for _, b in ours] == [b for _, b in ref]
-    assert [alive for alive, _ in ours] == [0, 0]  # the first batch came before the fork
+    assert [here for here, _ in ours] == [True, True]  # first batch made here, the rest by workers
     assert after_ours == after_ref  # the main process's RNGs are where torch leaves them
     assert not live_children() and not shm_files()
 

@@ -26,8 +26,8 @@ process makes the epoch's first batch itself, before forking: it costs one batch
 where forking the workers and their first hand-over cost tens of milliseconds (the sampler's
 order is drawn either way). It is made as worker 0 would make it: with worker 0's seeds, and
 worker 0 starts from the random state that batch left behind (handed over at the fork), so
-the batches and their random transforms are the same as torch's. The workers are forked at
-the next ``next()``.
+the batches and their random transforms are the same as torch's. The workers are forked right
+after it, before it is handed out, and start on the next batches while the loop uses it.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class ProcessPool:
         self._next_id = 0  # batch ids never repeat across epochs: stale answers are recognisable
         self._started = False
         self._local: tuple[int, Any] | None = None  # (batch id, indices): made in this process
-        self._unstarted: list[int] | None = None  # skip counts of workers to fork at the next next()
+        self._unstarted: list[int] | None = None  # skip counts of workers to fork after that batch
         self._rng0: RngStates | None = None  # worker 0's random state after the local batch
         self.closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.prefix)
@@ -291,6 +291,9 @@ class ProcessPool:
         finally:
             self._rng0 = get_rng_states()
             set_rng_states(mine)
+        # the workers start on the next batches while the loop uses this one (after a failure or
+        # an interrupt, nothing is forked here: the next next() starts them)
+        self._start_deferred()
         return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
 
     def _start_deferred(self) -> None:
