@@ -392,7 +392,9 @@ def main() -> None:
     print("  of ceil: samples/s over the ceiling; cpu ms/1k: CPU of the main process and its workers per 1,000 "
           "samples, the sampler's own CPU taken out; sampler: the PSS sampler's CPU as % of one core")
     sampler_ms = _med([m["sampler_cpu_ms_per_sample"] for ms in results.values() for m in ms])
-    print(f"  the PSS sampler: {sampler_ms:.2f} ms of CPU per sample of the whole tree (median over all runs)")
+    print(f"  the PSS sampler: {sampler_ms:.2f} ms of CPU per sample of the whole tree (median over all runs); "
+          f"every {args.pss_interval:g} s that is {sampler_ms / (10 * args.pss_interval):.1f}% of one core, "
+          f"every 20 ms it would be {sampler_ms / 0.2:.0f}%")
 
     print("\n== goals (issue 14), tpkit ==")
     for wl in workloads:

@@ -12,8 +12,8 @@ neighbour hits every mode alike):
   tpkit phases only (memory off, clock_hz=0), torch.profiler (CPU activities),
   torch.profiler + profile_memory.
 TraceML runs through its own launcher (``traceml run script.py``: an aggregator process and
-torchrun around the script), so it cannot share this process: after the in-process rounds,
-each own-process round starts this script twice as a child, once under ``traceml run`` and
+torchrun around the script), so it cannot share this process: after each in-process round
+(while ``--sub-rounds`` last) an own-process round starts this script twice as a child, once under ``traceml run`` and
 once under ``traceml run --disable-traceml`` (the same torchrun launch with TraceML off: the
 "none, traceml launcher" baseline), alternating which goes first; TraceML's ratio is taken
 against that baseline. (torchrun makes the Trainer wrap the model in DistributedDataParallel
@@ -26,8 +26,9 @@ dropped. Each ratio is the median over every kept step of every round, over the 
 "none". gc pauses are timed with ``gc.callbacks`` in every mode; tpkit's own time per step is
 its Run's ``tpkit_s`` column.
 
-    python benchmarks/overhead.py            # full run (about 10 minutes on 2 idle cores)
-    python benchmarks/overhead.py --quick    # smoke run, under a minute
+    python benchmarks/overhead.py              # full run (about 10 minutes on 2 idle cores)
+    python benchmarks/overhead.py --quick      # smoke run, under a minute on 2 idle cores
+    python benchmarks/overhead.py --threads 1  # on a busy shared machine (see --help)
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ def run_child(loops: list[str], steps: int, skip: int, traceml: bool, log_dir: P
     exe = str(Path(sys.executable).with_name("traceml"))
     cmd = [exe, "run", *([] if traceml else ["--disable-traceml"]), "--logs-dir", str(log_dir), str(HERE),
            "--args", "--child", out_path, "--loops", ",".join(loops), "--steps", str(steps), "--skip", str(skip),
-           "--traceml"]
+           "--threads", str(torch.get_num_threads()), "--traceml"]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent,
                           env={**os.environ, "PYTHONPATH": str(HERE.parent)})
@@ -393,6 +394,12 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str]) -> list[dic
             print(f"{loop:<14}{mode:<24}{step_ms:>9.2f}{tk:>11}{pct:>10}{1e3 * sum(gcs) / len(gcs):>11.3f}"
                   f"{100 * n_gc / len(gcs):>10.1f}{1e3 * max(gcs):>10.2f}{'/'.join(map(str, s.gc_by_gen)):>14}")
     print("  gc/100 st: kept steps with a collection inside, per 100; gen0/1/2: collections inside kept steps.")
+    small, big = results.get("hf_gpt2_2l", {}).get("tpkit default"), results.get("hf_gpt2_12l", {}).get("tpkit default")
+    if small and big and small.tpkit and big.tpkit:
+        a, b = statistics.median(small.tpkit), statistics.median(big.tpkit)
+        print(f"  tpkit_s, tpkit default: {a * 1e3:.2f} ms/step at 2 layers ({100 * statistics.median(small.tpkit_frac):.1f}%"
+              f" of the step), {b * 1e3:.2f} ms/step at 12 layers ({100 * statistics.median(big.tpkit_frac):.1f}%): "
+              f"x{b / a:.1f} for 6x the layers (goal: <= 1% and flat)")
     for loop in loops:
         nr = results[loop].get("none")
         if nr and len(nr.round_medians) > 1 and max(nr.round_medians) > 1.3 * min(nr.round_medians):
@@ -435,6 +442,10 @@ def main() -> None:
                     help="rounds of the own-process pair (TraceML on / off); default 3, 0 with --quick")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--modes", default=",".join(MODES), help="in-process modes")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default, what users get). On a shared, busy 2-core "
+                         "machine, 1 keeps torch's thread pool from stretching steps 10-100x; it also makes steps "
+                         "longer, so ratios vs none come out lower than with the default")
     ap.add_argument("--no-traceml", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 2 rounds of 8 steps, no TraceML (its launcher alone takes ~20 s a process) "
@@ -443,6 +454,8 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--traceml", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.child:
         child_main(args)
         return
@@ -479,39 +492,48 @@ def main() -> None:
             results.pop(name)
             continue
         built[name].run(args.skip + 3, nullcontext())  # warm caches and the allocator
-    for r in range(args.rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for name, loop in built.items():
-            for mode in order:
-                measure(loop, MODES[mode], args.steps, args.skip, watch, results[name].setdefault(mode, Samples()))
-        print(f"round {r + 1}/{args.rounds} done at {time.perf_counter() - t_start:.0f} s, load {load_avg()[0]:.2f}",
-              flush=True)
-    watch.remove()
+    use_traceml = not why_not_traceml and bool(built)
+    sub_steps = args.steps * args.rounds // max(args.sub_rounds, 1)
+    log_dir = Path(tempfile.mkdtemp(prefix="tpkit-traceml-logs-")) if use_traceml else None
 
-    if not why_not_traceml and built:
-        sub_steps = args.steps * args.rounds // max(args.sub_rounds, 1)
-        log_dir = Path(tempfile.mkdtemp(prefix="tpkit-traceml-logs-"))
-        for r in range(args.sub_rounds):
-            pair = [False, True] if r % 2 == 0 else [True, False]
-            for tm in pair:
-                mode = SUBPROCESS_MODES[1] if tm else SUBPROCESS_MODES[0]
-                data, how = run_child(list(built), sub_steps, args.skip, tm, log_dir)
-                print(f"own-process round {r + 1}/{args.sub_rounds}: {mode}: {how}", flush=True)
-                if data is None:
-                    notes.append(f"{mode} failed in round {r + 1}: {how}")
-                    continue
-                for name, d in data.items():
-                    s = results[name].setdefault(mode, Samples())
-                    s.steps += d["steps"]
-                    s.inner += d["inner"]
-                    s.gc += d["gc"]
-                    s.gc_by_gen = [a + b for a, b in zip(s.gc_by_gen, d["gc_by_gen"])]
-                    s.round_medians.append(statistics.median(d["steps"]))
-                    s.loads.append(load_avg()[0])
+    def own_process_round(r: int) -> None:
+        """TraceML on and off (the launcher's baseline), each in a child of its own."""
+        assert log_dir is not None
+        for tm in ([False, True] if r % 2 == 0 else [True, False]):
+            mode = SUBPROCESS_MODES[1] if tm else SUBPROCESS_MODES[0]
+            data, how = run_child(list(built), sub_steps, args.skip, tm, log_dir)
+            print(f"own-process round {r + 1}/{args.sub_rounds}: {mode}: {how}", flush=True)
+            if data is None:
+                notes.append(f"{mode} failed in round {r + 1}: {how}")
+                continue
+            for name, d in data.items():
+                s = results[name].setdefault(mode, Samples())
+                s.steps += d["steps"]
+                s.inner += d["inner"]
+                s.gc += d["gc"]
+                s.gc_by_gen = [a + b for a, b in zip(s.gc_by_gen, d["gc_by_gen"])]
+                s.round_medians.append(statistics.median(d["steps"]))
+                s.loads.append(load_avg()[0])
+
+    # Own-process rounds run between the in-process rounds (one after each, while they last),
+    # so that both kinds meet the same neighbours.
+    for r in range(max(args.rounds, args.sub_rounds if use_traceml else 0)):
+        if r < args.rounds:
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            for name, loop in built.items():
+                for mode in order:
+                    measure(loop, MODES[mode], args.steps, args.skip, watch, results[name].setdefault(mode, Samples()))
+            print(f"round {r + 1}/{args.rounds} done at {time.perf_counter() - t_start:.0f} s, "
+                  f"load {load_avg()[0]:.2f}", flush=True)
+        if use_traceml and r < args.sub_rounds:
+            own_process_round(r)
+    watch.remove()
+    if use_traceml:
         notes.append(f"TraceML ran in its own process, as `traceml run overhead.py --args --child ...` (its launcher "
                      f"starts an aggregator process and torchrun around the script: it cannot share this process), "
-                     f"{args.sub_rounds} rounds alternating with `traceml run --disable-traceml` (the same torchrun "
-                     f"launch, TraceML off), the baseline of its ratio; TraceML's logs are in {log_dir}")
+                     f"{args.sub_rounds} rounds of {sub_steps} steps, alternating with `traceml run --disable-traceml` "
+                     f"(the same torchrun launch, TraceML off), the baseline of its ratio, each after an in-process "
+                     f"round; TraceML's logs are in {log_dir}")
         notes.append("under torchrun the Trainer sees WORLD_SIZE=1 and wraps the model in DistributedDataParallel; "
                      "'none, traceml launcher' vs 'none' shows what that launch costs a Trainer loop before TraceML "
                      "does anything")

@@ -5,7 +5,8 @@ phases, memory and clocks), ratio of median step times <= 1.10.
 The goals are tighter (<= 1.05, issue 14); this only catches a regression without flaking on a
 shared machine: the test skips, saying why, when two rounds with no profiler differ by more
 than 30%, and a ratio over the limit is measured once more before it fails (a regression
-repeats, a neighbour's burst seldom does).
+repeats, a neighbour's burst seldom does). torch runs on one thread (the ``one_thread``
+fixture): on a busy 2-core machine a two-thread pool stretches steps 10-100x.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _measure(overhead) -> tuple[float, list[float]]:
 
 
 @pytest.mark.slow
-def test_default_profile_costs_a_plain_loop_at_most_ten_percent(monkeypatch):
+def test_default_profile_costs_a_plain_loop_at_most_ten_percent(monkeypatch, one_thread):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     sys.modules.pop("overhead", None)
     import overhead
