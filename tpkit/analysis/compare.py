@@ -298,27 +298,27 @@ def comparison_table(per_run: list[list[Metric]], labels: list[str], base: int =
     rows = []
     nan = float("nan")
     for metric, unit in order:
-        b = by_key[base].get(metric)
+        b: Metric | None = by_key[base].get(metric)
         for i, label in enumerate(labels):
-            m = by_key[i].get(metric)
-            if m is None:
+            cand = by_key[i].get(metric)
+            if cand is None:
                 continue
             lo = hi = nan
             if i == base:
                 delta, pct, sig = 0.0, 0.0, BASELINE
             elif b is None:
-                delta, pct, sig = nan, nan, NOT_ENOUGH_DATA if m.test else NOT_TESTED
+                delta, pct, sig = nan, nan, NOT_ENOUGH_DATA if cand.test else NOT_TESTED
             else:
-                delta = m.value - b.value
+                delta = cand.value - b.value
                 pct = delta / b.value * 100 if b.value and np.isfinite(b.value) else nan
-                if m.test and m.draws is not None and b.draws is not None:
-                    lo, hi = diff_interval(b.draws, m.draws)
-                sig = judge(m.test, b, m, lo, hi)
+                if cand.test and cand.draws is not None and b.draws is not None:
+                    lo, hi = diff_interval(b.draws, cand.draws)
+                sig = judge(cand.test, b, cand, lo, hi)
             direction = ""
-            if sig == SIGNIFICANT and m.direction:
-                direction = "better" if (delta > 0) == (m.direction == "higher") else "worse"
+            if sig == SIGNIFICANT and cand.direction:
+                direction = "better" if (delta > 0) == (cand.direction == "higher") else "worse"
             scale = 100 / b.value if b is not None and b.value and np.isfinite(b.value) else nan
-            rows.append((metric, metric_label(metric), unit, label, m.value, m.ci[0], m.ci[1], delta, pct, lo, hi,
+            rows.append((metric, metric_label(metric), unit, label, cand.value, cand.ci[0], cand.ci[1], delta, pct, lo, hi,
                          lo * scale, hi * scale, sig, direction))
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 

@@ -7,6 +7,7 @@ with the same columns) so tests can check each rule on numbers chosen by hand.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -239,7 +240,7 @@ def _unattributed(spans: pd.DataFrame, steps: pd.DataFrame | None) -> pd.DataFra
     reach = np.maximum.accumulate(counted["end_s"].to_numpy(dtype="float64")) if not counted.empty else np.array([])
     before = np.concatenate([[0.0], reach[:-1]]) if len(reach) else np.array([0.0])
     before = np.maximum(before, 0.0)
-    open_at = np.nonzero(starts[: len(before)] - before[: len(starts)] >= MIN_GAP_S)[0] if len(starts) else []
+    open_at: Any = np.nonzero(starts[: len(before)] - before[: len(starts)] >= MIN_GAP_S)[0] if len(starts) else []
     gaps: list[tuple[float, float]] = [(float(before[i]), float(starts[i])) for i in open_at]
     t = float(reach[-1]) if len(reach) else 0.0
     if end - t >= MIN_GAP_S:

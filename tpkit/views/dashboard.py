@@ -137,7 +137,8 @@ class Dashboard(w.VBox):
                 elif kind == "Perfetto trace":
                     path = self.run.to_perfetto(out / "trace.json")
                 else:
-                    path = self.run.to_csv(out / "csv")
+                    path = out / "csv"
+                    self.run.to_csv(path)
                 status.value = f"written: <code>{html.escape(str(path))}</code>"
             except Exception as e:  # shown in the panel; the dashboard keeps working
                 status.value = f'<span style="color:#b00020">{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>'

@@ -43,7 +43,7 @@ def _timeline_section(run: "Run") -> alt.TopLevelMixin | None:
     spans = analysis.timeline_frame(run.spans, steps=run.steps)
     if spans.empty and run.steps.empty:
         return None
-    parts = []
+    parts: list[Any] = []
     if not spans.empty:
         parts.append(charts.stall_timeline(spans, steps=analysis.thin_steps(run.steps)))
     if not run.steps.empty:

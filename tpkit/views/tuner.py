@@ -128,8 +128,8 @@ class Tuner(w.VBox):
         done: list[Run] = []
         self.progress.clear_output()
         for i, label in enumerate(self._labels()):
-            rep = f" (slice {i + 1} of {self.replicates})" if self.replicates > 1 else ""
-            self._busy(True, f"running <b>{html.escape(label)}</b>{rep} with {html.escape(_fmt(knobs))}...")
+            which = f" (slice {i + 1} of {self.replicates})" if self.replicates > 1 else ""
+            self._busy(True, f"running <b>{html.escape(label)}</b>{which} with {html.escape(_fmt(knobs))}...")
             error: Exception | None = None
             with self.progress:  # (an Output widget swallows exceptions under IPython: catch inside)
                 try:

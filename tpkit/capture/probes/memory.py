@@ -147,7 +147,7 @@ class CpuAllocatorStream:
         scopes = {RecordScope.LITE_INTERPRETER}  # no aten op runs in this scope: no op events
         with quiet_stderr():  # kineto prints "USDT ... profiler_start" on fd 2
             _prepare_profiler(cfg, activities)
-            _enable_profiler(cfg, activities, scopes)
+            _enable_profiler(cfg, activities, scopes)  # type: ignore[call-arg]  # torch's stub lacks scopes
         self._disable = _disable_profiler
         self.active = True
 
@@ -163,7 +163,7 @@ class CpuAllocatorStream:
             result = self._disable()
         out = []
         for ev in sorted(result.experimental_event_tree(), key=lambda e: e.start_time_ns):
-            f = ev.extra_fields
+            f: Any = ev.extra_fields  # an allocation's fields; other event kinds have no alloc_size
             size = getattr(f, "alloc_size", None)
             if size is None or getattr(f.device, "type", "cpu") != "cpu":
                 continue
@@ -220,7 +220,7 @@ def top_allocations_at_peak(trace: Iterable[dict], n: int = TOP_AT_PEAK, frames:
     total = peak = 0
     at_peak: dict[int, tuple[int, list]] = {}
     for entry in trace:
-        action, addr = entry.get("action"), entry.get("addr")
+        action, addr = entry.get("action"), int(entry.get("addr") or 0)
         if action == "alloc":
             live[addr] = (int(entry.get("size", 0)), entry.get("frames") or [])
             total += live[addr][0]
@@ -400,7 +400,9 @@ class MemoryProbe:
 
     def remove(self) -> None:
         """Stop listening and turn the allocator stream into ``run.memory`` rows. Idempotent."""
-        for lst, fn in ((self.rec.phase_listeners, self._on_phase), (self.rec.batch_listeners, self._on_batch)):
+        pairs: tuple[tuple[list[Any], Any], ...] = ((self.rec.phase_listeners, self._on_phase),
+                                                    (self.rec.batch_listeners, self._on_batch))
+        for lst, fn in pairs:
             while fn in lst:
                 lst.remove(fn)
         if self._handle is not None:
@@ -534,7 +536,7 @@ class MemoryProbe:
             except TypeError:
                 pass
         self._batch = refs
-        items = self._storages([t for r in refs if (t := r()) is not None], "data")
+        items = self._storages([alive for r in refs if (alive := r()) is not None], "data")
         if self._streaming():
             flat: list[Any] = []
             for dev, ptr, nb, c, s in items:
