@@ -15,7 +15,6 @@ MODES is a comma-separated list, run one after the other in the same process gro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -32,11 +31,10 @@ ITERS = 4
 
 
 def load_comm():
-    """tpkit/capture/probes/comm.py, imported from its path (it imports only torch)."""
-    spec = importlib.util.spec_from_file_location("tpkit_comm_probe", ROOT / "tpkit" / "capture" / "probes" / "comm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """tpkit's comm probe."""
+    from tpkit.capture.probes import comm
+
+    return comm
 
 
 def model() -> torch.nn.Module:

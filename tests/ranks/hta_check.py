@@ -17,7 +17,6 @@ breakdown (rank 0) and communication/computation overlap; exits non-zero if any 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_kineto():
-    spec = importlib.util.spec_from_file_location("tpkit_kineto", ROOT / "tpkit" / "analysis" / "kineto.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """tpkit's trace export (this script runs in tpkit's environment; HTA runs in its own)."""
+    from tpkit.analysis import kineto
+
+    return kineto
 
 
 def hand_made_rank(rank: int, steps: int = 5, late_s: float = 0.15):

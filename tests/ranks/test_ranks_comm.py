@@ -7,7 +7,6 @@ an async one (the compute behind it is overlapped, not exposed), DDP's bucket al
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import statistics
@@ -22,14 +21,7 @@ COMM_PY = ROOT / "tpkit" / "capture" / "probes" / "comm.py"
 DELAY_S, OVERLAP_S, TOL = 0.15, 0.10, 0.25  # as in comm_worker.py
 
 
-def load_comm():
-    spec = importlib.util.spec_from_file_location("tpkit_comm_probe_test", COMM_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-comm = load_comm()
+from tpkit.capture.probes import comm  # noqa: E402
 
 
 # -- one process ----------------------------------------------------------------------------------
@@ -76,10 +68,12 @@ def test_failure_mid_install_leaves_nothing(monkeypatch):
 
 
 def test_interval_arithmetic():
-    assert comm._merge([(5, 7), (1, 3), (2, 4), (7, 8)]) == [(1, 4), (5, 8)]
-    assert comm.subtract(0, 10, [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
-    assert comm.subtract(0, 10, [(-5, 0), (10, 20)]) == [(0, 10)]
-    assert comm.subtract(4, 6, [(0, 10)]) == []
+    from tpkit.intervals import merge, subtract
+
+    assert merge([(5, 7), (1, 3), (2, 4), (7, 8)]) == [(1, 4), (5, 8)]
+    assert subtract(0, 10, [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert subtract(0, 10, [(-5, 0), (10, 20)]) == [(0, 10)]
+    assert subtract(4, 6, [(0, 10)]) == []
 
 
 @pytest.fixture

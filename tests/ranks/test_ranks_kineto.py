@@ -6,7 +6,6 @@ here against what HTA's parser and the three analyses read (see the module docst
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,11 +13,9 @@ import sys
 
 import pytest
 from hta_check import hand_made_rank
-from ranks_launch import HERE, ROOT
+from ranks_launch import HERE
 
-spec = importlib.util.spec_from_file_location("tpkit_kineto_test", ROOT / "tpkit" / "analysis" / "kineto.py")
-kineto = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kineto)
+from tpkit.analysis import kineto
 
 HTA_RANK_RE = re.compile(r'"rank":\s+(\d+)')  # how HTA 0.5.0 reads a file's rank: the first match
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")  # HTA 0.5.0: a communication kernel

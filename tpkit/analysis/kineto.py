@@ -55,6 +55,8 @@ from typing import Any
 
 import pandas as pd
 
+from ..intervals import merge, subtract
+
 #: Phases that are the device lane's "compute".
 NOT_COMPUTE = frozenset({"data_wait", "h2d", "tpkit", "comm", "comm_overlapped", "gc"})
 COMPUTE_STREAM = 7
@@ -74,32 +76,6 @@ def _base_us(meta: dict[str, Any]) -> int:
         except ValueError:
             pass
     return 0
-
-
-def _cut(start: int, end: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[start, end) minus sorted, merged ``holes``."""
-    out, cur = [], start
-    for hs, he in holes:
-        if he <= cur:
-            continue
-        if hs >= end:
-            break
-        if hs > cur:
-            out.append((cur, hs))
-        cur = max(cur, he)
-    if cur < end:
-        out.append((cur, end))
-    return out
-
-
-def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def run_to_kineto(steps_df: pd.DataFrame, spans_df: pd.DataFrame, meta: dict[str, Any], rank: int,
@@ -139,12 +115,12 @@ def run_to_kineto(steps_df: pd.DataFrame, spans_df: pd.DataFrame, meta: dict[str
                        "args": {"tpkit_step": int(r.step), "source": str(r.source), "depth": int(r.depth)}})
 
     # the lanes: compute phases with exposed communication cut out; communication on its own
-    exposed = _merged([(us(r.start_s), us(r.end_s)) for r in rows if r.phase == "comm"])
+    exposed = merge([(us(r.start_s), us(r.end_s)) for r in rows if r.phase == "comm"])
     lane: list[tuple[int, int, int, str, str, dict]] = []  # (ts, end, stream, cat, name, args)
     for r in rows:
         s, e = us(r.start_s), us(r.end_s)
         if int(r.depth) == 0 and r.phase not in NOT_COMPUTE:
-            for a, b in _cut(s, e, exposed):
+            for a, b in subtract(s, e, exposed):
                 lane.append((a, b, COMPUTE_STREAM, "kernel", f"tpkit_{r.phase}", {"tpkit_step": int(r.step)}))
         elif int(r.depth) == 0 and r.phase == "h2d":
             lane.append((s, e, COMPUTE_STREAM, "gpu_memcpy", "Memcpy HtoD (tpkit h2d)", {"tpkit_step": int(r.step)}))

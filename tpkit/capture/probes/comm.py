@@ -66,6 +66,8 @@ from typing import Any, Callable
 
 import torch
 
+from ...intervals import merge, subtract
+
 OnSpan = Callable[[str, int, int, dict], None]
 
 PHASE = "comm"
@@ -131,33 +133,6 @@ def _tensor_bytes(args: tuple) -> tuple[int, str]:
             total += t.numel() * t.element_size()
             device = t.device.type
     return total, device
-
-
-def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def subtract(start: int, end: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[start, end)`` minus merged, sorted ``holes``: the pieces left, in order."""
-    pieces, cur = [], start
-    for hs, he in holes:
-        if he <= cur:
-            continue
-        if hs >= end:
-            break
-        if hs > cur:
-            pieces.append((cur, hs))
-        cur = max(cur, he)
-    if cur < end:
-        pieces.append((cur, end))
-    return pieces
 
 
 class _CudaClock:
@@ -311,7 +286,7 @@ class CommProbe:
         pieces, host clock. A collective's interval is [issue, completion] where completion is
         known (gloo), else [issue, first wait] (an upper bound; on CUDA from the events, with
         ``resolve(event) -> host ns``, by default the probe's own reference)."""
-        holes = _merge([(s, e) for s, e, d in self._exposed_resolved(resolve)])
+        holes = merge([(s, e) for s, e, d in self._exposed_resolved(resolve)])
         out = []
         for c in list(self.ops):
             start, end, bound = c.issue_ns, c.done_ns, "completed"
@@ -347,7 +322,7 @@ class CommProbe:
 
     def totals(self, resolve: Callable[[Any], int] | None = None) -> dict[str, Any]:
         """Seconds exposed and overlapped, collectives and bytes issued, by collective."""
-        exposed = _merge([(s, e) for s, e, _ in self._exposed_resolved(resolve)])
+        exposed = merge([(s, e) for s, e, _ in self._exposed_resolved(resolve)])
         over = self.overlapped(resolve)
         by_op: dict[str, dict[str, float]] = {}
         for c in list(self.ops):
@@ -355,7 +330,7 @@ class CommProbe:
             row["ops"] += 1
             row["bytes"] += c.bytes
         return {"exposed_s": sum(e - s for s, e in exposed) / 1e9,
-                "overlapped_s": sum(e - s for s, e in _merge([(s, e) for s, e, _ in over])) / 1e9,
+                "overlapped_s": sum(e - s for s, e in merge([(s, e) for s, e, _ in over])) / 1e9,
                 "ops": len(self.ops), "bytes": sum(c.bytes for c in list(self.ops)), "by_op": by_op}
 
     def meta(self) -> dict[str, Any]:
