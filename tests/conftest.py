@@ -64,3 +64,30 @@ def no_leftovers():
     extra = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()
              and t.name.startswith("tpkit")]
     assert not extra, f"tpkit threads left behind: {extra}"
+
+
+@pytest.fixture(scope="module")
+def single_process_env():
+    """One rank over gloo, as a ``deepspeed`` launch would set it; afterwards the environment is
+    as before and a default process group the module's tests made (DeepSpeed makes one) is
+    destroyed, so later tests can start their own."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               LOCAL_SIZE="1")
+    old = {k: os.environ.get(k) for k in env}
+    had_group = dist.is_available() and dist.is_initialized()
+    os.environ.update(env)
+    yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -6,7 +6,6 @@ build/torch_extensions; later runs load them in seconds."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,27 +21,6 @@ except Exception as e:  # pragma: no cover - depends on the environment
     DS_ERROR = f"deepspeed cannot be imported: {e!r}"
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(DS_ERROR is not None, reason=DS_ERROR or "")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def single_process_env():
-    """One rank over gloo, as a `deepspeed` launch would set it."""
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", LOCAL_SIZE="1")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 SETUP = """

@@ -10,7 +10,6 @@ self-timed forward and collation. Slow: the first engine JIT-builds DeepSpeed's 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -32,24 +31,6 @@ except Exception as e:  # pragma: no cover - depends on the environment
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(DS_ERROR is not None, reason=DS_ERROR or "")]
 
 MICRO = 4
-
-
-@pytest.fixture(scope="module")
-def single_process_env():
-    """One rank over gloo, as a ``deepspeed`` launch would set it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               LOCAL_SIZE="1")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def engine_loop(stage: int, ga: int) -> dict:
