@@ -32,8 +32,14 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def fresh_store(tmp_path, monkeypatch):
-    """Each test keeps its runs in a store of its own, so run names never collide."""
+    """Each test keeps its runs in a store of its own, so run names never collide; a test that
+    called tp.set_store leaves no store setting to the next."""
+    from tpkit import store
+
     monkeypatch.setenv("TPKIT_RUNS", str(tmp_path / "tpkit_runs"))
+    store.reset_store()
+    yield
+    store.reset_store()
 
 
 @pytest.fixture(autouse=True)

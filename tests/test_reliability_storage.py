@@ -67,7 +67,7 @@ def test_a_run_keeps_the_name_the_user_gave(name, tmp_path):
         tp.store.save(again)
         assert again.meta["name"] == f"{name}-2" and tp.load(f"{name}-2").name == f"{name}-2"
     finally:
-        tp.set_store(None)
+        tp.store.reset_store()
 
 
 @pytest.mark.parametrize("field,value", [("knobs", "batch=8"), ("notes", "a note"), ("complete", "yes"),
@@ -98,7 +98,7 @@ def test_runs_flags_a_zero_byte_table_as_damaged(tmp_path):
         row = catalog.runs().iloc[0]
         assert bool(row["damaged"]) and "spans.parquet" in row["problem"]
     finally:
-        tp.set_store(None)
+        tp.store.reset_store()
 
 
 DAMAGE = st.lists(st.tuples(st.sampled_from([*[f"{t}.parquet" for t in TABLES], "meta.json"]),

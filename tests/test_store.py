@@ -21,7 +21,7 @@ def make_run(name: str, durations: list[float], samples: int = 10, **meta) -> Ru
 @pytest.fixture(autouse=True)
 def tmp_store(tmp_path, monkeypatch):
     monkeypatch.setenv("TPKIT_RUNS", str(tmp_path / "runs"))
-    monkeypatch.setattr(store, "_configured", [store._UNSET])
+    store.reset_store()
     return tmp_path / "runs"
 
 

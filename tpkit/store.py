@@ -36,6 +36,13 @@ def set_store(path: str | os.PathLike | None) -> Path | None:
     return store_path()
 
 
+def reset_store() -> Path | None:
+    """Forget what ``set_store`` said: the ``TPKIT_RUNS`` variable, else ``./tpkit_runs``, decide
+    again. Returns the store folder in use (None when off)."""
+    _configured[0] = _UNSET
+    return store_path()
+
+
 def store_path() -> Path | None:
     """The store folder in use, or None when the store is off. Not created until a save."""
     value = _configured[0]
