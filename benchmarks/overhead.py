@@ -57,8 +57,9 @@ HERE = Path(__file__).resolve()
 
 # -- the loops ---------------------------------------------------------------------------------
 #: GPT-2 shapes for the Trainer loops: small enough for a 2-core CPU, the layer count is the knob.
-GPT2 = {"n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": 1024}
-SEQ_LEN, HF_BATCH = 64, 8
+#: On the idle 2-core VM: ~10 ms/step at 2 layers, ~39 ms at 12 (issue 14 names ~6 and ~29 ms).
+GPT2 = {"n_embd": 64, "n_head": 4, "n_positions": 32, "vocab_size": 1024}
+SEQ_LEN, HF_BATCH = 32, 4
 
 
 class GcWatch:
