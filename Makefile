@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,integrations]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,integrations,bench]"
 	touch $(STAMP)
 
 clean:
