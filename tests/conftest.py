@@ -75,11 +75,9 @@ def no_leftovers():
 @pytest.fixture(scope="module")
 def single_process_env():
     """One rank over gloo, as a ``deepspeed`` launch would set it; afterwards the environment is
-    as before and a default process group the module's tests made (DeepSpeed makes one) is
-    destroyed, so later tests can start their own."""
+    as before. The process group DeepSpeed makes stays (DeepSpeed caches it): the modules that
+    use this fixture run last (``pytest_collection_modifyitems``)."""
     import socket
-
-    import torch.distributed as dist
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,13 +85,19 @@ def single_process_env():
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                LOCAL_SIZE="1")
     old = {k: os.environ.get(k) for k in env}
-    had_group = dist.is_available() and dist.is_initialized()
     os.environ.update(env)
     yield
-    if not had_group and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+#: Modules whose tests start DeepSpeed in this process: it leaves a default process group that
+#: DeepSpeed keeps using, so they run after every test that starts a group of its own.
+IN_PROCESS_DEEPSPEED = ("tests/integrations/test_deepspeed.py", "tests/test_offload_deepspeed.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.startswith(IN_PROCESS_DEEPSPEED))
