@@ -106,9 +106,9 @@ def sleep_backward(x: torch.Tensor) -> torch.Tensor:
     return SleepBackward.apply(x)
 
 
-class SleepySGD(torch.optim.SGD):
-    """SGD whose step sleeps OPTIMIZER_S after the closure (if any) ran: the closure's
-    forward/backward are not the optimizer's own work."""
+class SleepyStep:
+    """An optimizer mixin whose step sleeps OPTIMIZER_S after the closure (if any) ran: the
+    closure's forward/backward are not the optimizer's own work."""
 
     def step(self, closure: Any = None) -> Any:  # noqa: ANN401
         loss = None
@@ -117,20 +117,16 @@ class SleepySGD(torch.optim.SGD):
                 loss = closure()
         with timed("optimizer"):
             time.sleep(OPTIMIZER_S)
-            super().step()
+            super().step()  # type: ignore[misc]
         return loss
 
 
-class SleepyAdamW(torch.optim.AdamW):
-    def step(self, closure: Any = None) -> Any:  # noqa: ANN401
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with timed("optimizer"):
-            time.sleep(OPTIMIZER_S)
-            super().step()
-        return loss
+class SleepySGD(SleepyStep, torch.optim.SGD):
+    pass
+
+
+class SleepyAdamW(SleepyStep, torch.optim.AdamW):
+    pass
 
 
 class SleepyNet(torch.nn.Module):
