@@ -348,6 +348,25 @@ def test_optimizer_step_called_twice_per_iteration_is_one_step(one_thread):
     assert prof.run.meta["merged_optimizer_steps"] == 3  # the 4th iteration's first step() stopped the slice
 
 
+def test_an_iteration_with_no_forward_is_still_a_step_when_it_zeroes_the_gradients(one_thread):
+    """Every other iteration only sleeps 50 ms and calls step()/zero_grad() (its gradients came
+    from code tpkit does not see): each iteration is a step, and the sleepy ones last 50 ms."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=6, warmup=0, progress=False, clock_hz=0, memory=False) as prof:
+        for i in range(8):
+            if i % 2:
+                model(torch.randn(4, 8)).sum().backward()
+            else:
+                time.sleep(0.05)
+            opt.step()
+            opt.zero_grad()
+    steps = prof.run.steps
+    assert len(steps) == 6 and "merged_optimizer_steps" not in prof.run.meta
+    sleepy = steps["duration_s"].iloc[2::2]
+    assert (sleepy > 0.049).all() and (sleepy < 0.09).all(), sleepy.tolist()
+
+
 def test_a_loop_in_another_thread_has_its_steps_counted(one_thread):
     torch.manual_seed(0)
     model = SlowNet()

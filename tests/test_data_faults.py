@@ -287,6 +287,32 @@ def test_worker_dying_between_making_its_ring_and_reporting_it_leaves_no_segment
     assert not live_children() and not shm_files()
 
 
+def _worker_pids(loader: Loader) -> set[int]:
+    pool = loader._pool
+    return {w.proc.pid for w in pool.workers if w.proc is not None} if pool is not None else set()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(in_order=False), dict(mode="thread"), dict(persistent_workers=True)])
+def test_an_exception_in_the_loops_body_stops_the_epochs_workers(kw):
+    """A Ctrl-C (or any error) in the loop's own body, between two batches, drops the iterator:
+    its workers, threads and segments go at once, as torch's do; persistent workers stay for the
+    next epoch and go with ``close()``."""
+    loader = Loader(Slow(), batch_size=2, num_workers=2, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(loader):
+            if i == 3:
+                raise KeyboardInterrupt
+    if kw.get("persistent_workers"):
+        assert {p.pid for p in live_children()} == _worker_pids(loader) and len(_worker_pids(loader)) == 2
+        assert [int(b[0]) for b in itertools.islice(loader, 1)] == [0]  # the same workers serve on
+        loader.close()
+    assert not live_children() and not shm_files() and not _tpkit_threads()
+    firsts = sorted(int(b[0]) for b in itertools.islice(loader, 2))  # still usable
+    assert firsts == [0, 2] if kw.get("in_order", True) else len(set(firsts)) == 2
+    loader.close()
+    assert not live_children()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ctrl_c_at_random_instants_leaves_nothing_behind(seed):
     """Real interrupts (interrupt_main) at seeded random instants: while workers start, while
@@ -306,6 +332,9 @@ def test_ctrl_c_at_random_instants_leaves_nothing_behind(seed):
             for _ in loader:
                 pass
         timer.join()
+        if kw.get("persistent_workers"):  # persistent workers outlive an epoch the body left
+            assert {p.pid for p in live_children()} <= _worker_pids(loader), (trial, kw)
+            loader.close()
         assert not live_children() and not shm_files() and not _tpkit_threads(), (trial, kw)
         firsts = [int(b[0]) for b in itertools.islice(loader, 2)]  # still usable
         assert firsts == [0, 2] if kw.get("in_order", True) else firsts[0] % 2 == 0 and len(set(firsts)) == 2

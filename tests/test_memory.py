@@ -754,3 +754,43 @@ def test_chart_specs():
     across = charts.memory_by_step(ma.across_steps(m)).to_dict()
     assert [layer["mark"]["type"] for layer in across["layer"]] == ["bar", "line"]
     assert across["layer"][0]["encoding"]["y"]["stack"] == "zero"
+
+
+def many_stretches_memory(micro: int = 60) -> pd.DataFrame:
+    """One step of ``micro`` forward/backward pairs (gradient accumulation): each forward holds
+    100 B of activations, each backward frees them and adds 1 B of gradients; the highest level
+    (130 B + the micro-step's gradients) is inside the last forward."""
+    out, t = [], 0.0
+    grads = 0
+    seq = [("step", "enter", {})]
+    for _ in range(micro):
+        seq += [("forward", "enter", {}), ("forward", "exit", {"activations": 100}),
+                ("backward", "enter", {"activations": 100}), ("backward", "exit", {"grads+": 1})]
+    seq += [("step", "exit", {})]
+    for phase, event, extra in seq:
+        t += 0.01
+        grads += extra.pop("grads+", 0)
+        levels = {"parameters": 30, "gradients": grads, **extra}
+        for c in MEMORY_CATEGORIES:
+            out.append((0, phase, event, t, "cpu", c, levels.get(c, 0)))
+    return pd.DataFrame(out, columns=["step", "phase", "event", "t_s", "device", "category", "bytes"])
+
+
+def test_a_step_of_many_stretches_is_drawn_in_at_most_max_bars_with_the_same_totals_and_peak():
+    m = many_stretches_memory(60)
+    full = ma.waterfall(m, 0, max_bars=10_000)
+    merged = ma.waterfall(m, 0, max_bars=12)
+    assert full["order"].nunique() == 1 + 2 * 60 and merged["order"].nunique() <= 12
+    # the totals at the ends of merged bars are totals of the unmerged waterfall; the end is the same
+    assert set(merged["total_bytes"]) <= set(full["total_bytes"])
+    assert merged["total_bytes"].iloc[-1] == full["total_bytes"].iloc[-1] == 30 + 60
+    assert merged["peak_bytes"].max() == full["peak_bytes"].max() == 30 + 59 + 100
+    # a merged bar's net change per category adds up to its running total
+    for _, bar in merged[merged["order"] > 0].groupby("order"):
+        assert bar["y1_bytes"].max() - bar["y0_bytes"].min() >= abs(bar["delta_bytes"]).max()
+    labels = merged.drop_duplicates("order")["label"].tolist()
+    assert labels[0] == "start of step" and any("stretches)" in lb for lb in labels), labels
+    # the chart of many merged steps stays under altair's row limit
+    wfs = ma.waterfalls(pd.concat([m.assign(step=s) for s in range(40)]), device="cpu")
+    assert len(wfs) < 5000
+    charts.memory_waterfall(wfs).to_dict()

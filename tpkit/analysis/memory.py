@@ -79,7 +79,12 @@ def memory_peak(memory: pd.DataFrame, device: str | None = None,
     return pd.DataFrame(out, columns=cols)
 
 
-def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFrame:
+#: At most this many bars per step in a waterfall: more would be unreadable (and too many rows
+#: for a chart); past it neighbouring stretches are merged.
+MAX_BARS = 40
+
+
+def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu", max_bars: int = MAX_BARS) -> pd.DataFrame:
     """The waterfall of one step on one device, its stretches in the order they ran.
 
     The first bar (``label`` "start of step") is the level at the step's first boundary,
@@ -94,11 +99,14 @@ def waterfall(memory: pd.DataFrame, step: int, device: str = "cpu") -> pd.DataFr
     drawn in the bar where it happened. A stretch where nothing changed is left out unless
     its peak rose above both ends (one ``kind`` "peak only" row, delta 0). Columns: ``order,
     phase, label, category, kind, delta_bytes, y0_bytes, y1_bytes, total_bytes, peak_bytes``.
+
+    A step with more than ``max_bars`` stretches (gradient accumulation, a loop of many small
+    forwards) has runs of neighbouring stretches merged into one bar each (``merge_stretches``).
     """
     w = wide(memory)
     pk = wide(memory, ("peak",))
-    return _waterfall(w[(w["step"] == step) & (w["device"] == device)],
-                      pk[(pk["step"] == step) & (pk["device"] == device)])
+    return merge_stretches(_waterfall(w[(w["step"] == step) & (w["device"] == device)],
+                                      pk[(pk["step"] == step) & (pk["device"] == device)]), max_bars)
 
 
 _WF_COLUMNS = ["order", "phase", "label", "category", "kind", "delta_bytes", "y0_bytes", "y1_bytes", "total_bytes",
@@ -168,6 +176,53 @@ def _waterfall(w: pd.DataFrame, pk: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+def merge_stretches(wf: pd.DataFrame, max_bars: int = MAX_BARS) -> pd.DataFrame:
+    """One step's ``waterfall`` with at most ``max_bars`` bars: the start bar is kept, and the
+    stretches after it are cut into runs of equal length, each drawn as one bar. A merged bar
+    holds each category's net change over its run (so the running totals are exactly those of
+    the unmerged waterfall at the run's ends), the highest total inside the run as its peak, and
+    a label that says what it spans ("forward … backward (12 stretches)")."""
+    if wf.empty or max_bars < 2:
+        return wf
+    orders = sorted(int(o) for o in wf["order"].unique() if o > 0)
+    if len(orders) + 1 <= max_bars:
+        return wf
+    size = -(-len(orders) // (max_bars - 1))
+    start = wf[wf["order"] == 0]
+    rows: list[tuple] = [tuple(r) for r in start[_WF_COLUMNS].itertuples(index=False)]
+    first_total = int(start["total_bytes"].iloc[0]) if not start.empty else None
+    by_order = {int(o): g for o, g in wf[wf["order"] > 0].groupby("order")}
+    total_before = first_total
+    for i in range(0, len(orders), size):
+        run = [by_order[o] for o in orders[i:i + size]]
+        part = pd.concat(run)
+        order = i // size + 1
+        total_after = int(run[-1]["total_bytes"].iloc[0])
+        if total_before is None:  # no start bar: the total before the run, from its first bar
+            g = run[0]
+            total_before = int(g["total_bytes"].iloc[0]) - int(g["delta_bytes"].sum())
+        top = max(int(part["peak_bytes"].max()), total_before, total_after)
+        first_label, last_label = str(run[0]["label"].iloc[0]), str(run[-1]["label"].iloc[0])
+        span = first_label if first_label == last_label else f"{first_label} … {last_label}"
+        label = f"{span} ({len(run)} stretches)" if len(run) > 1 else first_label
+        phase = str(part["phase"].mode().iloc[0])
+        net = part.groupby("category", sort=False)["delta_bytes"].sum()
+        deltas = [(c, int(net.get(c, 0))) for c in MEMORY_CATEGORIES]
+        y = total_before
+        for c, d in deltas:
+            if d > 0:
+                rows.append((order, phase, label, c, "allocated", d, y, y + d, total_after, top))
+                y += d
+        for c, d in deltas:
+            if d < 0:
+                rows.append((order, phase, label, c, "freed", d, y + d, y, total_after, top))
+                y += d
+        if not any(d for _, d in deltas):
+            rows.append((order, phase, label, "other", "peak only", 0, total_after, total_after, total_after, top))
+        total_before = total_after
+    return pd.DataFrame(rows, columns=_WF_COLUMNS)
+
+
 def _plain(phase: str, last_exit: str, seen: set[str]) -> str:
     """A stretch's name for people: the phase open during it (the optimizer's work before the
     step's forward is its zero_grad), or "after X" when none is open."""
@@ -181,7 +236,7 @@ def _plain(phase: str, last_exit: str, seen: set[str]) -> str:
 
 
 def waterfalls(memory: pd.DataFrame, steps: list[int] | None = None, device: str = "cpu",
-               max_steps: int = 40, across: pd.DataFrame | None = None) -> pd.DataFrame:
+               max_steps: int = 40, across: pd.DataFrame | None = None, max_bars: int = MAX_BARS) -> pd.DataFrame:
     """``waterfall`` of several steps (default: the measured ones, at most ``max_steps``: every
     k-th, the first, the last and the peak step) in one frame with a ``step`` column, for a
     chart with a step selector. ``across``: ``across_steps(memory, device)`` when already made."""
@@ -198,7 +253,8 @@ def waterfalls(memory: pd.DataFrame, steps: list[int] | None = None, device: str
     m = memory[(memory["device"] == device) & memory["step"].isin(steps)] if not memory.empty else memory
     w, pk = wide(m), wide(m, ("peak",))
     by_w, by_pk = dict(tuple(w.groupby("step"))), dict(tuple(pk.groupby("step")))
-    parts = [_waterfall(by_w[s], by_pk.get(s, pk.iloc[:0])).assign(step=s) for s in steps if s in by_w]
+    parts = [merge_stretches(_waterfall(by_w[s], by_pk.get(s, pk.iloc[:0])), max_bars).assign(step=s)
+             for s in steps if s in by_w]
     parts = [p for p in parts if not p.empty]
     if not parts:
         return pd.DataFrame(columns=["step", *_WF_COLUMNS])

@@ -303,8 +303,6 @@ def _clock_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     return clock_probe(rec, cfg)
 
 
-PROBE_FACTORIES.append(_clock_probe)
-
 
 def _memory_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     if not cfg.memory:
@@ -366,6 +364,10 @@ def _ops_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 
 
 PROBE_FACTORIES.append(_ops_probe)
+# The clock sampler registers last: installed last and removed first (``_teardown`` pops), so
+# its samples end when the slice does, not after the memory probe has turned its allocator
+# stream into rows (which can take most of a second after a long slice).
+PROBE_FACTORIES.append(_clock_probe)
 
 
 def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:

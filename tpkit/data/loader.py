@@ -364,6 +364,16 @@ class _LoaderIter:
     def __iter__(self) -> "_LoaderIter":
         return self
 
+    def __del__(self) -> None:
+        """An epoch left unfinished (``break``, an exception or a Ctrl-C in the loop's body drops
+        the iterator): its workers and threads stop now, as torch's do, unless they are
+        persistent (they then serve the next epoch, and go with ``loader.close()``)."""
+        try:
+            if not self.finished:
+                self._end()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
     def _detach(self) -> None:
         if not self.finished:
             self.finished = True

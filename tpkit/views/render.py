@@ -70,9 +70,14 @@ def bundle_html() -> str:
 
 def chart_html(chart: Any) -> str:
     """A div and the script that embeds ``chart`` in it once vega is on the page (the
-    script waits for it, so the order in which a frontend renders outputs does not matter)."""
+    script waits for it, so the order in which a frontend renders outputs does not matter).
+    The analyses bound every chart's rows; altair's own row limit is lifted so that a long
+    run draws (slowly) rather than failing the dashboard."""
+    import altair as alt
+
     div = f"tp-{uuid.uuid4().hex[:12]}"
-    spec = json.dumps(chart.to_dict(), separators=(",", ":")).replace("</", "<\\/")
+    with alt.data_transformers.disable_max_rows():
+        spec = json.dumps(chart.to_dict(), separators=(",", ":")).replace("</", "<\\/")
     opts = '{"actions":{"export":true,"source":false,"compiled":false,"editor":false}}'
     return (f'<div id="{div}" class="tp-live-chart"></div><script type="text/javascript">(function(){{var n=0;'
             f'function go(){{if(window.vegaEmbed){{window.vegaEmbed("#{div}",{spec},{opts}).catch(console.error);}}'

@@ -181,7 +181,7 @@ class PhaseProbe:
         self._closure_depth = 0  # > 0 while an optimizer's closure runs
         self._closure_evals = 0  # closure calls in the current optimizer step
         self._opt_posts = 0  # optimizer post hooks seen (a GradScaler step without one was skipped)
-        self._worked = False  # a forward or backward since the last step ended
+        self._worked = False  # a forward, backward, zero_grad or batch since the last step ended
         self._ever_worked = False
         self._backward_seen = False
         self._read_ahead = 0  # > 0 while a read-ahead loader (accelerate) fetches its next batch
@@ -428,8 +428,11 @@ class PhaseProbe:
         self.rec.exit(self._opt_tokens.pop()[0])
         self._opt_posts += 1
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
+            # step() twice per iteration (nothing between: no batch, zero_grad, forward or
+            # backward) is one step, not two; a step with only other work before it (a loop
+            # that sleeps, or calls the model through code tpkit does not see) is a step
             if not self._worked and self._ever_worked and self.rec.step_ends:
-                self.merged_steps += 1  # step() twice per iteration: one step, not two
+                self.merged_steps += 1
                 return
             self._end_step(opt)
 
@@ -500,11 +503,12 @@ class PhaseProbe:
 
     # -- wrappers ---------------------------------------------------------------------------
     def _wrap_phase(self, fn: Any, phase: str, source: str) -> Any:
-        rec = self.rec
+        rec, probe = self.rec, self
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(*args, **kwargs)
+            probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             token = rec.enter(phase, source)
             try:
                 return fn(*args, **kwargs)
@@ -584,6 +588,7 @@ class PhaseProbe:
             tid = threading.get_ident()
             if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(it)
+            probe._worked = True  # a batch read: a new iteration (see _opt_post)
             token = rec.enter("data_wait", source)
             try:
                 batch = fn(it)
