@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import ContextDecorator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
@@ -124,15 +124,21 @@ class Profile:
         rec.step_listeners.append(self._on_step)
         self._last_end_ns = rec.t0_ns
         try:
-            rec.cuda_timer = maybe_cuda_timer()
-            self._probes = [PhaseProbe(rec).install()]
-            self._probes += _optional_probes(rec, cfg)
-            for probe in self._probes:
-                if hasattr(probe, "follow"):  # probes that act on measured steps learn the warmup
-                    probe.follow(lambda: self.warmup_steps)
-            if cfg.progress:
-                self._bar = _progress_bar(cfg, self.warmup_steps)
-            _rec.set_active(rec)
+            # A Ctrl-C while a probe installs would land between registering a hook and keeping
+            # its handle (or between enabling torch's profiler and marking it on): it is held
+            # until every probe is in, then raised, and the teardown below takes them all out.
+            with held_sigint():
+                rec.cuda_timer = maybe_cuda_timer()
+                self._probes = [PhaseProbe(rec)]
+                self._probes[0].install()
+                for probe in _optional_probes(rec, cfg):
+                    self._probes.append(probe)
+                for probe in self._probes:
+                    if hasattr(probe, "follow"):  # probes that act on measured steps learn the warmup
+                        probe.follow(lambda: self.warmup_steps)
+                if cfg.progress:
+                    self._bar = _progress_bar(cfg, self.warmup_steps)
+                _rec.set_active(rec)
         except BaseException:
             with held_sigint():
                 self._teardown()
@@ -279,14 +285,13 @@ class Profile:
         _LAST_RUN = self.run
 
 
-def _optional_probes(rec: _rec.Recorder, cfg: SliceConfig) -> list[Any]:
-    """Probes beyond phases (memory, clocks), each installed only when asked for and able."""
-    probes: list[Any] = []
+def _optional_probes(rec: _rec.Recorder, cfg: SliceConfig) -> Iterator[Any]:
+    """Probes beyond phases (memory, clocks), each installed only when asked for and able;
+    each is handed over as soon as it is in, so a later one failing leaves none unowned."""
     for factory in PROBE_FACTORIES:
         probe = factory(rec, cfg)
         if probe is not None:
-            probes.append(probe.install())
-    return probes
+            yield probe.install()
 
 
 #: Callables ``(recorder, config) -> probe or None``; a probe has ``install()`` returning
