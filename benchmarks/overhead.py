@@ -234,6 +234,9 @@ class Samples:
 
 def measure(loop: Any, ctx_factory: Callable[[int, int], Any], steps: int, skip: int, watch: GcWatch,
             out: Samples) -> None:
+    # the previous run's garbage (a Trainer, a Run, a profiler's results) is collected now, not
+    # inside this run's steps, where it would be charged to whichever mode came next
+    gc.collect()
     ctx = ctx_factory(steps, skip)
     watch.pauses.clear()
     rec = loop.run(skip + steps, ctx)
