@@ -191,7 +191,7 @@ def test_workers_of_a_killed_main_process_exit_and_clean_up(tmp_path):
         "from tpkit.data import Loader\n"
         "from test_data_faults import Slow\n"
         "it = iter(Loader(Slow(), batch_size=2, num_workers=2))\n"
-        "next(it)\n"
+        "next(it), next(it)\n"  # the second next() has forked both workers
         "print(' '.join(str(p.pid) for p in __import__('psutil').Process().children()), flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n" % os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -224,9 +224,9 @@ def _tpkit_threads() -> list[str]:
 
 
 def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
-    """Ctrl-C while the workers start (after the first worker was forked, before the second;
-    in the first next(), once its batch was made in this process): the started worker and its
-    segment go too."""
+    """Ctrl-C while the workers start (in the second next(): worker 1 was forked by the first,
+    worker 0 has just been forked and is being handed its tasks): the started workers and their
+    segments go too."""
     from tpkit.data import process_pool
 
     real, calls = process_pool.ProcessPool._dispatch, []
@@ -239,7 +239,9 @@ def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
     monkeypatch.setattr(process_pool.ProcessPool, "_dispatch", interrupted)
     loader = Loader(Slow(), batch_size=2, num_workers=2)
     it = iter(loader)
-    assert calls == [] and not live_children()  # forked by the first next(), after its batch
+    assert calls == [] and not live_children()  # nothing forked before the first next()
+    next(it)
+    assert calls == [1] and len(live_children()) == 1  # worker 1, forked by the first next()
     with pytest.raises(KeyboardInterrupt):
         next(it)
     assert len(calls) == 2 and not live_children() and not shm_files()

@@ -147,7 +147,7 @@ def test_resume_global_rng_shuffle_and_iterable():
 def test_gc_and_end_of_iteration_leave_nothing_behind():
     loader = Loader(Mixed(100), batch_size=2, num_workers=2)
     it = iter(loader)
-    next(it)
+    next(it), next(it)
     assert len(live_children()) == 2
     del it, loader
     gc.collect()
@@ -390,6 +390,24 @@ def test_first_batch_made_in_process_draws_like_worker_0(workers):
     assert [b for _, b in ours] == [b for _, b in ref]
     assert [here for here, _ in ours] == [True, True]  # first batch made here, the rest by workers
     assert after_ours == after_ref  # the main process's RNGs are where torch leaves them
+    assert not live_children() and not shm_files()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_first_batch_forks_one_worker_and_the_second_forks_the_rest(workers):
+    """The first next() forks worker 1 only (it makes batch 1 meanwhile; worker 0 goes on from
+    the in-process batch's random state): ``next(iter(loader))`` costs one fork. The second
+    next() forks the rest; batch 1 comes from worker 1."""
+    import os
+
+    loader = Loader(ThreeRngs(), batch_size=4, shuffle=True, seed=5, num_workers=workers)
+    it = iter(loader)
+    first = next(it)
+    assert {int(p) for p in first[:, 4].tolist()} == {os.getpid()} and len(live_children()) == 1
+    forked = live_children()[0].pid
+    second = next(it)
+    assert {int(p) for p in second[:, 4].tolist()} == {forked} and len(live_children()) == workers
+    loader.close()
     assert not live_children() and not shm_files()
 
 

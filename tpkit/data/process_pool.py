@@ -26,8 +26,9 @@ process makes the epoch's first batch itself, before forking: it costs one batch
 where forking the workers and their first hand-over cost tens of milliseconds (the sampler's
 order is drawn either way). It is made as worker 0 would make it: with worker 0's seeds, and
 worker 0 starts from the random state that batch left behind (handed over at the fork), so
-the batches and their random transforms are the same as torch's. The workers are forked right
-after it, before it is handed out, and start on the next batches while the loop uses it.
+the batches and their random transforms are the same as torch's. Worker 1 is forked just before
+it and makes batch 1 meanwhile; worker 0 and any others are forked by the second ``next()``, so
+the first batch costs one batch of work and one fork (``next(iter(loader))`` forks one worker).
 """
 
 from __future__ import annotations
@@ -277,6 +278,7 @@ class ProcessPool:
         restored. A failure is reported as worker 0's, and the epoch goes on."""
         self._local = None
         self.next_yield = bid + 1
+        self._start_ahead()
         mine = get_rng_states()
         seed_worker(self.spec.base_seed, 0)
         maker = BatchMaker(self.spec)
@@ -291,19 +293,27 @@ class ProcessPool:
         finally:
             self._rng0 = get_rng_states()
             set_rng_states(mine)
-        # the workers start on the next batches while the loop uses this one (after a failure or
-        # an interrupt, nothing is forked here: the next next() starts them)
-        self._start_deferred()
+        # the other workers (worker 0, which goes on from this batch's random state, and any
+        # beyond worker 1) are forked by the next next(): this one is not kept waiting for them
         return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
 
+    def _start_ahead(self) -> None:
+        """While the first batch is made here: fork worker 1 (its batches do not depend on this
+        one's random state) and hand it batch 1, so that batch is made meanwhile. The others
+        wait for the next ``next()``: a first batch costs one fork, not one per worker."""
+        if self._unstarted is not None and len(self.workers) >= 2 and self.workers[1].proc is None:
+            self._start_worker(self.workers[1], self._unstarted[1])
+            self._dispatch()
+
     def _start_deferred(self) -> None:
-        """Fork the workers held back by the in-process first batch, each handed its first tasks
-        before the next is forked."""
+        """Fork the workers held back by the in-process first batch (those not forked yet), each
+        handed its first tasks before the next is forked."""
         skips, self._unstarted = self._unstarted, None
         assert skips is not None
         for w in self.workers:
-            self._start_worker(w, skips[w.id])
-            self._dispatch()
+            if w.proc is None:
+                self._start_worker(w, skips[w.id])
+                self._dispatch()
         self._started = True
 
     def shutdown(self) -> None:
