@@ -308,7 +308,6 @@ def _clock_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     return clock_probe(rec, cfg)
 
 
-
 def _memory_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     if not cfg.memory:
         return None
