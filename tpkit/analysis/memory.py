@@ -155,17 +155,7 @@ def _waterfall(w: pd.DataFrame, pk: pd.DataFrame) -> pd.DataFrame:
         if changed or top > max(total_before, total_after):
             n = names[label] = names.get(label, 0) + 1
             shown = label if n == 1 else f"{label} ({n})"
-            y = total_before
-            for c, d in deltas:
-                if d > 0:
-                    rows.append((order, phase, shown, c, "allocated", d, y, y + d, total_after, top))
-                    y += d
-            for c, d in deltas:
-                if d < 0:
-                    rows.append((order, phase, shown, c, "freed", d, y + d, y, total_after, top))
-                    y += d
-            if not changed:
-                rows.append((order, phase, shown, "other", "peak only", 0, total_after, total_after, total_after, top))
+            rows += _bar_rows(order, phase, shown, deltas, total_before, total_after, top)
             order += 1
         if b["event"] == "exit":
             last_exit = str(b["phase"])
@@ -174,6 +164,25 @@ def _waterfall(w: pd.DataFrame, pk: pd.DataFrame) -> pd.DataFrame:
         _walk(stack, b)
         prev = b
     return pd.DataFrame(rows, columns=cols)
+
+
+def _bar_rows(order: int, phase: str, label: str, deltas: list[tuple[str, int]], total_before: int,
+              total_after: int, top: int) -> list[tuple]:
+    """One waterfall bar's rows: rises stacked up from ``total_before``, then falls hanging
+    down from the top of the rises; a bar where nothing changed is one "peak only" row."""
+    rows: list[tuple] = []
+    y = total_before
+    for c, d in deltas:
+        if d > 0:
+            rows.append((order, phase, label, c, "allocated", d, y, y + d, total_after, top))
+            y += d
+    for c, d in deltas:
+        if d < 0:
+            rows.append((order, phase, label, c, "freed", d, y + d, y, total_after, top))
+            y += d
+    if not rows:
+        rows.append((order, phase, label, "other", "peak only", 0, total_after, total_after, total_after, top))
+    return rows
 
 
 def merge_stretches(wf: pd.DataFrame, max_bars: int = MAX_BARS) -> pd.DataFrame:
@@ -208,17 +217,7 @@ def merge_stretches(wf: pd.DataFrame, max_bars: int = MAX_BARS) -> pd.DataFrame:
         phase = str(part["phase"].mode().iloc[0])
         net = part.groupby("category", sort=False)["delta_bytes"].sum()
         deltas = [(c, int(net.get(c, 0))) for c in MEMORY_CATEGORIES]
-        y = total_before
-        for c, d in deltas:
-            if d > 0:
-                rows.append((order, phase, label, c, "allocated", d, y, y + d, total_after, top))
-                y += d
-        for c, d in deltas:
-            if d < 0:
-                rows.append((order, phase, label, c, "freed", d, y + d, y, total_after, top))
-                y += d
-        if not any(d for _, d in deltas):
-            rows.append((order, phase, label, "other", "peak only", 0, total_after, total_after, total_after, top))
+        rows += _bar_rows(order, phase, label, deltas, total_before, total_after, top)
         total_before = total_after
     return pd.DataFrame(rows, columns=_WF_COLUMNS)
 
