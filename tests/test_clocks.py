@@ -4,7 +4,9 @@ the thread's life cycle, the analysis on hand-made frames, and the chart specs."
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import sys
 import threading
 import time
@@ -637,3 +639,70 @@ def test_host_backend_on_this_machine_says_what_it_could_read():
     assert set(meta["sources"]) == {"cpu_freq_mhz", "cpu_util_pct", "cpu_power_w", "temperature_c"}
     for metric, source in meta["sources"].items():  # each either read or says why not
         assert source.startswith("unavailable: ") or metric in {m for _, m, _ in b.read()} or metric == "cpu_util_pct"
+
+
+def _fake_proc(tmp_path) -> tuple[str, str]:
+    """A /proc with a two-core cpuinfo and an empty /sys (no cpufreq, no RAPL)."""
+    proc, sys_root = tmp_path / "proc", tmp_path / "sys"
+    proc.mkdir()
+    sys_root.mkdir()
+    (proc / "cpuinfo").write_text("processor\t: 0\ncpu MHz\t\t: 2100.5\n\nprocessor\t: 1\ncpu MHz\t\t: 2300.5\n")
+    return str(proc), str(sys_root)
+
+
+def test_host_readings_that_cost_more_than_the_budget_are_read_less_often(monkeypatch, tmp_path):
+    """The host's frequency/power/temperature reading is timed; past HOST_CPU_BUDGET of one
+    core it is read less often, and the Run's meta says how often. The machine's per-core
+    utilisation (jiffies) is read at most every SYSTEM_UTIL_PERIOD_S; this process's at
+    every sample."""
+    proc, sys_root = _fake_proc(tmp_path)
+    monkeypatch.setattr(cb, "HOST_CPU_BUDGET", 1e-9)  # any reading is over budget: read once
+    b = cb.HostBackend(proc=proc, sys_root=sys_root)
+    first = {(d, m): v for d, m, v in b.read()}
+    assert first[("cpu", "cpu_freq_mhz")] == 2200.5
+    later = []
+    for _ in range(4):
+        time.sleep(0.04)
+        later.append({(d, m) for d, m, _ in b.read()})
+    assert all(("cpu", "cpu_freq_mhz") not in rows for rows in later)
+    assert all(("process", "cpu_util_pct") in rows for rows in later)  # 40 ms > UTIL_MIN_WINDOW_S
+    assert sum(("cpu", "cpu_util_pct") in rows for rows in later) <= 1  # 160 ms < one 200 ms period
+    meta = b.meta()
+    assert meta["periods_s"]["cpu_freq_mhz"] > 1000 and meta["periods_s"]["cpu_util_pct"] == cb.SYSTEM_UTIL_PERIOD_S
+    assert "ms of CPU per reading" in meta["budget"]
+    monkeypatch.setattr(cb, "HOST_CPU_BUDGET", 1e9)  # a fresh backend with room: read at every sample
+    b2 = cb.HostBackend(proc=proc, sys_root=sys_root)
+    for _ in range(3):
+        time.sleep(0.04)
+        assert ("cpu", "cpu_freq_mhz") in {(d, m) for d, m, _ in b2.read()}
+    b.close()
+    b2.close()
+
+
+def test_host_backend_keeps_its_files_open_until_close_and_no_longer(tmp_path):
+    """The files read at every sample are opened once (os.pread from offset 0 after that)."""
+    proc, sys_root = _fake_proc(tmp_path)
+    cpuinfo = os.path.join(proc, "cpuinfo")
+
+    def open_files() -> set[str]:
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        return out
+
+    b = cb.HostBackend(proc=proc, sys_root=sys_root)
+    assert b.sources["cpu_freq_mhz"] == "/proc/cpuinfo 'cpu MHz'" and cpuinfo in open_files()
+    with open(cpuinfo, "w") as f:  # the file changes: the open descriptor reads the new text
+        f.write("cpu MHz\t\t: 1000.0\ncpu MHz\t\t: 3000.0\n")
+    assert {(d, m): v for d, m, v in b.read()}[("cpu", "cpu_freq_mhz")] == 2000.0
+    b.close()
+    b.close()  # twice is fine
+    assert cpuinfo not in open_files()
+    with pytest.raises(OSError, match="closed"):
+        b._freq_cpuinfo()
+    dropped = cb.HostBackend(proc=proc, sys_root=sys_root)
+    assert cpuinfo in open_files()
+    del dropped  # never closed: the finalizer closes its files
+    gc.collect()
+    assert cpuinfo not in open_files()

@@ -38,9 +38,19 @@ Reading = tuple[str, str, float]  # (device, metric, value)
 #: Above this many cores the host backend records only the ``"cpu"`` aggregate rows.
 PER_CORE_MAX = 16
 
-#: Utilisation needs a window of a few jiffies (10 ms each) to mean anything; at higher
-#: sampling rates it is emitted at most this often.
+#: This process's utilisation (``time.process_time_ns``, exact) needs only a window of a few
+#: scheduler ticks to mean anything; at higher sampling rates it is emitted at most this often.
 UTIL_MIN_WINDOW_S = 0.03
+#: The machine's per-core utilisation comes from /proc/stat, counted in jiffies (10 ms): over
+#: a 50 ms window a core reads in 20% steps, over 200 ms in 5% steps. It is read at most this
+#: often, whatever the sampling rate: finer windows would only add quantisation noise.
+SYSTEM_UTIL_PERIOD_S = 0.2
+#: CPU time the host's other readings (frequency, package power, temperature) may take, as a
+#: share of one core. Their cost grows with the core count (one cpufreq file per core; a
+#: /proc/cpuinfo of every core) and lands on cores the training loop uses: when one reading
+#: costs more than this share at the sampling rate, they are read less often (every k-th
+#: sample), and ``meta()["periods_s"]`` says how often they were read.
+HOST_CPU_BUDGET = 0.0025
 
 class Backend(Protocol):
     """A source of clock readings (host, NVML): ``read()`` gives ``(device, metric, value)`` rows."""
@@ -75,6 +85,37 @@ _MHZ_RE = re.compile(rb"^cpu MHz\s*:\s*([0-9.]+)", re.M)
 _CPU_TEMP_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal", "acpitz")
 
 
+class _KernelFile:
+    """A /proc or /sys file kept open and read again from offset 0 (``os.pread``): the kernel
+    regenerates it on every read, and no open()/close() is paid per sample."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def read(self) -> bytes:
+        if self.fd is None:
+            raise OSError(f"{self.path} is closed")
+        parts: list[bytes] = []
+        offset = 0
+        while True:
+            chunk = os.pread(self.fd, 65536, offset)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+            offset += len(chunk)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _close_all(files: list[_KernelFile]) -> None:
+    for f in files:
+        f.close()
+
+
 def _busy_total(t: Any) -> tuple[float, float]:
     """(busy, total) seconds of one ``psutil.cpu_times`` entry. Linux counts guest time inside
     user/nice already, so it is taken out of the total once; iowait is idle."""
@@ -106,14 +147,20 @@ class HostBackend:
         if not self.per_core:
             self.dropped.append(f"per-core rows: {ncores} cores > {PER_CORE_MAX}, only the 'cpu' mean is kept")
 
+        # Files read at every sample stay open (see _KernelFile); the finalizer closes them
+        # should the backend be dropped without close().
+        self._files: list[_KernelFile] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._files)
+
         # Frequency: cpufreq (kHz, moves with DVFS) else /proc/cpuinfo (MHz, often frozen on VMs).
-        self._freq_files = sorted(glob.glob(f"{sys_root}/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_cur_freq"),
-                                  key=_cpu_index)
+        self._freq_files: list[_KernelFile] = []
+        self._cpuinfo: _KernelFile | None = None
         self._freq: Callable[[], list[float]] | None = None
-        if self._freq_files and self._try(self._freq_cpufreq):
+        paths = sorted(glob.glob(f"{sys_root}/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_cur_freq"), key=_cpu_index)
+        if paths and self._try(lambda: self._open_cpufreq(paths)):
             self._freq = self._freq_cpufreq
             self.sources["cpu_freq_mhz"] = "cpufreq (scaling_cur_freq)"
-        elif self._try(self._freq_cpuinfo):
+        elif self._try(self._open_cpuinfo):
             self._freq = self._freq_cpuinfo
             self.sources["cpu_freq_mhz"] = "/proc/cpuinfo 'cpu MHz'"
         else:
@@ -123,22 +170,27 @@ class HostBackend:
         # one process-wide baseline that any other caller would disturb).
         self._ncores = ncores
         self._last_times = psutil.cpu_times(percpu=True)
-        self._last_times_ns = perf_counter_ns()
+        self._last_times_ns = self._last_proc_t_ns = perf_counter_ns()
         self._last_proc_ns = time.process_time_ns()
         self.sources["cpu_util_pct"] = "psutil.cpu_times deltas"
 
         # Package power: RAPL energy counters (µJ, wrapping at max_energy_range_uj).
-        self._rapl: list[tuple[str, int]] = []
+        self._rapl: list[tuple[_KernelFile, int]] = []
         for d in sorted(glob.glob(f"{sys_root}/class/powercap/intel-rapl:[0-9]*")):
             if ":" in os.path.basename(d).split("intel-rapl:", 1)[1]:
                 continue  # a sub-domain (core, dram): the package already includes the cores
             try:
-                with open(f"{d}/energy_uj") as f:
-                    int(f.read())
                 with open(f"{d}/max_energy_range_uj") as f:
-                    self._rapl.append((f"{d}/energy_uj", int(f.read())))
+                    wrap = int(f.read())
+                counter = _KernelFile(f"{d}/energy_uj")
             except (OSError, ValueError):
                 continue
+            self._files.append(counter)
+            try:
+                int(counter.read())
+            except (OSError, ValueError):
+                continue
+            self._rapl.append((counter, wrap))
         self._last_energy: tuple[int, list[int]] | None = None
         if self._rapl:
             self.sources["cpu_power_w"] = f"RAPL ({len(self._rapl)} package counters)"
@@ -159,6 +211,13 @@ class HostBackend:
         else:
             self.sources["temperature_c"] = "unavailable: psutil sees no CPU temperature sensor"
 
+        # What the budget (HOST_CPU_BUDGET) decided: the period of the other readings, grown
+        # from the sampling period when one reading costs more than the budget allows.
+        self._other_cost_ns: float | None = None  # running estimate of one reading's CPU time
+        self._next_other_ns = 0
+        self._next_system_ns = 0
+        self.other_period_s = 0.0  # the longest period the budget asked for so far
+
     # sources
     @staticmethod
     def _try(fn: Callable[[], list[float]]) -> bool:
@@ -167,23 +226,26 @@ class HostBackend:
         except (OSError, ValueError, AttributeError):
             return False
 
+    def _open_cpufreq(self, paths: list[str]) -> list[float]:
+        for path in paths:
+            self._freq_files.append(_KernelFile(path))
+            self._files.append(self._freq_files[-1])
+        return self._freq_cpufreq()
+
+    def _open_cpuinfo(self) -> list[float]:
+        self._cpuinfo = _KernelFile(f"{self._proc}/cpuinfo")
+        self._files.append(self._cpuinfo)
+        return self._freq_cpuinfo()
+
     def _freq_cpufreq(self) -> list[float]:
-        out = []
-        for p in self._freq_files:
-            with open(p) as f:
-                out.append(int(f.read()) / 1000.0)  # kHz -> MHz
-        return out
+        return [int(f.read()) / 1000.0 for f in self._freq_files]  # kHz -> MHz
 
     def _freq_cpuinfo(self) -> list[float]:
-        with open(f"{self._proc}/cpuinfo", "rb") as f:
-            return [float(x) for x in _MHZ_RE.findall(f.read())]
+        assert self._cpuinfo is not None  # opened by _open_cpuinfo
+        return [float(x) for x in _MHZ_RE.findall(self._cpuinfo.read())]
 
     def _energy_uj(self) -> list[int]:
-        out = []
-        for path, _ in self._rapl:
-            with open(path) as f:
-                out.append(int(f.read()))
-        return out
+        return [int(f.read()) for f, _ in self._rapl]
 
     def _sensors(self) -> dict[str, Any]:
         fn = getattr(self._psutil, "sensors_temperatures", None)
@@ -195,12 +257,29 @@ class HostBackend:
     # reading
     def read(self) -> list[Reading]:
         rows: list[Reading] = []
+        now = perf_counter_ns()
+        self._read_process(rows, now)
+        if now >= self._next_system_ns:
+            if self._read_system_util(rows, now):
+                self._next_system_ns = now + int(SYSTEM_UTIL_PERIOD_S * 1e9)
+        if now >= self._next_other_ns:
+            cpu0 = time.thread_time_ns()
+            self._read_others(rows)
+            cost = time.thread_time_ns() - cpu0
+            # the running estimate follows a cheaper reading slowly and a dearer one at once
+            est = self._other_cost_ns
+            self._other_cost_ns = est = float(cost) if est is None or cost > est else 0.8 * est + 0.2 * cost
+            period = est / 1e9 / HOST_CPU_BUDGET
+            self.other_period_s = max(self.other_period_s, period)
+            self._next_other_ns = now + int(period * 1e9)
+        return rows
+
+    def _read_others(self, rows: list[Reading]) -> None:
         if self._freq is not None:
             try:
                 self._per_core(rows, "cpu_freq_mhz", self._freq())
             except (OSError, ValueError) as e:
                 self._drop("cpu_freq_mhz", e)
-        self._read_util(rows)
         if self._last_energy is not None:
             self._read_power(rows)
         if self._temp_chip is not None:
@@ -208,7 +287,6 @@ class HostBackend:
             values = [t.current for t in entries if t.current is not None]
             if values:
                 rows.append(("cpu", "temperature_c", float(max(values))))
-        return rows
 
     def _per_core(self, rows: list[Reading], metric: str, values: list[float]) -> None:
         if not values:
@@ -217,14 +295,20 @@ class HostBackend:
             rows.extend((f"cpu{i}", metric, v) for i, v in enumerate(values))
         rows.append(("cpu", metric, sum(values) / len(values)))
 
-    def _read_util(self, rows: list[Reading]) -> None:
-        now = perf_counter_ns()
-        if (now - self._last_times_ns) / 1e9 < UTIL_MIN_WINDOW_S:
+    def _read_process(self, rows: list[Reading], now: int) -> None:
+        if (now - self._last_proc_t_ns) / 1e9 < UTIL_MIN_WINDOW_S:
             return
-        times = self._psutil.cpu_times(percpu=True)
         proc = time.process_time_ns()
-        proc_pct = 100.0 * (proc - self._last_proc_ns) / ((now - self._last_times_ns) * self._ncores)
-        self._last_proc_ns = proc
+        proc_pct = 100.0 * (proc - self._last_proc_ns) / ((now - self._last_proc_t_ns) * self._ncores)
+        self._last_proc_ns, self._last_proc_t_ns = proc, now
+        rows.append(("process", "cpu_util_pct", min(100.0, max(0.0, proc_pct))))
+
+    def _read_system_util(self, rows: list[Reading], now: int) -> bool:
+        """Per-core and mean utilisation since the last reading; False if the window was
+        too short to mean anything (then nothing is read)."""
+        if (now - self._last_times_ns) / 1e9 < UTIL_MIN_WINDOW_S:
+            return False
+        times = self._psutil.cpu_times(percpu=True)
         util = []
         for new, old in zip(times, self._last_times):
             (busy_new, total_new), (busy_old, total_old) = _busy_total(new), _busy_total(old)
@@ -233,7 +317,7 @@ class HostBackend:
         self._last_times, self._last_times_ns = times, now
         if all(u is not None for u in util):
             self._per_core(rows, "cpu_util_pct", util)  # type: ignore[arg-type]
-        rows.append(("process", "cpu_util_pct", min(100.0, max(0.0, proc_pct))))
+        return True
 
     def _read_power(self, rows: list[Reading]) -> None:
         assert self._last_energy is not None
@@ -258,10 +342,20 @@ class HostBackend:
             self._freq = None
 
     def close(self) -> None:
-        pass
+        self._finalizer()
 
     def meta(self) -> dict[str, Any]:
-        return {"sources": dict(self.sources), "devices": ["cpu", "process"], "dropped": list(self.dropped)}
+        """``periods_s``: the shortest period each metric allows itself (the sampler's own
+        period applies above it); ``budget``: what the costliest reading cost."""
+        periods = {"process cpu_util_pct": UTIL_MIN_WINDOW_S, "cpu_util_pct": SYSTEM_UTIL_PERIOD_S}
+        for metric in ("cpu_freq_mhz", "cpu_power_w", "temperature_c"):
+            if not self.sources.get(metric, "unavailable").startswith("unavailable"):
+                periods[metric] = self.other_period_s
+        cost_ms = (self._other_cost_ns or 0.0) / 1e6
+        return {"sources": dict(self.sources), "devices": ["cpu", "process"], "dropped": list(self.dropped),
+                "periods_s": periods,
+                "budget": f"host frequency/power/temperature: {cost_ms:.3f} ms of CPU per reading, read at "
+                          f"most every {self.other_period_s:.3f} s ({HOST_CPU_BUDGET:.2%} of one core)"}
 
 
 # -- NVML ---------------------------------------------------------------------------------

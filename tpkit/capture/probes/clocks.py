@@ -147,15 +147,22 @@ class ClockProbe:
         sources: dict[str, str] = {}
         devices: list[str] = []
         dropped: list[str] = []
+        periods: dict[str, float] = {}
+        budgets: list[str] = []
         for b in state.backends:
             m = b.meta()
             sources.update(m.get("sources", {}))
             devices += m.get("devices", [])
             dropped += m.get("dropped", [])
+            # a backend may read some metrics less often than every sample (see HOST_CPU_BUDGET)
+            periods.update({k: max(1.0 / self.hz, v) for k, v in m.get("periods_s", {}).items()})
+            if "budget" in m:
+                budgets.append(m["budget"])
         wall_s = max(1e-9, state.wall_ns / 1e9)
         info: dict[str, Any] = {
             "hz": self.hz, "samples": state.ticks, "rows": nrows, "late_samples": state.late_ticks,
             "sources": sources, "devices": devices, "dropped": dropped,
+            "periods_s": {k: round(v, 4) for k, v in periods.items()}, "budgets": budgets,
             "sampler_cpu_s": state.cpu_ns / 1e9,
             "sampler_cpu_share": state.cpu_ns / 1e9 / wall_s,  # of one core, over the slice
         }
