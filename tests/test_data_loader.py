@@ -393,6 +393,21 @@ def test_first_batch_made_in_process_draws_like_worker_0(workers):
     assert not live_children() and not shm_files()
 
 
+def test_the_in_process_first_batch_leaves_the_gpu_generators_alone():
+    """torch.manual_seed in the main process would also seed every GPU's generator (queued
+    until CUDA starts, on a machine without one yet), which no restore of the CPU state
+    undoes: the loop's GPU dropout would draw from the loader's seed. The first batch seeds
+    only the CPU generator (torch's DataLoader never seeds the main process at all)."""
+    from torch.cuda import _lazy_seed_tracker
+
+    torch.manual_seed(123)  # the user's seed: queued for every GPU
+    queued = _lazy_seed_tracker.get_calls()
+    batches = [b for b in Loader(ThreeRngs(), batch_size=4, shuffle=True, seed=5, num_workers=2)]
+    assert len(batches) == 5
+    assert _lazy_seed_tracker.get_calls() == queued  # still the user's seed, not the loader's
+    assert not live_children() and not shm_files()
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_the_first_batch_forks_one_worker_and_the_second_forks_the_rest(workers):
     """The first next() forks worker 1 only (it makes batch 1 meanwhile; worker 0 goes on from

@@ -280,7 +280,7 @@ class ProcessPool:
         self.next_yield = bid + 1
         self._start_ahead()
         mine = get_rng_states()
-        seed_worker(self.spec.base_seed, 0)
+        seed_worker(self.spec.base_seed, 0, in_main=True)
         maker = BatchMaker(self.spec)
         try:
             made = maker.make(indices)

@@ -125,13 +125,22 @@ class WorkerSpec:
     parent_pid: int
 
 
-def seed_worker(base_seed: int, worker: int) -> int:
+def seed_worker(base_seed: int, worker: int, in_main: bool = False) -> int:
     """Seed Python, torch and numpy in a worker as torch's DataLoader seeds its workers
     (numpy from torch's own seed-state generator where this torch has it); returns the torch
-    seed (base + id)."""
+    seed (base + id).
+
+    ``in_main``: the batch is made in the main process (the in-process first batch), whose
+    random states are saved before and restored after (``get_rng_states``): only the CPU
+    generator is seeded, since ``torch.manual_seed`` would also seed every GPU's generator
+    (or queue that seed until CUDA starts), which no restore undoes: the training loop's
+    dropout on the GPU would draw from the loader's seed."""
     seed = base_seed + worker
     random.seed(seed)
-    torch.manual_seed(seed)
+    if in_main:
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
     try:
         from torch.utils.data._utils.worker import _generate_state
         np_seed = _generate_state(base_seed, worker)
