@@ -85,7 +85,10 @@ def test_watch_times_any_iterable_and_counts_samples():
     assert list(tp.watch([1, 2, 3])) == [1, 2, 3]  # free and transparent outside a slice
 
 
-def test_h2d_is_a_move_off_the_host():
+def test_h2d_is_a_move_off_the_host(monkeypatch):
+    from tpkit.capture.probes import phases
+
+    monkeypatch.setattr(phases, "has_accelerator", lambda: True)  # the meta device stands in for a GPU
     with tp.profile(steps=2, warmup=0, progress=False) as prof:
         x = torch.ones(1000)
         while True:
@@ -97,6 +100,21 @@ def test_h2d_is_a_move_off_the_host():
     spans = prof.run.spans
     h2d = spans[spans["phase"] == "h2d"]
     assert len(h2d) == 4 and set(h2d["source"]) == {"Tensor.to"}
+
+
+def test_without_an_accelerator_tensor_to_is_left_alone():
+    """No device to copy to: no h2d span can exist, so Tensor.to and Tensor.cuda stay torch's
+    own (a wrapper would cost 1.5-2 us per call for nothing)."""
+    from tpkit.capture.probes import phases
+
+    if phases.has_accelerator():
+        pytest.skip("this machine has an accelerator")
+    to, cuda = torch.Tensor.to, torch.Tensor.cuda
+    with tp.profile(steps=1, warmup=0, progress=False) as prof:
+        assert torch.Tensor.to is to and torch.Tensor.cuda is cuda
+        torch.ones(3).to(torch.float64)
+        tp.step()
+    assert prof.run.spans.query("phase == 'h2d'").empty
 
 
 def test_nested_profile_is_refused_and_outer_survives():

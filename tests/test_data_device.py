@@ -91,6 +91,9 @@ def test_prefetch_copies_are_not_charged_as_h2d(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeStream(d))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
     monkeypatch.setattr(loader_mod, "resolve_device", lambda device, pin: (torch.device("meta"), False))
+    from tpkit.capture.probes import phases
+
+    monkeypatch.setattr(phases, "has_accelerator", lambda: True)
 
     loader = Loader(Mixed(64), batch_size=4, device="cuda")
     model = torch.nn.Linear(3, 1)
