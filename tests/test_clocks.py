@@ -197,6 +197,12 @@ def test_host_backend_through_tp_profile_and_the_probe_shows_during_the_slice(on
     assert util.nunique() > 1
     _busy_steps_show_more_cpu(prof.run)
     assert prof.run.meta["clocks"]["samples"] >= 20
+    periods = prof.run.meta["clocks"]["periods_s"]  # how often each host metric was read
+    assert periods["process cpu_util_pct"] == cb.UTIL_MIN_WINDOW_S  # above the 20 ms sampling period
+    assert periods["cpu_util_pct"] == cb.SYSTEM_UTIL_PERIOD_S
+    assert periods["cpu_freq_mhz"] >= 1 / 50
+    sys_util = c[(c["device"] == "cpu") & (c["metric"] == "cpu_util_pct")]["t_s"].diff().dropna()
+    assert (sys_util >= cb.SYSTEM_UTIL_PERIOD_S - 0.005).all()
     s = analysis.summarize(prof.run.steps, prof.run.meta, c)
     assert s.clocks["metric"] == "cpu_freq_mhz" and s.clock_lines
 
