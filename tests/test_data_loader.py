@@ -10,9 +10,12 @@ import itertools
 import pytest
 import torch
 from data_helpers import Mixed, RandomAug, Shards, as_lists, live_children, shm_files
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, RandomSampler
 
 from tpkit.data import Loader
+from tpkit.data.loader import permuted_batches
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2])
@@ -460,3 +463,56 @@ def test_small_batches_get_a_deeper_queue(tmp_path, nbytes, ahead):
     assert lo <= fetched <= hi, fetched
     assert [int(b[0, 0]) for b in held] == [0, 1, 2]
     loader.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), batch_size=st.integers(1, 70), drop_last=st.booleans(),
+       seed=st.one_of(st.none(), st.integers(0, 2**31)), taken=st.integers(0, 400))
+def test_shuffled_batches_are_torchs_and_leave_the_generator_where_torch_does(n, batch_size, drop_last, seed,
+                                                                              taken):
+    """permuted_batches slices one permutation tensor instead of listing the whole epoch: the
+    same batches as BatchSampler(RandomSampler), the generator (or, without one, the global
+    RNG) in the same state after any number of batches, the whole epoch included."""
+    from torch.utils.data import BatchSampler
+
+    def gen():
+        return None if seed is None else torch.Generator().manual_seed(seed)
+
+    torch.manual_seed(7)
+    g_ours = gen()
+    ours = permuted_batches(n, batch_size, drop_last, g_ours)
+    got = list(itertools.islice(ours, taken))
+    state_ours = (g_ours or torch.default_generator).get_state()
+    torch.manual_seed(7)
+    g_ref = gen()
+    ref = iter(BatchSampler(RandomSampler(range(n), generator=g_ref), batch_size, drop_last))
+    want = list(itertools.islice(ref, taken))
+    assert got == want
+    assert torch.equal(state_ours, (g_ref or torch.default_generator).get_state())
+    if seed is not None:  # the rest of the epoch and the next one from the same generator
+        assert list(ours) == list(ref)
+        assert torch.equal(g_ours.get_state(), g_ref.get_state())
+
+
+def test_a_shuffled_epoch_is_never_listed_whole(monkeypatch):
+    """A shuffle by torch's own RandomSampler goes through permuted_batches (no list of every
+    index before the first batch); any other sampler (a subclass too) is iterated as it is."""
+    import tpkit.data.loader as loader_mod
+
+    calls = []
+    real = loader_mod.permuted_batches
+    monkeypatch.setattr(loader_mod, "permuted_batches", lambda *a: calls.append(a) or real(*a))
+    ours = [b["i"].tolist() for b in Loader(Mixed(30), batch_size=4, shuffle=True, seed=3)]
+    ref = [b["i"].tolist() for b in DataLoader(Mixed(30), batch_size=4, shuffle=True,
+                                               generator=torch.Generator().manual_seed(3))]
+    assert ours == ref and calls and calls[0][:3] == (30, 4, False)
+    calls.clear()
+
+    class Reversed(RandomSampler):
+        def __iter__(self):
+            return iter(reversed(list(super().__iter__())))
+
+    sampler = Reversed(range(30), generator=torch.Generator().manual_seed(3))
+    got = [b["i"].tolist() for b in Loader(Mixed(30), batch_size=4, sampler=sampler)]
+    order = list(RandomSampler(range(30), generator=torch.Generator().manual_seed(3)))
+    assert [i for b in got for i in b] == order[::-1] and not calls

@@ -48,6 +48,28 @@ def _sampler_rng(sampler: Any) -> torch.Generator | None:
     return None
 
 
+def permuted_batches(n: int, batch_size: int, drop_last: bool,
+                     generator: torch.Generator | None) -> Iterator[list[int]]:
+    """The batches ``BatchSampler(RandomSampler(range(n), generator=generator), batch_size,
+    drop_last)`` yields, drawn from the generator as torch draws them: one ``randperm`` for the
+    epoch and, when the sampler runs out, the second one torch's sampler draws and keeps none
+    of (so the generator is where torch leaves it for the next epoch). Each batch is sliced
+    from the permutation tensor when it is asked for, where torch's sampler turns the whole
+    epoch into a Python list first: 36 bytes and ~20 ns an index (a 1.28M-sample epoch is a
+    46 MB list and ~25 ms before the first batch), here 8 bytes and nothing up front."""
+    if generator is None:  # as RandomSampler: a private generator seeded from the global RNG
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+    perm = torch.randperm(n, generator=generator)
+    full, rest = divmod(n, batch_size)
+    for i in range(full):
+        yield perm[i * batch_size:(i + 1) * batch_size].tolist()
+    torch.randperm(n, generator=generator)  # torch's sampler draws it when it runs out
+    if rest and not drop_last:
+        yield perm[full * batch_size:].tolist()
+
+
 class Loader:
     """Batches from a map-style or iterable dataset, made by worker processes (or threads).
 
@@ -186,6 +208,16 @@ class Loader:
     def _index_sampler(self) -> Any:
         return self.batch_sampler if self.batch_sampler is not None else self.sampler
 
+    def _index_batches(self) -> Iterator[Any]:
+        """The epoch's batches of indices: ``permuted_batches`` where the sampler is torch's
+        own shuffle of the whole dataset in torch's own batches (the same batches, drawn the
+        same way), else the samplers themselves."""
+        s, b = self.sampler, self.batch_sampler
+        if (type(s) is RandomSampler and type(b) is BatchSampler and b.sampler is s
+                and not s.replacement and s._num_samples is None and isinstance(b.batch_size, int)):
+            return permuted_batches(len(s.data_source), b.batch_size, b.drop_last, s.generator)
+        return iter(self._index_sampler)
+
     # -- epochs -----------------------------------------------------------------------------------
     def __iter__(self) -> "_LoaderIter":
         probe = self._auto_probe
@@ -237,7 +269,7 @@ class Loader:
             if rng_state is not None:
                 g.set_state(rng_state)
             rng_state = g.get_state()
-        tasks = iter(self._index_sampler)
+        tasks = self._index_batches()
         for _ in range(skip):
             next(tasks, None)
         return tasks, skip, {"epoch": self._epoch, "base_seed": base_seed, "sampler_rng_state": rng_state}
