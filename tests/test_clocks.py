@@ -164,9 +164,13 @@ def test_host_readings_change_during_a_cpu_heavy_slice_through_the_magic(ip, one
     host = c.loc[c["metric"] == "cpu_util_pct", "value"]
     assert ((host >= 0) & (host <= 100)).all() and host.max() > 10
     freq = c[(c["device"] == "cpu") & (c["metric"] == "cpu_freq_mhz")]["value"]
-    assert len(freq) >= 20 and (freq > 100).all()  # read, moving or not (a VM's is frozen)
+    assert (freq > 100).all()  # read, moving or not (a VM's is frozen)
     assert c["t_s"].min() >= 0 and c["t_s"].max() <= run.steps["end_s"].max() + 0.5
     meta = run.meta["clocks"]
+    # read at least as often as the CPU budget let it (run.meta says how often: on a loaded
+    # machine one reading costs more, so it is read less often), and never rarely
+    span_s = c["t_s"].max() - c["t_s"].min()
+    assert len(freq) >= min(20, span_s / meta["periods_s"]["cpu_freq_mhz"] - 1) and len(freq) >= 5
     assert meta["hz"] == 20.0 and meta["rows"] == len(c)
     assert meta["sources"]["cpu_util_pct"] == "psutil.cpu_times deltas"
     assert {"cpu_freq_mhz", "cpu_power_w", "temperature_c", "nvml"} <= set(meta["sources"])
