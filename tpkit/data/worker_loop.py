@@ -34,6 +34,41 @@ from torch.utils.data._utils.collate import default_collate
 from .collate import deferred_collate
 from .slots import WorkerRing
 
+#: glibc malloc settings of a worker process (see ``steady_malloc``): blocks below this come from
+#: the heap and are reused; the heap's free top is given back to the OS only past the second.
+WORKER_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+WORKER_TRIM_THRESHOLD_BYTES = 64 * 1024 * 1024
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def steady_malloc() -> str:
+    """Fix glibc's mmap and trim thresholds in a worker process; returns what was done.
+
+    A worker makes the same batch shape over and over. glibc adapts both thresholds as blocks
+    are freed, and in some worker histories (measured: the worker forked after the in-process
+    first batch, on 3x224x224 uint8 images) it ends up giving every batch's sample memory back
+    to the OS when the batch is freed and taking it again, zero-filled, for the next: 848 page
+    faults per batch in that worker and none in its sibling, which then idled waiting for it
+    (15.5k samples/s; with fixed thresholds 21.0k, both workers busy, no faults). Fixed
+    thresholds keep a worker's transient blocks below 32 MB on its heap for reuse, keeping at
+    most 64 MB of free heap. Left alone where the user tuned malloc (``MALLOC_*_`` or
+    ``GLIBC_TUNABLES`` in the environment) and where the C library is not glibc."""
+    import ctypes
+    import platform
+
+    if any(k in os.environ for k in _MALLOC_ENV) or "malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return "left alone: malloc tuned in the environment"
+    if platform.libc_ver()[0] != "glibc":
+        return "left alone: not glibc"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "left alone: no mallopt"
+    ok = mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD_BYTES) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, WORKER_TRIM_THRESHOLD_BYTES) == 1 and ok
+    return "fixed" if ok else "left alone: mallopt refused"
+
 
 class Made(NamedTuple):
     """One batch as a ``BatchMaker`` made it."""
@@ -250,6 +285,7 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
     starts when the main process made a batch in its place (see process_pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns Ctrl-C and our exit
     torch.set_num_threads(1)
+    steady_malloc()
     seed = seed_worker(spec.base_seed, worker)
     if rng_states is not None:
         set_rng_states(rng_states)
