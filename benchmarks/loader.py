@@ -53,7 +53,9 @@ WORKLOADS = {
     # name: (dataset class in tpkit.datasets, its args, batch_size, batches timed at most)
     "tiny": ("TinySamples", {"n": 200_000}, 64, 1500),
     "numpy_1ms": ("NumpyWork", {"n": 20_000, "cpu_ms": 1.0}, 32, 60),
-    "images": ("Images", {"n": 20_000}, 32, 60),
+    # 300 batches: at 60 the fastest loader's timed loop lasted ~0.13 s, mostly its start-up
+    # (workers forked after the first batch, their rings' first lap), not its rate
+    "images": ("Images", {"n": 20_000}, 32, 300),
 }
 PEERS = ("torch", "tpkit", "torchdata process", "torchdata thread", "spdl thread", "plain x1")
 #: Goals of issue 14 for tpkit vs torch's DataLoader with the same workers.
