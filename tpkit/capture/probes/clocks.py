@@ -18,6 +18,7 @@ fire. The probe never draws and never imports pandas.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -154,8 +155,10 @@ class ClockProbe:
             sources.update(m.get("sources", {}))
             devices += m.get("devices", [])
             dropped += m.get("dropped", [])
-            # a backend may read some metrics less often than every sample (see HOST_CPU_BUDGET)
-            periods.update({k: max(1.0 / self.hz, v) for k, v in m.get("periods_s", {}).items()})
+            # a backend may read some metrics less often than every sample (see HOST_CPU_BUDGET):
+            # it reads at the first sample after its own period, so the period is whole samples
+            periods.update({k: math.ceil(v * self.hz - 1e-9) / self.hz if v * self.hz > 1 else 1.0 / self.hz
+                            for k, v in m.get("periods_s", {}).items()})
             if "budget" in m:
                 budgets.append(m["budget"])
         wall_s = max(1e-9, state.wall_ns / 1e9)
