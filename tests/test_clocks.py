@@ -718,3 +718,28 @@ def test_host_backend_keeps_its_files_open_until_close_and_no_longer(tmp_path):
     del dropped  # never closed: the finalizer closes its files
     gc.collect()
     assert cpuinfo not in open_files()
+
+
+def test_a_host_with_many_cores_does_not_lend_a_descriptor_per_core(tmp_path):
+    """Past KEEP_OPEN_MAX cpufreq files (one per core), the host backend opens them at each read
+    instead of holding a descriptor per core in the user's process; the readings are the same."""
+    proc, sys_root = _fake_proc(tmp_path)
+    n = cb.KEEP_OPEN_MAX + 8
+    for cpu in range(n):
+        d = os.path.join(sys_root, f"devices/system/cpu/cpu{cpu}/cpufreq")
+        os.makedirs(d)
+        with open(os.path.join(d, "scaling_cur_freq"), "w") as f:
+            f.write(f"{1_000_000 + 1000 * cpu}\n")
+
+    def open_count() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_count()
+    b = cb.HostBackend(proc=proc, sys_root=sys_root)
+    assert b.sources["cpu_freq_mhz"] == "cpufreq (scaling_cur_freq)"
+    assert open_count() - before < 4  # not one per core
+    rows = {(d, m): v for d, m, v in b.read()}
+    assert rows[("cpu", "cpu_freq_mhz")] == pytest.approx(1000 + (n - 1) / 2)  # the mean of all cores
+    b.close()
+    with pytest.raises(OSError, match="closed"):
+        b._freq_cpufreq()

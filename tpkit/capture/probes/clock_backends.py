@@ -85,17 +85,32 @@ _MHZ_RE = re.compile(rb"^cpu MHz\s*:\s*([0-9.]+)", re.M)
 _CPU_TEMP_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal", "acpitz")
 
 
+#: At most this many files are kept open by one host backend (a cpufreq file per core on a
+#: host with hundreds of cores would take that many descriptors from the user's process); the
+#: others are opened at each read.
+KEEP_OPEN_MAX = 32
+
+
 class _KernelFile:
     """A /proc or /sys file kept open and read again from offset 0 (``os.pread``): the kernel
-    regenerates it on every read, and no open()/close() is paid per sample."""
+    regenerates it on every read, and no open()/close() is paid per sample. With
+    ``keep_open=False`` it is opened at each read instead (and ``close()`` only marks it closed)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, keep_open: bool = True) -> None:
         self.path = path
-        self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.keep_open = keep_open
+        self.closed = False
+        self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if keep_open else None
+        if not keep_open:
+            self.read()  # unreadable files fail here, as the kept-open ones fail at open
 
     def read(self) -> bytes:
-        if self.fd is None:
+        if self.closed:
             raise OSError(f"{self.path} is closed")
+        if not self.keep_open:
+            with open(self.path, "rb") as f:
+                return f.read()
+        assert self.fd is not None
         parts: list[bytes] = []
         offset = 0
         while True:
@@ -106,6 +121,7 @@ class _KernelFile:
             offset += len(chunk)
 
     def close(self) -> None:
+        self.closed = True
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
@@ -227,8 +243,9 @@ class HostBackend:
             return False
 
     def _open_cpufreq(self, paths: list[str]) -> list[float]:
+        keep = len(paths) <= KEEP_OPEN_MAX  # one file per core: beyond that, opened per read
         for path in paths:
-            self._freq_files.append(_KernelFile(path))
+            self._freq_files.append(_KernelFile(path, keep_open=keep))
             self._files.append(self._freq_files[-1])
         return self._freq_cpufreq()
 
