@@ -662,6 +662,15 @@ def _fake_proc(tmp_path) -> tuple[str, str]:
     return str(proc), str(sys_root)
 
 
+def _open_files() -> set[str]:
+    """What this process's file descriptors point at."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
+
+
 def test_host_readings_that_cost_more_than_the_budget_are_read_less_often(monkeypatch, tmp_path):
     """The host's frequency/power/temperature reading is timed; past HOST_CPU_BUDGET of one
     core it is read less often, and the Run's meta says how often. The machine's per-core
@@ -696,28 +705,21 @@ def test_host_backend_keeps_its_files_open_until_close_and_no_longer(tmp_path):
     proc, sys_root = _fake_proc(tmp_path)
     cpuinfo = os.path.join(proc, "cpuinfo")
 
-    def open_files() -> set[str]:
-        out = set()
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                out.add(os.readlink(f"/proc/self/fd/{fd}"))
-        return out
-
     b = cb.HostBackend(proc=proc, sys_root=sys_root)
-    assert b.sources["cpu_freq_mhz"] == "/proc/cpuinfo 'cpu MHz'" and cpuinfo in open_files()
+    assert b.sources["cpu_freq_mhz"] == "/proc/cpuinfo 'cpu MHz'" and cpuinfo in _open_files()
     with open(cpuinfo, "w") as f:  # the file changes: the open descriptor reads the new text
         f.write("cpu MHz\t\t: 1000.0\ncpu MHz\t\t: 3000.0\n")
     assert {(d, m): v for d, m, v in b.read()}[("cpu", "cpu_freq_mhz")] == 2000.0
     b.close()
     b.close()  # twice is fine
-    assert cpuinfo not in open_files()
+    assert cpuinfo not in _open_files()
     with pytest.raises(OSError, match="closed"):
         b._freq_cpuinfo()
     dropped = cb.HostBackend(proc=proc, sys_root=sys_root)
-    assert cpuinfo in open_files()
+    assert cpuinfo in _open_files()
     del dropped  # never closed: the finalizer closes its files
     gc.collect()
-    assert cpuinfo not in open_files()
+    assert cpuinfo not in _open_files()
 
 
 def test_a_host_with_many_cores_does_not_lend_a_descriptor_per_core(tmp_path):
@@ -731,13 +733,10 @@ def test_a_host_with_many_cores_does_not_lend_a_descriptor_per_core(tmp_path):
         with open(os.path.join(d, "scaling_cur_freq"), "w") as f:
             f.write(f"{1_000_000 + 1000 * cpu}\n")
 
-    def open_count() -> int:
-        return len(os.listdir("/proc/self/fd"))
-
-    before = open_count()
+    before = _open_files()
     b = cb.HostBackend(proc=proc, sys_root=sys_root)
     assert b.sources["cpu_freq_mhz"] == "cpufreq (scaling_cur_freq)"
-    assert open_count() - before < 4  # not one per core
+    assert len(_open_files() - before) < 4  # not one descriptor per core
     rows = {(d, m): v for d, m, v in b.read()}
     assert rows[("cpu", "cpu_freq_mhz")] == pytest.approx(1000 + (n - 1) / 2)  # the mean of all cores
     b.close()

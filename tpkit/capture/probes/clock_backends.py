@@ -201,11 +201,12 @@ class HostBackend:
                 counter = _KernelFile(f"{d}/energy_uj")
             except (OSError, ValueError):
                 continue
-            self._files.append(counter)
             try:
                 int(counter.read())
             except (OSError, ValueError):
+                counter.close()
                 continue
+            self._files.append(counter)
             self._rapl.append((counter, wrap))
         self._last_energy: tuple[int, list[int]] | None = None
         if self._rapl:
@@ -276,9 +277,8 @@ class HostBackend:
         rows: list[Reading] = []
         now = perf_counter_ns()
         self._read_process(rows, now)
-        if now >= self._next_system_ns:
-            if self._read_system_util(rows, now):
-                self._next_system_ns = now + int(SYSTEM_UTIL_PERIOD_S * 1e9)
+        if now >= self._next_system_ns and self._read_system_util(rows, now):
+            self._next_system_ns = now + int(SYSTEM_UTIL_PERIOD_S * 1e9)
         if now >= self._next_other_ns:
             cpu0 = time.thread_time_ns()
             self._read_others(rows)

@@ -157,7 +157,7 @@ class ClockProbe:
             dropped += m.get("dropped", [])
             # a backend may read some metrics less often than every sample (see HOST_CPU_BUDGET):
             # it reads at the first sample after its own period, so the period is whole samples
-            periods.update({k: math.ceil(v * self.hz - 1e-9) / self.hz if v * self.hz > 1 else 1.0 / self.hz
+            periods.update({k: max(1, math.ceil(v * self.hz - 1e-9)) / self.hz
                             for k, v in m.get("periods_s", {}).items()})
             if "budget" in m:
                 budgets.append(m["budget"])
