@@ -396,6 +396,50 @@ def test_first_batch_made_in_process_draws_like_worker_0(workers):
     assert not live_children() and not shm_files()
 
 
+class Paced(torch.utils.data.Dataset):
+    """Samples that take ``sample_s`` each to fetch (a sleep: a known time)."""
+
+    def __init__(self, sample_s: float, n: int = 64) -> None:
+        self.sample_s, self.n = sample_s, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import time
+        time.sleep(self.sample_s)
+        return torch.tensor([i])
+
+
+def test_a_cheap_first_batch_is_handed_out_before_any_worker_forks():
+    """A batch that looks cheaper than a fork (second sample's time x batch size < 10 ms) comes
+    straight from this process; both workers fork at the next next(), and batch 1 is worker 1's."""
+    loader = Loader(Paced(0.0), batch_size=4, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    assert live_children() == []  # nothing forked yet: the first batch cost no fork
+    assert next(it).tolist() == [[4], [5], [6], [7]]
+    assert len(live_children()) == 2
+    assert first.tolist() == [[0], [1], [2], [3]]
+    loader.close()
+    assert not live_children() and not shm_files()
+
+
+def test_the_fork_during_a_slow_first_batch_is_not_charged_to_fetching():
+    """A batch that looks slower than a fork (4 ms x 8 samples = 32 ms) forks worker 1 after its
+    second sample; the fork's 10-15 ms are not the batch's fetch time."""
+    from tpkit.data.process_pool import FORK_AHEAD_MIN_S
+    assert FORK_AHEAD_MIN_S == 0.010
+    loader = Loader(Paced(0.004), batch_size=8, num_workers=2)
+    it = iter(loader)
+    next(it)
+    assert len(live_children()) == 1  # worker 1, forked during the first batch
+    made_s = it.last_make_s  # fetch + collate of that batch
+    loader.close()
+    assert not live_children() and not shm_files()
+    assert 8 * 0.004 <= made_s < 8 * 0.004 + 0.008  # a fork here costs 10-15 ms
+
+
 def test_the_in_process_first_batch_leaves_the_gpu_generators_alone():
     """torch.manual_seed in the main process would also seed every GPU's generator (queued
     until CUDA starts, on a machine without one yet), which no restore of the CPU state
@@ -411,14 +455,23 @@ def test_the_in_process_first_batch_leaves_the_gpu_generators_alone():
     assert not live_children() and not shm_files()
 
 
+class SlowThreeRngs(ThreeRngs):
+    """ThreeRngs at 5 ms a sample: a batch of 4 looks slower (20 ms) than a fork."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import time
+        time.sleep(0.005)
+        return super().__getitem__(i)
+
+
 @pytest.mark.parametrize("workers", [2, 3])
-def test_the_first_batch_forks_one_worker_and_the_second_forks_the_rest(workers):
-    """The first next() forks worker 1 only (it makes batch 1 meanwhile; worker 0 goes on from
-    the in-process batch's random state): ``next(iter(loader))`` costs one fork. The second
-    next() forks the rest; batch 1 comes from worker 1."""
+def test_a_slow_first_batch_forks_one_worker_and_the_second_next_forks_the_rest(workers):
+    """A slow first batch forks worker 1 only, while it is made (worker 1 makes batch 1
+    meanwhile; worker 0 goes on from the in-process batch's random state): ``next(iter(loader))``
+    costs one fork. The second next() forks the rest; batch 1 comes from worker 1."""
     import os
 
-    loader = Loader(ThreeRngs(), batch_size=4, shuffle=True, seed=5, num_workers=workers)
+    loader = Loader(SlowThreeRngs(), batch_size=4, shuffle=True, seed=5, num_workers=workers)
     it = iter(loader)
     first = next(it)
     assert {int(p) for p in first[:, 4].tolist()} == {os.getpid()} and len(live_children()) == 1

@@ -68,6 +68,12 @@ from .worker_loop import (
 )
 
 SMALL_SLOT_BYTES = 256 * 1024
+#: The in-process first batch forks worker 1 while it is made (so that worker makes batch 1
+#: meanwhile) only when the batch looks at least this long to make (its second sample's time
+#: times the batch size): about what one fork of a process with torch loaded costs here
+#: (10-12 ms). A cheaper batch is handed out at once and every worker forks at the next
+#: ``next()`` (docs/DESIGN_CHANGES.md, "The first batch").
+FORK_AHEAD_MIN_S = 0.010
 DEEP_PREFETCH = 8
 
 
@@ -278,15 +284,26 @@ class ProcessPool:
         restored. A failure is reported as worker 0's, and the epoch goes on."""
         self._local = None
         self.next_yield = bid + 1
-        self._start_ahead()
         mine = get_rng_states()
         seed_worker(self.spec.base_seed, 0, in_main=True)
         maker = BatchMaker(self.spec)
+        fork_error: list[BaseException] = []
+
+        def sized(sample_s: float, n: int) -> None:
+            if sample_s * n >= FORK_AHEAD_MIN_S:
+                try:
+                    self._start_ahead()
+                except BaseException as e:  # not the dataset's failure: raised as itself below
+                    fork_error.append(e)
+                    raise
+
         try:
-            made = maker.make(indices)
+            made = maker.make(indices, sized=sized)
             assert made is not None  # map-style: never exhausted
             flatten(made.batch, [])  # what a worker could not hand over fails here too
         except Exception as e:
+            if fork_error:
+                raise
             err = failed(bid, maker.current_index, e)
             raise WorkerError(0, bid - self.epoch_first_id, err.index, err.exc_type, err.message,
                               err.traceback) from None
@@ -298,9 +315,10 @@ class ProcessPool:
         return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
 
     def _start_ahead(self) -> None:
-        """While the first batch is made here: fork worker 1 (its batches do not depend on this
-        one's random state) and hand it batch 1, so that batch is made meanwhile. The others
-        wait for the next ``next()``: a first batch costs one fork, not one per worker."""
+        """While a slow first batch is made here: fork worker 1 (its batches do not depend on
+        this one's random state; it seeds itself) and hand it batch 1, so that batch is made
+        meanwhile. The others wait for the next ``next()``: a first batch costs at most one
+        fork, not one per worker."""
         if self._unstarted is not None and len(self.workers) >= 2 and self.workers[1].proc is None:
             self._start_worker(self.workers[1], self._unstarted[1])
             self._dispatch()

@@ -254,8 +254,11 @@ class BatchMaker:
             return None
         return out
 
-    def make(self, indices: Any) -> Made | None:
-        """One batch, or None when an iterable is exhausted."""
+    def make(self, indices: Any, sized: Callable[[float, int], None] | None = None) -> Made | None:
+        """One batch, or None when an iterable is exhausted. ``sized(sample_s, n)`` is called
+        once during a map-style batch: the time its second sample took (the first may pay
+        one-off costs: a file opened, a cache filled; a batch of one: that sample's time) and
+        how many samples the batch has. Its own time is not counted as fetching."""
         t0 = perf_counter()
         if self.spec.iterable:
             samples = self._next_samples()
@@ -264,9 +267,17 @@ class BatchMaker:
         elif self.spec.auto_collate:
             samples = []
             ds = self.spec.dataset
+            n = len(indices) if sized is not None else 0
+            t_sample = t0
             for i in indices:
                 self.current_index = i
                 samples.append(ds[i])
+                if sized is not None and len(samples) == min(2, n):
+                    t_cb = perf_counter()
+                    sized(t_cb - t_sample, n)
+                    t0 += perf_counter() - t_cb
+                    sized = None
+                t_sample = perf_counter()
         else:
             self.current_index = indices
             samples = [self.spec.dataset[indices]]
