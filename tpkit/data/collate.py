@@ -35,8 +35,9 @@ class Stack:
         return n
 
     def into(self, out: torch.Tensor) -> None:
+        """Stack into ``out``, a tensor of this stack's dtype and shape."""
         with torch.no_grad():  # samples that require grad still stack into plain memory
-            torch.stack(self.tensors, out=out.view(self.dtype).view(self.shape))
+            torch.stack(self.tensors, out=out)
 
     def materialize(self) -> torch.Tensor:
         return torch.stack(self.tensors)
