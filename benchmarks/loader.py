@@ -430,7 +430,7 @@ def main() -> None:
                 checks.append((f"samples/s ahead of {peer} ({other:.2f}x)", speed, speed > other))
         print(f"{wl}:")
         for what, value, met in checks:
-            print(f"  {what:<48}{value:>8.2f}  {'met' if met else 'NOT met'}")
+            print(f"  {what:<48}{value:>8.3f}  {'met' if met else 'NOT met'}")
     if la[0] > (os.cpu_count() or 1):
         notes.append(f"load average {la[0]:.2f} is above the {os.cpu_count()} cores: other work shared the machine")
     for n in notes:
