@@ -178,6 +178,39 @@ def test_gradients_exact_on_steps_whose_gradients_were_not_looked_at(accumulate)
     assert not any("could not be told" in n for n in run.meta["notes"])
 
 
+def test_optimizer_state_replaced_between_looks_counts_from_its_allocation():
+    """Between two looks at the gradients the known sets are observed only when a count grew
+    (a model, an optimizer, a state). ``load_state_dict`` of a deep copy swaps Adam's state
+    tensors for new ones of the same count at a step that is not a look: the next look finds
+    them alive, and the replay counts them as optimizer_state from their allocation, so every
+    boundary after the swap is exact to the byte (and the old tensors' bytes are gone)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(B, D)
+    swap_after = mem.GRAD_LOOKS_FIRST + 1  # the step whose optimizer boundary is not a look
+    done = [0]
+
+    def step():
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        done[0] += 1
+        if done[0] == swap_after:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+    steps = mem.GRAD_LOOKS_FIRST + mem.GRAD_LOOK_EVERY + 2
+    run = tp.profile_fn(step, steps=steps, warmup=0, progress=False, clocks=False)
+    state = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values())
+    assert state == 2 * 4 * n_params(model) + 4 * len(list(model.parameters()))  # moments + step counters
+    at_forward = rows(run, "forward", "enter", "optimizer_state")
+    assert (at_forward.iloc[1:] == state).all(), at_forward.tolist()
+    other = rows(run, "forward", "enter", "other")
+    assert (other.iloc[1:] < 1024).all(), other.tolist()  # the copies are not 'other', the old state gone
+
+
 def test_loop_in_another_thread_gets_the_known_sets_walked():
     """The profiler reports only the starting thread's allocations: a loop tpkit follows into
     another thread gets exact known sets at its boundaries, and its mix is said approximate."""
