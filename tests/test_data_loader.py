@@ -455,6 +455,24 @@ def test_the_in_process_first_batch_leaves_the_gpu_generators_alone():
     assert not live_children() and not shm_files()
 
 
+def test_a_fork_that_fails_during_the_first_batch_is_its_own_error_not_the_datasets(monkeypatch):
+    """The fork made while a slow first batch is fetched can fail (no memory, a process limit):
+    that error comes out as itself, not as a dataset failure of worker 0, and nothing is left."""
+    from tpkit.data import process_pool
+    from tpkit.data.errors import WorkerError
+
+    def no_fork(self, w, skip):
+        raise OSError("[Errno 11] Resource temporarily unavailable (fork)")
+
+    monkeypatch.setattr(process_pool.ProcessPool, "_start_worker", no_fork)
+    loader = Loader(Paced(0.004), batch_size=8, num_workers=2)
+    with pytest.raises(OSError, match="fork") as info:
+        next(iter(loader))
+    assert not isinstance(info.value, WorkerError)
+    loader.close()
+    assert not live_children() and not shm_files()
+
+
 class SlowThreeRngs(ThreeRngs):
     """ThreeRngs at 5 ms a sample: a batch of 4 looks slower (20 ms) than a fork."""
 
