@@ -431,6 +431,9 @@ def main() -> None:
         print(f"{wl}:")
         for what, value, met in checks:
             print(f"  {what:<48}{value:>8.3f}  {'met' if met else 'NOT met'}")
+        if (wl, "plain x1") in results:
+            best = args.workers * med(wl, "plain x1", "samples_per_s") / med(wl, "torch", "samples_per_s")
+            print(f"  (the {args.workers}-core ceiling is {best:.2f}x torch here: no loader can pass it)")
     if la[0] > (os.cpu_count() or 1):
         notes.append(f"load average {la[0]:.2f} is above the {os.cpu_count()} cores: other work shared the machine")
     for n in notes:
