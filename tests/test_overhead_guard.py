@@ -63,3 +63,48 @@ def test_default_profile_costs_a_plain_loop_at_most_ten_percent(monkeypatch, one
             break
     assert min(ratios) <= LIMIT, (f"tpkit default made the plain loop's step {min(ratios):.3f}x as long as with no "
                                   f"profiler (limit {LIMIT}x; measured {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+def test_tpkit_adds_at_most_four_gc_tracked_objects_per_step():
+    """Python's collector runs a young-generation pass every 700 net container allocations; what
+    tpkit keeps per step counts toward it and so adds pauses inside the loop's steps. Spans are
+    kept flat (plain values, no tuple per span): what remains per step is the step's end, its
+    loss entry and that loss's slot (3), and the memory probe's look at the gradients now and
+    then (a list). Counted exactly with the collector off: the growth of
+    the young generation's count per step, with tpkit (phases, memory, no clocks) minus
+    without."""
+    import gc
+
+    import torch
+
+    import tpkit as tp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def per_step(n=20):
+        gc.collect()
+        gc.disable()
+        try:
+            before = gc.get_count()[0]
+            for _ in range(n):
+                step()
+            return (gc.get_count()[0] - before) / n
+        finally:
+            gc.enable()
+
+    for _ in range(3):
+        step()
+    plain = per_step()
+    with tp.profile(steps=10**6, warmup=0, progress=False, name="gc-count", clocks=False):
+        step()
+        step()
+        profiled = per_step()
+    assert profiled - plain <= 4.0, (plain, profiled)  # 16 when every span was a tuple

@@ -135,7 +135,8 @@ class LossSums:
         self.rec = rec
         self._chunks: list[torch.Tensor] = []
         self._free: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk, next index)
-        self._slots: dict[tuple[int, torch.device], "_Slot"] = {}
+        self._slots: dict[torch.device, "_Slot"] = {}  # the current step's slot per device
+        self._slots_step = -1
         self._host: dict[int, list[float]] = {}
 
     def add(self, raw_step: int, loss: torch.Tensor) -> None:
@@ -144,10 +145,11 @@ class LossSums:
         if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
             self.rec.losses.append((raw_step, value.clone()))
             return
-        key = (raw_step, value.device)
-        slot = self._slots.get(key)
+        if raw_step != self._slots_step:  # a new step: earlier steps' slots are never added to again
+            self._slots, self._slots_step = {}, raw_step
+        slot = self._slots.get(value.device)
         if slot is None:
-            slot = self._slots[key] = self._new_slot(value.device)
+            slot = self._slots[value.device] = self._new_slot(value.device)
             self.rec.losses.append((raw_step, slot))
         self._chunks[slot.chunk][slot.index].add_(value)
 
@@ -323,7 +325,7 @@ class PhaseProbe:
         else:
             text = (f"the training loop runs in thread '{name}', not the one that started the slice "
                     "(which waits for it): tpkit follows that thread")
-            self._early = (text, len(rec.spans), rec.samples)
+            self._early = (text, rec.span_count(), rec.samples)
             rec.note(text)
         return True
 
@@ -334,7 +336,7 @@ class PhaseProbe:
         text, n_spans, samples = self._early
         self._early = None
         rec.close_all()
-        del rec.spans[n_spans:]
+        rec.drop_spans(n_spans)
         rec.samples = samples
         rec.thread_id = self._start_tid
         rec.meta.pop("loop_thread", None)
