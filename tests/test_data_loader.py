@@ -628,3 +628,23 @@ def test_steady_malloc_leaves_a_users_malloc_tuning_alone(monkeypatch):
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=100000")
     assert worker_loop.steady_malloc() == "left alone: malloc tuned in the environment"
+
+
+def test_an_answer_crosses_the_pipe_as_a_plain_tuple_and_each_layout_is_unpickled_once():
+    """A finished batch's answer is written as a plain tuple with its skeleton pickled apart;
+    the main process unpickles a skeleton once per distinct layout and rebuilds the same
+    BatchDone. Other messages pass through as they are."""
+    import pickle
+
+    from tpkit.data.worker_loop import BatchDone, StreamEnded, done_from_wire, done_to_wire
+
+    answer = BatchDone(3, 1, 0, 4096, ("a skeleton", [1, 2.5, None]), 0.1, 0.2, 0.3, 99, 8)
+    wire = pickle.loads(done_to_wire(answer))
+    assert type(wire) is tuple
+    seen: dict = {}
+    got = done_from_wire(wire, seen)
+    assert type(got) is BatchDone and got == answer
+    later = done_from_wire(pickle.loads(done_to_wire(answer._replace(batch_id=4, slot=2))), seen)
+    assert later.skeleton is got.skeleton and len(seen) == 1  # the same layout: read once
+    assert (later.batch_id, later.slot) == (4, 2)
+    assert done_from_wire(StreamEnded(5), seen) == StreamEnded(5)

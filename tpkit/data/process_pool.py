@@ -61,6 +61,7 @@ from .worker_loop import (
     StreamEnded,
     Task,
     WorkerSpec,
+    done_from_wire,
     failed,
     get_rng_states,
     seed_worker,
@@ -200,6 +201,7 @@ class ProcessPool:
         self._rng0: RngStates | None = None  # worker 0's random state after the local batch
         self.closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.prefix)
+        self._skeletons: dict[bytes, Any] = {}  # see worker_loop.done_from_wire
         self._poll_key: tuple = ()
         self._polling: tuple[Any, dict[int, tuple[bool, _Worker]]] = (None, {})
 
@@ -475,7 +477,7 @@ class ProcessPool:
     def _on_death(self, w: _Worker) -> None:
         try:
             while w.conn.poll(0):  # what it sent before dying still counts
-                self._receive(w, w.conn.recv())
+                self._receive(w, done_from_wire(w.conn.recv(), self._skeletons))
         except (EOFError, OSError):
             pass
         w.proc.join(0.5)
@@ -536,7 +538,7 @@ class ProcessPool:
                     dead[w.id] = w
                     continue
                 try:
-                    self._receive(w, w.conn.recv())
+                    self._receive(w, done_from_wire(w.conn.recv(), self._skeletons))
                 except (EOFError, OSError):
                     dead[w.id] = w
             # what else is there now (a dead worker's fds stay ready: left out)
