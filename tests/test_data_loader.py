@@ -538,13 +538,19 @@ def test_small_batches_get_a_deeper_queue(tmp_path, nbytes, ahead):
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 300), batch_size=st.integers(1, 70), drop_last=st.booleans(),
-       seed=st.one_of(st.none(), st.integers(0, 2**31)), taken=st.integers(0, 400))
+       seed=st.one_of(st.none(), st.integers(0, 2**31)), taken=st.integers(0, 400),
+       chunk=st.integers(1, 400))
 def test_shuffled_batches_are_torchs_and_leave_the_generator_where_torch_does(n, batch_size, drop_last, seed,
-                                                                              taken):
-    """permuted_batches slices one permutation tensor instead of listing the whole epoch: the
+                                                                              taken, chunk):
+    """permuted_batches slices one permutation tensor instead of listing the whole epoch (a
+    chunk of indices at a time; small chunks drawn here so that batches straddle them): the
     same batches as BatchSampler(RandomSampler), the generator (or, without one, the global
     RNG) in the same state after any number of batches, the whole epoch included."""
+    from unittest import mock
+
     from torch.utils.data import BatchSampler
+
+    import tpkit.data.loader as loader_mod
 
     def gen():
         return None if seed is None else torch.Generator().manual_seed(seed)
@@ -552,7 +558,8 @@ def test_shuffled_batches_are_torchs_and_leave_the_generator_where_torch_does(n,
     torch.manual_seed(7)
     g_ours = gen()
     ours = permuted_batches(n, batch_size, drop_last, g_ours)
-    got = list(itertools.islice(ours, taken))
+    with mock.patch.object(loader_mod, "PERMUTATION_CHUNK", chunk):
+        got = list(itertools.islice(ours, taken))
     state_ours = (g_ours or torch.default_generator).get_state()
     torch.manual_seed(7)
     g_ref = gen()

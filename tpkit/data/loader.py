@@ -48,23 +48,33 @@ def _sampler_rng(sampler: Any) -> torch.Generator | None:
     return None
 
 
+#: Indices of a shuffled epoch turned into Python ints at a time (two torch calls per chunk
+#: instead of per batch; ~300 KB of ints at most).
+PERMUTATION_CHUNK = 8192
+
+
 def permuted_batches(n: int, batch_size: int, drop_last: bool,
                      generator: torch.Generator | None) -> Iterator[list[int]]:
     """The batches ``BatchSampler(RandomSampler(range(n), generator=generator), batch_size,
     drop_last)`` yields, drawn from the generator as torch draws them: one ``randperm`` for the
     epoch and, when the sampler runs out, the second one torch's sampler draws and keeps none
-    of (so the generator is where torch leaves it for the next epoch). Each batch is sliced
-    from the permutation tensor when it is asked for, where torch's sampler turns the whole
-    epoch into a Python list first: 36 bytes and ~20 ns an index (a 1.28M-sample epoch is a
-    46 MB list and ~25 ms before the first batch), here 8 bytes and nothing up front."""
+    of (so the generator is where torch leaves it for the next epoch). Batches are sliced
+    from the permutation tensor as they are asked for (``PERMUTATION_CHUNK`` indices made
+    Python ints at a time), where torch's sampler turns the whole epoch into a Python list
+    first: 36 bytes and ~20 ns an index (a 1.28M-sample epoch is a 46 MB list and ~25 ms
+    before the first batch), here 8 bytes and one chunk up front."""
     if generator is None:  # as RandomSampler: a private generator seeded from the global RNG
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         generator = torch.Generator()
         generator.manual_seed(seed)
     perm = torch.randperm(n, generator=generator)
     full, rest = divmod(n, batch_size)
-    for i in range(full):
-        yield perm[i * batch_size:(i + 1) * batch_size].tolist()
+    per_chunk = max(1, PERMUTATION_CHUNK // batch_size)  # batches turned into Python ints at once
+    for c in range(0, full, per_chunk):
+        k = min(per_chunk, full - c)
+        chunk = perm[c * batch_size:(c + k) * batch_size].tolist()
+        for j in range(k):
+            yield chunk[j * batch_size:(j + 1) * batch_size]
     torch.randperm(n, generator=generator)  # torch's sampler draws it when it runs out
     if rest and not drop_last:
         yield perm[full * batch_size:].tolist()
