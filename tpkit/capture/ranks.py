@@ -130,7 +130,8 @@ class RankWatchdog:
         rec = self.rec
         try:
             snap = copy.copy(rec)  # lists copied: the main thread may still append to the originals
-            for name in ("spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
+            # (_spans: the flat span log; one extend per span, so a copy holds whole spans)
+            for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
                 setattr(snap, name, list(getattr(rec, name)))
             snap.cuda_timer = None  # CUDA events are resolved by the main thread only
             snap.step_events = {}
