@@ -18,7 +18,6 @@ Loading and merging the ranks' runs is ``tpkit.ranks``; the arithmetic is ``tpki
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -129,10 +128,7 @@ class RankWatchdog:
         self.fired = True
         rec = self.rec
         try:
-            snap = copy.copy(rec)  # lists copied: the main thread may still append to the originals
-            # (_spans: the flat span log; one extend per span, so a copy holds whole spans)
-            for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
-                setattr(snap, name, list(getattr(rec, name)))
+            snap = rec.snapshot()  # the main thread may still append to the originals
             snap.cuda_timer = None  # CUDA events are resolved by the main thread only
             snap.step_events = {}
             # A loss still on the GPU cannot be read: on a rank stalled in NCCL the stream never

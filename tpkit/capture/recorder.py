@@ -17,6 +17,7 @@ Hooks for other probes:
 
 from __future__ import annotations
 
+import copy
 import threading
 from time import perf_counter_ns
 from typing import Any, Callable
@@ -96,6 +97,15 @@ class Recorder:
     def drop_spans(self, keep: int) -> None:
         """Forget every span after the first ``keep``."""
         del self._spans[keep * SPAN_FIELDS:]
+
+    def snapshot(self) -> "Recorder":
+        """A copy whose event lists are copies, safe to build a Run from in another thread
+        while this one keeps recording (each record is one list append or extend, atomic in
+        CPython, so a copy holds whole records)."""
+        snap = copy.copy(self)
+        for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
+            setattr(snap, name, list(getattr(self, name)))
+        return snap
 
     # -- phases -------------------------------------------------------------------------
     def enter(self, phase: str, source: str = "user") -> int:

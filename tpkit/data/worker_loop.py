@@ -305,12 +305,15 @@ class BatchMaker:
             for i in indices:
                 self.current_index = i
                 samples.append(ds[i])
-                if sized is not None and len(samples) == min(2, n):
-                    t_cb = perf_counter()
-                    sized(t_cb - t_sample, n)
-                    t0 += perf_counter() - t_cb
-                    sized = None
-                t_sample = perf_counter()
+                if sized is None:
+                    continue
+                if len(samples) < min(2, n):
+                    t_sample = perf_counter()  # the first of two: the second is timed from here
+                    continue
+                t_cb = perf_counter()
+                sized(t_cb - t_sample, n)
+                t0 += perf_counter() - t_cb
+                sized = None
         else:
             self.current_index = indices
             samples = [self.spec.dataset[indices]]
