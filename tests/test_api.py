@@ -553,3 +553,25 @@ def test_a_helper_thread_joined_before_the_loop_is_not_taken_for_the_loop(one_th
     assert _close(run.steps["forward_s"], model.seconds[:3]), (run.steps["forward_s"].tolist(), model.seconds)
     assert set(run.spans[run.spans["phase"] == "forward"]["source"]) == {"SlowNet"}
     assert not any("thread" in n for n in run.meta["notes"]), run.meta["notes"]
+
+
+def test_the_loader_alone_imports_no_dataframe_library_and_the_api_is_whole():
+    """``import tpkit.data`` (a loader user) must not import pandas and pyarrow with the Run:
+    ~36 MB of mapped libraries in the training process and every worker it forks. The names of
+    ``tpkit`` resolve on first use, to the same objects as their modules'."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tpkit.data; "
+            "print(sorted(m for m in ('pandas', 'pyarrow', 'altair', 'tpkit.run') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+    from tpkit.capture import slice as slice_mod
+    from tpkit.run import Run
+
+    assert tp.profile is slice_mod.profile and tp.Run is Run
+    for name in tp.__all__:
+        assert getattr(tp, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        tp.nope  # noqa: B018

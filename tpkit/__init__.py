@@ -12,25 +12,39 @@ In a notebook: ``%load_ext tpkit`` then ``%%tp_profile --steps 20``.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .analysis.catalog import runs
-from .analysis.compare import Comparison
-from .analysis.compare import compare as _compare
-from .capture.probes.phases import watch
-from .capture.slice import Profile, SliceConfig, last_run, phase, profile, profile_fn, step
 from .errors import MissingExtraError, ProfileActiveError, RunFormatError, TpkitError
-from .ranks import RankRuns, load_ranks
-from .run import Run
-from .store import load, set_store
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and editors
+    from .analysis.catalog import runs
+    from .analysis.compare import Comparison
+    from .capture.probes.phases import watch
+    from .capture.slice import Profile, SliceConfig, last_run, phase, profile, profile_fn, step
+    from .ranks import RankRuns, load_ranks
+    from .run import Run
+    from .store import load, set_store
 
 #: Subpackages imported on first use: ``tp.data``, ``tp.offload``, ``tp.kernels`` (triton is
 #: heavy), ``tp.datasets``, ``tp.views``, ``tp.charts``.
 _LAZY = {"data", "offload", "kernels", "datasets", "views", "charts", "analysis", "capture", "store", "demo"}
+#: Names imported from their module on first use. ``import tpkit.data`` (a user of the loader
+#: alone) must not import pandas and pyarrow with the Run: 0.3 s and ~36 MB of mapped
+#: libraries in the training process, shared with every worker it forks.
+_LAZY_NAMES = {
+    "runs": ".analysis.catalog", "Comparison": ".analysis.compare", "watch": ".capture.probes.phases",
+    **dict.fromkeys(("Profile", "SliceConfig", "last_run", "phase", "profile", "profile_fn", "step"),
+                    ".capture.slice"),
+    "RankRuns": ".ranks", "load_ranks": ".ranks", "Run": ".run", "load": ".store", "set_store": ".store",
+}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name], __name__), name)
+        globals()[name] = value  # found directly from now on (tp.step in a hot loop)
+        return value
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
     if name in ("dashboard", "tune"):  # ipywidgets is imported only when a widget is asked for
@@ -44,6 +58,9 @@ def compare(*runs: Any, baseline: Any = None, **kwargs: Any) -> Comparison:
     """Compare runs (Runs, store names or saved folders) against a baseline (default: the
     first): ``tp.compare("base", "workers4", baseline="base")``. See
     ``tpkit.analysis.compare`` for the statistics and when a change is called significant."""
+    from .analysis.compare import compare as _compare
+    from .store import load
+
     if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
         runs = tuple(runs[0])
     loaded = [load(r) for r in runs]

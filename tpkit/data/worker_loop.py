@@ -32,6 +32,7 @@ from time import perf_counter, perf_counter_ns
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
+import numpy.random  # noqa: F401 - seeding needs it; numpy loads it lazily, ~10 ms at the first batch
 import torch
 from torch.utils.data._utils.collate import default_collate
 
