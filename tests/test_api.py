@@ -571,6 +571,7 @@ def test_the_loader_alone_imports_no_dataframe_library_and_the_api_is_whole():
     from tpkit.run import Run
 
     assert tp.profile is slice_mod.profile and tp.Run is Run
+    assert set(tp.__all__) <= set(dir(tp))  # tab completion in a notebook lists them before first use
     for name in tp.__all__:
         assert getattr(tp, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -40,6 +40,11 @@ _LAZY_NAMES = {
 }
 
 
+def __dir__() -> list[str]:
+    """The lazy names too: a notebook's tab completion on ``tp.`` lists what ``__getattr__`` gives."""
+    return sorted(set(globals()) | set(_LAZY_NAMES) | _LAZY | {"dashboard", "tune"})
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY_NAMES:
         value = getattr(importlib.import_module(_LAZY_NAMES[name], __name__), name)
