@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean notebooks docs-image lint typecheck gpu-check
+.PHONY: demo test setup clean notebooks docs-image lint typecheck gpu-check bench
 
 demo: $(STAMP)
 	$(BIN)/python -m tpkit demo --steps 20 --warmup 3 --out tpkit_report
@@ -32,6 +32,20 @@ typecheck: $(STAMP)
 GPU_PY ?= $(BIN)/python
 gpu-check: $(if $(DRY),$(STAMP))
 	$(GPU_PY) benchmarks/gpu_check.py $(if $(DRY),--dry)
+
+# Every CPU speed claim of the README's table, one script after another (about 40 minutes on 2
+# cores; run it on an otherwise idle machine): each prints its table with the named peer's
+# ratio and writes benchmarks/results/<script>.csv and the printed output to <script>_run.txt,
+# headed by the command and the time. BENCHES=... runs a subset. The GPU's are gpu-check's.
+BENCHES ?= overhead floors memory_overhead clocks_overhead h2d_wrappers loader offload ranks_scale render
+bench: SHELL := /bin/bash
+bench: $(STAMP)
+	@set -eo pipefail; for b in $(BENCHES); do \
+	  out=benchmarks/results/$${b}_run.txt; echo "== benchmarks/$$b.py -> $$out"; \
+	  { echo "# python benchmarks/$$b.py (defaults, via make bench), $$(date -u '+%Y-%m-%d %H:%M') UTC; printed output"; \
+	    $(BIN)/python benchmarks/$$b.py 2>&1; } | tee $$out.part; \
+	  mv $$out.part $$out; \
+	done
 
 # The tutorials, executed with outputs into notebooks/executed/ (gitignored; git keeps them clean).
 notebooks: $(STAMP)
