@@ -39,10 +39,14 @@ _LAZY_NAMES = {
     "RankRuns": ".ranks", "load_ranks": ".ranks", "Run": ".run", "load": ".store", "set_store": ".store",
 }
 
+#: The widgets, taken from their submodule only when asked for (ipywidgets is imported there;
+#: once imported, ``tpkit.views.dashboard`` is the module, so not through ``_LAZY_NAMES``).
+_WIDGETS = {"dashboard": ".views.dashboard", "tune": ".views.tuner"}
+
 
 def __dir__() -> list[str]:
     """The lazy names too: a notebook's tab completion on ``tp.`` lists what ``__getattr__`` gives."""
-    return sorted(set(globals()) | set(_LAZY_NAMES) | _LAZY | {"dashboard", "tune"})
+    return sorted(set(globals()) | set(_LAZY_NAMES) | _LAZY | set(_WIDGETS))
 
 
 def __getattr__(name: str) -> Any:
@@ -52,10 +56,8 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
-    if name in ("dashboard", "tune"):  # ipywidgets is imported only when a widget is asked for
-        # from the submodule itself: once imported, ``tpkit.views.dashboard`` is the module
-        module = {"dashboard": ".views.dashboard", "tune": ".views.tuner"}[name]
-        return getattr(importlib.import_module(module, __name__), name)
+    if name in _WIDGETS:
+        return getattr(importlib.import_module(_WIDGETS[name], __name__), name)
     raise AttributeError(f"module 'tpkit' has no attribute {name!r}")
 
 
