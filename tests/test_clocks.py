@@ -742,3 +742,43 @@ def test_a_host_with_many_cores_does_not_lend_a_descriptor_per_core(tmp_path):
     b.close()
     with pytest.raises(OSError, match="closed"):
         b._freq_cpufreq()
+
+
+def _cpuinfo(tmp_path, flags: str | None) -> str:
+    proc = tmp_path / "proc"
+    proc.mkdir(parents=True)
+    entry = "processor\t: 0\ncpu MHz\t\t: 2300.0\n" + (f"flags\t\t: {flags}\n" if flags is not None else "")
+    (proc / "cpuinfo").write_text(entry + "\n" + entry.replace(": 0", ": 1", 1))
+    return str(proc)
+
+
+def test_a_virtual_machine_is_told_by_the_hypervisor_cpu_flag(tmp_path):
+    assert cb.virtual_machine(_cpuinfo(tmp_path / "a", "fpu vme sse2 hypervisor avx2")) is True
+    assert cb.virtual_machine(_cpuinfo(tmp_path / "b", "fpu vme sse2 avx2")) is False
+    assert cb.virtual_machine(_cpuinfo(tmp_path / "c", "fpu hypervisorx")) is False  # a whole flag only
+    assert cb.virtual_machine(_cpuinfo(tmp_path / "d", None)) is None  # ARM: no flags line, not known
+    assert cb.virtual_machine(str(tmp_path / "nowhere")) is None
+
+
+def test_the_run_says_a_flat_cpuinfo_clock_on_a_virtual_machine_cannot_show_a_slower_core(tmp_path):
+    """A VM's /proc/cpuinfo gives a fixed MHz figure: "no DVFS to see" would read as "the core
+    ran at one speed", which the guest cannot know. The run says where the flat figure came
+    from and what it cannot show; a cpufreq figure that stayed flat keeps its plain meaning."""
+    sys_root = tmp_path / "sys"
+    sys_root.mkdir()
+    proc = _cpuinfo(tmp_path / "vm", "fpu sse2 hypervisor")
+    rec = Recorder("t")
+    probe = clocks_mod.ClockProbe(rec, hz=100, backends=[cb.HostBackend(proc=proc, sys_root=str(sys_root))]).install()
+    time.sleep(0.05)
+    probe.remove()
+    meta = probe.meta()["clocks"]
+    assert meta["virtual_machine"] is True and meta["sources"]["cpu_freq_mhz"] == "/proc/cpuinfo 'cpu MHz'"
+    clocks = _frame([(t, "cpu", "cpu_freq_mhz", 2300.0) for t in T])
+    line = analysis.summarize(_full(STEPS), {"name": "x", "clocks": meta}, clocks).clock_lines[0]
+    assert line == f"clock: cpu cpu_freq_mhz mean 2,300 MHz ({ca.FLAT_VM_CLOCK})"
+    bare = dict(meta, virtual_machine=False)
+    assert ca.clock_summary(clocks, STEPS, bare).flat_note == ca.FLAT_CPUINFO_CLOCK
+    cpufreq = dict(meta, sources={"cpu_freq_mhz": "cpufreq (scaling_cur_freq)"})
+    assert ca.clock_summary(clocks, STEPS, cpufreq).flat_note == ca.FLAT_CLOCK
+    moving = _frame([(t, "cpu", "cpu_freq_mhz", 2300.0 + 100 * (i % 2)) for i, t in enumerate(T)])
+    assert ca.FLAT_VM_CLOCK not in analysis.summarize(_full(STEPS), {"clocks": meta}, moving).clock_lines[0]

@@ -31,6 +31,13 @@ POWER_METRICS: tuple[str, ...] = ("power_w", "cpu_power_w")
 #: Metrics that are not levels to average or draw as lines.
 NOT_LEVELS: tuple[str, ...] = ("throttle_reasons", "energy_j")
 MIN_COVER = 0.5
+#: What the summary says of a clock that did not move, by where it was read (``flat_clock_note``).
+FLAT_CLOCK = "did not change during the slice: no DVFS to see on this host"
+FLAT_CPUINFO_CLOCK = ("constant in /proc/cpuinfo, the only frequency this host reports (no cpufreq "
+                      "driver): a change of speed may not show in it")
+FLAT_VM_CLOCK = ("constant: a virtual machine's /proc/cpuinfo gives a fixed figure, so a host "
+                 "that slows the core for other guests' work does not show in it; read an uneven "
+                 "step time with that in mind")
 
 
 def _series(clocks: pd.DataFrame, device: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
@@ -223,6 +230,7 @@ class ClockSummary:
     throttled_steps: int = 0
     throttle_reasons: list[str] = field(default_factory=list)
     steps: int = 0
+    flat_note: str = FLAT_CLOCK  # what a clock that did not move can and cannot tell
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -234,7 +242,7 @@ class ClockSummary:
             unit = "MHz" if self.metric.endswith("_mhz") else ""
             line = f"clock: {self.device} {self.metric} mean {self.mean_clock:,.0f} {unit}".rstrip()
             if not self.clock_moved:
-                line += " (did not change during the slice: no DVFS to see on this host)"
+                line += f" ({self.flat_note})"
             elif self.correlation == self.correlation:
                 line += f", step time vs clock r = {self.correlation:+.2f}"
                 if self.slowest:
@@ -249,9 +257,25 @@ class ClockSummary:
         return out
 
 
-def clock_summary(clocks: pd.DataFrame, steps: pd.DataFrame) -> ClockSummary | None:
+def flat_clock_note(metric: str, clock_meta: dict | None) -> str:
+    """What a clock that did not move during the slice means, from where it was read
+    (``run.meta["clocks"]``): a cpufreq driver's figure moves with DVFS, so a flat one says the
+    frequency held; /proc/cpuinfo without such a driver, and above all a virtual machine's,
+    gives a fixed figure that would not move if the host slowed the core."""
+    if metric != "cpu_freq_mhz" or not clock_meta:
+        return FLAT_CLOCK
+    source = str(clock_meta.get("sources", {}).get("cpu_freq_mhz", ""))
+    if not source.startswith("/proc/cpuinfo"):
+        return FLAT_CLOCK
+    if clock_meta.get("virtual_machine"):
+        return FLAT_VM_CLOCK
+    return FLAT_CPUINFO_CLOCK
+
+
+def clock_summary(clocks: pd.DataFrame, steps: pd.DataFrame, clock_meta: dict | None = None) -> ClockSummary | None:
     """What the summary says about clocks, power and energy over the measured steps; None
-    when the run has no clock rows or no measured steps."""
+    when the run has no clock rows or no measured steps. ``clock_meta``: ``run.meta["clocks"]``,
+    where the frequency was read from (what a flat clock means, ``flat_clock_note``)."""
     m = steps[~steps["warmup"].astype(bool)] if not steps.empty else steps
     if clocks.empty or m.empty:
         return None
@@ -265,6 +289,7 @@ def clock_summary(clocks: pd.DataFrame, steps: pd.DataFrame) -> ClockSummary | N
         out.device, out.metric = device, metric
         out.mean_clock = float(np.nanmean(clock.to_numpy())) if clock.notna().any() else float("nan")
         out.clock_moved = bool(v.size and np.ptp(v) > 0)
+        out.flat_note = flat_clock_note(metric, clock_meta)
         out.correlation = clock_correlation(m["duration_s"].to_numpy(), m["step"].map(clock).to_numpy())
         out.slowest = slowest_steps(m, per_step, device, metric).to_dict("records")
     energy = step_energy(clocks, m)

@@ -195,7 +195,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
     if clocks is not None and not clocks.empty:
         from .clocks import clock_summary  # only runs with clock rows pay for it
 
-        cs = clock_summary(clocks, steps)
+        cs = clock_summary(clocks, steps, meta.get("clocks"))
         if cs is not None:
             out.clocks, out.clock_lines = cs.to_dict(), cs.lines()
     if memory is not None and not memory.empty:

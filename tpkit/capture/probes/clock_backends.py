@@ -82,6 +82,7 @@ class NullBackend:
 # -- host ---------------------------------------------------------------------------------
 
 _MHZ_RE = re.compile(rb"^cpu MHz\s*:\s*([0-9.]+)", re.M)
+_FLAGS_RE = re.compile(r"^flags\s*:(.*)$", re.M)
 _CPU_TEMP_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "soc_thermal", "acpitz")
 
 
@@ -139,6 +140,22 @@ def _busy_total(t: Any) -> tuple[float, float]:
     return total - t.idle - getattr(t, "iowait", 0.0), total
 
 
+def virtual_machine(proc: str = "/proc") -> bool | None:
+    """Whether this host is a virtual machine, from the x86 ``hypervisor`` CPU flag in
+    ``/proc/cpuinfo``; None where that cannot be told (no flags line: ARM, another OS). A VM's
+    /proc/cpuinfo gives a fixed frequency, and a host that runs other guests' work on the same
+    physical core slows ours without any figure in the guest moving: measured on our 2-core
+    VM, a fixed piece of work took 97 us or 175-190 us by turns, while /proc/cpuinfo read
+    the same MHz and /proc/stat counted no steal time (docs/MEASURED.md)."""
+    try:
+        with open(f"{proc}/cpuinfo") as f:
+            text = f.read(65536)  # the first core's entry holds its flags
+    except OSError:
+        return None
+    m = _FLAGS_RE.search(text)
+    return None if m is None else "hypervisor" in m.group(1).split()
+
+
 def _cpu_index(path: str) -> int:
     """The core number in a ``.../cpuN/cpufreq/...`` path (sort key; -1 if none)."""
     m = re.search(r"cpu(\d+)/cpufreq", path)
@@ -156,6 +173,7 @@ class HostBackend:
 
         self._psutil = psutil
         self._proc = proc
+        self.virtual_machine = virtual_machine(proc)
         self.sources: dict[str, str] = {}
         self.dropped: list[str] = []
         ncores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
@@ -370,7 +388,7 @@ class HostBackend:
                 periods[metric] = self.other_period_s
         cost_ms = (self._other_cost_ns or 0.0) / 1e6
         return {"sources": dict(self.sources), "devices": ["cpu", "process"], "dropped": list(self.dropped),
-                "periods_s": periods,
+                "periods_s": periods, "virtual_machine": self.virtual_machine,
                 "budget": f"host frequency/power/temperature: {cost_ms:.3f} ms of CPU per reading, read at "
                           f"most every {self.other_period_s:.3f} s ({HOST_CPU_BUDGET:.2%} of one core)"}
 

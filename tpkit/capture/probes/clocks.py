@@ -150,6 +150,7 @@ class ClockProbe:
         dropped: list[str] = []
         periods: dict[str, float] = {}
         budgets: list[str] = []
+        vm: bool | None = None
         for b in state.backends:
             m = b.meta()
             sources.update(m.get("sources", {}))
@@ -161,11 +162,14 @@ class ClockProbe:
                             for k, v in m.get("periods_s", {}).items()})
             if "budget" in m:
                 budgets.append(m["budget"])
+            if m.get("virtual_machine") is not None:
+                vm = m["virtual_machine"]
         wall_s = max(1e-9, state.wall_ns / 1e9)
         info: dict[str, Any] = {
             "hz": self.hz, "samples": state.ticks, "rows": nrows, "late_samples": state.late_ticks,
             "sources": sources, "devices": devices, "dropped": dropped,
             "periods_s": {k: round(v, 4) for k, v in periods.items()}, "budgets": budgets,
+            "virtual_machine": vm,  # the host's hypervisor flag (None: not known)
             "sampler_cpu_s": state.cpu_ns / 1e9,
             "sampler_cpu_share": state.cpu_ns / 1e9 / wall_s,  # of one core, over the slice
         }
