@@ -840,3 +840,27 @@ def test_every_marker_size_is_odd_and_a_glibc_small_bin_request():
     chunk = max((s + 8 + 15) // 16 * 16 for s in sizes)
     assert chunk + 64 + 32 < 1024, chunk
     assert len(set(sizes)) >= 128  # consecutive markers differ in size: no stale match in order
+
+
+def test_a_phase_entered_inside_itself_is_one_boundary_for_the_probes():
+    """An optimizer wrapper whose step() calls the wrapped optimizer's (accelerate, DeepSpeed)
+    opens an optimizer span inside an optimizer span: both are recorded, but the phase does not
+    change at the inner one, so the probes hear the outer boundaries only (each one costs the
+    memory probe a marker and ~10 us); a span left open by an exception closes with its outer."""
+    rec = Recorder("t")
+    heard: list[tuple[str, str]] = []
+    rec.phase_listeners.append(lambda phase, event, step: heard.append((phase, event)))
+    outer = rec.enter("optimizer", "Wrapper")
+    inner = rec.enter("optimizer", "AdamW")
+    rec.exit(inner)
+    rec.exit(outer)
+    assert heard == [("optimizer", "enter"), ("optimizer", "exit")]
+    assert sorted((s[0], s[3], s[4]) for s in rec.spans if s[0] == "optimizer") == [
+        ("optimizer", 0, "Wrapper"), ("optimizer", 1, "AdamW")]
+    heard.clear()
+    outer = rec.enter("optimizer", "Wrapper")
+    rec.enter("optimizer", "AdamW")
+    rec.enter("forward", "closure")  # another phase inside is a boundary of its own
+    rec.exit(outer)  # the inner spans were left open (an exception skipped their exits)
+    assert heard == [("optimizer", "enter"), ("forward", "enter"), ("forward", "exit"), ("optimizer", "exit")]
+    assert not rec.is_open("optimizer") and not rec.is_open("forward")

@@ -8,7 +8,10 @@ CPython, which is all the sampler thread needs).
 Hooks for other probes:
 - ``phase_listeners``: called as ``fn(phase, event, raw_step)`` with event ``"enter"``
   (before the span's start is stamped) or ``"exit"`` (after its end is stamped), so the
-  listener's own cost is not charged to the phase. The memory probe lives here.
+  listener's own cost is not charged to the phase. The memory probe lives here. Only the
+  outermost span of a phase is a boundary: a span of a phase that is already open (an
+  optimizer wrapper's ``step()`` calling the wrapped optimizer's, as accelerate's and
+  DeepSpeed's do) is recorded but not announced, since the phase does not change there.
 - ``step_listeners``: called as ``fn(raw_step, end_ns)`` after a step has been recorded.
   The slice controller (stop, warmup, progress bar) lives here; it may raise ``StopSlice``.
 - ``batch_listeners``: called as ``fn(batch)`` by ``yielded`` when a loader hands a batch to
@@ -111,7 +114,8 @@ class Recorder:
     def enter(self, phase: str, source: str = "user") -> int:
         """Open a span; returns a token for ``exit``. Listeners run before the stamp, and
         their time is a ``tpkit`` span of its own (tpkit's cost, never charged to a phase)."""
-        if self.phase_listeners:
+        already = self._open.get(phase, 0)
+        if self.phase_listeners and not already:
             t = perf_counter_ns()
             for fn in self.phase_listeners:
                 fn(phase, "enter", self.step_index)
@@ -119,7 +123,7 @@ class Recorder:
         ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
         depth = len(self._stack)
         self._stack.append([phase, perf_counter_ns(), depth, source, self.step_index, ev])
-        self._open[phase] = self._open.get(phase, 0) + 1
+        self._open[phase] = already + 1
         return depth
 
     def exit(self, token: int) -> None:
@@ -129,9 +133,9 @@ class Recorder:
         ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
         while len(self._stack) > token:
             phase, start, depth, source, step, sev = self._stack.pop()
-            self._open[phase] -= 1
+            left = self._open[phase] = self._open[phase] - 1
             self._spans += (phase, start, end, depth, source, step, sev, ev)
-            if self.phase_listeners:
+            if self.phase_listeners and not left:
                 t = perf_counter_ns()
                 for fn in self.phase_listeners:
                     fn(phase, "exit", step)
