@@ -653,12 +653,15 @@ def test_host_backend_on_this_machine_says_what_it_could_read():
         assert source.startswith("unavailable: ") or metric in {m for _, m, _ in b.read()} or metric == "cpu_util_pct"
 
 
-def _fake_proc(tmp_path) -> tuple[str, str]:
-    """A /proc with a two-core cpuinfo and an empty /sys (no cpufreq, no RAPL)."""
+def _fake_proc(tmp_path, flags: str | None = None) -> tuple[str, str]:
+    """A /proc with a two-core cpuinfo (with ``flags``: a flags line per core, as x86 has) and an
+    empty /sys (no cpufreq, no RAPL)."""
     proc, sys_root = tmp_path / "proc", tmp_path / "sys"
-    proc.mkdir()
+    proc.mkdir(parents=True)
     sys_root.mkdir()
-    (proc / "cpuinfo").write_text("processor\t: 0\ncpu MHz\t\t: 2100.5\n\nprocessor\t: 1\ncpu MHz\t\t: 2300.5\n")
+    flags_line = f"flags\t\t: {flags}\n" if flags is not None else ""
+    (proc / "cpuinfo").write_text("".join(f"processor\t: {i}\ncpu MHz\t\t: {mhz}\n{flags_line}\n"
+                                          for i, mhz in enumerate(("2100.5", "2300.5"))))
     return str(proc), str(sys_root)
 
 
@@ -744,19 +747,11 @@ def test_a_host_with_many_cores_does_not_lend_a_descriptor_per_core(tmp_path):
         b._freq_cpufreq()
 
 
-def _cpuinfo(tmp_path, flags: str | None) -> str:
-    proc = tmp_path / "proc"
-    proc.mkdir(parents=True)
-    entry = "processor\t: 0\ncpu MHz\t\t: 2300.0\n" + (f"flags\t\t: {flags}\n" if flags is not None else "")
-    (proc / "cpuinfo").write_text(entry + "\n" + entry.replace(": 0", ": 1", 1))
-    return str(proc)
-
-
 def test_a_virtual_machine_is_told_by_the_hypervisor_cpu_flag(tmp_path):
-    assert cb.virtual_machine(_cpuinfo(tmp_path / "a", "fpu vme sse2 hypervisor avx2")) is True
-    assert cb.virtual_machine(_cpuinfo(tmp_path / "b", "fpu vme sse2 avx2")) is False
-    assert cb.virtual_machine(_cpuinfo(tmp_path / "c", "fpu hypervisorx")) is False  # a whole flag only
-    assert cb.virtual_machine(_cpuinfo(tmp_path / "d", None)) is None  # ARM: no flags line, not known
+    assert cb.virtual_machine(_fake_proc(tmp_path / "a", "fpu vme sse2 hypervisor avx2")[0]) is True
+    assert cb.virtual_machine(_fake_proc(tmp_path / "b", "fpu vme sse2 avx2")[0]) is False
+    assert cb.virtual_machine(_fake_proc(tmp_path / "c", "fpu hypervisorx")[0]) is False  # a whole flag only
+    assert cb.virtual_machine(_fake_proc(tmp_path / "d")[0]) is None  # ARM: no flags line, not known
     assert cb.virtual_machine(str(tmp_path / "nowhere")) is None
 
 
@@ -764,11 +759,9 @@ def test_the_run_says_a_flat_cpuinfo_clock_on_a_virtual_machine_cannot_show_a_sl
     """A VM's /proc/cpuinfo gives a fixed MHz figure: "no DVFS to see" would read as "the core
     ran at one speed", which the guest cannot know. The run says where the flat figure came
     from and what it cannot show; a cpufreq figure that stayed flat keeps its plain meaning."""
-    sys_root = tmp_path / "sys"
-    sys_root.mkdir()
-    proc = _cpuinfo(tmp_path / "vm", "fpu sse2 hypervisor")
+    proc, sys_root = _fake_proc(tmp_path, "fpu sse2 hypervisor")
     rec = Recorder("t")
-    probe = clocks_mod.ClockProbe(rec, hz=100, backends=[cb.HostBackend(proc=proc, sys_root=str(sys_root))]).install()
+    probe = clocks_mod.ClockProbe(rec, hz=100, backends=[cb.HostBackend(proc=proc, sys_root=sys_root)]).install()
     time.sleep(0.05)
     probe.remove()
     meta = probe.meta()["clocks"]

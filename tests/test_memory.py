@@ -843,8 +843,8 @@ def test_every_marker_size_is_odd_and_a_glibc_small_bin_request():
 
 
 def test_a_phase_entered_inside_itself_is_one_boundary_for_the_probes():
-    """An optimizer wrapper whose step() calls the wrapped optimizer's (accelerate, DeepSpeed)
-    opens an optimizer span inside an optimizer span: both are recorded, but the phase does not
+    """An optimizer wrapper whose step() calls the wrapped optimizer's (DeepSpeed's engine
+    around DeepSpeedCPUAdam or FusedAdam) opens an optimizer span inside an optimizer span: both are recorded, but the phase does not
     change at the inner one, so the probes hear the outer boundaries only (each one costs the
     memory probe a marker and ~10 us); a span left open by an exception closes with its outer."""
     rec = Recorder("t")

@@ -10,8 +10,8 @@ Hooks for other probes:
   (before the span's start is stamped) or ``"exit"`` (after its end is stamped), so the
   listener's own cost is not charged to the phase. The memory probe lives here. Only the
   outermost span of a phase is a boundary: a span of a phase that is already open (an
-  optimizer wrapper's ``step()`` calling the wrapped optimizer's, as accelerate's and
-  DeepSpeed's do) is recorded but not announced, since the phase does not change there.
+  optimizer wrapper's ``step()`` calling the wrapped optimizer's, as DeepSpeed's engine does)
+  is recorded but not announced, since the phase does not change there.
 - ``step_listeners``: called as ``fn(raw_step, end_ns)`` after a step has been recorded.
   The slice controller (stop, warmup, progress bar) lives here; it may raise ``StopSlice``.
 - ``batch_listeners``: called as ``fn(batch)`` by ``yielded`` when a loader hands a batch to
