@@ -389,6 +389,20 @@ def fmt(x: float | None, spec: str = ".3f", suffix: str = "x") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def print_table(results: dict[str, dict[str, Samples]], modes: list[str],
+                cell: Callable[[str, str, str, Samples], str]) -> None:
+    """A row per mode, a column per loop; ``cell(loop, mode, base, samples)`` for each mode that
+    ran (``base``: what its ratio is taken against)."""
+    print(f"{'mode':<24}" + "".join(f"{name:>24}" for name in results))
+    for mode in modes:
+        base = "none, traceml launcher" if mode == "TraceML, own process" else "none"
+        cells = []
+        for loop in results:
+            s = results[loop].get(mode)
+            cells.append("not run" if s is None or not s.steps else cell(loop, mode, base, s))
+        print(f"{mode:<24}" + "".join(f"{c:>24}" for c in cells))
+
+
 def report(results: dict[str, dict[str, Samples]], notes: list[str]) -> list[dict]:
     loops = list(results)
     modes = [*MODES, *SUBPROCESS_MODES]
@@ -396,27 +410,18 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str]) -> list[dic
     la = load_avg()
     print(f"\n== per-step time ratio vs none (median of every kept step; load average now "
           f"{la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} on {os.cpu_count()} cores) ==")
-    w = 24
-    print(f"{'mode':<{w}}" + "".join(f"{name:>24}" for name in loops))
-    for mode in modes:
-        base = "none, traceml launcher" if mode == "TraceML, own process" else "none"
-        cells = []
-        for loop in loops:
-            s = results[loop].get(mode)
-            r = ratio(results[loop], mode, base)
-            if s is None or not s.steps:
-                cells.append("not run")
-                continue
-            per_round = [m / b for m, b in zip(s.round_medians, results[loop][base].round_medians)]
-            spread = f"({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
-            ms = statistics.median(s.steps) * 1e3
-            if mode == "none":
-                cells.append(f"{ms:.1f} ms/step")
-            elif mode == "none, traceml launcher":
-                cells.append(f"{ms:.1f} ms ({fmt(ratio(results[loop], mode, 'none'), '.2f')})")
-            else:
-                cells.append(f"{fmt(r)} {spread}")
-        print(f"{mode:<{w}}" + "".join(f"{c:>24}" for c in cells))
+
+    def every_step(loop: str, mode: str, base: str, s: Samples) -> str:
+        ms = statistics.median(s.steps) * 1e3
+        if mode == "none":
+            return f"{ms:.1f} ms/step"
+        if mode == "none, traceml launcher":
+            return f"{ms:.1f} ms ({fmt(ratio(results[loop], mode, 'none'), '.2f')})"
+        per_round = [m / b for m, b in zip(s.round_medians, results[loop][base].round_medians)]
+        spread = f"({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
+        return f"{fmt(ratio(results[loop], mode, base))} {spread}"
+
+    print_table(results, modes, every_step)
     print("  (x.xx-y.yy): the lowest and highest per-round ratio. TraceML's ratio is against 'none, traceml "
           "launcher'; that row's own ratio (in brackets) is against the in-process 'none'.")
 
@@ -428,25 +433,20 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str]) -> list[dic
             bars[loop] = fast_host(pooled)
     print("\n== the same, fast-host steps only (host canary fast before and after the step; "
           "share of steps kept in brackets) ==")
-    print(f"{'mode':<{w}}" + "".join(f"{name:>24}" for name in loops))
-    for mode in modes:
-        base = "none, traceml launcher" if mode == "TraceML, own process" else "none"
-        cells = []
-        for loop in loops:
-            s = results[loop].get(mode)
-            if s is None or not s.steps or loop not in bars:
-                cells.append("not run")
-                continue
-            is_fast = bars[loop][1]
+
+    def fast_only(loop: str, mode: str, base: str, s: Samples) -> str:
+        if loop not in bars:
+            return "not run"
+        is_fast = bars[loop][1]
+        if mode in ("none", "none, traceml launcher"):
             kept = fast_steps(s, is_fast)
-            if mode in ("none", "none, traceml launcher"):
-                med = f"{statistics.median(kept) * 1e3:.1f} ms" if kept else "-"
-                cells.append(f"{med} ({100 * len(kept) / len(s.steps):.0f}%)")
-                continue
-            r, share, per_round = fast_ratio(results[loop], mode, base, is_fast)
-            spread = f" {min(per_round):.2f}-{max(per_round):.2f}" if len(per_round) > 1 else ""
-            cells.append(f"{fmt(r)}{spread} ({100 * share:.0f}%)")
-        print(f"{mode:<{w}}" + "".join(f"{c:>24}" for c in cells))
+            med = f"{statistics.median(kept) * 1e3:.1f} ms" if kept else "-"
+            return f"{med} ({100 * len(kept) / len(s.steps):.0f}%)"
+        r, share, per_round = fast_ratio(results[loop], mode, base, is_fast)
+        spread = f" {min(per_round):.2f}-{max(per_round):.2f}" if len(per_round) > 1 else ""
+        return f"{fmt(r)}{spread} ({100 * share:.0f}%)"
+
+    print_table(results, modes, fast_only)
     for loop, (bar, _) in bars.items():
         meds = {m: statistics.median(c for pair in s.canaries for c in pair)
                 for m, s in results[loop].items() if s.canaries}
