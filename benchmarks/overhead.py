@@ -271,7 +271,7 @@ def measure(loop: Any, ctx_factory: Callable[[int, int], Any], steps: int, skip:
     out.steps += kept
     out.canaries += rec.step_canaries(skip)
     out.gc += rec.gc_in_steps(watch.pauses, skip)
-    lo, hi = rec.ends[skip], rec.ends[-1]
+    lo, hi = rec.resumed[skip], rec.ends[-1]  # the kept steps, from the end of the canary before the first
     for start, _, gen in watch.pauses:
         if lo <= start < hi and 0 <= gen <= 2:
             out.gc_by_gen[gen] += 1
@@ -371,7 +371,7 @@ def fast_ratio(samples: dict[str, Samples], mode: str, base: str,
     """Ratio of medians over fast-host steps only (None when too few), the smaller share of
     steps kept (mode or base), and the per-round ratios (rounds with 5+ fast steps each)."""
     m, b = samples.get(mode), samples.get(base)
-    if not m or not b or not m.steps or not b.steps or len(m.canaries) != len(m.steps):
+    if not m or not b or not m.steps or not b.steps:
         return None, 0.0, []
     fm, fb = fast_steps(m, is_fast), fast_steps(b, is_fast)
     share = min(len(fm) / len(m.steps), len(fb) / len(b.steps))
@@ -427,10 +427,13 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str]) -> list[dic
 
     # The same ratios over the steps the host ran at its fast speed before and after (common.host_canary_us)
     bars: dict[str, tuple[float, Callable[[float], bool]]] = {}
+    canary_medians: dict[str, list[float]] = {}  # per loop: each mode's median canary
     for loop in loops:
-        pooled = [c for s in results[loop].values() for pair in s.canaries for c in pair]
-        if pooled:
-            bars[loop] = fast_host(pooled)
+        per_mode = [[c for pair in s.canaries for c in pair] for s in results[loop].values()]
+        per_mode = [xs for xs in per_mode if xs]
+        if per_mode:
+            bars[loop] = fast_host([c for xs in per_mode for c in xs])
+            canary_medians[loop] = [statistics.median(xs) for xs in per_mode]
     print("\n== the same, fast-host steps only (host canary fast before and after the step; "
           "share of steps kept in brackets) ==")
 
@@ -448,10 +451,8 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str]) -> list[dic
 
     print_table(results, modes, fast_only)
     for loop, (bar, _) in bars.items():
-        meds = {m: statistics.median(c for pair in s.canaries for c in pair)
-                for m, s in results[loop].items() if s.canaries}
-        lo, hi = min(meds.values()), max(meds.values())
-        print(f"  {loop}: canary fast at <= {bar:.0f} us; median canary per mode {lo:.0f}-{hi:.0f} us")
+        meds = canary_medians[loop]
+        print(f"  {loop}: canary fast at <= {bar:.0f} us; median canary per mode {min(meds):.0f}-{max(meds):.0f} us")
     print(f"  a ratio needs {FAST_MIN_STEPS}+ fast-host steps and {100 * FAST_MIN_SHARE:.0f}%+ of each mode's steps;"
           f" the range after it: lowest and highest per-round ratio over fast-host steps. A diagnostic: the canary"
           f" reads the main thread's core only, and in the runs so far these ratios were no steadier than the"
