@@ -655,3 +655,48 @@ def test_an_answer_crosses_the_pipe_as_a_plain_tuple_and_each_layout_is_unpickle
     assert later.skeleton is got.skeleton and len(seen) == 1  # the same layout: read once
     assert (later.batch_id, later.slot) == (4, 2)
     assert done_from_wire(StreamEnded(5), seen) == StreamEnded(5)
+
+
+class _FakePoller:
+    """A ``select.poll`` stand-in whose answer is there from the ``ready_at``-th look on."""
+
+    def __init__(self, ready_at: int) -> None:
+        self.ready_at, self.timeouts = ready_at, []
+
+    def poll(self, timeout=None):
+        self.timeouts.append(timeout)
+        return [(7, 1)] if len(self.timeouts) >= self.ready_at or timeout != 0 else []
+
+
+def test_waiting_for_a_batch_looks_without_sleeping_for_the_spin_then_sleeps():
+    """An answer that comes within the spin is taken without the main process ever sleeping
+    (a worker that writes to a sleeping process pays for waking it); past the spin, or with no
+    spin, the wait sleeps with the caller's timeout."""
+    from tpkit.data.process_pool import poll_spinning
+
+    quick = _FakePoller(ready_at=4)
+    assert poll_spinning(quick, 5.0, spin_s=10.0) == [(7, 1)]
+    assert quick.timeouts == [0, 0, 0, 0]  # never a sleeping poll
+    late = _FakePoller(ready_at=10**9)
+    assert poll_spinning(late, 2.5, spin_s=0.002) == [(7, 1)]
+    assert set(late.timeouts[:-1]) == {0} and late.timeouts[-1] == 2500.0
+    none = _FakePoller(ready_at=10**9)
+    poll_spinning(none, None, spin_s=0.0)
+    assert none.timeouts == [0, None]
+
+
+def test_the_pool_spins_only_after_a_short_wait(monkeypatch):
+    """Batches that come quickly are waited for by spinning; after a long wait (slow batches,
+    where a wake-up is a negligible share of the batch) the next wait sleeps at once."""
+    from tpkit.data import process_pool
+
+    spins = []
+    monkeypatch.setattr(process_pool, "poll_spinning",
+                        lambda poller, timeout_s, spin_s: spins.append(spin_s) or [])
+    pool = process_pool.ProcessPool.__new__(process_pool.ProcessPool)
+    pool._poll_key, pool._polling, pool.workers = (), (None, {}), []
+    pool._last_wait_s = 0.0
+    assert pool._wait(0.0) is False
+    pool._last_wait_s = 10 * process_pool.SPIN_AFTER_WAIT_S
+    pool._wait(0.0)
+    assert spins == [process_pool.SPIN_S, 0.0]

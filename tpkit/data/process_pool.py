@@ -77,6 +77,28 @@ SMALL_SLOT_BYTES = 256 * 1024
 #: ``next()`` (docs/DESIGN_CHANGES.md, "The first batch").
 FORK_AHEAD_MIN_S = 0.010
 DEEP_PREFETCH = 8
+#: Waiting for a batch, the main process polls the workers' pipes for up to SPIN_S (yielding
+#: its core between polls) before it sleeps: a worker that writes to a sleeping process pays
+#: for waking it on the other core, ~70 us of the worker's CPU per batch in this VM, and the
+#: main process sleeps on most batches of a fast loader (docs/MEASURED.md). It spins only
+#: when the last wait was short (under SPIN_AFTER_WAIT_S): on slow batches a sleep's wake-up
+#: is a negligible share of the batch, and the poll loop would only burn CPU.
+SPIN_S = 100e-6
+SPIN_AFTER_WAIT_S = 1e-3
+
+
+def poll_spinning(poller: Any, timeout_s: float | None, spin_s: float) -> list:
+    """``poller.poll`` that looks without sleeping for up to ``spin_s`` (yielding the core
+    between looks) before it sleeps for the rest of ``timeout_s`` (None: no limit)."""
+    ready = poller.poll(0)
+    if not ready and spin_s > 0:
+        end = perf_counter() + spin_s
+        while not ready and perf_counter() < end:
+            os.sched_yield()  # a worker on this core runs now, if one is ready to
+            ready = poller.poll(0)
+    if not ready:
+        ready = poller.poll(None if timeout_s is None else 1000 * timeout_s)
+    return ready
 
 
 def hold_slots(num_workers: int) -> int:
@@ -204,6 +226,7 @@ class ProcessPool:
         self._skeletons: dict[bytes, Any] = {}  # see worker_loop.done_from_wire
         self._poll_key: tuple = ()
         self._polling: tuple[Any, dict[int, tuple[bool, _Worker]]] = (None, {})
+        self._last_wait_s = 0.0  # how long the last _wait took (see SPIN_S)
 
     # -- life cycle ---------------------------------------------------------------------------
     def _start_worker(self, w: _Worker, skip_batches: int) -> None:
@@ -526,7 +549,10 @@ class ProcessPool:
     def _wait(self, timeout_s: float | None) -> bool:
         """Wait up to ``timeout_s`` for the workers; receive every answer that is there."""
         poller, where = self._poller()
-        ready = poller.poll(None if timeout_s is None else 1000 * timeout_s)
+        t0 = perf_counter()
+        spin_s = SPIN_S if self._last_wait_s < SPIN_AFTER_WAIT_S else 0.0
+        ready = poll_spinning(poller, timeout_s, spin_s)
+        self._last_wait_s = perf_counter() - t0
         got = bool(ready)
         dead: dict[int, _Worker] = {}
         while ready:
