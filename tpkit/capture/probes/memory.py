@@ -9,8 +9,9 @@ allocated outside backward, at a forward/backward boundary: what forward saved),
 ``.grad``) or, at any other boundary, ``other``. Model buffers count with that rest; tpkit's own
 tensors (``Recorder.own_tensors``) count nowhere.
 
-Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker
-allocation (made and freed at once: it cuts the allocator stream); no Python loop over
+Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker:
+the free of a small storage allocated ahead of time (``MARKER_POOL`` at once, when the last
+is used), whose address and odd size cut the allocator stream there; no Python loop over
 parameters runs there, and the hot path keeps only ints and strings in flat lists (nothing the
 gc tracks). The known sets are *observed* now and then: gradients at the first optimizer (or
 forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and then after every
@@ -80,6 +81,12 @@ ACTIVATION_PHASES: frozenset[str] = frozenset({"forward", "backward"})
 #: right after a backward pass cost 60-70 us (GPT-2, 12 layers) where a small one costs ~20.
 MARKER_BASE_BYTES = 513
 MARKER_SIZES = 192
+#: Markers are allocated this many at a time and each freed at its boundary: a boundary costs
+#: one free, not an allocation and a free. An allocation right after a backward pass took
+#: ~21 us (GPT-2, 2 layers; cold caches, glibc's bins refilled from what the backward freed), the
+#: free of a storage made earlier ~6 us (docs/OVERHEAD.md). The pool's storages are tpkit's: the
+#: replay leaves their allocations out.
+MARKER_POOL = 32
 #: Allocator history entries kept with ``--memory-detail`` (CUDA ring buffer).
 HISTORY_ENTRIES = 200_000
 TOP_AT_PEAK = 10
@@ -304,7 +311,7 @@ class _Levels:
 class MemoryProbe:
     """Listens to phase boundaries; builds ``run.memory`` rows when removed.
 
-    The hot path (every phase boundary) only stamps the time and makes one marker allocation
+    The hot path (every phase boundary) only stamps the time and frees one marker storage made ahead
     in the CPU stream; the known sets are observed a few times per step (the first optimizer
     boundary after a backward, each batch, the slice's end) and the stream is replayed after the
     slice.
@@ -320,8 +327,12 @@ class MemoryProbe:
         # that nothing it keeps is tracked by the gc: no collection is triggered by tpkit.
         #: phase, event, raw_step, t_ns per boundary
         self._bounds_flat: list[Any] = []
-        #: markers in the CPU stream, in order: ptr, bytes, kind, index
+        #: markers in the CPU stream (each a free), in order: ptr, bytes, kind, index, pool number
         self._marks_flat: list[int] = []
+        #: storages made ahead for markers: (storage, ptr, bytes, pool number), used from the end
+        self._pool: list[tuple[Any, int, int, int]] = []
+        #: every marker storage allocated, in stream order: ptr, bytes
+        self._pool_flat: list[int] = []
         #: CPU storages seen at each observation: ptr, bytes, category, parameter slot (or -1), ...
         self.observations: list[list[Any]] = []
         #: boundary -> known sets walked there (no CPU stream, or CUDA devices in use)
@@ -428,6 +439,7 @@ class MemoryProbe:
             except Exception as e:
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
                                   f"was not measured: {e}")
+        self._pool = []  # after the stream: these frees are in no stream
         if self._history:
             self._history = False
             try:
@@ -483,12 +495,27 @@ class MemoryProbe:
         return self.cpu.active and self._stream_lost_at is None and threading.get_ident() == self._stream_tid
 
     def _mark(self, kind: int, index: int) -> None:
-        """A marker allocation, made and freed at once: it cuts the CPU stream here."""
-        flat = self._marks_flat
-        size = MARKER_BASE_BYTES + 2 * ((len(flat) >> 2) % MARKER_SIZES)
-        m = torch.UntypedStorage(size)  # straight to the allocator: ~30% cheaper than torch.empty
-        flat += (m.data_ptr(), size, kind, index)
+        """A marker: the free of a storage allocated ahead (its address and odd size are known),
+        which cuts the CPU stream here."""
+        pool = self._pool
+        if not pool:
+            self._refill()
+        m, ptr, size, number = pool.pop()
+        self._marks_flat += (ptr, size, kind, index, number)
         del m
+
+    def _refill(self) -> None:
+        """``MARKER_POOL`` marker storages, of sizes that differ from one to the next."""
+        flat = self._pool_flat
+        made = []
+        for _ in range(MARKER_POOL):
+            number = len(flat) >> 1
+            size = MARKER_BASE_BYTES + 2 * (number % MARKER_SIZES)
+            m = torch.UntypedStorage(size)  # straight to the allocator: ~30% cheaper than torch.empty
+            flat += (m.data_ptr(), size)
+            made.append((m, flat[-2], size, number))
+        made.reverse()  # used in the order made
+        self._pool += made
 
     @property
     def bounds(self) -> list[tuple[str, str, int, int]]:
@@ -497,10 +524,10 @@ class MemoryProbe:
         return list(zip(f[0::4], f[1::4], f[2::4], f[3::4]))
 
     @property
-    def marks(self) -> list[tuple[int, int, int, int]]:
-        """``(ptr, bytes, kind, index)`` of every marker so far, in stream order."""
+    def marks(self) -> list[tuple[int, int, int, int, int]]:
+        """``(ptr, bytes, kind, index, pool number)`` of every marker so far, in stream order."""
         f = self._marks_flat
-        return list(zip(f[0::4], f[1::4], f[2::4], f[3::4]))
+        return list(zip(f[0::5], f[1::5], f[2::5], f[3::5], f[4::5]))
 
     def _on_phase(self, phase: str, event: str, raw_step: int) -> None:
         t_ns = perf_counter_ns()
@@ -815,6 +842,9 @@ class MemoryProbe:
         was seen). Pass 2 walks the stream again with running totals per category."""
         marks, bounds, obs = self.marks, self.bounds, self.observations
         n_marks, n = len(marks), len(events)
+        pool = self._pool_flat
+        n_pool = len(pool) >> 1
+        pk = 0  # marker storages whose allocation was passed
         live: dict[int, int] = {}
         size: list[int] = []
         in_backward: list[bool] = []
@@ -843,12 +873,18 @@ class MemoryProbe:
 
         j = 0
         bwd_depth = 0
-        skip: tuple[int, int] | None = None
         for i, (ptr, sz) in enumerate(events):
-            if j < n_marks and ptr == marks[j][0] and sz == marks[j][1]:
-                _, _, kind, idx = marks[j]
+            if pk < n_pool and sz > 0 and ptr == pool[2 * pk] and sz == pool[2 * pk + 1]:
+                pk += 1  # a marker storage made: tpkit's, counted nowhere
+                old = live.get(ptr)
+                if old is not None and alloc_at[old] < 0:  # its address was a storage from before
+                    del live[ptr]
+                    ends.setdefault(i, []).append(old)
+                    outside_data.pop(old, None)
+                continue
+            if j < n_marks and sz < 0 and ptr == marks[j][0] and -sz == marks[j][1] and marks[j][4] < pk:
+                _, _, kind, idx, _ = marks[j]
                 j += 1
-                skip = (ptr, -sz)
                 if kind == _BOUND:
                     phase, event = bounds[idx][0], bounds[idx][1]
                     if phase == "backward":
@@ -902,9 +938,6 @@ class MemoryProbe:
                             if cat == "gradients":
                                 slot_of[a] = slot
                                 known_at[a] = first_hook(slot, alloc_at[a])
-                continue
-            if skip is not None and ptr == skip[0] and sz == skip[1]:
-                skip = None
                 continue
             if sz > 0:
                 old = live.get(ptr)
