@@ -89,7 +89,8 @@ SPIN_AFTER_WAIT_S = 1e-3
 
 def poll_spinning(poller: Any, timeout_s: float | None, spin_s: float) -> list:
     """``poller.poll`` that looks without sleeping for up to ``spin_s`` (yielding the core
-    between looks) before it sleeps for the rest of ``timeout_s`` (None: no limit)."""
+    between looks) before it sleeps for up to ``timeout_s`` (None: no limit); the spin's
+    ~100 us over a caller's timeout of seconds is left uncounted."""
     ready = poller.poll(0)
     if not ready and spin_s > 0:
         end = perf_counter() + spin_s

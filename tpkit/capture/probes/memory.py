@@ -874,14 +874,6 @@ class MemoryProbe:
         j = 0
         bwd_depth = 0
         for i, (ptr, sz) in enumerate(events):
-            if pk < n_pool and sz > 0 and ptr == pool[2 * pk] and sz == pool[2 * pk + 1]:
-                pk += 1  # a marker storage made: tpkit's, counted nowhere
-                old = live.get(ptr)
-                if old is not None and alloc_at[old] < 0:  # its address was a storage from before
-                    del live[ptr]
-                    ends.setdefault(i, []).append(old)
-                    outside_data.pop(old, None)
-                continue
             if j < n_marks and sz < 0 and ptr == marks[j][0] and -sz == marks[j][1] and marks[j][4] < pk:
                 _, _, kind, idx, _ = marks[j]
                 j += 1
@@ -943,8 +935,12 @@ class MemoryProbe:
                 old = live.get(ptr)
                 if old is not None and alloc_at[old] < 0:
                     # a storage from before the slice ended before its address came back
+                    del live[ptr]
                     ends.setdefault(i, []).append(old)
                     outside_data.pop(old, None)
+                if pk < n_pool and ptr == pool[2 * pk] and sz == pool[2 * pk + 1]:
+                    pk += 1  # a marker storage made: tpkit's, counted nowhere
+                    continue
                 a = len(size)
                 live[ptr] = a
                 size.append(sz)
