@@ -9,6 +9,8 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from IPython.utils.capture import capture_output
 
 import tpkit as tp
@@ -881,3 +883,24 @@ def test_marker_storages_made_ahead_count_nowhere_whenever_they_are_made(monkeyp
     got, model, _ = train_mlp(steps=6)
     assert table(got) == table(want)
     assert (rows(got, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+
+
+def _nested_batches() -> Any:
+    leaves = st.one_of(st.integers(0, 9).map(lambda n: torch.full((n,), 1.0)), st.integers(), st.text(max_size=3),
+                       st.none())
+    return st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner, inner),
+                                                        st.dictionaries(st.text(max_size=2), inner, max_size=4)),
+                        max_leaves=12)
+
+
+def test_a_batch_s_tensors_are_found_the_same_way_on_the_fast_path() -> None:
+    """The batch observation's one-pass listing (no generator for a flat batch) finds exactly
+    the tensors, in the same order, that the general nested walk finds, for any batch shape."""
+
+    @settings(max_examples=200, deadline=None)
+    @given(_nested_batches())
+    def check(batch: Any) -> None:
+        fast, walk = mem._batch_tensors(batch), list(mem._tensors(batch))
+        assert [id(t) for t in fast] == [id(t) for t in walk]
+
+    check()
