@@ -20,7 +20,7 @@ Peers (all shuffle with seed 0, batch with ``default_collate``):
                       plain loop, started together; the sum of their rates is the ceiling: what
                       W free cores do with this work when all of them run it (shared caches,
                       memory bandwidth and clocks included), with nothing handed between them.
-                      On this 2-core VM two loops at once reached 1.6-2.0x one loop alone.
+                      On this 2-core VM two loops at once ran 1.7-2.1x one loop alone.
 
 Each measurement runs in a fresh subprocess (so peak memory and start-up are its own): time to
 first batch from constructing the loader, then samples/s over the following batches (up to a
@@ -228,19 +228,19 @@ def make_loader(peer: str, ds, bs: int, workers: int):
 def _plain_share(ds, bs: int, share: int, of: int, n_batches: int, max_seconds: float, start, conn) -> None:
     """One of ``plain parallel``'s helper processes: after ``start`` (a barrier), fetch and
     collate batches ``share``, ``share + of``, ... for as long as the main process's loop
-    may run; send (samples, seconds, CPU seconds), then wait to be told to exit (alive, its
-    memory is still in the tree the sampler reads)."""
+    may run; send (samples, seconds), then wait to be told to exit (alive, its memory and CPU
+    time are still in the tree the sampler and the CPU reading see)."""
     fetch = _FetchAndCollate(ds)
     batches = [idxs for i, idxs in enumerate(_index_batches(len(ds), bs)) if i % of == share]
     start.wait()
-    t, c, n = time.perf_counter(), time.process_time(), 0
+    t, n = time.perf_counter(), 0
     for i, idxs in enumerate(batches[:max(n_batches // of, 3)]):
         b = fetch(idxs)
         _touch(b)
         n += len(b[1]) if isinstance(b, (list, tuple)) else len(b["y"])
         if i >= 2 and time.perf_counter() - t > max_seconds:
             break
-    conn.send((n, time.perf_counter() - t, time.process_time() - c))
+    conn.send((n, time.perf_counter() - t))
     conn.recv()
 
 
@@ -283,7 +283,7 @@ def measure_plain(ds, bs: int, workers: int, n_batches: int, max_seconds: float,
             break
     rates, samples = [n / (time.perf_counter() - t)], n
     for _, conn in helpers:
-        n_k, dt_k, _cpu = conn.recv()
+        n_k, dt_k = conn.recv()
         rates.append(n_k / dt_k)
         samples += n_k
     mem.sample()
