@@ -225,22 +225,25 @@ def make_loader(peer: str, ds, bs: int, workers: int):
     raise ValueError(f"unknown peer {peer!r}; peers are {', '.join(PEERS)}")
 
 
-def _plain_share(ds, bs: int, share: int, of: int, n_batches: int, max_seconds: float, start, conn) -> None:
-    """One of ``plain parallel``'s helper processes: after ``start`` (a barrier), fetch and
-    collate batches ``share``, ``share + of``, ... for as long as the main process's loop
-    may run; send (samples, seconds), then wait to be told to exit (alive, its memory and CPU
-    time are still in the tree the sampler and the CPU reading see)."""
-    fetch = _FetchAndCollate(ds)
-    batches = [idxs for i, idxs in enumerate(_index_batches(len(ds), bs)) if i % of == share]
-    start.wait()
+def _timed_plain(fetch, batches: list, max_seconds: float) -> tuple[int, float]:
+    """Fetch and collate ``batches`` in a plain loop (at least 3, then until ``max_seconds``):
+    (samples, seconds)."""
     t, n = time.perf_counter(), 0
-    for i, idxs in enumerate(batches[:max(n_batches // of, 3)]):
+    for i, idxs in enumerate(batches):
         b = fetch(idxs)
         _touch(b)
         n += len(b[1]) if isinstance(b, (list, tuple)) else len(b["y"])
         if i >= 2 and time.perf_counter() - t > max_seconds:
             break
-    conn.send((n, time.perf_counter() - t))
+    return n, time.perf_counter() - t
+
+
+def _plain_share(fetch, batches: list, max_seconds: float, start, conn) -> None:
+    """One of ``plain parallel``'s helper processes: after ``start`` (a barrier), its share of
+    the batches; sends (samples, seconds), then waits to be told to exit (alive, its memory and
+    CPU time are still in the tree the sampler and the CPU reading see)."""
+    start.wait()
+    conn.send(_timed_plain(fetch, batches, max_seconds))
     conn.recv()
 
 
@@ -265,23 +268,18 @@ def measure_plain(ds, bs: int, workers: int, n_batches: int, max_seconds: float,
     ctx = mp.get_context("fork")
     start = ctx.Barrier(workers)
     helpers = []
+    per = max(n_batches // workers, 3)  # batches each loop may time
     for k in range(1, workers):
         here, there = ctx.Pipe()
-        p = ctx.Process(target=_plain_share, args=(ds, bs, k, workers, n_batches, max_seconds, start, there),
-                        daemon=True)
+        p = ctx.Process(target=_plain_share, args=(fetch, batches[k::workers][:per], max_seconds, start, there),
+                        daemon=True)  # forked: the arguments are inherited, not pickled
         p.start()
         helpers.append((p, here))
     mem.sample()
     cpu0, sampler0 = _cpu_tree_s(me), mem.cpu_s
     start.wait()
-    t, n = time.perf_counter(), 0
-    for i, idxs in enumerate(batches[workers::workers][:max(n_batches // workers, 3)]):
-        b = fetch(idxs)
-        _touch(b)
-        n += len(b[1]) if isinstance(b, (list, tuple)) else len(b["y"])
-        if i >= 2 and time.perf_counter() - t > max_seconds:
-            break
-    rates, samples = [n / (time.perf_counter() - t)], n
+    n, dt = _timed_plain(fetch, batches[workers::workers][:per], max_seconds)
+    rates, samples = [n / dt], n
     for _, conn in helpers:
         n_k, dt_k = conn.recv()
         rates.append(n_k / dt_k)

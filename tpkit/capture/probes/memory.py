@@ -58,7 +58,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 from threading import get_ident
@@ -405,7 +404,7 @@ class MemoryProbe:
         try:
             self._handle = _optim.register_optimizer_step_pre_hook(self._see_optimizer)
             try:
-                self._stream_tid = threading.get_ident()
+                self._stream_tid = get_ident()
                 self.cpu.start()
             except Exception as e:  # e.g. a torch.profiler already running
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
@@ -513,7 +512,7 @@ class MemoryProbe:
         """Whether what happens now is in the CPU stream: it is on, no other profiler took it
         over, and this is the thread that started it (the profiler reports no other thread's
         allocations: a loop in another thread gets the known sets walked at its boundaries)."""
-        return self.cpu.active and self._stream_lost_at is None and threading.get_ident() == self._stream_tid
+        return self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid
 
     def _mark(self, kind: int, index: int) -> None:
         """A marker: the free of a storage allocated ahead (its address and odd size are known),
@@ -574,7 +573,7 @@ class MemoryProbe:
             self._grads_new = True
         if len(self.rec.models) != self._seen_key[0]:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
-        stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid
+        stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
         if stream and self._user_profiler_flag():
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
@@ -588,9 +587,9 @@ class MemoryProbe:
             del m
             if not self._cuda_in_use:
                 return
-        if not stream or self._cuda_in_use:
-            self.walks[k] = self._known_sets()
-            self._cpu_walked = self._cpu_walked or not stream
+        # no CPU stream to replay, or CUDA devices in use: walk the known sets here
+        self.walks[k] = self._known_sets()
+        self._cpu_walked = self._cpu_walked or not stream
         if self._cuda_in_use:
             self.cuda_reads[k] = {f"cuda:{i}": self._read_cuda(i) for i in sorted(self._cuda_in_use)}
 
@@ -607,7 +606,7 @@ class MemoryProbe:
                 pass
         self._batch = refs
         items = self._storages(tensors, "data")
-        if self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid:
+        if self._streaming():
             flat: list[Any] = []
             for dev, ptr, nb, c, slot in items:
                 if dev == "cpu":
