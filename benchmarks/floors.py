@@ -4,17 +4,21 @@ on, each measured alone, beside tpkit and torch.profiler, in one run.
 tpkit sees an unchanged loop through two torch mechanisms whose cost does not depend on
 tpkit's own code:
 
-- global module forward hooks (``register_module_forward_pre_hook`` / ``..._forward_hook``):
-  how the forward phase is found without touching the user's model. Any global hook sends
-  *every* module call down ``Module._call_impl``'s slow path, so the cost grows with the
-  number of module calls per step. (Hooks on the outermost model only would be cheaper, but
-  they live in the model: a ``torch.save(model)`` or ``copy.deepcopy(model)`` made during the
-  slice would carry them, and adding them mid-run makes a compiled model recompile.)
+- a replaced ``nn.Module.__call__``: how the forward phase is found without touching the
+  user's model. Every module call goes through one more Python function, so the cost grows
+  with the number of module calls per step. Until 2026-12-02 tpkit used torch's global module
+  forward hooks instead (``register_module_forward_pre_hook`` / ``..._forward_hook``), which
+  send every module call down ``Module._call_impl``'s slow path: still measured here, as
+  "global hooks (before)", the way other tools see a model. (Hooks on the outermost model
+  only would be cheaper still, but they live in the model: a ``torch.save(model)`` or
+  ``copy.deepcopy(model)`` made during the slice would carry them, and adding them mid-run
+  makes a compiled model recompile.)
 - the CPU allocator stream (torch's profiler with ``profile_memory`` and no op events): how
   CPU memory is known exactly, allocation by allocation.
 
 Modes, in interleaved rounds (the order rotates each round), in this process, one torch thread:
-  none; floor: global hooks (no-op pre and post hooks); floor: allocator stream; floor: both;
+  none; global hooks (before) (no-op pre and post hooks); floor: call wrapper (a pass-through
+  ``nn.Module.__call__``); floor: allocator stream; floor: both (wrapper and stream);
   tpkit phases only; tpkit phases + memory (clock_hz=0); tpkit default (+ clocks at 20 Hz);
   torch.profiler (CPU activities), the peer.
 Loop: GPT-2 from a config (``--layers``), synthetic tokens, AdamW, a plain loop. Each step is
@@ -45,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import load_avg, machine, peer_versions, write_rows  # noqa: E402
 
-MODES = ("none", "floor: global hooks", "floor: allocator stream", "floor: both",
+MODES = ("none", "global hooks (before)", "floor: call wrapper", "floor: allocator stream", "floor: both",
          "tpkit phases only", "tpkit phases + memory", "tpkit default", "torch.profiler CPU")
 
 
@@ -87,6 +91,21 @@ def global_hooks() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def call_wrapper() -> Iterator[None]:
+    """The least a replaced ``nn.Module.__call__`` costs: one pass-through function."""
+    torch_call = torch.nn.Module.__dict__["__call__"]
+
+    def call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return torch_call(self, *args, **kwargs)
+
+    torch.nn.Module.__call__ = call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.__call__ = torch_call  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def allocator_stream() -> Iterator[None]:
     from tpkit.capture.probes.memory import CpuAllocatorStream, quiet_stderr
 
@@ -113,6 +132,41 @@ def torch_profiler() -> Iterator[None]:
             prof.__exit__(None, None, None)
 
 
+def per_call_us(n: int = 200_000, repeats: int = 5) -> dict[str, float]:
+    """What one module call costs (an ``nn.Identity``, the best of ``repeats`` loops of ``n``
+    calls): alone, under global no-op hooks, through a pass-through ``__call__``, and as an
+    inner call under tpkit's phase probe (an outermost call of the loop's thread is running)."""
+    import threading
+
+    from tpkit.capture.probes.phases import PhaseProbe
+    from tpkit.capture.recorder import Recorder
+
+    m, x = torch.nn.Identity(), torch.zeros(1)
+
+    def best() -> float:
+        out = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(n):
+                m(x)
+            out = min(out, (time.perf_counter() - t) / n)
+        return 1e6 * out
+
+    res = {"none": best()}
+    with global_hooks():
+        res["global hooks (before)"] = best()
+    with call_wrapper():
+        res["floor: call wrapper"] = best()
+    probe = PhaseProbe(Recorder("floors")).install()
+    try:
+        probe._inside = threading.get_ident()  # as inside the model's outermost call
+        res["tpkit, an inner module call"] = best()
+        probe._inside = None
+    finally:
+        probe.remove()
+    return res
+
+
 def run_mode(mode: str, step: Callable[[], None], steps: int, skip: int) -> list[tuple[float, float]]:
     """``(wall_s, cpu_s)`` of each kept step."""
     import tpkit as tp
@@ -133,7 +187,8 @@ def run_mode(mode: str, step: Callable[[], None], steps: int, skip: int) -> list
             loop(steps + skip + 1)  # the last step() ends the slice
         times = times[:steps + skip]
     else:
-        ctx = {"none": contextlib.nullcontext, "floor: global hooks": global_hooks,
+        ctx = {"none": contextlib.nullcontext, "global hooks (before)": global_hooks,
+               "floor: call wrapper": call_wrapper,
                "floor: allocator stream": allocator_stream, "torch.profiler CPU": torch_profiler,
                "floor: both": lambda: _both()}[mode]()
         with ctx:
@@ -143,7 +198,7 @@ def run_mode(mode: str, step: Callable[[], None], steps: int, skip: int) -> list
 
 @contextlib.contextmanager
 def _both() -> Iterator[None]:
-    with global_hooks(), allocator_stream():
+    with call_wrapper(), allocator_stream():
         yield
 
 
@@ -162,6 +217,10 @@ def main() -> None:
     print(f"{machine()}; torch threads 1; load average at start {' / '.join(f'{x:.2f}' for x in load_avg())}")
     print(peer_versions("transformers"))
     rows: list[dict] = []
+    calls_us = per_call_us()
+    print("one module call (nn.Identity, best of 5 x 200,000): " + ", ".join(
+        f"{k} {v:.2f} us" for k, v in calls_us.items()))
+    rows += [{"layers": 0, "module_calls_per_step": 1, "mode": k, "per_call_us": v} for k, v in calls_us.items()]
     table: dict[int, dict[str, float]] = {}  # CPU-time ratios
     walls: dict[int, dict[str, float]] = {}
     for layers in (int(x) for x in args.layers.split(",")):
@@ -192,7 +251,7 @@ def main() -> None:
     for m in MODES:
         print(f"{m:28s}" + "".join(f"{table[n][m]:13.3f}x ({walls[n][m]:.3f}x)" for n in layers_list))
     print("\n== tpkit's own cost above the floor it switches on (CPU time) ==")
-    pairs = [("tpkit phases only", "floor: global hooks"), ("tpkit phases + memory", "floor: both"),
+    pairs = [("tpkit phases only", "floor: call wrapper"), ("tpkit phases + memory", "floor: both"),
              ("tpkit default", "floor: both")]
     for mode, floor in pairs:
         print(f"{mode + ' - ' + floor:52s}" + "".join(f"{100 * (table[n][mode] - table[n][floor]):+12.1f}%"

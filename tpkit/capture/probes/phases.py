@@ -1,8 +1,11 @@
 """Phase probes: find data_wait, h2d, forward, backward and optimizer in an unchanged loop.
 
 What is hooked, and why this way:
-- forward: torch's global module forward hooks (``always_call=True`` so an exception inside
-  forward still closes the span); only the outermost call opens a span.
+- forward: ``nn.Module.__call__`` goes through ``_module_call`` (every module's call, a model
+  compiled in place included); only the outermost call of the loop's thread opens a span, and
+  an exception inside forward still closes it. Not torch's global module hooks: those take
+  every module call off ``_call_impl``'s fast path (2.2 us a call, the wrapper 0.3;
+  docs/OVERHEAD.md).
 - backward: ``torch.autograd.backward`` is wrapped (``Tensor.backward`` looks it up at call
   time, so one wrapper covers both).
 - optimizer: torch's global optimizer step pre/post hooks, plus ``Optimizer.zero_grad`` and
@@ -35,10 +38,9 @@ import contextlib
 import gc
 import sys
 import threading
-import warnings
 import weakref
 from time import perf_counter_ns
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.optim.optimizer as _optim
@@ -70,7 +72,52 @@ def has_accelerator() -> bool:
     if acc is not None and hasattr(acc, "is_available"):
         return bool(acc.is_available())
     return torch.cuda.is_available()
-_COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+# -- module calls -------------------------------------------------------------------------------
+#: ``nn.Module.__call__`` as it was when the phase probe took it over (torch's own, unless
+#: something else had replaced it): every module call ends up there. Kept after the slice: a
+#: model first compiled inside a slice keeps calling ``_module_call``, which then only passes on.
+_torch_call: Any = torch.nn.Module.__call__
+#: The installed phase probe (one slice at a time), or None.
+_loop_probe: "PhaseProbe | None" = None
+
+
+def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``nn.Module.__call__`` while a phase probe is installed. Only an outermost call of the
+    loop's thread goes to the probe; every other call (the modules inside it, compiled code,
+    other threads' modules inside theirs) is passed on at once: 0.3 us a call where torch's
+    global module hooks cost 2.2 (every module call leaves ``_call_impl``'s fast path).
+
+    Under torch.compile this returns torch's call before anything else (``_compiling`` folds to
+    a constant there), so dynamo traces torch's own call, with no graph break and no guard on
+    tpkit's state. ``__tracebackhide__``: IPython and pytest leave this frame out of tracebacks."""
+    __tracebackhide__ = True  # noqa: F841 - read by IPython's and pytest's traceback formatters
+    if _compiling():
+        return _torch_call(self, *args, **kwargs)
+    probe = _loop_probe
+    if probe is None or probe._inside == threading.get_ident():
+        return _torch_call(self, *args, **kwargs)
+    return probe._outer_call(self, args, kwargs)
+
+
+def _take_module_calls(probe: "PhaseProbe", patches: Patches) -> None:
+    """Route ``nn.Module.__call__`` through ``_module_call`` for ``probe`` (undone by ``patches``
+    and ``_release_module_calls``)."""
+    global _torch_call, _loop_probe
+    if _loop_probe is not None and _loop_probe.installed:
+        raise RuntimeError("another tpkit phase probe is installed: one slice at a time")
+    current = torch.nn.Module.__dict__["__call__"]
+    if current is not _module_call:  # (a probe's patch left behind cannot become the inner call)
+        _torch_call = current
+    patches.set(torch.nn.Module, "__call__", _module_call)
+    _loop_probe = probe
+
+
+def _release_module_calls(probe: "PhaseProbe") -> None:
+    global _loop_probe
+    if _loop_probe is probe:
+        _loop_probe = None
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -188,8 +235,8 @@ class PhaseProbe:
         self.rec = rec
         self._handles: list[Any] = []
         self._patched = Patches()
-        self._fwd_depth = 0
-        self._fwd_token: int | None = None
+        self._inside: int | None = None  # the loop's thread while an outermost module call of it runs
+        self._fwd_gen = 0  # bumped when an early adoption is taken back: that thread's call no longer counts
         self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
         self._closure_depth = 0  # > 0 while an optimizer's closure runs
         self._closure_evals = 0  # closure calls in the current optimizer step
@@ -212,7 +259,6 @@ class PhaseProbe:
         self._gc_start = 0
         self._start_tid = rec.thread_id  # the thread that started the slice
         self._early: tuple[str, int, int] | None = None  # (note, spans, samples) at an early adoption
-        self._warning_filter: Any = None
         self._graph_breaks_at_start = _graph_breaks()
 
     @property
@@ -226,9 +272,7 @@ class PhaseProbe:
             return self
         self.installed = True
         try:
-            mm = torch.nn.modules.module
-            self._handles.append(mm.register_module_forward_pre_hook(self._fwd_pre))
-            self._handles.append(mm.register_module_forward_hook(self._fwd_post, always_call=True))
+            _take_module_calls(self, self._patched)
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._opt_pre))
             self._handles.append(_optim.register_optimizer_step_post_hook(self._opt_post))
             self._patched.set(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
@@ -249,10 +293,6 @@ class PhaseProbe:
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
             gc.callbacks.append(self._gc)
             self._gc_installed = True
-            # torch warns that a compiled module's outer call also fires global hooks: tpkit's
-            # hooks count that call as the forward (see _fwd_pre), so the warning is not the user's.
-            warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING)
-            self._warning_filter = warnings.filters[0]
         except BaseException:
             self.remove()
             raise
@@ -264,13 +304,9 @@ class PhaseProbe:
             with contextlib.suppress(ValueError):
                 gc.callbacks.remove(self._gc)
             self._gc_installed = False
-        if self._warning_filter is not None:
-            with contextlib.suppress(ValueError):
-                cast(list, warnings.filters).remove(self._warning_filter)
-            warnings._filters_mutated()  # type: ignore[attr-defined]  # as warnings.resetwarnings does
-            self._warning_filter = None
         while self._handles:
             self._handles.pop().remove()
+        _release_module_calls(self)
         self._patched.restore()
         self._scaled = None
         self.installed = False
@@ -287,10 +323,9 @@ class PhaseProbe:
                        "follows one loop per slice, and the thread that started this slice trained first; "
                        "start the slice in the training thread (or let this one only wait for it)")
         if self._backward_seen and not self.models:
-            out.append("backward ran but no module's forward was seen: a model compiled in place "
-                       "(model.compile()) runs its hooks inside the compiled graph, and a functional "
-                       "model has none; use compiled = torch.compile(model), or mark the forward with "
-                       "tp.phase('forward')")
+            out.append("backward ran but no module's forward was seen: the model is not called as an "
+                       "nn.Module (a functional model, or model.forward(...) "
+                       "called directly); mark its forward with tp.phase('forward')")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
@@ -342,7 +377,8 @@ class PhaseProbe:
         rec.meta.pop("loop_thread", None)
         if text in rec.notes:
             rec.notes.remove(text)
-        self._fwd_depth, self._fwd_token = 0, None
+        self._inside = None
+        self._fwd_gen += 1
 
     # -- garbage collection -------------------------------------------------------------------
     def _gc(self, event: str, info: dict) -> None:
@@ -362,31 +398,29 @@ class PhaseProbe:
             self._gc_start = 0
 
     # -- forward ----------------------------------------------------------------------------
-    # Under torch.compile every hook returns before anything else: dynamo traces module calls
-    # with their global hooks, and any call it cannot trace (threading.get_ident) would break
-    # the graph. The compiled module's outer call runs eagerly, so its hooks time it.
-    def _fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if _compiling():
-            return
+    def _outer_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """An outermost module call (none of the loop thread's is running): a forward span
+        unless it runs inside a phase that is not the forward pass. The module calls inside it
+        go straight to torch (``_module_call``)."""
         tid = threading.get_ident()
         if tid != self.rec.thread_id and not self._adopt(tid, at_step=False):
-            return
-        if self._fwd_depth == 0:
-            rec = self.rec
-            if not any(rec.is_open(p) for p in _NOT_FORWARD):
-                self._fwd_token = rec.enter("forward", type(module).__name__)
-                self._worked = self._ever_worked = True
-                if id(module) not in self.models:
-                    self.models[id(module)] = module
-        self._fwd_depth += 1
-
-    def _fwd_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _compiling() or threading.get_ident() != self.rec.thread_id:
-            return
-        self._fwd_depth = max(0, self._fwd_depth - 1)
-        if self._fwd_depth == 0 and self._fwd_token is not None:
-            token, self._fwd_token = self._fwd_token, None
-            self.rec.exit(token)
+            return _torch_call(module, *args, **kwargs)
+        rec = self.rec
+        token = None
+        if not any(rec.is_open(p) for p in _NOT_FORWARD):
+            token = rec.enter("forward", type(module).__name__)
+            self._worked = self._ever_worked = True
+            if id(module) not in self.models:
+                self.models[id(module)] = module
+        gen = self._fwd_gen
+        self._inside = tid
+        try:
+            return _torch_call(module, *args, **kwargs)
+        finally:
+            if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
+                self._inside = None
+                if token is not None:
+                    rec.exit(token)
 
     # -- optimizer --------------------------------------------------------------------------
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
