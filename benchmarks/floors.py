@@ -132,10 +132,11 @@ def torch_profiler() -> Iterator[None]:
             prof.__exit__(None, None, None)
 
 
-def per_call_us(n: int = 200_000, repeats: int = 5) -> dict[str, float]:
-    """What one module call costs (an ``nn.Identity``, the best of ``repeats`` loops of ``n``
-    calls): alone, under global no-op hooks, through a pass-through ``__call__``, and as an
-    inner call under tpkit's phase probe (an outermost call of the loop's thread is running)."""
+def per_call_us(n: int = 200_000, repeats: int = 7) -> dict[str, float]:
+    """What one module call costs (an ``nn.Identity``; each mode's best loop of ``n`` calls, the
+    modes taking turns ``repeats`` times, since this host's speed drifts by 10-40% within
+    minutes): alone, under global no-op hooks, through a pass-through ``__call__``, and as an
+    inner call under tpkit's phase probe (an outermost call of the loop's thread running)."""
     import threading
 
     from tpkit.capture.probes.phases import PhaseProbe
@@ -143,28 +144,28 @@ def per_call_us(n: int = 200_000, repeats: int = 5) -> dict[str, float]:
 
     m, x = torch.nn.Identity(), torch.zeros(1)
 
-    def best() -> float:
-        out = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for _ in range(n):
-                m(x)
-            out = min(out, (time.perf_counter() - t) / n)
-        return 1e6 * out
+    @contextlib.contextmanager
+    def inner_call_under_tpkit() -> Iterator[None]:
+        probe = PhaseProbe(Recorder("floors")).install()
+        try:
+            probe._inside = threading.get_ident()  # as inside the model's outermost call
+            yield
+        finally:
+            probe._inside = None
+            probe.remove()
 
-    res = {"none": best()}
-    with global_hooks():
-        res["global hooks (before)"] = best()
-    with call_wrapper():
-        res["floor: call wrapper"] = best()
-    probe = PhaseProbe(Recorder("floors")).install()
-    try:
-        probe._inside = threading.get_ident()  # as inside the model's outermost call
-        res["tpkit, an inner module call"] = best()
-        probe._inside = None
-    finally:
-        probe.remove()
-    return res
+    modes: dict[str, Callable[[], Any]] = {
+        "none": contextlib.nullcontext, "global hooks (before)": global_hooks,
+        "floor: call wrapper": call_wrapper, "tpkit, an inner module call": inner_call_under_tpkit}
+    best = dict.fromkeys(modes, float("inf"))
+    for _ in range(repeats):
+        for name, ctx in modes.items():
+            with ctx():
+                t = time.perf_counter()
+                for _ in range(n):
+                    m(x)
+                best[name] = min(best[name], (time.perf_counter() - t) / n)
+    return {k: 1e6 * v for k, v in best.items()}
 
 
 def run_mode(mode: str, step: Callable[[], None], steps: int, skip: int) -> list[tuple[float, float]]:
@@ -218,7 +219,7 @@ def main() -> None:
     print(peer_versions("transformers"))
     rows: list[dict] = []
     calls_us = per_call_us()
-    print("one module call (nn.Identity, best of 5 x 200,000): " + ", ".join(
+    print("one module call (nn.Identity, each mode's best of 7 turns x 200,000 calls): " + ", ".join(
         f"{k} {v:.2f} us" for k, v in calls_us.items()))
     rows += [{"layers": 0, "module_calls_per_step": 1, "mode": k, "per_call_us": v} for k, v in calls_us.items()]
     table: dict[int, dict[str, float]] = {}  # CPU-time ratios

@@ -122,7 +122,10 @@ def test_other_ranks_comm_matches_the_delay(launched, case):
     """Every rank's comm_s also holds what the collectives themselves cost (gloo's transport): on
     this 2-core VM under a load average of ~10 that was 5-80 ms per step on the late rank too, in
     the same steps as on the others. So the others' comm_s is the delay plus the late rank's own
-    comm_s, within 25% of the delay, step by step (median); and never below the delay's 75%."""
+    comm_s, within 25% of the delay, step by step (median); and never below the delay's 75%. The
+    late rank's own comm_s has no bound of its own: with 4 ranks on 2 cores the transport alone
+    read 51-203 ms a step from one CI host to the next (it failed a 112 ms bound once); that it
+    holds no delay is the step-by-step difference above."""
     _, _, nproc, late, *_ = CASES[case]
     ranks = tp.load_ranks(launched(case))
     m = ranks.steps[~ranks.steps["warmup"]]
@@ -134,7 +137,6 @@ def test_other_ranks_comm_matches_the_delay(launched, case):
         waited = (comm[k] - own).median()
         assert waited == pytest.approx(DELAY_S, rel=TOL), (k, comm.round(4).to_dict())
         assert comm[k].median() >= (1 - TOL) * DELAY_S
-    assert own.median() < (1 - TOL) * DELAY_S
 
 
 @pytest.mark.parametrize("case", PARAMS)
