@@ -473,11 +473,15 @@ def main() -> None:
           f"{la[1]:.2f} / {la[2]:.2f}) ==")
     w = args.workers
 
+    def linear(wl: str) -> float:
+        """W x ``plain x1``: as if W cores ran W loops as fast as one."""
+        return w * med(wl, "plain x1", "samples_per_s")
+
     def ceiling(wl: str) -> float:
         """The measured W-core ceiling (``plain parallel``), else W x ``plain x1``."""
         if (wl, "plain parallel") in results:
             return med(wl, "plain parallel", "samples_per_s")
-        return w * med(wl, "plain x1", "samples_per_s")
+        return linear(wl)
 
     print(f"ceiling: plain parallel ({w} plain loops at once, one per process, no loader: what {w} cores do "
           f"with this work); of {w}x1: over {w} x plain x1 (one plain loop alone, as if {w} cores ran {w} "
@@ -487,14 +491,14 @@ def main() -> None:
     print(head)
     for wl in workloads:
         ts, tf, tp_ = med(wl, "torch", "samples_per_s"), med(wl, "torch", "first_batch_s"), med(wl, "torch", "peak_pss_bytes")
-        ceil, linear = ceiling(wl), w * med(wl, "plain x1", "samples_per_s")
+        ceil, lin = ceiling(wl), linear(wl)
         for peer in peers:
             if (wl, peer) not in results:
                 print(f"{wl:<10}{peer:<19}{'failed':>11}")
                 continue
             s, f, p = med(wl, peer, "samples_per_s"), med(wl, peer, "first_batch_s"), med(wl, peer, "peak_pss_bytes")
             c, sc = med(wl, peer, "cpu_ms_per_ksample"), med(wl, peer, "sampler_core_pct")
-            print(f"{wl:<10}{peer:<19}{s:>11,.0f}{s / ts:>8.2f}x{s / ceil:>8.2f}{s / linear:>7.2f}{f * 1e3:>9.0f}"
+            print(f"{wl:<10}{peer:<19}{s:>11,.0f}{s / ts:>8.2f}x{s / ceil:>8.2f}{s / lin:>7.2f}{f * 1e3:>9.0f}"
                   f"{f / tf:>8.2f}x{p / 2**20:>8.0f}{p / tp_:>8.2f}x{c:>10.0f}{sc:>8.2f}%")
     print("  of ceil: samples/s over the ceiling; cpu ms/1k: CPU of the main process and its workers per 1,000 "
           "samples, the sampler's own CPU taken out; sampler: the PSS sampler's CPU as % of one core")
@@ -524,7 +528,7 @@ def main() -> None:
             frac = med(wl, "tpkit", "samples_per_s") / ceiling(wl)
             checks.append((f"of the {w}-core ceiling (plain parallel) >= {CEILING_GOAL:g}", frac, frac >= CEILING_GOAL))
         if (wl, "plain x1") in results:
-            frac = med(wl, "tpkit", "samples_per_s") / (w * med(wl, "plain x1", "samples_per_s"))
+            frac = med(wl, "tpkit", "samples_per_s") / linear(wl)
             checks.append((f"of {w} x plain x1 >= {CEILING_GOAL:g}", frac, frac >= CEILING_GOAL))
         for peer in ("torchdata process", "torchdata thread", "spdl thread"):
             if (wl, peer) in results:

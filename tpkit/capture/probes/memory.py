@@ -611,9 +611,7 @@ class MemoryProbe:
             for dev, ptr, nb, c, slot in items:
                 if dev == "cpu":
                     flat += (ptr, nb, c, slot)
-            if flat:
-                self.observations.append(flat)
-                self._mark(_OBS, len(self.observations) - 1)
+            self._add_observation(flat)
         # Loaders report the batch right after their data_wait span closed: count it as data
         # at that exit boundary too (the previous batch, still held by the loop, stays there).
         f = self._bounds_flat
