@@ -41,39 +41,6 @@ def step_times(fn: Callable[[], object], n: int) -> list[float]:
     return out
 
 
-#: Iterations of the host canary's loop: ~60 us of CPU on this VM's fast state.
-CANARY_ITERATIONS = 2000
-
-
-def host_canary_us() -> float:
-    """CPU time (us) of a fixed pure-Python loop, run between two steps: a reading of how fast
-    the host lets this core run right now.
-
-    The 2-core VM's host runs a guest core at one of two speeds by turns (docs/MEASURED.md,
-    "Timing ground truth"): the same work takes ~1.9x longer in the slow state, with no figure
-    in the guest changing. This loop's bytecode and its few objects stay in the caches, so the
-    step before it barely moves its time (63 us after flushing 8 MB, 61 us warm), while the
-    host's slow state moves it 1.35-1.45x: two clusters a threshold tells apart. Thread CPU
-    time, so a canary that was descheduled is not read as a slow one."""
-    t0 = time.thread_time_ns()
-    s = 0
-    for i in range(CANARY_ITERATIONS):
-        s += i
-    return (time.thread_time_ns() - t0) / 1e3
-
-
-#: A canary this much slower than the run's fast level (its 5th percentile) reads as the slow state.
-SLOW_HOST_FACTOR = 1.15
-
-
-def fast_host(canaries: list[float]) -> tuple[float, Callable[[float], bool]]:
-    """The threshold (us) and a test "was the host in its fast state" for canary readings of
-    one run (pooled over every mode, so each is judged by the same bar)."""
-    xs = sorted(canaries)
-    bar = SLOW_HOST_FACTOR * xs[len(xs) // 20]
-    return bar, lambda c: c <= bar
-
-
 def quantiles(xs: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(xs, n=10)
     return q[1], statistics.median(xs), q[7]

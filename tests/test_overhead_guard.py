@@ -1,73 +1,57 @@
 """A loose guard on what tpkit's default profile costs a plain training loop: a short version
-of benchmarks/overhead.py (the built-in tiny transformer; no profiler vs ``tp.profile`` with
-phases, memory and clocks), the median over rounds of each round's paired ratio of median step
-times, <= 1.10.
+of benchmarks/overhead.py (the built-in tiny transformer; no profiler and ``tp.profile`` with
+phases, memory and clocks in blocks of a few steps inside one loop, each block paired with the
+no-profiler blocks around it), <= 1.10.
 
 The goals are tighter (<= 1.05, issue 14); this only catches a regression without flaking on a
-shared machine: the test skips, saying why, when two rounds with no profiler differ by more
-than 30%, and a ratio over the limit is measured once more before it fails (a regression
-repeats, a neighbour's burst seldom does). torch runs on one thread (the ``one_thread``
-fixture): on a busy 2-core machine a two-thread pool stretches steps 10-100x.
+shared machine: the ratio is the lower end of the estimator's 95% interval (a regression moves
+the whole interval; a neighbour's burst widens it), and an interval over the limit is measured
+once more before it fails. torch runs on one thread (the ``one_thread`` fixture): on a busy
+2-core machine a two-thread pool stretches steps 10-100x.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 LIMIT = 1.10
-ROUNDS, STEPS, SKIP = 6, 12, 2
-BUDGET_S = 90  # about 10 s on two idle cores; far longer means the machine is busy
+SKIP, BLOCK, BUDGET_S = 2, 5, 12.0  # about 15 s on two idle cores
 
 
-def _measure(overhead) -> tuple[float, list[float]]:
-    """Ratio tpkit default / none (median of the rounds' paired ratios) and the per-round
-    medians of none."""
-    t0 = time.perf_counter()
+def _measure(overhead, interleave):
     loop = overhead.PlainLoop()
     loop.run(SKIP + 3, overhead.nullcontext())  # warm caches and the allocator
     watch = overhead.GcWatch().install()
-    samples = {"none": overhead.Samples(), "tpkit default": overhead.Samples()}
+    out: dict = {}
     try:
-        for r in range(ROUNDS):
-            order = ["none", "tpkit default"] if r % 2 == 0 else ["tpkit default", "none"]
-            for mode in order:
-                overhead.measure(loop, overhead.MODES[mode], STEPS, SKIP, watch, samples[mode])
-            if time.perf_counter() - t0 > BUDGET_S:
-                pytest.skip(f"machine too loaded to measure: {r + 1} of {ROUNDS} rounds took "
-                            f"{time.perf_counter() - t0:.0f} s (about 10 s on two idle cores)")
+        overhead.measure_blocks(loop, ["none", "tpkit default"], SKIP, BLOCK, BUDGET_S, watch, out)
     finally:
         watch.remove()
-    # paired: each round's tpkit median over the same round's no-profiler median, then the median
-    # of those; a machine that drifts between rounds moves both halves of a pair alike
-    pairs = zip(samples["tpkit default"].round_medians, samples["none"].round_medians)
-    ratio = statistics.median(t / n for t, n in pairs)
-    return ratio, samples["none"].round_medians
+    return interleave.estimate([r for _, r in out["tpkit default"].pairs])
 
 
 @pytest.mark.slow
 def test_default_profile_costs_a_plain_loop_at_most_ten_percent(monkeypatch, one_thread):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sys.modules.pop("overhead", None)
+    for name in ("overhead", "interleave", "common"):
+        sys.modules.pop(name, None)
+    import interleave
     import overhead
 
-    ratios = []
+    estimates = []
     for _attempt in range(2):
-        ratio, none_rounds = _measure(overhead)
-        lo, hi = min(none_rounds), max(none_rounds)
-        if hi > 1.3 * lo:
-            pytest.skip(f"machine too loaded to measure: rounds with no profiler took {lo * 1e3:.1f} to "
-                        f"{hi * 1e3:.1f} ms/step (more than 30% apart)")
-        ratios.append(ratio)
-        if ratio <= LIMIT:
+        est = _measure(overhead, interleave)
+        estimates.append(est)
+        if est.lo <= LIMIT:
             break
-    assert min(ratios) <= LIMIT, (f"tpkit default made the plain loop's step {min(ratios):.3f}x as long as with no "
-                                  f"profiler (limit {LIMIT}x; measured {', '.join(f'{r:.3f}' for r in ratios)})")
+    assert min(e.lo for e in estimates) <= LIMIT, (
+        f"tpkit default made the plain loop's step {estimates[-1].text()} as long as with no profiler "
+        f"(median [95% interval] of {estimates[-1].n} paired blocks; limit {LIMIT}x)")
 
 
 def test_tpkit_adds_at_most_four_gc_tracked_objects_per_step():

@@ -1,0 +1,132 @@
+"""benchmarks/overhead.py's estimator (benchmarks/interleave.py): modes in short blocks inside one
+training run, each block divided by the no-profiler blocks on either side of it. On a host that
+runs the core at two speeds by turns (docs/MEASURED.md, "Timing ground truth"), it must recover a
+mode's true cost where a ratio of pooled medians does not, and say "undecided" rather than
+"met" when its interval straddles a goal."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for name in ("overhead", "interleave", "common"):
+        sys.modules.pop(name, None)
+    import interleave
+    import overhead
+
+    return overhead, interleave
+
+
+def test_every_mode_block_sits_between_two_baseline_blocks_and_the_order_rotates(bench):
+    _, il = bench
+    plan = il.schedule(["a", "b", "c"], cycles=3)
+    assert plan[0] == plan[-1] == il.BASE
+    assert all(m == il.BASE for m in plan[0::2]) and il.BASE not in plan[1::2]
+    cycles = [plan[1 + 6 * c:7 + 6 * c:2] for c in range(3)]
+    assert cycles == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+class FakeClock:
+    """perf_counter for the runner: a loop step advances it by the step's simulated time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Costly:
+    """A profiler whose steps take ``factor`` times as long while it is entered."""
+
+    active: "Costly | None" = None
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __enter__(self) -> "Costly":
+        Costly.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Costly.active = None
+
+
+class DriftingLoop:
+    """A loop on a host that is slow (1.9x) for stretches of 20-200 steps, a third of the time,
+    whose first step after a switch costs 50 ms more (a profiler starting): the runner must drop it."""
+
+    def __init__(self, clock: FakeClock, step_s: float = 0.010, seed: int = 0) -> None:
+        self.clock, self.step_s, self.rng = clock, step_s, random.Random(seed)
+        self.slow, self.left = False, 0
+        self.steps_since_switch = 0
+
+    def train(self, runner) -> None:
+        runner.start()
+        while True:
+            if self.left == 0:
+                self.slow, self.left = self.rng.random() < 1 / 3, self.rng.randint(20, 200)
+            self.left -= 1
+            factor = Costly.active.factor if Costly.active else 1.0
+            t = self.step_s * factor * (1.9 if self.slow else 1.0) * (1 + 0.01 * self.rng.random())
+            if len(runner._rec.ends) == 1:
+                t += 0.050
+            self.clock.now += t
+            if not runner.step_end():
+                return
+
+
+def test_paired_blocks_recover_a_three_percent_cost_on_a_drifting_host(bench, monkeypatch):
+    oh, il = bench
+    clock = FakeClock()
+    monkeypatch.setattr(oh, "clock", clock)
+    monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)  # nothing to collect in a simulation
+    monkeypatch.setattr(oh, "MODES", {"none": lambda s, w: Costly(1.0), "tpkit": lambda s, w: Costly(1.03),
+                                      "peer": lambda s, w: Costly(1.20)})
+    out: dict = {}
+    cycles = oh.measure_blocks(DriftingLoop(clock), ["none", "tpkit", "peer"], skip=3, block=8, budget_s=100.0,
+                               watch=oh.GcWatch(), out=out)
+    assert cycles >= 100
+    est = il.estimate([r for _, r in out["tpkit"].pairs])
+    assert est.lo <= 1.03 <= est.hi and est.hi - est.lo < 0.02, est
+    assert est.verdict(1.05) == "met" and est.verdict(1.02) == "NOT met" and est.verdict(1.03) == "undecided"
+    ahead = il.difference(out["peer"].pairs, out["tpkit"].pairs)
+    assert ahead.lo > 0.15 and ahead.hi < 0.20, ahead
+    # every kept step of a block is one of its 8; the 50 ms start of each block was dropped
+    assert len(out["tpkit"].steps) == 8 * len(out["tpkit"].pairs)
+    assert max(out["none"].steps) < 0.010 * 1.9 * 1.02
+
+
+def test_pooled_medians_are_fooled_by_where_the_slow_stretches_fell(bench):
+    """Why blocks: the same two modes run one after the other (a mode's whole run, then the
+    other's) read whatever the host did in each run."""
+    _, il = bench
+    rng = random.Random(3)
+
+    def run(factor: float, slow_share: float, n: int = 400) -> list[float]:
+        return [0.010 * factor * (1.9 if rng.random() < slow_share else 1.0) for _ in range(n)]
+
+    import statistics
+
+    none, tpkit = run(1.0, 0.2), run(1.03, 0.6)  # the host was slow more often during tpkit's run
+    assert statistics.median(tpkit) / statistics.median(none) > 1.5
+
+
+def test_quotient_and_difference_pair_blocks_of_the_same_cycle(bench):
+    _, il = bench
+    a = [(0, 1.10), (1, 1.20), (2, 1.30), (3, 1.40)]
+    b = [(0, 1.00), (1, 1.00), (2, 1.25), (3, 1.40)]
+    assert il.quotient(a, b).value == pytest.approx((1.04 + 1.10) / 2)  # of 1.10, 1.20, 1.04, 1.00
+    assert il.difference(a, b).value == pytest.approx((0.05 + 0.10) / 2)  # of 0.10, 0.20, 0.05, 0.00
+    assert il.quotient(a[:2], b[2:]) is None  # no cycle in common
+    assert il.estimate([1.0, 2.0]) is None  # too few to say anything
+    assert il.estimate([1.0, 1.01, 0.99, 1.0]).verdict(1.05) == "too few blocks"  # an interval, no verdict
