@@ -333,9 +333,8 @@ class BlockRunner:
         return True
 
     def _close(self) -> None:
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        ctx = self._ctx
+        self.close()
         mode, rec = self.plan[self._i], self._rec
         b = Block(mode, max(self._i - 1, 0) // self.cycle_len, steps=rec.steps(self.skip),
                   gc=rec.gc_in_steps(self.watch.pauses, self.skip), gc_by_gen=rec.gc_counts(self.watch.pauses, self.skip))
@@ -366,12 +365,26 @@ class Samples:
     pairs: list[tuple[int, float]] = field(default_factory=list)  # in-process: (cycle, paired block ratio)
     loads: list[float] = field(default_factory=list)
 
+    def add_steps(self, steps: list[float], gc_s: list[float], gc_by_gen: list[int]) -> None:
+        self.steps += steps
+        self.gc += gc_s
+        self.gc_by_gen = [x + y for x, y in zip(self.gc_by_gen, gc_by_gen)]
+
     def add_block(self, b: Block) -> None:
-        self.steps += b.steps
-        self.gc += b.gc
+        self.add_steps(b.steps, b.gc, b.gc_by_gen)
         self.tpkit += b.tpkit
         self.tpkit_frac += b.tpkit_frac
-        self.gc_by_gen = [x + y for x, y in zip(self.gc_by_gen, b.gc_by_gen)]
+
+    def add_run(self, steps: list[float], gc_s: list[float], gc_by_gen: list[int]) -> None:
+        """A whole run of its own (the own-process modes)."""
+        self.add_steps(steps, gc_s, gc_by_gen)
+        self.run_medians.append(statistics.median(steps))
+
+
+def run_ratios(r: dict[str, Samples], mode: str, base: str) -> list[float]:
+    """An own-process mode's ratio to its baseline run by run (runs in the order they were made)."""
+    s, b = r.get(mode), r.get(base)
+    return [m / n for m, n in zip(s.run_medians, b.run_medians)] if s and b else []
 
 
 def freeze_startup() -> None:
@@ -411,11 +424,7 @@ def measure(loop: Any, steps: int, skip: int, watch: GcWatch, out: Samples) -> N
     gc.collect()
     watch.pauses.clear()
     rec = loop.run(skip + steps, nullcontext())
-    kept = rec.steps(skip)
-    out.steps += kept
-    out.gc += rec.gc_in_steps(watch.pauses, skip)
-    out.gc_by_gen = [a + b for a, b in zip(out.gc_by_gen, rec.gc_counts(watch.pauses, skip))]
-    out.run_medians.append(statistics.median(kept))
+    out.add_run(rec.steps(skip), rec.gc_in_steps(watch.pauses, skip), rec.gc_counts(watch.pauses, skip))
 
 
 # -- TraceML and its baseline, each in a process of its own ------------------------------------
@@ -526,8 +535,7 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
         out.append((what, fmt_est(est), "not measured" if est is None else est.verdict(goal)))
     for peer in PEERS:
         if peer.startswith("TraceML"):  # its own process: whole runs against its launcher's baseline
-            s, base = r.get(peer), r.get("none, traceml launcher")
-            runs = [m / b for m, b in zip(s.run_medians, base.run_medians)] if s and base else []
+            runs = run_ratios(r, peer, "none, traceml launcher")
             # Whole runs minutes apart carry the host's drift (per-run ratios 0.70-1.44 seen): tpkit
             # is ahead only when its whole interval is under TraceML's lowest run, behind only when
             # over its highest.
@@ -563,7 +571,7 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
         if mode == "none, traceml launcher":
             return f"{ms:.1f} ms ({fmt(ratio(results[loop], mode, 'none'), '.2f')})"
         if mode == "TraceML, own process":
-            rr = [m / b for m, b in zip(s.run_medians, results[loop]["none, traceml launcher"].run_medians)]
+            rr = run_ratios(results[loop], mode, "none, traceml launcher")
             spread = f" ({min(rr):.2f}-{max(rr):.2f})" if len(rr) > 1 else ""
             return f"{fmt(ratio(results[loop], mode, 'none, traceml launcher'))}{spread}"
         return fmt_est(paired(results[loop], mode))
@@ -719,10 +727,7 @@ def main() -> None:
                 continue
             for name, d in data.items():
                 s = results[name].setdefault(mode, Samples())
-                s.steps += d["steps"]
-                s.gc += d["gc"]
-                s.gc_by_gen = [a + b for a, b in zip(s.gc_by_gen, d["gc_by_gen"])]
-                s.run_medians.append(statistics.median(d["steps"]))
+                s.add_run(d["steps"], d["gc"], d["gc_by_gen"])
                 s.loads.append(load_avg()[0])
 
     # In-process segments and own-process rounds take turns, so that both meet the same neighbours.
