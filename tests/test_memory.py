@@ -868,21 +868,39 @@ def test_a_phase_entered_inside_itself_is_one_boundary_for_the_probes():
     assert not rec.is_open("optimizer") and not rec.is_open("forward")
 
 
-@pytest.mark.parametrize("pool", [1, 3])
-def test_marker_storages_made_ahead_count_nowhere_whenever_they_are_made(monkeypatch, pool):
-    """Each boundary's marker is the free of a storage the probe allocated earlier, MARKER_POOL
-    at a time (a free costs a boundary less than an allocation). Where the pool runs out (at
-    any boundary, inside a backward pass too) must not show: the memory table is the same
-    byte for byte as with the default pool."""
+@pytest.mark.parametrize("pool, ahead", [(1, 0), (3, 0), (3, 5)])
+def test_marker_storages_made_ahead_count_nowhere_whenever_they_are_made(monkeypatch, pool, ahead):
+    """Each boundary's marker is the free of a storage the probe allocated earlier: enough for
+    the slice's steps when the stream starts (at most MARKERS_AHEAD_MAX), then MARKER_POOL at
+    a time (a free costs a boundary less than an allocation). Where the pool runs out (at any
+    boundary, inside a backward pass too) must not show: the memory table is the same byte for
+    byte as with every marker made ahead."""
     def table(run: tp.Run) -> list:
         m = run.memory[run.memory["device"] == "cpu"]
         return m[["step", "phase", "event", "category", "bytes"]].astype(str).values.tolist()
 
     want, _, _ = train_mlp(steps=6)
+    monkeypatch.setattr(mem, "MARKERS_AHEAD_MAX", ahead)
     monkeypatch.setattr(mem, "MARKER_POOL", pool)
     got, model, _ = train_mlp(steps=6)
     assert table(got) == table(want)
     assert (rows(got, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+
+
+def test_a_slice_makes_its_markers_before_its_first_step(monkeypatch):
+    """The markers for the steps asked for (warm-up included) are made when the stream starts:
+    none is allocated inside a step (a pool made there cost ~92 us every few steps)."""
+    made: list[tuple[int, int]] = []  # (markers made, boundaries seen so far)
+    real = mem.MemoryProbe._refill
+
+    def refill(self, count=None):
+        made.append((mem.MARKER_POOL if count is None else count, len(self._bounds_flat) // 4))
+        real(self, count)
+
+    monkeypatch.setattr(mem.MemoryProbe, "_refill", refill)
+    run, _, _ = train_mlp(steps=6, warmup=1)
+    assert made == [((6 + 1) * mem.MARKERS_PER_STEP_AHEAD, 0)]
+    assert len(run.memory) > 0
 
 
 def _nested_batches() -> Any:

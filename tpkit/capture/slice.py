@@ -313,7 +313,8 @@ def _memory_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
         return None
     from .probes.memory import MemoryProbe  # imported only when memory is tracked
 
-    return MemoryProbe(rec, detail=cfg.memory_detail)
+    warmup = cfg.warmup if cfg.warmup != "auto" else 5  # 'auto' settles in a few steps, most often
+    return MemoryProbe(rec, detail=cfg.memory_detail, steps=cfg.steps + warmup)
 
 
 PROBE_FACTORIES.append(_memory_probe)

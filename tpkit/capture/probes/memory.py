@@ -87,6 +87,12 @@ MARKER_SIZES = 192
 #: free of a storage made earlier ~6 us (docs/OVERHEAD.md). The pool's storages are tpkit's: the
 #: replay leaves their allocations out.
 MARKER_POOL = 32
+#: Markers made when the stream starts, before the slice's first step, for the steps the slice
+#: was asked for: a 2-layer GPT-2 Trainer step has ~12 boundaries, and a pool of 32 made inside
+#: the steps cost ~92 us every ~3 steps there (a third of the probe's own time). At most
+#: ``MARKERS_AHEAD_MAX`` (~1.6 MB of small storages); a longer slice refills as above.
+MARKERS_PER_STEP_AHEAD = 16
+MARKERS_AHEAD_MAX = 2048
 #: Allocator history entries kept with ``--memory-detail`` (CUDA ring buffer).
 HISTORY_ENTRIES = 200_000
 TOP_AT_PEAK = 10
@@ -274,7 +280,9 @@ _BOUND, _OBS, _GRAD_SET, _GONE = 0, 1, 2, 3
 GRAD_HOOK_MIN_BYTES = MIB
 #: Gradients are looked at after each of the first GRAD_LOOKS_FIRST backward passes, then after
 #: every GRAD_LOOK_EVERY-th; in between, the replay finds them by the pattern of the last look.
-GRAD_LOOKS_FIRST, GRAD_LOOK_EVERY = 3, 8
+#: A look at a 2-layer GPT-2's ~30 gradients took 106 us (median; 200 mean): every 8th step that
+#: was a fifth of the probe's own time per step, every 16th a tenth.
+GRAD_LOOKS_FIRST, GRAD_LOOK_EVERY = 3, 16
 #: Pseudo category of model buffers: counted with what the allocator holds beyond the known sets.
 _BUFFER = "buffer"
 #: Pseudo category of tpkit's own tensors (``Recorder.own_tensors``): counted nowhere.
@@ -338,9 +346,11 @@ class MemoryProbe:
     """
 
     def __init__(self, rec: Recorder, detail: bool = False, cpu: CpuAllocatorStream | None = None,
-                 cuda: CudaAllocator | None = None) -> None:
+                 cuda: CudaAllocator | None = None, steps: int = 0) -> None:
         self.rec = rec
         self.detail = detail
+        #: steps the slice expects (warm-up included): markers for them are made at install
+        self.steps_ahead = steps
         self.cpu = cpu if cpu is not None else CpuAllocatorStream()
         self.cuda = cuda if cuda is not None else CudaAllocator()
         # The hot path appends plain ints and interned strings to flat lists (4 per entry), so
@@ -386,7 +396,6 @@ class MemoryProbe:
         self._detail: dict[str, Any] = {}
         self._cuda_in_use: set[int] = set()  # CUDA devices holding tensors the probe has seen
         self._cuda_last: dict[int, tuple[int, int]] = {}  # device -> (allocated, max allocated) at the last read
-        self._user_profiler_flag = _user_profiler_flag
         self._stream_tid = -1  # the thread whose allocations the CPU stream sees
         self._params_version = 0  # how many times the parameter set was found anew
         self._static_key: tuple = ()  # what the walked parameters/optimizer state/buffers were
@@ -409,6 +418,8 @@ class MemoryProbe:
             except Exception as e:  # e.g. a torch.profiler already running
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
                                   f"was not measured: the allocator stream could not start ({e})")
+            if self.cpu.active:
+                self._refill(min(MARKERS_AHEAD_MAX, MARKERS_PER_STEP_AHEAD * self.steps_ahead))
             self._observe()  # what exists already (a model seen before, its optimizer's state)
             for i in sorted(self._cuda_in_use):
                 self._read_cuda(i)  # the baseline: the first stretch's peak is measured from here
@@ -524,18 +535,19 @@ class MemoryProbe:
         self._marks_flat += (ptr, size, kind, index, number)
         del m
 
-    def _refill(self) -> None:
-        """``MARKER_POOL`` marker storages, of sizes that differ from one to the next."""
+    def _refill(self, count: int | None = None) -> None:
+        """``count`` (default ``MARKER_POOL``) marker storages, of sizes that differ from one to
+        the next, used after those already in the pool."""
         flat = self._pool_flat
         made = []
-        for _ in range(MARKER_POOL):
+        for _ in range(MARKER_POOL if count is None else count):
             number = len(flat) >> 1
             size = MARKER_BASE_BYTES + 2 * (number % MARKER_SIZES)
             m = torch.UntypedStorage(size)  # straight to the allocator: ~30% cheaper than torch.empty
             flat += (m.data_ptr(), size)
             made.append((m, flat[-2], size, number))
-        made.reverse()  # used in the order made
-        self._pool += made
+        made.reverse()  # used in the order made, after what is left in the pool
+        self._pool[:0] = made
 
     @property
     def bounds(self) -> list[tuple[str, str, int, int]]:
@@ -574,7 +586,7 @@ class MemoryProbe:
         if len(self.rec.models) != self._seen_key[0]:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
         stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
-        if stream and self._user_profiler_flag():
+        if stream and _autograd_profiler._is_profiler_enabled:  # _user_profiler_flag(), inlined
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
             stream = False
