@@ -10,8 +10,9 @@ allocated outside backward, at a forward/backward boundary: what forward saved),
 tensors (``Recorder.own_tensors``) count nowhere.
 
 Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker:
-the free of a small storage allocated ahead of time (``MARKER_POOL`` at once, when the last
-is used), whose address and odd size cut the allocator stream there; no Python loop over
+the free of a small storage allocated ahead of time (for the slice's steps when the stream
+starts, then ``MARKER_POOL`` at once when the last is used), whose address and odd size cut the
+allocator stream there; no Python loop over
 parameters runs there, and the hot path keeps only ints and strings in flat lists (nothing the
 gc tracks). The known sets are *observed* now and then: gradients at the first optimizer (or
 forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and then after every
