@@ -313,7 +313,7 @@ def _memory_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
         return None
     from .probes.memory import MemoryProbe  # imported only when memory is tracked
 
-    warmup = cfg.warmup if cfg.warmup != "auto" else 5  # 'auto' settles in a few steps, most often
+    warmup = WARMUP_AUTO_CAP if cfg.warmup == "auto" else cfg.warmup  # the most steps the slice records
     return MemoryProbe(rec, detail=cfg.memory_detail, steps=cfg.steps + warmup)
 
 

@@ -126,12 +126,6 @@ def rest_category(phase: str) -> str:
     return "activations" if phase in ACTIVATION_PHASES else "other"
 
 
-def _user_profiler_flag() -> bool:
-    """Whether a ``torch.profiler`` / ``torch.autograd.profiler.profile`` session is open
-    (it sets this module flag; tpkit's own stream does not)."""
-    return bool(getattr(_autograd_profiler, "_is_profiler_enabled", False))
-
-
 # -- allocator backends ----------------------------------------------------------------------
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -587,7 +581,9 @@ class MemoryProbe:
         if len(self.rec.models) != self._seen_key[0]:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
         stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
-        if stream and _autograd_profiler._is_profiler_enabled:  # _user_profiler_flag(), inlined
+        # torch's flag of an open torch.profiler / autograd.profiler.profile session (tpkit's
+        # own stream does not set it), read in place: a call per boundary cost more than the read
+        if stream and _autograd_profiler._is_profiler_enabled:
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
             stream = False

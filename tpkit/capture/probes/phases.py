@@ -189,7 +189,7 @@ class LossSums:
     def add(self, raw_step: int, loss: torch.Tensor) -> None:
         """Add a one-element loss tensor to step ``raw_step``'s sum."""
         value = loss.detach()
-        if value.dim():  # a (1,) loss; a 0-d one (the usual) skips the reshape's 1.7 us
+        if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
             value = value.reshape(())
         if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
             self.rec.losses.append((raw_step, value.clone()))
