@@ -4,6 +4,7 @@ mixed precision and no_grad; the CUDA boundary through a stand-in; analysis and 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
@@ -922,3 +923,31 @@ def test_a_batch_s_tensors_are_found_the_same_way_on_the_fast_path() -> None:
         assert [id(t) for t in fast] == [id(t) for t in walk]
 
     check()
+
+
+def _event(t_ns: int, **fields: Any) -> SimpleNamespace:
+    return SimpleNamespace(start_time_ns=t_ns, extra_fields=SimpleNamespace(**fields))
+
+
+def test_the_stream_reads_its_allocations_in_time_order_and_cpu_only() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    events = [_event(30, ptr=7, alloc_size=-64, device=cpu), _event(10, ptr=7, alloc_size=64, device=cpu),
+              _event(20, ptr=9, alloc_size=512, device=cuda)]
+    assert mem.allocations(events) == [(7, 64), (7, -64)]
+    # an event of another kind (an out-of-memory report has no address) is passed over
+    oom = _event(15, alloc_size=1 << 40, device=cpu, total_allocated=0)
+    assert mem.allocations([*events, oom]) == [(7, 64), (7, -64)]
+
+
+def test_the_stream_of_a_real_slice_is_every_allocation_and_free_of_it() -> None:
+    stream = mem.CpuAllocatorStream()
+    stream.start()
+    try:
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(3000, dtype=torch.uint8)
+        pa, pb = a.data_ptr(), b.data_ptr()
+        del a
+    finally:
+        got = stream.stop()
+    mine = [e for e in got if e[0] in (pa, pb)]
+    assert mine == [(pa, 1000), (pb, 3000), (pa, -1000)]
