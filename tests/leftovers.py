@@ -22,6 +22,7 @@ from tpkit.capture import recorder
 #: Classes and modules whose attributes tpkit patches while a slice runs (any of them, now or
 #: later): every attribute's identity is compared.
 PATCHED_PLACES: list[Any] = [torch.Tensor, torch.optim.Optimizer, torch.nn.Module, torch.autograd,
+                             torch.autograd.profiler, torch.autograd.profiler_legacy,
                              dl._BaseDataLoaderIter, torch.amp.GradScaler, torch.distributed]
 
 

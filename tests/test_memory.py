@@ -366,13 +366,18 @@ def test_a_torch_profiler_inside_the_slice_runs_and_is_noted():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(B, D)
 
+    seen: list[str] = []
+
     def step():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             model(x).backward()
+        seen.extend(e.name for e in prof.events())
         opt.step()
         opt.zero_grad()
 
     run = tp.profile_fn(step, steps=1, warmup=0, progress=False, clocks=False)
+    # the user's profiler saw every op, though the stream had RecordFunction off when it started
+    assert "aten::addmm" in seen and "autograd::engine::evaluate_function: AddmmBackward0" in seen, seen
     assert (rows(run, "backward", "exit", "gradients") == 4 * n_params(model)).all()
     assert "activations" not in set(run.memory["category"])
     assert any("another profiler" in n for n in run.meta["notes"]), run.meta["notes"]
@@ -951,3 +956,43 @@ def test_the_stream_of_a_real_slice_is_every_allocation_and_free_of_it() -> None
         got = stream.stop()
     mine = [e for e in got if e[0] in (pa, pb)]
     assert mine == [(pa, 1000), (pb, 3000), (pa, -1000)]
+
+
+def _ops_a_profiler_sees() -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(3) + 1
+    return {e.name for e in prof.events()}
+
+
+def test_the_stream_turns_record_functions_off_in_its_thread_and_back_on(monkeypatch) -> None:
+    calls = []
+    real = torch._C._autograd._enable_record_function
+    monkeypatch.setattr(torch._C._autograd, "_enable_record_function", lambda on: (calls.append(on), real(on)))
+    enable = torch.autograd.profiler._enable_profiler
+    legacy = torch.autograd.profiler_legacy._enable_profiler_legacy
+    stream = mem.CpuAllocatorStream()
+    stream.start()
+    try:
+        assert calls == [False]
+        assert torch.autograd.profiler._enable_profiler is not enable  # a profiler's start turns it on
+    finally:
+        stream.stop()
+    assert calls == [False, True]
+    assert torch.autograd.profiler._enable_profiler is enable
+    assert torch.autograd.profiler_legacy._enable_profiler_legacy is legacy
+    monkeypatch.undo()
+    assert "aten::add" in _ops_a_profiler_sees()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_after_a_slice_a_torch_profiler_sees_every_op(fail) -> None:
+    def step():
+        torch.ones(4) * 2
+        if fail:
+            raise ValueError("the cell fails")
+
+    try:
+        tp.profile_fn(step, steps=2, warmup=0, progress=False, clocks=False)
+    except ValueError:
+        assert fail
+    assert "aten::add" in _ops_a_profiler_sees()

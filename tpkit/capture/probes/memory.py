@@ -34,6 +34,12 @@ How the allocator is read:
 - CPU: torch's CPU allocator tells the profiler about every allocation and free when memory
   profiling is on. We switch on *only that*: the profiler runs with ``profile_memory=True`` and
   its op callbacks restricted to a record scope that no op uses, so no op events are kept.
+  RecordFunction is switched off in the loop's thread while the stream runs: torch's autograd
+  engine sets its thread-local state around every backward node, and with the session's
+  callback registered each set rebuilt the callback cache of every scope (1.5% of a 2-layer
+  GPT-2 Trainer's step, docs/OVERHEAD.md). Memory reports do not go through RecordFunction.
+  Any torch profiler started while it is off (torch.profiler, tpkit's ops probe) switches it
+  back on first, so that profiler sees every op; the stream's end switches it back on.
 - CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` at each boundary, for the
   devices holding tensors the probe has seen only (not every visible device), and the known
   sets walked from the tensors there (the CUDA path still walks per boundary). The peak
@@ -72,6 +78,7 @@ from torch.autograd import profiler as _autograd_profiler
 
 from ...schema import KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES, MIB
 from ..recorder import Recorder
+from .patching import Patches
 
 #: Phases during which what the allocator holds beyond the known sets is called activations.
 ACTIVATION_PHASES: frozenset[str] = frozenset({"forward", "backward"})
@@ -136,10 +143,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 class CpuAllocatorStream:
-    """CPU allocations and frees as torch's profiler sees them, with no op events."""
+    """CPU allocations and frees as torch's profiler sees them, with no op events, and
+    RecordFunction off in the starting thread while it runs (see the module docstring)."""
 
     def __init__(self) -> None:
         self.active = False
+        self._tid = -1
+        self._record_functions_off = False
+        self._patches = Patches()
+
+    def _record_functions_on(self) -> None:
+        """RecordFunction back on in the stream's thread (called there: the flag is per thread)."""
+        if self._record_functions_off and get_ident() == self._tid:
+            torch._C._autograd._enable_record_function(True)
+            self._record_functions_off = False
+
+    def _switch_record_functions_off(self) -> None:
+        import torch.autograd.profiler as autograd_profiler
+        import torch.autograd.profiler_legacy as autograd_profiler_legacy
+
+        def on_first(enable: Any) -> Any:
+            def enable_profiler(*args: Any, **kwargs: Any) -> Any:
+                self._record_functions_on()  # a profiler starting now sees every op
+                return enable(*args, **kwargs)
+            return enable_profiler
+
+        # every torch profiler started from Python (torch.profiler, autograd.profiler,
+        # emit_nvtx/emit_itt; the legacy one) looks one of these names up in its module when
+        # it starts
+        for module, name in ((autograd_profiler, "_enable_profiler"),
+                             (autograd_profiler_legacy, "_enable_profiler_legacy")):
+            self._patches.set(module, name, on_first(getattr(module, name)))
+        self._tid = get_ident()
+        torch._C._autograd._enable_record_function(False)
+        self._record_functions_off = True
 
     def start(self) -> None:
         from torch._C._profiler import ProfilerActivity, RecordScope
@@ -163,9 +200,12 @@ class CpuAllocatorStream:
             _enable_profiler(cfg, activities, scopes)  # type: ignore[call-arg]  # torch's stub lacks scopes
         self._disable = _disable_profiler
         self.active = True
+        self._switch_record_functions_off()
 
     def stop(self) -> list[tuple[int, int]]:
         """``(ptr, bytes)`` of every CPU allocation (bytes > 0) and free (< 0), in time order."""
+        self._record_functions_on()
+        self._patches.restore()
         if not self.active:
             return []
         self.active = False
