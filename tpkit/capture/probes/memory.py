@@ -75,6 +75,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.optim.optimizer as _optim
 from torch.autograd import profiler as _autograd_profiler
+from torch.autograd import profiler_legacy as _autograd_profiler_legacy
 
 from ...schema import KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES, MIB
 from ..recorder import Recorder
@@ -148,20 +149,17 @@ class CpuAllocatorStream:
 
     def __init__(self) -> None:
         self.active = False
-        self._tid = -1
-        self._record_functions_off = False
+        self._off_in: int | None = None  # the thread where tpkit switched RecordFunction off
         self._patches = Patches()
 
     def _record_functions_on(self) -> None:
-        """RecordFunction back on in the stream's thread (called there: the flag is per thread)."""
-        if self._record_functions_off and get_ident() == self._tid:
+        """RecordFunction back on, when called in the thread where it was switched off (the
+        flag is per thread)."""
+        if self._off_in is not None and self._off_in == get_ident():
             torch._C._autograd._enable_record_function(True)
-            self._record_functions_off = False
+            self._off_in = None
 
     def _switch_record_functions_off(self) -> None:
-        import torch.autograd.profiler as autograd_profiler
-        import torch.autograd.profiler_legacy as autograd_profiler_legacy
-
         def on_first(enable: Any) -> Any:
             def enable_profiler(*args: Any, **kwargs: Any) -> Any:
                 self._record_functions_on()  # a profiler starting now sees every op
@@ -171,12 +169,11 @@ class CpuAllocatorStream:
         # every torch profiler started from Python (torch.profiler, autograd.profiler,
         # emit_nvtx/emit_itt; the legacy one) looks one of these names up in its module when
         # it starts
-        for module, name in ((autograd_profiler, "_enable_profiler"),
-                             (autograd_profiler_legacy, "_enable_profiler_legacy")):
+        for module, name in ((_autograd_profiler, "_enable_profiler"),
+                             (_autograd_profiler_legacy, "_enable_profiler_legacy")):
             self._patches.set(module, name, on_first(getattr(module, name)))
-        self._tid = get_ident()
         torch._C._autograd._enable_record_function(False)
-        self._record_functions_off = True
+        self._off_in = get_ident()
 
     def start(self) -> None:
         from torch._C._profiler import ProfilerActivity, RecordScope
