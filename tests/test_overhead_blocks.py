@@ -130,3 +130,24 @@ def test_quotient_and_difference_pair_blocks_of_the_same_cycle(bench):
     assert il.quotient(a[:2], b[2:]) is None  # no cycle in common
     assert il.estimate([1.0, 2.0]) is None  # too few to say anything
     assert il.estimate([1.0, 1.01, 0.99, 1.0]).verdict(1.05) == "too few blocks"  # an interval, no verdict
+
+
+def test_goal_checks_compare_the_default_and_like_for_like_modes_with_each_peer(bench, monkeypatch):
+    """torch.profiler's CPU mode records no memory: the report says whether the default (memory on)
+    is ahead of it, and whether tpkit with memory off, the same work, is."""
+    oh, _ = bench
+    clock = FakeClock()
+    monkeypatch.setattr(oh, "clock", clock)
+    monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)
+    costs = {"none": 1.0, "tpkit default": 1.04, "tpkit memory off": 1.005, "tpkit phases only": 1.003,
+             "torch.profiler CPU": 1.02, "torch.profiler + memory": 1.10}
+    monkeypatch.setattr(oh, "MODES", {m: (lambda c: lambda s, w: Costly(c))(c) for m, c in costs.items()})
+    out: dict = {}
+    oh.measure_blocks(DriftingLoop(clock), list(costs), skip=3, block=8, budget_s=100.0, watch=oh.GcWatch(), out=out)
+    checks = {what.split(" (")[0] + (" (like for like)" if "like for like" in what else ""): verdict
+              for what, _, verdict in oh.goal_checks(out)}
+    assert checks["tpkit default <= 1.05x"] == "met"
+    assert checks["tpkit default ahead of torch.profiler CPU"] == "NOT met"
+    assert checks["tpkit memory off ahead of torch.profiler CPU (like for like)"] == "met"
+    assert checks["tpkit default ahead of torch.profiler + memory"] == "met"
+    assert not any("like for like" in k and "+ memory" in k for k in checks)

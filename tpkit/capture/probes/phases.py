@@ -209,8 +209,7 @@ class LossSums:
             dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
             chunk_t = torch.zeros(self.CHUNK, dtype=dtype, device=device)
             self._chunks.append(chunk_t)
-            self.rec.own_tensors.append(chunk_t)  # tpkit's own: the memory probe leaves it out
-            self.rec.own_tensors.append(self._chunks[-1])  # not the loop's memory
+            self.rec.own_tensors.append(chunk_t)  # tpkit's own, not the loop's: the memory probe leaves it out
             chunk, index = len(self._chunks) - 1, 0
         self._free[device] = (chunk, index + 1)
         return _Slot(self, chunk, index)
