@@ -141,7 +141,7 @@ def test_goal_checks_compare_the_default_and_like_for_like_modes_with_each_peer(
     monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)
     costs = {"none": 1.0, "tpkit default": 1.04, "tpkit memory off": 1.005, "tpkit phases only": 1.003,
              "torch.profiler CPU": 1.02, "torch.profiler + memory": 1.10}
-    monkeypatch.setattr(oh, "MODES", {m: (lambda c: lambda s, w: Costly(c))(c) for m, c in costs.items()})
+    monkeypatch.setattr(oh, "MODES", {m: lambda s, w, c=c: Costly(c) for m, c in costs.items()})
     out: dict = {}
     oh.measure_blocks(DriftingLoop(clock), list(costs), skip=3, block=8, budget_s=100.0, watch=oh.GcWatch(), out=out)
     checks = {what.split(" (")[0] + (" (like for like)" if "like for like" in what else ""): verdict
