@@ -601,8 +601,9 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             print(f"  {what:<80} {value:>24}  {verdict}")
     print("  clocks only is not a configuration tp.profile offers (it always installs the phase probe); "
           "'clocks at 20 Hz' is tpkit memory off / tpkit phases only, block by block in each cycle. 'ahead "
-          "of' a peer in this process: the peer's ratio minus tpkit default's, cycle by cycle (above zero: "
-          "tpkit costs less).")
+          "of' a peer in this process: the peer's ratio minus tpkit's, cycle by cycle (above zero: tpkit costs "
+          "less); tpkit's is the default's, or memory off's on a like-for-like row (torch.profiler CPU records "
+          "no memory).")
 
     print("\n== tpkit's own time (Run.steps.tpkit_s) and gc pauses inside steps ==")
     print(f"{'loop':<14}{'mode':<24}{'step ms':>9}{'tpkit_s ms':>11}{'% of step':>10}"
@@ -663,7 +664,7 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=240.0,
-                    help="seconds of in-process blocks per loop (whole cycles; default 240: at 150 the intervals were 4-10 points wide)")
+                    help="seconds of in-process blocks per loop (whole cycles; default 240: at 150 the default's intervals were 6-8 points wide)")
     ap.add_argument("--block", type=int, default=8, help="kept steps per block (after --skip)")
     ap.add_argument("--skip", type=int, default=3, help="steps dropped at the start of every block")
     ap.add_argument("--steps", type=int, default=120, help="steps of each own-process run (TraceML and its baseline)")
