@@ -273,6 +273,44 @@ MODES: dict[str, Callable[[int, int], Any]] = {
     "torch.profiler CPU": _torch_profiler(),
     "torch.profiler + memory": _torch_profiler(profile_memory=True),
 }
+
+
+class _MemoryOffWithStream:
+    """tpkit with memory off plus the bare CPU allocator stream (no memory probe): set against
+    "tpkit memory off" it is what the stream costs inside a profile, and against "tpkit default"
+    what the memory probe's own work costs on top of it (docs/OVERHEAD.md)."""
+
+    def __init__(self, steps: int, warmup: int) -> None:
+        from tpkit.capture.probes.memory import CpuAllocatorStream
+
+        self.profile = _tpkit(memory=False)(steps, warmup)
+        self.stream = CpuAllocatorStream()
+
+    @property
+    def run(self) -> Any:
+        return getattr(self.profile, "run", None)
+
+    def __enter__(self) -> "_MemoryOffWithStream":
+        self.profile.__enter__()
+        try:
+            self.stream.start()
+        except BaseException:
+            self.profile.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.stream.stop()
+        finally:
+            self.profile.__exit__(*exc)
+
+
+#: Modes that take the default apart, run only when named in --modes.
+COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {"tpkit memory off + stream": _MemoryOffWithStream}
+#: (what, numerator, denominator): quotients printed when both modes ran.
+COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
+                       ("the memory probe's own work over the stream", "tpkit default", "tpkit memory off + stream"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process")
 #: Goals of issue 14 (ratios vs none; "clocks" is memory off / phases only, see below).
 GOALS = {"tpkit default": 1.05, "tpkit phases only": 1.02, "clocks at 20 Hz": 1.01}
@@ -329,7 +367,7 @@ class BlockRunner:
         # before the blocks is frozen (``freeze_startup``), so a full pass sees only what is new.
         gc.collect()
         mode = self.plan[self._i]
-        ctx = MODES[mode](self.block, self.skip)
+        ctx = (MODES.get(mode) or COMPONENT_MODES[mode])(self.block, self.skip)
         ctx.__enter__()
         self._ctx = ctx
         self.watch.pauses.clear()
@@ -589,11 +627,17 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             return f"{fmt(ratio(results[loop], mode, 'none, traceml launcher'))}{spread}"
         return fmt_est(paired(results[loop], mode))
 
-    print_table(results, modes, cell)
+    ran = {m for r in results.values() for m in r}
+    print_table(results, modes + [m for m in COMPONENT_MODES if m in ran], cell)
     print("  blocks per mode: " + ", ".join(f"{loop} {cycles.get(loop, 0)}" for loop in loops)
           + ". TraceML's ratio is over whole runs against 'none, traceml launcher' (lowest-highest per-run "
           "ratio in brackets); that row's own ratio (in brackets) is against the in-process 'none'.")
 
+    for what, num, den in COMPONENT_QUOTIENTS:
+        if num in ran and den in ran:
+            print(f"  {what} ({num} / {den}, cycle by cycle): " + ", ".join(
+                f"{loop} {fmt_est(quotient(r[num].pairs, r[den].pairs))}"
+                for loop, r in results.items() if num in r and den in r))
     print("\n== goals (issue 14): met when the whole 95% interval is on the goal's side ==")
     for loop in loops:
         print(f"{loop}:")
@@ -671,7 +715,8 @@ def main() -> None:
     ap.add_argument("--sub-rounds", type=int, default=None,
                     help="rounds of the own-process pair (TraceML on / off); default 3, 0 with --quick")
     ap.add_argument("--loops", default=",".join(LOOPS))
-    ap.add_argument("--modes", default=",".join(MODES), help="in-process modes")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"in-process modes; also {', '.join(COMPONENT_MODES)}, which takes the default apart")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default, what users get). On a shared, busy 2-core "
                          "machine, 1 keeps torch's thread pool from stretching steps 10-100x; it also makes steps "

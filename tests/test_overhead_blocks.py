@@ -151,3 +151,24 @@ def test_goal_checks_compare_the_default_and_like_for_like_modes_with_each_peer(
     assert checks["tpkit memory off ahead of torch.profiler CPU (like for like)"] == "met"
     assert checks["tpkit default ahead of torch.profiler + memory"] == "met"
     assert not any("like for like" in k and "+ memory" in k for k in checks)
+
+
+def test_memory_off_with_stream_runs_the_bare_stream_inside_a_memory_off_profile_and_leaves_nothing(bench):
+    """The component mode that takes the default apart: the allocator stream on inside a tpkit
+    profile without its memory probe, both gone after; a stream that cannot start ends the profile."""
+    import torch
+
+    oh, _ = bench
+    call = torch.nn.Module.__call__
+    model = torch.nn.Linear(4, 4)
+    with oh.COMPONENT_MODES["tpkit memory off + stream"](2, 0) as mode:
+        assert torch.autograd._profiler_enabled()
+        assert torch.nn.Module.__call__ is not call  # tpkit's phase probe is in
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+    assert not torch.autograd._profiler_enabled() and torch.nn.Module.__call__ is call
+    assert mode.run is not None and mode.run.memory.empty  # no memory probe: no memory rows
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.raises(RuntimeError, match="already running"):
+            oh.COMPONENT_MODES["tpkit memory off + stream"](2, 0).__enter__()
+        assert torch.nn.Module.__call__ is call
