@@ -996,3 +996,42 @@ def test_after_a_slice_a_torch_profiler_sees_every_op(fail) -> None:
     except ValueError:
         assert fail
     assert "aten::add" in _ops_a_profiler_sees()
+
+
+def test_the_stream_s_cost_is_estimated_from_its_exact_event_count() -> None:
+    meta = {"memory": {"stream_events": 8_000, "stream_steps": 10}}
+    cost = ma.stream_cost(meta, step_p50_s=0.010)
+    assert cost is not None
+    assert cost["events_per_step"] == 800
+    assert cost["per_step_s"] == pytest.approx(800 * ma.STREAM_EVENT_COST_S)
+    assert cost["share"] == pytest.approx(800 * ma.STREAM_EVENT_COST_S / 0.010)
+    note = ma.stream_note(meta, 0.010)
+    assert note is not None and "800 allocations and frees a step" in note and "memory=False" in note
+    # a long step: the same events are not worth a note; no stream (memory=False): no figure
+    assert ma.stream_note(meta, 1.0) is None
+    assert ma.stream_cost({"memory": {"cpu_source": "known sets only"}}, 0.010) is None
+    assert ma.stream_cost({}, 0.010) is None
+
+
+def _allocating_step(n_allocations: int):
+    def step() -> None:
+        for _ in range(n_allocations):
+            torch.empty(257, dtype=torch.uint8)  # allocated and freed at once: two events
+    return step
+
+
+def test_a_run_counts_every_allocator_event_of_its_steps_and_says_what_they_cost() -> None:
+    base = tp.profile_fn(_allocating_step(0), steps=6, warmup=1, progress=False, clocks=False)
+    busy = tp.profile_fn(_allocating_step(500), steps=6, warmup=1, progress=False, clocks=False)
+    assert base.meta["memory"]["stream_steps"] == busy.meta["memory"]["stream_steps"] == 7
+    per_step = [r.meta["memory"]["stream_events"] / 7 for r in (base, busy)]
+    # 500 allocations and their frees a step, and nothing else differs between the two loops
+    assert per_step[1] - per_step[0] == pytest.approx(1000, abs=2)
+    summary = busy.summary()
+    expected = ma.stream_cost(busy.meta, summary.step_p50_s)
+    assert expected is not None and expected["share"] > ma.STREAM_NOTE_MIN_SHARE  # 1,000 events in a ~1 ms step
+    note = [n for n in summary.notes if n.startswith("memory tracking cost")]
+    assert len(note) == 1 and f"{expected['events_per_step']:,.0f} allocations and frees a step" in note[0]
+    off = tp.profile_fn(_allocating_step(500), steps=6, warmup=1, progress=False, clocks=False, memory=False)
+    assert "stream_events" not in (off.meta.get("memory") or {})
+    assert not [n for n in off.summary().notes if n.startswith("memory tracking cost")]

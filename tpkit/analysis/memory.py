@@ -24,6 +24,14 @@ LEAK_RISING_SHARE = 0.75
 LEAK_MIN_BYTES = 1 << 20
 LEAK_MIN_SHARE = 0.05
 
+#: What torch's profiler costs the loop per allocator event while the CPU memory stream is on
+#: (its report of each allocation and free), measured inside real steps on a 2-core EPYC VM:
+#: ~800 events cost ~150-175 us of a 2-layer GPT-2 step (docs/OVERHEAD.md). An estimate for
+#: other machines, said as one: the run cannot time it (it lands inside the ops that allocate).
+STREAM_EVENT_COST_S = 0.2e-6
+#: The stream's estimated share of the median step at which the summary says what it cost.
+STREAM_NOTE_MIN_SHARE = 0.01
+
 
 def wide(memory: pd.DataFrame, events: tuple[str, ...] = ("enter", "exit")) -> pd.DataFrame:
     """One row per (boundary, device): ``step, t_s, phase, event, device``, one column per
@@ -374,6 +382,34 @@ def memory_notes(memory: pd.DataFrame) -> list[str]:
                      f"(+{fmt_bytes(r.per_step_bytes)} per step, mostly {r.top_category}): a leak, or a "
                      "cache that never settles (a list keeping outputs or losses with their graph?)")
     return notes
+
+
+def stream_cost(meta: dict, step_p50_s: float) -> dict | None:
+    """What the CPU memory stream cost the loop's own phases, estimated: ``{"events_per_step",
+    "per_step_s", "share"}`` (share of the median step), or None when the run had no stream
+    (``memory=False``, a GPU-only count) or no steps. Its events are counted exactly; their cost is
+    ``STREAM_EVENT_COST_S`` each, a figure measured on one machine, so the result is an estimate."""
+    mem = meta.get("memory") or {}
+    events, steps = mem.get("stream_events"), mem.get("stream_steps")
+    if not events or not steps or not step_p50_s > 0:
+        return None
+    per_step = events / steps
+    cost_s = per_step * STREAM_EVENT_COST_S
+    return {"events_per_step": per_step, "per_step_s": cost_s, "share": cost_s / step_p50_s}
+
+
+def stream_note(meta: dict, step_p50_s: float) -> str | None:
+    """The summary's note on what the CPU memory stream cost, when it is a share worth saying."""
+    c = stream_cost(meta, step_p50_s)
+    if c is None or c["share"] < STREAM_NOTE_MIN_SHARE:
+        return None
+    per_step_us = c["per_step_s"] * 1e6
+    cost = f"{per_step_us / 1e3:.2f} ms" if per_step_us >= 100 else f"{per_step_us:.0f} us"
+    return (f"memory tracking cost about {cost} a step ({c['share']:.1%} of the median step): torch's "
+            f"profiler reported {c['events_per_step']:,.0f} allocations and frees a step, "
+            f"~{STREAM_EVENT_COST_S * 1e6:.1f} us each (measured on a 2-core VM). That time is counted in "
+            f"the phases that allocate (forward, backward, the optimizer step), not in tpkit's own "
+            f"share; memory=False (--no-memory) times them without it")
 
 
 def levels_over_time(memory: pd.DataFrame, device: str, max_points: int = 600) -> pd.DataFrame:

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..schema import PHASE_COLUMNS, UNCOUNTED_PHASES, VERDICTS
+from .memory import stream_note
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
 INPUT_BOUND = 0.20
@@ -202,6 +203,9 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         from .memory import memory_notes
 
         out.notes += [n for n in memory_notes(memory) if n not in out.notes]
+    cost = stream_note(meta, out.step_p50_s)
+    if cost is not None and cost not in out.notes:
+        out.notes.append(cost)
     return out
 
 

@@ -151,6 +151,9 @@ class CpuAllocatorStream:
         self.active = False
         self._off_in: int | None = None  # the thread where tpkit switched RecordFunction off
         self._patches = Patches()
+        #: events torch's profiler recorded in the last session (every device's allocations and
+        #: frees): each one was paid for inside the loop's own phases (docs/OVERHEAD.md)
+        self.events_seen = 0
 
     def _record_functions_on(self) -> None:
         """RecordFunction back on, when called in the thread where it was switched off (the
@@ -211,7 +214,9 @@ class CpuAllocatorStream:
                                "tpkit's allocator stream with it")
         with quiet_stderr():
             result = self._disable()
-        return allocations(result.experimental_event_tree())
+        events = result.experimental_event_tree()
+        self.events_seen = len(events)
+        return allocations(events)
 
 
 def allocations(events: list[Any]) -> list[tuple[int, int]]:
@@ -564,6 +569,10 @@ class MemoryProbe:
         }
         if self._detail:
             out["top_at_peak"] = self._detail
+        events = getattr(self.cpu, "events_seen", 0)
+        if events:  # what the stream cost the loop is estimated from these (analysis.memory)
+            out["stream_events"] = int(events)
+            out["stream_steps"] = len(self.rec.step_ends)  # the stream runs the whole slice
         return {"memory": out}
 
     # -- hooks (the hot path) ---------------------------------------------------------------
