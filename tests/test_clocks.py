@@ -173,7 +173,7 @@ def test_host_readings_change_during_a_cpu_heavy_slice_through_the_magic(ip, one
     span_s = c["t_s"].max() - c["t_s"].min()
     assert len(freq) >= min(20, span_s / meta["periods_s"]["cpu_freq_mhz"] / 2) and len(freq) >= 5
     assert meta["hz"] == 20.0 and meta["rows"] == len(c)
-    assert meta["sources"]["cpu_util_pct"] == "psutil.cpu_times deltas"
+    assert meta["sources"]["cpu_util_pct"] == "/proc/stat deltas"
     assert {"cpu_freq_mhz", "cpu_power_w", "temperature_c", "nvml"} <= set(meta["sources"])
     # the cell showed the run; its dashboard has the clock section and the summary its clock line
     assert cap.outputs and "clocks_magic" in cap.outputs[-1].data["text/plain"]
@@ -765,7 +765,7 @@ def test_the_run_says_a_flat_cpuinfo_clock_on_a_virtual_machine_cannot_show_a_sl
     time.sleep(0.05)
     probe.remove()
     meta = probe.meta()["clocks"]
-    assert meta["virtual_machine"] is True and meta["sources"]["cpu_freq_mhz"] == "/proc/cpuinfo 'cpu MHz'"
+    assert meta["virtual_machine"] is True and meta["sources"]["cpu_freq_mhz"].startswith("/proc/cpuinfo 'cpu MHz'")
     clocks = _frame([(t, "cpu", "cpu_freq_mhz", 2300.0) for t in T])
     line = analysis.summarize(_full(STEPS), {"name": "x", "clocks": meta}, clocks).clock_lines[0]
     assert line == f"clock: cpu cpu_freq_mhz mean 2,300 MHz ({ca.FLAT_VM_CLOCK})"
@@ -775,3 +775,62 @@ def test_the_run_says_a_flat_cpuinfo_clock_on_a_virtual_machine_cannot_show_a_sl
     assert ca.clock_summary(clocks, STEPS, cpufreq).flat_note == ca.FLAT_CLOCK
     moving = _frame([(t, "cpu", "cpu_freq_mhz", 2300.0 + 100 * (i % 2)) for i, t in enumerate(T)])
     assert ca.FLAT_VM_CLOCK not in analysis.summarize(_full(STEPS), {"clocks": meta}, moving).clock_lines[0]
+
+
+def test_a_cpuinfo_clock_the_kernel_cannot_measure_is_read_once(tmp_path):
+    """x86 without the APERF/MPERF counters (no ``aperfmperf`` flag) and without cpufreq: the
+    kernel prints its boot-time clock in 'cpu MHz' at every read, so the backend reads it once and
+    says so; with the counters it reads the file at every reading, and a change shows."""
+    for flags, moves in (("fpu sse2 hypervisor", False), ("fpu sse2 aperfmperf", True)):
+        proc, sys_root = _fake_proc(tmp_path / flags.split()[-1], flags)
+        b = cb.HostBackend(proc=proc, sys_root=sys_root)
+        assert cb.nominal_cpuinfo_clock(proc) is not moves
+        assert ("read once" in b.sources["cpu_freq_mhz"]) is not moves
+        with open(os.path.join(proc, "cpuinfo"), "w") as f:
+            f.write(f"cpu MHz\t\t: 1000.0\nflags\t\t: {flags}\ncpu MHz\t\t: 3000.0\n")
+        b._next_other_ns = 0
+        got = {(d, m): v for d, m, v in b.read()}[("cpu", "cpu_freq_mhz")]
+        assert got == (2000.0 if moves else 2200.5)
+        b.close()
+    assert cb.nominal_cpuinfo_clock(_fake_proc(tmp_path / "arm")[0]) is False  # no flags line: not told
+
+
+_STAT = """cpu  {tu} 0 {ts} {ti} 0 0 0 0 0 0
+cpu0 {u0} 5 {s0} {i0} {w0} 1 2 3 40 0
+cpu1 {u1} 0 0 {i1} 0 0 0 0 0 0
+intr 123 4 5
+ctxt 999
+"""
+
+
+def test_core_utilisation_comes_from_proc_stat_deltas(tmp_path):
+    """Busy over total jiffies per core between two readings of /proc/stat (kept open), with the
+    same accounting as psutil's: guest time is already inside user, iowait counts as idle."""
+    proc, sys_root = _fake_proc(tmp_path)
+    stat = os.path.join(proc, "stat")
+    with open(stat, "w") as f:
+        f.write(_STAT.format(tu=0, ts=0, ti=0, u0=100, s0=50, i0=800, w0=10, u1=0, i1=1000))
+    assert cb.stat_core_times(open(stat, "rb").read()) == [(100 + 5 + 50 + 1 + 2 + 3, 971.0), (0.0, 1000.0)]
+    b = cb.HostBackend(proc=proc, sys_root=sys_root)
+    assert b.sources["cpu_util_pct"] == "/proc/stat deltas" and stat in _open_files()
+    with open(stat, "w") as f:  # cpu0: 60 busy of 100 jiffies (10 of them iowait: idle); cpu1: 25 of 100
+        f.write(_STAT.format(tu=0, ts=0, ti=0, u0=150, s0=60, i0=830, w0=20, u1=25, i1=1075))
+    time.sleep(cb.UTIL_MIN_WINDOW_S)
+    rows = {(d, m): v for d, m, v in b.read() if m == "cpu_util_pct"}
+    assert rows[("cpu0", "cpu_util_pct")] == pytest.approx(60.0)
+    assert rows[("cpu1", "cpu_util_pct")] == pytest.approx(25.0)
+    assert rows[("cpu", "cpu_util_pct")] == pytest.approx(42.5)
+    b.close()
+    assert stat not in _open_files()
+    os.unlink(stat)  # no /proc/stat (not Linux): psutil's figures instead
+    assert cb.HostBackend(proc=proc, sys_root=sys_root).sources["cpu_util_pct"] == "psutil.cpu_times deltas"
+
+
+def test_proc_stat_reads_as_psutil_reads_it():
+    """The real /proc/stat, parsed here and by psutil within a few jiffies of each other."""
+    ours = cb.stat_core_times(open("/proc/stat", "rb").read())
+    theirs = [cb._busy_total(t) for t in __import__("psutil").cpu_times(percpu=True)]
+    assert len(ours) == len(theirs)
+    hz = os.sysconf("SC_CLK_TCK")
+    for (busy, total), (busy_s, total_s) in zip(ours, theirs):
+        assert busy / hz == pytest.approx(busy_s, abs=0.5) and total / hz == pytest.approx(total_s, abs=0.5)
