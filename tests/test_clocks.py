@@ -791,6 +791,8 @@ def test_a_cpuinfo_clock_the_kernel_cannot_measure_is_read_once(tmp_path):
         b._next_other_ns = 0
         got = {(d, m): v for d, m, v in b.read()}[("cpu", "cpu_freq_mhz")]
         assert got == (2000.0 if moves else 2200.5)
+        if not moves:  # nothing is read: its rows come as often as the utilisation's, no more
+            assert b.other_period_s >= cb.SYSTEM_UTIL_PERIOD_S
         b.close()
     assert cb.nominal_cpuinfo_clock(_fake_proc(tmp_path / "arm")[0]) is False  # no flags line: not told
 

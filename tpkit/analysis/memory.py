@@ -387,7 +387,7 @@ def memory_notes(memory: pd.DataFrame) -> list[str]:
 def stream_cost(meta: dict, step_p50_s: float) -> dict | None:
     """What the CPU memory stream cost the loop's own phases, estimated: ``{"events_per_step",
     "per_step_s", "share"}`` (share of the median step), or None when the run had no stream
-    (``memory=False``, a GPU-only count) or no steps. Its events are counted exactly; their cost is
+    (``memory=False``, or a stream that could not start) or no steps. Its events are counted exactly; their cost is
     ``STREAM_EVENT_COST_S`` each, a figure measured on one machine, so the result is an estimate."""
     mem = meta.get("memory") or {}
     events, steps = mem.get("stream_events"), mem.get("stream_steps")

@@ -216,6 +216,7 @@ class HostBackend:
         self._freq_files: list[_KernelFile] = []
         self._cpuinfo: _KernelFile | None = None
         self._freq: Callable[[], list[float]] | None = None
+        self._fixed_freq = False  # a figure read once (see nominal_cpuinfo_clock)
         paths = sorted(glob.glob(f"{sys_root}/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_cur_freq"), key=_cpu_index)
         if paths and self._try(lambda: self._open_cpufreq(paths)):
             self._freq = self._freq_cpufreq
@@ -226,6 +227,7 @@ class HostBackend:
             if nominal_cpuinfo_clock(proc):
                 fixed = self._freq_cpuinfo()
                 self._freq = lambda: fixed
+                self._fixed_freq = True
                 self.sources["cpu_freq_mhz"] += (" (read once: without APERF/MPERF counters or a cpufreq driver "
                                                  "the kernel gives the nominal clock, which never moves)")
         else:
@@ -356,6 +358,8 @@ class HostBackend:
             est = self._other_cost_ns
             self._other_cost_ns = est = float(cost) if est is None or cost > est else 0.8 * est + 0.2 * cost
             period = est / 1e9 / HOST_CPU_BUDGET
+            if self._fixed_freq and not self._rapl and self._temp_chip is None:
+                period = max(period, SYSTEM_UTIL_PERIOD_S)  # nothing read: rows often enough to draw
             self.other_period_s = max(self.other_period_s, period)
             self._next_other_ns = now + int(period * 1e9)
         return rows
