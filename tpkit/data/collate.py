@@ -1,10 +1,20 @@
-"""torch's ``default_collate``, with the stacking deferred until the slot is known.
+"""torch's ``default_collate``, with the stacking deferred until the slot is known, and its
+numbers made faster.
 
 Workers running the default collate_fn call torch's own ``collate`` walker (same rules for
 dicts, tuples, namedtuples, numbers, strings) with tensor and numpy-array stacking replaced by
 a ``Stack`` placeholder. The ring then stacks each one straight into its slot with
 ``torch.stack(..., out=slot_view)``: one copy per byte, no temporary batch tensor, and no
 per-batch shared-memory segment (torch's default_collate makes one inside workers).
+
+A field of plain Python ints (a label, an index) or floats is collated through numpy instead
+of ``torch.tensor(list)``, which infers the type of every element: 19.7 us against 9.7 us for
+64 ints here (floats: 11.9 against 9.2 us); torch's way took a tenth of a worker's time on a
+batch of 64 tiny samples (~200 us), this way takes a twentieth. The result is the same
+tensor (int64 or float64, owned by torch's CPU allocator like torch's, so memory accounting
+sees it alike); a field of any other mix (bools, a float among ints, an int past int64) goes to
+torch's own function, with its result and its errors. ``fast_default_collate`` is
+``default_collate`` with only this change, for batches made in the main process.
 """
 
 from __future__ import annotations
@@ -57,7 +67,37 @@ def _stack_arrays(batch: list, *, collate_fn_map: Any = None) -> Any:
     return Stack([torch.as_tensor(b) for b in batch])
 
 
-SLOT_COLLATE_MAP = dict(default_collate_fn_map)
+_NUMPY_TWIN = {torch.int64: np.int64, torch.float64: np.float64}
+
+
+def _numbers(batch: list, kind: type, dtype: torch.dtype) -> torch.Tensor | None:
+    """``batch`` (plain ``kind`` objects only) as a 1-D tensor of ``dtype``, or None."""
+    if set(map(type, batch)) != {kind}:  # in C: ~1.5 us for 64, against 4 us for a generator
+        return None
+    try:
+        array = np.array(batch, dtype=_NUMPY_TWIN[dtype])
+    except OverflowError:  # an int past int64: torch's own message
+        return None
+    # a copy owned by torch's allocator: resizable, and seen by its memory accounting, as
+    # torch.tensor's is (a tensor made with .numpy() or from_numpy is neither)
+    return torch.from_numpy(array).clone()
+
+
+def _collate_ints(batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
+    out = _numbers(batch, int, torch.int64)
+    return out if out is not None else torch.tensor(batch)
+
+
+def _collate_floats(batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
+    out = _numbers(batch, float, torch.float64)
+    return out if out is not None else torch.tensor(batch, dtype=torch.float64)
+
+
+FAST_COLLATE_MAP = dict(default_collate_fn_map)
+FAST_COLLATE_MAP[int] = _collate_ints
+FAST_COLLATE_MAP[float] = _collate_floats
+
+SLOT_COLLATE_MAP = dict(FAST_COLLATE_MAP)
 SLOT_COLLATE_MAP[torch.Tensor] = _stack_tensors
 SLOT_COLLATE_MAP[np.ndarray] = _stack_arrays
 
@@ -87,6 +127,11 @@ def merge_parts(parts: list) -> Any:
             return [x for p in parts for x in p]
         return type(first)(merge_parts(list(f)) for f in zip(*parts))
     raise TypeError(f"cannot join batch parts of type {type(first).__name__}")
+
+
+def fast_default_collate(samples: list) -> Any:
+    """``default_collate(samples)``: the same result, numbers collated faster (see above)."""
+    return collate(samples, collate_fn_map=FAST_COLLATE_MAP)
 
 
 def deferred_collate(samples: list) -> Any:

@@ -36,7 +36,7 @@ import numpy.random  # noqa: F401 - seeding needs it; numpy loads it lazily, ~10
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from .collate import deferred_collate
+from .collate import deferred_collate, fast_default_collate
 from .slots import WorkerRing
 
 #: glibc malloc settings of a worker process (see ``steady_malloc``): blocks below this come from
@@ -253,9 +253,11 @@ class BatchMaker:
         self._it: Iterator[Any] | None = None
         self.current_index: Any = None
         self.drawn = 0  # samples taken from this worker's stream (iterable datasets)
-        # In a process worker the default collate stacks straight into the slot.
-        self.collate = (deferred_collate if in_ring and spec.collate_fn is default_collate
-                        else spec.collate_fn)
+        # In a process worker the default collate stacks straight into the slot; elsewhere it
+        # is torch's, with numbers collated faster (collate.py).
+        self.collate = spec.collate_fn
+        if spec.collate_fn is default_collate:
+            self.collate = deferred_collate if in_ring else fast_default_collate
 
     def reset(self, skip_batches: int = 0) -> None:
         self._it = iter(self.spec.dataset)
