@@ -13,11 +13,14 @@ the no-profiler blocks on either side of it (benchmarks/interleave.py says why a
   torch.profiler + profile_memory.
 TraceML runs through its own launcher (``traceml run script.py``: an aggregator process and
 torchrun around the script), so it cannot share this process: between the in-process segments
-an own-process round starts this script twice as a child, once under ``traceml run`` and once
-under ``traceml run --disable-traceml`` (the same torchrun launch with TraceML off: the "none,
-traceml launcher" baseline), alternating which goes first; TraceML's ratio is taken against that
-baseline over whole runs (it cannot be paired block by block). (torchrun makes the Trainer wrap
-the model in DistributedDataParallel with a world of one; the baseline pays that too.)
+an own-process round starts this script three times as a child: once under ``traceml run``,
+once under ``traceml run --disable-traceml`` (the same torchrun launch with TraceML off: the
+"none, traceml launcher" baseline), and once under that same launch with tpkit's default profile
+around its steps ("tpkit default, own process": tpkit measured exactly as TraceML is), in an
+order that rotates from round to round. Both are taken against that baseline over whole runs
+(they cannot be paired block by block), and against each other round by round. (torchrun makes
+the Trainer wrap the model in DistributedDataParallel with a world of one; the baseline pays
+that too.)
 
 Step time is measured the same way in every mode: the time between one step's end and the
 next (a TrainerCallback's ``on_step_end`` for the Trainer, after ``optimizer.step()`` for the
@@ -29,7 +32,7 @@ two no-profiler blocks' medians around it), with a 95% bootstrap interval; a goa
 the interval lies under it. gc pauses are timed with ``gc.callbacks`` in every mode; tpkit's own
 time per step is its Run's ``tpkit_s`` column.
 
-    python benchmarks/overhead.py              # full run (about 15 minutes on 2 idle cores)
+    python benchmarks/overhead.py              # full run (about 25 minutes on 2 idle cores)
     python benchmarks/overhead.py --quick      # smoke run, about a minute on 2 idle cores
     python benchmarks/overhead.py --threads 1  # on a busy shared machine (see --help)
 """
@@ -311,7 +314,10 @@ COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {"tpkit memory off + str
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
                        ("the memory probe's own work over the stream", "tpkit default", "tpkit memory off + stream"))
-SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process")
+SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process")
+#: Rounds of the own-process trio from which "ahead of TraceML" is decided by signs alone: tpkit
+#: ahead in each of 5 rounds happens by chance with probability 1/32 < 0.05.
+SIGN_ROUNDS = 5
 #: Goals of issue 14 (ratios vs none; "clocks" is memory off / phases only, see below).
 GOALS = {"tpkit default": 1.05, "tpkit phases only": 1.02, "clocks at 20 Hz": 1.01}
 PEERS = ("torch.profiler CPU", "torch.profiler + memory", "TraceML, own process")
@@ -462,11 +468,12 @@ def measure_blocks(loop: Any, modes: list[str], skip: int, block: int, budget_s:
     return len({b.cycle for b in runner.blocks if b.mode != BASE})
 
 
-def measure(loop: Any, steps: int, skip: int, watch: GcWatch, out: Samples) -> None:
-    """One run of ``loop`` with no profiler in this process (the own-process children)."""
+def measure(loop: Any, steps: int, skip: int, watch: GcWatch, out: Samples, ctx: Any = None) -> None:
+    """One run of ``loop`` in this process (the own-process children): no profiler, or ``ctx``
+    (tpkit's default, its ``skip`` steps as warm-up) around the whole run."""
     gc.collect()
     watch.pauses.clear()
-    rec = loop.run(skip + steps, nullcontext())
+    rec = loop.run(skip + steps, nullcontext() if ctx is None else ctx)
     out.add_run(rec.steps(skip), rec.gc_in_steps(watch.pauses, skip), rec.gc_counts(watch.pauses, skip))
 
 
@@ -499,23 +506,25 @@ def child_main(args: argparse.Namespace) -> None:
             loop.wrap = lambda m=loop.model: traceml.trace_step(m)
         loop.run(args.skip + 3, nullcontext())  # the same warm-up as in the main process
         s = Samples()
-        measure(loop, args.steps, args.skip, watch, s)
+        measure(loop, args.steps, args.skip, watch, s,
+                MODES["tpkit default"](args.steps, args.skip) if args.tpkit else None)
         result[name] = {"steps": s.steps, "gc": s.gc, "gc_by_gen": s.gc_by_gen}
     watch.remove()
     Path(args.child).write_text(json.dumps(result))
 
 
-def run_child(loops: list[str], steps: int, skip: int, traceml: bool, log_dir: Path) -> tuple[dict | None, str]:
+def run_child(loops: list[str], steps: int, skip: int, traceml: bool, log_dir: Path,
+              tpkit: bool = False) -> tuple[dict | None, str]:
     """Starts this script as a child through TraceML's launcher, with TraceML on or off
     (``--disable-traceml``: the same torchrun launch, TraceML a no-op), so that the baseline
-    differs from TraceML's run in TraceML alone. Returns the child's result and a line saying
-    how it went."""
+    differs from TraceML's run in TraceML alone; ``tpkit``: TraceML off and tpkit's default
+    profile around the steps. Returns the child's result and a line saying how it went."""
     fd, out_path = tempfile.mkstemp(suffix=".json", prefix="overhead-child-")
     os.close(fd)
     exe = str(Path(sys.executable).with_name("traceml"))
     cmd = [exe, "run", *([] if traceml else ["--disable-traceml"]), "--logs-dir", str(log_dir), str(HERE),
            "--args", "--child", out_path, "--loops", ",".join(loops), "--steps", str(steps), "--skip", str(skip),
-           "--threads", str(torch.get_num_threads()), "--traceml"]
+           "--threads", str(torch.get_num_threads()), "--traceml", *(["--tpkit"] if tpkit else [])]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent,
                           env={**os.environ, "PYTHONPATH": str(HERE.parent)})
@@ -557,13 +566,13 @@ def fmt_est(e: Estimate | None) -> str:
 def print_table(results: dict[str, dict[str, Samples]], modes: list[str],
                 cell: Callable[[str, str, Samples], str], width: int = 26) -> None:
     """A row per mode, a column per loop; ``cell(loop, mode, samples)`` for each mode that ran."""
-    print(f"{'mode':<24}" + "".join(f"{name:>{width}}" for name in results))
+    print(f"{'mode':<28}" + "".join(f"{name:>{width}}" for name in results))
     for mode in modes:
         cells = []
         for loop in results:
             s = results[loop].get(mode)
             cells.append("not run" if s is None or not s.steps else cell(loop, mode, s))
-        print(f"{mode:<24}" + "".join(f"{c:>{width}}" for c in cells))
+        print(f"{mode:<28}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
@@ -590,11 +599,30 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
                 verdict = "met" if default.hi < min(runs) else "NOT met" if default.lo > max(runs) else "undecided"
             spread = f"{min(runs):.2f}-{max(runs):.2f} per run" if runs else "-"
             out.append((f"tpkit default ahead of {peer} ({spread})", fmt_est(default), verdict))
+            out.append(_ahead_own_process(r, peer))
             continue
         out.append(_ahead(r, "tpkit default", peer))
         if peer in LIKE_FOR_LIKE:  # the same work as the peer's: what a user choosing between the two compares
             out.append(_ahead(r, LIKE_FOR_LIKE[peer], peer, " (like for like)"))
     return out
+
+
+def _ahead_own_process(r: dict[str, Samples], peer: str) -> tuple[str, str, str]:
+    """(what, value, verdict): tpkit's default ahead of ``peer``, both in their own process under
+    the same launcher, round by round: the peer's ratio to the round's baseline minus tpkit's
+    (above zero: tpkit costs less). Decided by signs: ahead (or behind) in every one of at least
+    SIGN_ROUNDS rounds."""
+    mine = run_ratios(r, SUBPROCESS_MODES[2], SUBPROCESS_MODES[0])
+    theirs = run_ratios(r, peer, SUBPROCESS_MODES[0])
+    diffs = [t - m for t, m in zip(theirs, mine)]
+    what = f"{SUBPROCESS_MODES[2]} ahead of {peer} (like for like, round by round)"
+    if not diffs:
+        return what, "-", "not measured"
+    ahead = sum(d > 0 for d in diffs)
+    value = f"{statistics.median(diffs):+.3f}, {ahead} of {len(diffs)} rounds"
+    if len(diffs) < SIGN_ROUNDS:
+        return what, value, f"too few rounds (< {SIGN_ROUNDS})"
+    return what, value, "met" if ahead == len(diffs) else "NOT met" if ahead == 0 else "undecided"
 
 
 def _ahead(r: dict[str, Samples], mode: str, peer: str, label: str = "") -> tuple[str, str, str]:
@@ -621,7 +649,7 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             return f"{ms:.1f} ms/step"
         if mode == "none, traceml launcher":
             return f"{ms:.1f} ms ({fmt(ratio(results[loop], mode, 'none'), '.2f')})"
-        if mode == "TraceML, own process":
+        if mode in SUBPROCESS_MODES[1:]:
             rr = run_ratios(results[loop], mode, "none, traceml launcher")
             spread = f" ({min(rr):.2f}-{max(rr):.2f})" if len(rr) > 1 else ""
             return f"{fmt(ratio(results[loop], mode, 'none, traceml launcher'))}{spread}"
@@ -630,8 +658,8 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
     ran = {m for r in results.values() for m in r}
     print_table(results, modes + [m for m in COMPONENT_MODES if m in ran], cell)
     print("  blocks per mode: " + ", ".join(f"{loop} {cycles.get(loop, 0)}" for loop in loops)
-          + ". TraceML's ratio is over whole runs against 'none, traceml launcher' (lowest-highest per-run "
-          "ratio in brackets); that row's own ratio (in brackets) is against the in-process 'none'.")
+          + ". The own-process rows' ratios are over whole runs against 'none, traceml launcher' (lowest-highest "
+          "per-run ratio in brackets); that row's own ratio (in brackets) is against the in-process 'none'.")
 
     for what, num, den in COMPONENT_QUOTIENTS:
         if num in ran and den in ran:
@@ -650,11 +678,11 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
           "no memory).")
 
     print("\n== tpkit's own time (Run.steps.tpkit_s) and gc pauses inside steps ==")
-    print(f"{'loop':<14}{'mode':<24}{'step ms':>9}{'tpkit_s ms':>11}{'% of step':>10}"
+    print(f"{'loop':<14}{'mode':<28}{'step ms':>9}{'tpkit_s ms':>11}{'% of step':>10}"
           f"{'gc ms/step':>11}{'gc/100 st':>10}{'max gc ms':>10}{'gen0/1/2':>14}")
     for loop in loops:
         for mode in ("none", "tpkit default", "tpkit memory off", "tpkit phases only", "torch.profiler CPU",
-                     "none, traceml launcher", "TraceML, own process"):
+                     *SUBPROCESS_MODES):
             s = results[loop].get(mode)
             if s is None or not s.steps:
                 continue
@@ -663,7 +691,7 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             pct = f"{100 * statistics.median(s.tpkit_frac):.2f}%" if s.tpkit_frac else "-"
             gcs = s.gc
             n_gc = sum(1 for g in gcs if g > 0)
-            print(f"{loop:<14}{mode:<24}{step_ms:>9.2f}{tk:>11}{pct:>10}{1e3 * sum(gcs) / len(gcs):>11.3f}"
+            print(f"{loop:<14}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{1e3 * sum(gcs) / len(gcs):>11.3f}"
                   f"{100 * n_gc / len(gcs):>10.1f}{1e3 * max(gcs):>10.2f}{'/'.join(map(str, s.gc_by_gen)):>14}")
     print("  gc/100 st: kept steps with a collection inside, per 100; gen0/1/2: collections inside kept steps.")
     small, big = results.get("hf_gpt2_2l", {}).get("tpkit default"), results.get("hf_gpt2_12l", {}).get("tpkit default")
@@ -684,7 +712,7 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             if not s.steps:
                 continue
             if mode in SUBPROCESS_MODES:
-                base = "none, traceml launcher" if mode == "TraceML, own process" else "none"
+                base = "none, traceml launcher" if mode in SUBPROCESS_MODES[1:] else "none"
                 r, est = ratio(results[loop], mode, base), None
             else:
                 est = paired(results[loop], mode)
@@ -711,9 +739,9 @@ def main() -> None:
                     help="seconds of in-process blocks per loop (whole cycles; default 240: at 150 the default's intervals were 6-8 points wide)")
     ap.add_argument("--block", type=int, default=8, help="kept steps per block (after --skip)")
     ap.add_argument("--skip", type=int, default=3, help="steps dropped at the start of every block")
-    ap.add_argument("--steps", type=int, default=120, help="steps of each own-process run (TraceML and its baseline)")
+    ap.add_argument("--steps", type=int, default=120, help="steps of each own-process run (the baseline, TraceML, tpkit)")
     ap.add_argument("--sub-rounds", type=int, default=None,
-                    help="rounds of the own-process pair (TraceML on / off); default 3, 0 with --quick")
+                    help="rounds of the own-process trio (baseline, TraceML, tpkit default); default 5 (SIGN_ROUNDS), 0 with --quick")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"in-process modes; also {', '.join(COMPONENT_MODES)}, which takes the default apart")
@@ -728,6 +756,7 @@ def main() -> None:
     ap.add_argument("--out", default="overhead", help="results/<out>.csv")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--traceml", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tpkit", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -741,7 +770,7 @@ def main() -> None:
         if args.out == "overhead":
             args.out = "overhead_quick"
     if args.sub_rounds is None:
-        args.sub_rounds = 3
+        args.sub_rounds = SIGN_ROUNDS
     loops = args.loops.split(",")
     modes = args.modes.split(",")
     notes: list[str] = []
@@ -750,7 +779,7 @@ def main() -> None:
     segments = max(args.sub_rounds, 1)
     print(f"{machine()}; torch threads {torch.get_num_threads()}; load average at start {la[0]:.2f} / {la[1]:.2f} / "
           f"{la[2]:.2f}\n{peer_versions()}\nblocks of {args.block} steps (+{args.skip} dropped) per mode, "
-          f"{args.budget:.0f} s per loop in {segments} segment(s); own-process pair: {args.sub_rounds} rounds x "
+          f"{args.budget:.0f} s per loop in {segments} segment(s); own-process trio: {args.sub_rounds} rounds x "
           f"{args.steps} steps")
 
     why_not_traceml = ("--no-traceml" if args.no_traceml else "--quick without --sub-rounds" if args.sub_rounds == 0
@@ -775,11 +804,13 @@ def main() -> None:
     cycles: dict[str, int] = {}
 
     def own_process_round(r: int) -> None:
-        """TraceML on and off (the launcher's baseline), each in a child of its own."""
+        """TraceML on and off (the launcher's baseline) and tpkit's default under the same
+        launcher, each in a child of its own, in an order that rotates from round to round."""
         assert log_dir is not None
-        for tm in ([False, True] if r % 2 == 0 else [True, False]):
-            mode = SUBPROCESS_MODES[1] if tm else SUBPROCESS_MODES[0]
-            data, how = run_child(list(built), args.steps, args.skip, tm, log_dir)
+        trio = list(SUBPROCESS_MODES)
+        for mode in trio[r % 3:] + trio[:r % 3]:
+            data, how = run_child(list(built), args.steps, args.skip, mode == SUBPROCESS_MODES[1], log_dir,
+                                  tpkit=mode == SUBPROCESS_MODES[2])
             print(f"own-process round {r + 1}/{args.sub_rounds}: {mode}: {how}", flush=True)
             if data is None:
                 notes.append(f"{mode} failed in round {r + 1}: {how}")
@@ -802,9 +833,10 @@ def main() -> None:
     if use_traceml:
         notes.append(f"TraceML ran in its own process, as `traceml run overhead.py --args --child ...` (its launcher "
                      f"starts an aggregator process and torchrun around the script: it cannot share this process), "
-                     f"{args.sub_rounds} rounds of {args.steps} steps, alternating with `traceml run --disable-traceml` "
-                     f"(the same torchrun launch, TraceML off), the baseline of its ratio, each after an in-process "
-                     f"segment; TraceML's logs are in {log_dir}")
+                     f"{args.sub_rounds} rounds of {args.steps} steps, taking turns (the order rotates each round) "
+                     f"with `traceml run --disable-traceml` (the same torchrun launch, TraceML off: the baseline of "
+                     f"both own-process ratios) and that launch with tpkit's default profile around the steps (tpkit "
+                     f"measured as TraceML is), each round after an in-process segment; TraceML's logs are in {log_dir}")
         notes.append("under torchrun the Trainer sees WORLD_SIZE=1 and wraps the model in DistributedDataParallel; "
                      "'none, traceml launcher' vs 'none' shows what that launch costs a Trainer loop before TraceML "
                      "does anything")
