@@ -155,32 +155,32 @@ def main() -> None:
     events: dict[str, list[float]] = {m: [] for m in MODES}
     blocks: list[interleave.Block] = []
     t_end = time.perf_counter() + args.budget
-    cycle = 0
-    while time.perf_counter() < t_end:
-        k = cycle % len(MODES)  # the order rotates each cycle, as interleave.schedule's does
-        order = [x for m in (*MODES[k:], *MODES[:k]) for x in (m, interleave.BASE)]
-        for mode in order if blocks else [interleave.BASE, *order]:
-            stream = None
-            if mode == "profiler stream":
-                stream = CpuAllocatorStream()
-                stream.start()
-            elif mode == "counting":
-                ext.start()
-            block = interleave.Block(mode, cycle)
-            for k in range(args.skip + args.block):
-                dt = step()
-                if k >= args.skip:
-                    block.steps.append(dt)
-            n_steps = args.skip + args.block
-            if stream is not None:
-                events[mode].append(len(stream.stop()) / n_steps)
-            elif mode == "counting":
-                events[mode].append(ext.stop() / n_steps)
-            blocks.append(block)
-        cycle += 1
+    cycle_len = 2 * len(MODES)
+    for i, mode in enumerate(interleave.schedule(MODES, 10_000)):
+        if i > 1 and (i - 1) % cycle_len == 0 and time.perf_counter() > t_end:
+            break  # a whole cycle ended (its closing none block) past the budget
+        cycle = max(i - 1, 0) // cycle_len
+        stream = None
+        if mode == "profiler stream":
+            stream = CpuAllocatorStream()
+            stream.start()
+        elif mode == "counting":
+            ext.start()
+        block = interleave.Block(mode, cycle)
+        for k in range(args.skip + args.block):
+            dt = step()
+            if k >= args.skip:
+                block.steps.append(dt)
+        n_steps = args.skip + args.block
+        if stream is not None:
+            events[mode].append(len(stream.stop()) / n_steps)
+        elif mode == "counting":
+            events[mode].append(ext.stop() / n_steps)
+        blocks.append(block)
+    cycles = (len(blocks) - 1) // cycle_len
     pairs = interleave.paired_ratios(blocks)
     none_ms = statistics.median(s for b in blocks if b.mode == interleave.BASE for s in b.steps) * 1e3
-    print(f"{cycle} cycles; none {none_ms:.2f} ms/step")
+    print(f"{cycles} cycles; none {none_ms:.2f} ms/step")
     for mode in MODES:
         est = interleave.estimate([r for _, r in pairs[mode]])
         ev = statistics.median(events[mode])

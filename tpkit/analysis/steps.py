@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..schema import PHASE_COLUMNS, UNCOUNTED_PHASES, VERDICTS
-from .memory import stream_note
+from .memory import memory_notes, stream_note
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
 INPUT_BOUND = 0.20
@@ -200,8 +200,6 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         if cs is not None:
             out.clocks, out.clock_lines = cs.to_dict(), cs.lines()
     if memory is not None and not memory.empty:
-        from .memory import memory_notes
-
         out.notes += [n for n in memory_notes(memory) if n not in out.notes]
     cost = stream_note(meta, out.step_p50_s)
     if cost is not None and cost not in out.notes:
