@@ -137,6 +137,12 @@ def run_all(page: object, timeout_s: float) -> None:
         raise AssertionError(f"a cell failed: {text}")
 
 
+def outputs(page: object) -> list[list[dict]]:
+    """Each code cell's outputs as JupyterLab holds them (nbformat's dicts), in order."""
+    return page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.widgets
+        .filter(c => c.model.type === 'code').map(c => c.model.outputs.toJSON())""")
+
+
 def shutdown_kernel(page: object) -> None:
     """Stop the notebook's kernel (frees the CPU for the next notebook)."""
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")

@@ -1,5 +1,6 @@
 """tpkit in a real browser: JupyterLab + Chromium run the tutorial notebooks 01, 02 and 07 top
-to bottom, click every tab of every dashboard, and check what a person would see: no console
+to bottom, check what each story prints (tests/notebook_claims.py, the claims test_notebooks.py
+checks where there is no browser), click every tab of every dashboard, and check what a person would see: no console
 error with three dashboards on one page, the summary's chart and top recommendation, Compare
 for 6 runs within 1,200 px, the static copy shown only where the widget cannot render.
 Screenshots go to ``tests/artifacts/`` (``TPKIT_ARTIFACTS`` overrides), each checked for size
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import browser
 import nbformat
+import notebook_claims
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +84,7 @@ def test_quickstart_summary_shows_a_chart_and_the_top_recommendation(lab):
     with browser.notebook_page(base, token, "01_quickstart.ipynb") as page:
         errors = browser.ConsoleErrors(page)
         browser.run_all(page, timeout_s=300)
+        notebook_claims.quickstart(notebook_claims.text(browser.outputs(page)))
         panel = page.locator(".jp-NotebookPanel:visible")
         dash = panel.locator(".tpkit-live").first
         dash.scroll_into_view_if_needed()
@@ -114,6 +117,7 @@ def test_three_dashboards_on_one_page_raise_no_console_error(lab):
     with browser.notebook_page(base, token, "02_data_stalls.ipynb") as page:
         errors = browser.ConsoleErrors(page)
         browser.run_all(page, timeout_s=420)
+        notebook_claims.data_stalls(notebook_claims.text(browser.outputs(page)))
         panel = page.locator(".jp-NotebookPanel:visible")
         assert panel.locator(".tpkit-live").count() == 3
         seen = click_every_tab(page, panel, "02")
@@ -131,6 +135,7 @@ def test_tuning_notebook_and_every_tuner_tab(lab):
     with browser.notebook_page(base, token, "07_tuning.ipynb") as page:
         errors = browser.ConsoleErrors(page)
         browser.run_all(page, timeout_s=540)
+        notebook_claims.tuning(notebook_claims.text(browser.outputs(page)))
         panel = page.locator(".jp-NotebookPanel:visible")
         tuner = panel.locator(".jp-OutputArea-output").filter(has=page.locator(".tp-results")).first
         tabs = tuner.locator(".lm-TabBar-tab")
