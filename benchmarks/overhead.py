@@ -12,15 +12,16 @@ the no-profiler blocks on either side of it (benchmarks/interleave.py says why a
   tpkit phases only (memory off, clock_hz=0), torch.profiler (CPU activities),
   torch.profiler + profile_memory.
 TraceML runs through its own launcher (``traceml run script.py``: an aggregator process and
-torchrun around the script), so it cannot share this process: between the in-process segments
-an own-process round starts this script three times as a child: once under ``traceml run``,
-once under ``traceml run --disable-traceml`` (the same torchrun launch with TraceML off: the
-"none, traceml launcher" baseline), and once under that same launch with tpkit's default profile
-around its steps ("tpkit default, own process": tpkit measured exactly as TraceML is), in an
-order that rotates from round to round. Both are taken against that baseline over whole runs
-(they cannot be paired block by block), and against each other round by round. (torchrun makes
-the Trainer wrap the model in DistributedDataParallel with a world of one; the baseline pays
-that too.)
+torchrun around the script), so it cannot share this process. After the in-process blocks, this
+script starts four times at once as a child under that launcher: with TraceML on; with
+``--disable-traceml`` (the same torchrun launch, TraceML off: the "none, traceml launcher"
+baseline); and that launch with tpkit's default, either a fresh slice each block ("tpkit default,
+own process", as in this process) or one profile over the whole run ("tpkit default, one
+profile", as TraceML watches the whole run). The four take turns block by block, the ones not
+running frozen with SIGSTOP (benchmarks/turns.py), in the same rotating order as the in-process
+modes, so their blocks are paired with the baseline blocks around them as the in-process ones
+are. (torchrun makes the Trainer wrap the model in DistributedDataParallel with a world of one;
+the baseline pays that too.)
 
 Step time is measured the same way in every mode: the time between one step's end and the
 next (a TrainerCallback's ``on_step_end`` for the Trainer, after ``optimizer.step()`` for the
@@ -41,10 +42,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +68,7 @@ from interleave import (  # noqa: E402
     quotient,
     schedule,
 )
+from turns import Turns, TurnTaker, free_port  # noqa: E402
 
 HERE = Path(__file__).resolve()
 #: The clock every step is timed on (a name of its own, so a test can run the runner on a fake one).
@@ -314,10 +314,16 @@ COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {"tpkit memory off + str
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
                        ("the memory probe's own work over the stream", "tpkit default", "tpkit memory off + stream"))
-SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process")
-#: Rounds of the own-process trio from which "ahead of TraceML" is decided by signs alone: tpkit
-#: ahead in each of 5 rounds happens by chance with probability 1/32 < 0.05.
-SIGN_ROUNDS = 5
+SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",
+                    "tpkit default, one profile")
+TRACEML, TPKIT_OWN, TPKIT_WHOLE = SUBPROCESS_MODES[1:]
+#: How each own-process mode's script runs (after ``traceml run [--disable-traceml] overhead.py
+#: --args --child ...``): TraceML on for the whole run; tpkit's default as a fresh slice each
+#: block (as in this process, and as ``%%tp_profile`` runs it); or one tpkit profile spanning every
+#: block, as TraceML spans the run (its CPU allocator stream then holds every event since the start:
+#: docs/OVERHEAD.md measured that cost growing with the slice's length).
+OWN_PROCESS_ARGS = {SUBPROCESS_MODES[0]: [], TRACEML: ["--traceml"],
+                    TPKIT_OWN: ["--mode", "tpkit default", "--slice-per-block"], TPKIT_WHOLE: ["--mode", "tpkit default"]}
 #: Goals of issue 14 (ratios vs none; "clocks" is memory off / phases only, see below).
 GOALS = {"tpkit default": 1.05, "tpkit phases only": 1.02, "clocks at 20 Hz": 1.01}
 PEERS = ("torch.profiler CPU", "torch.profiler + memory", "TraceML, own process")
@@ -403,14 +409,13 @@ class BlockRunner:
 
 @dataclass
 class Samples:
-    """Every kept step of a mode, pooled over blocks (in-process) or runs (own process)."""
+    """Every kept step of a mode, pooled over its blocks, and its blocks' paired ratios."""
 
     steps: list[float] = field(default_factory=list)  # s, end to end
     gc: list[float] = field(default_factory=list)  # s of gc pause inside each kept step
     tpkit: list[float] = field(default_factory=list)  # s, the Run's tpkit_s per (non-warmup) step
     tpkit_frac: list[float] = field(default_factory=list)  # tpkit_s / duration_s per step
     gc_by_gen: list[int] = field(default_factory=lambda: [0, 0, 0])  # collections inside kept steps
-    run_medians: list[float] = field(default_factory=list)  # own-process runs: each run's median step
     pairs: list[tuple[int, float]] = field(default_factory=list)  # in-process: (cycle, paired block ratio)
     loads: list[float] = field(default_factory=list)
 
@@ -423,17 +428,6 @@ class Samples:
         self.add_steps(b.steps, b.gc, b.gc_by_gen)
         self.tpkit += b.tpkit
         self.tpkit_frac += b.tpkit_frac
-
-    def add_run(self, steps: list[float], gc_s: list[float], gc_by_gen: list[int]) -> None:
-        """A whole run of its own (the own-process modes)."""
-        self.add_steps(steps, gc_s, gc_by_gen)
-        self.run_medians.append(statistics.median(steps))
-
-
-def run_ratios(r: dict[str, Samples], mode: str, base: str) -> list[float]:
-    """An own-process mode's ratio to its baseline run by run (runs in the order they were made)."""
-    s, b = r.get(mode), r.get(base)
-    return [m / n for m, n in zip(s.run_medians, b.run_medians)] if s and b else []
 
 
 def freeze_startup() -> None:
@@ -468,16 +462,6 @@ def measure_blocks(loop: Any, modes: list[str], skip: int, block: int, budget_s:
     return len({b.cycle for b in runner.blocks if b.mode != BASE})
 
 
-def measure(loop: Any, steps: int, skip: int, watch: GcWatch, out: Samples, ctx: Any = None) -> None:
-    """One run of ``loop`` in this process (the own-process children): no profiler, or ``ctx``
-    (tpkit's default, its ``skip`` steps as warm-up) around the whole run."""
-    gc.collect()
-    watch.pauses.clear()
-    rec = loop.run(skip + steps, nullcontext() if ctx is None else ctx)
-    out.add_run(rec.steps(skip), rec.gc_in_steps(watch.pauses, skip), rec.gc_counts(watch.pauses, skip))
-
-
-# -- TraceML and its baseline, each in a process of its own ------------------------------------
 def traceml_available() -> str | None:
     """None when ``traceml run`` can be used here, else why not."""
     exe = Path(sys.executable).with_name("traceml")
@@ -490,60 +474,83 @@ def traceml_available() -> str | None:
     return None
 
 
+def add_own_process(out: dict[str, Samples], blocks: list[Block]) -> None:
+    """The own-process modes' blocks into ``out``: the baseline's steps as 'none, traceml
+    launcher', each profiler's with its ratios paired with the baseline blocks around it."""
+    for b in blocks:
+        out.setdefault(SUBPROCESS_MODES[0] if b.mode == BASE else b.mode, Samples()).add_steps(b.steps, [], [0, 0, 0])
+    for mode, pairs in paired_ratios(blocks).items():
+        out[mode].pairs += pairs
+    load = load_avg()[0]
+    for mode in SUBPROCESS_MODES:
+        if mode in out:
+            out[mode].loads.append(load)
+
+
 def child_main(args: argparse.Namespace) -> None:
-    """Runs in a child process: each loop once, no profiler (or TraceML when launched by it)."""
-    watch = GcWatch().install()
-    result: dict[str, Any] = {}
+    """Runs in a child process, under TraceML's launcher: one loop, warmed up as in the main
+    process, then blocks of steps when the parent says (``turns.TurnTaker``), with TraceML on
+    (``--traceml``), or an in-process mode (``--mode``, e.g. tpkit's default) around the whole
+    run, or neither."""
     if args.traceml:
         import traceml_ai as traceml
 
         traceml.init(mode="auto")  # the plain loop's forward/backward/optimizer timers
-    for name in args.loops.split(","):
-        loop = LOOPS[name]()
-        if args.traceml and isinstance(loop, PlainLoop):
-            import traceml_ai as traceml
+    loop = LOOPS[args.loops]()
+    if args.traceml and isinstance(loop, PlainLoop):
+        import traceml_ai as traceml
 
-            loop.wrap = lambda m=loop.model: traceml.trace_step(m)
-        loop.run(args.skip + 3, nullcontext())  # the same warm-up as in the main process
-        s = Samples()
-        measure(loop, args.steps, args.skip, watch, s,
-                MODES["tpkit default"](args.steps, args.skip) if args.tpkit else None)
-        result[name] = {"steps": s.steps, "gc": s.gc, "gc_by_gen": s.gc_by_gen}
-    watch.remove()
-    Path(args.child).write_text(json.dumps(result))
+        loop.wrap = lambda m=loop.model: traceml.trace_step(m)
+    loop.run(args.skip + 3, nullcontext())  # the same warm-up as in the main process
+    freeze_startup()
+    make = MODES.get(args.mode) or COMPONENT_MODES[args.mode] if args.mode != BASE else None
+    if make is not None and args.slice_per_block:  # a fresh profile each block, as in this process
+        loop.train(TurnTaker(args.turns, args.turn_name, args.skip, args.block, clock,
+                             each_block=lambda: make(args.block, args.skip)))
+        return
+    # One profile spans every block (its first --skip steps its warm-up), as TraceML spans the
+    # run; the time between blocks is the parent's wait, inside no kept step.
+    with make(10**6, args.skip) if make is not None else nullcontext():
+        loop.train(TurnTaker(args.turns, args.turn_name, args.skip, args.block, clock))
 
 
-def run_child(loops: list[str], steps: int, skip: int, traceml: bool, log_dir: Path,
-              tpkit: bool = False) -> tuple[dict | None, str]:
-    """Starts this script as a child through TraceML's launcher, with TraceML on or off
-    (``--disable-traceml``: the same torchrun launch, TraceML a no-op), so that the baseline
-    differs from TraceML's run in TraceML alone; ``tpkit``: TraceML off and tpkit's default
-    profile around the steps. Returns the child's result and a line saying how it went."""
-    fd, out_path = tempfile.mkstemp(suffix=".json", prefix="overhead-child-")
-    os.close(fd)
+def own_process_turns(loop: str, skip: int, block: int, budget_s: float, log_dir: Path,
+                      min_cycles: int = 3) -> tuple[list[Block], str]:
+    """Every own-process mode (``OWN_PROCESS_ARGS``) under TraceML's launcher, with TraceML on
+    for its own mode only, started at once and taking turns block by block (``turns.Turns``: the
+    ones not running are frozen), the baseline between every two others in ``schedule``'s
+    rotating order, until the first whole cycle past ``budget_s``. Returns the blocks (the
+    baseline's under ``BASE``) and a line saying how it went."""
     exe = str(Path(sys.executable).with_name("traceml"))
-    cmd = [exe, "run", *([] if traceml else ["--disable-traceml"]), "--logs-dir", str(log_dir), str(HERE),
-           "--args", "--child", out_path, "--loops", ",".join(loops), "--steps", str(steps), "--skip", str(skip),
-           "--threads", str(torch.get_num_threads()), "--traceml", *(["--tpkit"] if tpkit else [])]
+    cmds = {}
+    for name, extra in OWN_PROCESS_ARGS.items():
+        cmds[name] = [exe, "run", *([] if name == TRACEML else ["--disable-traceml"]), "--logs-dir", str(log_dir),
+                      "--master-port", str(free_port()), "--aggregator-port", str(free_port()), str(HERE),
+                      "--args", "--child", "--loops", loop, "--skip", str(skip), "--block", str(block),
+                      "--threads", str(torch.get_num_threads()), *extra]
+    others = list(SUBPROCESS_MODES[1:])
+    plan = schedule(others, 10_000)
+    cycle_len = 2 * len(others)
+    blocks: list[Block] = []
+    done = 0
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent,
-                          env={**os.environ, "PYTHONPATH": str(HERE.parent)})
-    wall = time.perf_counter() - t
-    try:
-        data = json.loads(Path(out_path).read_text())
-    except (OSError, ValueError):
-        data = None
-    finally:
-        Path(out_path).unlink(missing_ok=True)
-    if proc.returncode != 0 or not data:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        return None, f"exit {proc.returncode} after {wall:.0f} s:\n    " + "\n    ".join(tail)
-    return data, f"ok in {wall:.0f} s"
+    with Turns(cmds, {**os.environ, "PYTHONPATH": str(HERE.parent)}, HERE.parent, log_dir) as turns:
+        turns.wait_ready(timeout_s=900)
+        ready_s = time.perf_counter() - t
+        t0 = time.perf_counter()
+        for i, mode in enumerate(plan):
+            blocks.append(Block(mode, max(i - 1, 0) // cycle_len,
+                                steps=turns.block(SUBPROCESS_MODES[0] if mode == BASE else mode)))
+            done = i // cycle_len if i % cycle_len == 0 else 0
+            if done >= min_cycles and time.perf_counter() - t0 > budget_s:
+                break
+    return blocks, f"{done} cycles in {time.perf_counter() - t0:.0f} s after {ready_s:.0f} s of start-up"
 
 
 # -- the report --------------------------------------------------------------------------------
 def ratio(samples: dict[str, Samples], mode: str, base: str) -> float | None:
-    """Ratio of the medians of every kept step (own-process modes: they cannot be paired by block)."""
+    """Ratio of the medians of every kept step: the launcher's baseline against the in-process
+    none (different processes, never running at once, so not paired)."""
     if not samples.get(mode) or not samples[mode].steps or not samples.get(base) or not samples[base].steps:
         return None
     return statistics.median(samples[mode].steps) / statistics.median(samples[base].steps)
@@ -586,43 +593,14 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
                             ("clocks at 20 Hz <= 1.01x", clocks, GOALS["clocks at 20 Hz"])):
         out.append((what, fmt_est(est), "not measured" if est is None else est.verdict(goal)))
     for peer in PEERS:
-        if peer.startswith("TraceML"):  # its own process: whole runs against its launcher's baseline
-            runs = run_ratios(r, peer, "none, traceml launcher")
-            # Whole runs minutes apart carry the host's drift (per-run ratios 0.70-1.44 seen): tpkit
-            # is ahead only when its whole interval is under TraceML's lowest run, behind only when
-            # over its highest.
-            if not runs or default is None:
-                verdict = "not measured"
-            elif len(runs) < 3 or default.n < MIN_FOR_VERDICT:
-                verdict = "too few runs" if len(runs) < 3 else "too few blocks"
-            else:
-                verdict = "met" if default.hi < min(runs) else "NOT met" if default.lo > max(runs) else "undecided"
-            spread = f"{min(runs):.2f}-{max(runs):.2f} per run" if runs else "-"
-            out.append((f"tpkit default ahead of {peer} ({spread})", fmt_est(default), verdict))
-            out.append(_ahead_own_process(r, peer))
+        if peer == TRACEML:  # tpkit's default measured as TraceML is: under its launcher, taking turns
+            out.append(_ahead(r, TPKIT_OWN, TRACEML, " (both under its launcher, taking turns)"))
+            out.append(_ahead(r, TPKIT_WHOLE, TRACEML, " (one profile over the run, as TraceML's)"))
             continue
         out.append(_ahead(r, "tpkit default", peer))
         if peer in LIKE_FOR_LIKE:  # the same work as the peer's: what a user choosing between the two compares
             out.append(_ahead(r, LIKE_FOR_LIKE[peer], peer, " (like for like)"))
     return out
-
-
-def _ahead_own_process(r: dict[str, Samples], peer: str) -> tuple[str, str, str]:
-    """(what, value, verdict): tpkit's default ahead of ``peer``, both in their own process under
-    the same launcher, round by round: the peer's ratio to the round's baseline minus tpkit's
-    (above zero: tpkit costs less). Decided by signs: ahead (or behind) in every one of at least
-    SIGN_ROUNDS rounds."""
-    mine = run_ratios(r, SUBPROCESS_MODES[2], SUBPROCESS_MODES[0])
-    theirs = run_ratios(r, peer, SUBPROCESS_MODES[0])
-    diffs = [t - m for t, m in zip(theirs, mine)]
-    what = f"{SUBPROCESS_MODES[2]} ahead of {peer} (like for like, round by round)"
-    if not diffs:
-        return what, "-", "not measured"
-    ahead = sum(d > 0 for d in diffs)
-    value = f"{statistics.median(diffs):+.3f}, {ahead} of {len(diffs)} rounds"
-    if len(diffs) < SIGN_ROUNDS:
-        return what, value, f"too few rounds (< {SIGN_ROUNDS})"
-    return what, value, "met" if ahead == len(diffs) else "NOT met" if ahead == 0 else "undecided"
 
 
 def _ahead(r: dict[str, Samples], mode: str, peer: str, label: str = "") -> tuple[str, str, str]:
@@ -649,17 +627,13 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             return f"{ms:.1f} ms/step"
         if mode == "none, traceml launcher":
             return f"{ms:.1f} ms ({fmt(ratio(results[loop], mode, 'none'), '.2f')})"
-        if mode in SUBPROCESS_MODES[1:]:
-            rr = run_ratios(results[loop], mode, "none, traceml launcher")
-            spread = f" ({min(rr):.2f}-{max(rr):.2f})" if len(rr) > 1 else ""
-            return f"{fmt(ratio(results[loop], mode, 'none, traceml launcher'))}{spread}"
         return fmt_est(paired(results[loop], mode))
 
     ran = {m for r in results.values() for m in r}
     print_table(results, modes + [m for m in COMPONENT_MODES if m in ran], cell)
     print("  blocks per mode: " + ", ".join(f"{loop} {cycles.get(loop, 0)}" for loop in loops)
-          + ". The own-process rows' ratios are over whole runs against 'none, traceml launcher' (lowest-highest "
-          "per-run ratio in brackets); that row's own ratio (in brackets) is against the in-process 'none'.")
+          + ". The own-process rows are paired with 'none, traceml launcher' (the three launches taking turns, "
+          "block by block); that row's own figure (in brackets) is its median step over the in-process 'none''s.")
 
     for what, num, den in COMPONENT_QUOTIENTS:
         if num in ran and den in ran:
@@ -690,6 +664,9 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             tk = f"{statistics.median(s.tpkit) * 1e3:.3f}" if s.tpkit else "-"
             pct = f"{100 * statistics.median(s.tpkit_frac):.2f}%" if s.tpkit_frac else "-"
             gcs = s.gc
+            if not gcs:  # the own-process scripts time steps only
+                print(f"{loop:<14}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{'-':>11}{'-':>10}{'-':>10}{'-':>14}")
+                continue
             n_gc = sum(1 for g in gcs if g > 0)
             print(f"{loop:<14}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{1e3 * sum(gcs) / len(gcs):>11.3f}"
                   f"{100 * n_gc / len(gcs):>10.1f}{1e3 * max(gcs):>10.2f}{'/'.join(map(str, s.gc_by_gen)):>14}")
@@ -711,9 +688,8 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
         for mode, s in results[loop].items():
             if not s.steps:
                 continue
-            if mode in SUBPROCESS_MODES:
-                base = "none, traceml launcher" if mode in SUBPROCESS_MODES[1:] else "none"
-                r, est = ratio(results[loop], mode, base), None
+            if mode == SUBPROCESS_MODES[0]:
+                r, est = ratio(results[loop], mode, "none"), None
             else:
                 est = paired(results[loop], mode)
                 r = est.value if est else ""
@@ -739,9 +715,9 @@ def main() -> None:
                     help="seconds of in-process blocks per loop (whole cycles; default 240: at 150 the default's intervals were 6-8 points wide)")
     ap.add_argument("--block", type=int, default=8, help="kept steps per block (after --skip)")
     ap.add_argument("--skip", type=int, default=3, help="steps dropped at the start of every block")
-    ap.add_argument("--steps", type=int, default=120, help="steps of each own-process run (the baseline, TraceML, tpkit)")
-    ap.add_argument("--sub-rounds", type=int, default=None,
-                    help="rounds of the own-process trio (baseline, TraceML, tpkit default); default 5 (SIGN_ROUNDS), 0 with --quick")
+    ap.add_argument("--own-budget", type=float, default=None,
+                    help="seconds of blocks per loop for the own-process modes (TraceML's launch with TraceML on, "
+                         "off, and off with tpkit's default two ways), taking turns; default 150, 0 (not run) with --quick")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"in-process modes; also {', '.join(COMPONENT_MODES)}, which takes the default apart")
@@ -751,12 +727,15 @@ def main() -> None:
                          "longer, so ratios vs none come out lower than with the default")
     ap.add_argument("--no-traceml", action="store_true")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 12 s of blocks per loop, no TraceML (its launcher alone takes ~20 s a "
-                         "process) unless --sub-rounds is given")
+                    help="smoke run: 12 s of blocks per loop, no TraceML (its launcher alone takes ~20 s to "
+                         "start) unless --own-budget is given")
     ap.add_argument("--out", default="overhead", help="results/<out>.csv")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--turns", help=argparse.SUPPRESS)
+    ap.add_argument("--turn-name", help=argparse.SUPPRESS)
     ap.add_argument("--traceml", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--tpkit", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--slice-per-block", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -764,25 +743,23 @@ def main() -> None:
         child_main(args)
         return
     if args.quick:
-        args.budget, args.steps = 12.0, 40
-        if args.sub_rounds is None:
-            args.sub_rounds = 0
+        args.budget = 12.0
+        if args.own_budget is None:
+            args.own_budget = 0.0
         if args.out == "overhead":
             args.out = "overhead_quick"
-    if args.sub_rounds is None:
-        args.sub_rounds = SIGN_ROUNDS
+    if args.own_budget is None:
+        args.own_budget = 150.0
     loops = args.loops.split(",")
     modes = args.modes.split(",")
     notes: list[str] = []
     t_start = time.perf_counter()
     la = load_avg()
-    segments = max(args.sub_rounds, 1)
     print(f"{machine()}; torch threads {torch.get_num_threads()}; load average at start {la[0]:.2f} / {la[1]:.2f} / "
           f"{la[2]:.2f}\n{peer_versions()}\nblocks of {args.block} steps (+{args.skip} dropped) per mode, "
-          f"{args.budget:.0f} s per loop in {segments} segment(s); own-process trio: {args.sub_rounds} rounds x "
-          f"{args.steps} steps")
+          f"{args.budget:.0f} s per loop in this process, {args.own_budget:.0f} s per loop for the own-process modes")
 
-    why_not_traceml = ("--no-traceml" if args.no_traceml else "--quick without --sub-rounds" if args.sub_rounds == 0
+    why_not_traceml = ("--no-traceml" if args.no_traceml else "--own-budget 0" if args.own_budget <= 0
                        else traceml_available())
     if why_not_traceml:
         notes.append(f"TraceML not run: {why_not_traceml}")
@@ -799,44 +776,30 @@ def main() -> None:
             continue
         built[name].run(args.skip + 3, nullcontext())  # warm caches and the allocator
     freeze_startup()
-    use_traceml = not why_not_traceml and bool(built)
-    log_dir = Path(tempfile.mkdtemp(prefix="tpkit-traceml-logs-")) if use_traceml else None
     cycles: dict[str, int] = {}
-
-    def own_process_round(r: int) -> None:
-        """TraceML on and off (the launcher's baseline) and tpkit's default under the same
-        launcher, each in a child of its own, in an order that rotates from round to round."""
-        assert log_dir is not None
-        trio = list(SUBPROCESS_MODES)
-        for mode in trio[r % 3:] + trio[:r % 3]:
-            data, how = run_child(list(built), args.steps, args.skip, mode == SUBPROCESS_MODES[1], log_dir,
-                                  tpkit=mode == SUBPROCESS_MODES[2])
-            print(f"own-process round {r + 1}/{args.sub_rounds}: {mode}: {how}", flush=True)
-            if data is None:
-                notes.append(f"{mode} failed in round {r + 1}: {how}")
-                continue
-            for name, d in data.items():
-                s = results[name].setdefault(mode, Samples())
-                s.add_run(d["steps"], d["gc"], d["gc_by_gen"])
-                s.loads.append(load_avg()[0])
-
-    # In-process segments and own-process rounds take turns, so that both meet the same neighbours.
-    for r in range(segments):
-        for name, loop in built.items():
-            n = measure_blocks(loop, modes, args.skip, args.block, args.budget / segments, watch, results[name])
-            cycles[name] = cycles.get(name, 0) + n
-            print(f"segment {r + 1}/{segments}: {name}, {n} cycles, done at {time.perf_counter() - t_start:.0f} s, "
-                  f"load {load_avg()[0]:.2f}", flush=True)
-        if use_traceml and r < args.sub_rounds:
-            own_process_round(r)
+    for name, loop in built.items():
+        n = measure_blocks(loop, modes, args.skip, args.block, args.budget, watch, results[name])
+        cycles[name] = n
+        print(f"{name}: {n} cycles in this process, done at {time.perf_counter() - t_start:.0f} s, "
+              f"load {load_avg()[0]:.2f}", flush=True)
     watch.remove()
-    if use_traceml:
+    if not why_not_traceml:
+        log_dir = Path(tempfile.mkdtemp(prefix="tpkit-traceml-logs-"))
+        for name in built:
+            try:
+                blocks, how = own_process_turns(name, args.skip, args.block, args.own_budget, log_dir)
+            except (RuntimeError, TimeoutError) as e:
+                notes.append(f"{name}: the own-process modes failed: {e}")
+                continue
+            print(f"{name}: own-process modes, {how}, done at {time.perf_counter() - t_start:.0f} s", flush=True)
+            add_own_process(results[name], blocks)
         notes.append(f"TraceML ran in its own process, as `traceml run overhead.py --args --child ...` (its launcher "
-                     f"starts an aggregator process and torchrun around the script: it cannot share this process), "
-                     f"{args.sub_rounds} rounds of {args.steps} steps, taking turns (the order rotates each round) "
-                     f"with `traceml run --disable-traceml` (the same torchrun launch, TraceML off: the baseline of "
-                     f"both own-process ratios) and that launch with tpkit's default profile around the steps (tpkit "
-                     f"measured as TraceML is), each round after an in-process segment; TraceML's logs are in {log_dir}")
+                     "starts an aggregator process and torchrun around the script: it cannot share this process), "
+                     "beside `traceml run --disable-traceml` (the same torchrun launch, TraceML off: the baseline) "
+                     "and that launch with tpkit's default, a fresh slice each block or one profile over the run "
+                     "(tpkit measured as TraceML is). The four ran at once and took turns block by block, the ones "
+                     f"not running frozen (SIGSTOP, benchmarks/turns.py), in the same rotating order as the modes here; "
+                     f"logs in {log_dir}")
         notes.append("under torchrun the Trainer sees WORLD_SIZE=1 and wraps the model in DistributedDataParallel; "
                      "'none, traceml launcher' vs 'none' shows what that launch costs a Trainer loop before TraceML "
                      "does anything")
