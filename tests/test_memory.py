@@ -1011,6 +1011,18 @@ def test_the_stream_s_cost_is_estimated_from_its_exact_event_count() -> None:
     assert ma.stream_note(meta, 1.0) is None
     assert ma.stream_cost({"memory": {"cpu_source": "known sets only"}}, 0.010) is None
     assert ma.stream_cost({}, 0.010) is None
+    assert "held" not in note  # 8,000 events: not a long slice
+
+
+def test_a_slice_that_held_millions_of_allocator_events_says_it_cost_more_than_the_estimate() -> None:
+    meta = {"memory": {"stream_events": 2_400_000, "stream_steps": 2_000}}  # 1,200 a step
+    note = ma.stream_note(meta, 0.010)
+    assert note is not None and "held 2,400,000 allocator events" in note and "memory=False" in note
+    # said even where the estimate alone is under the share worth a note (a long step)
+    long_step = ma.stream_note(meta, 1.0)
+    assert long_step is not None and "held 2,400,000" in long_step
+    just_under = {"memory": {"stream_events": ma.STREAM_LONG_EVENTS - 1, "stream_steps": 2_000}}
+    assert ma.stream_note(just_under, 1.0) is None
 
 
 def _allocating_step(n_allocations: int):

@@ -31,6 +31,11 @@ LEAK_MIN_SHARE = 0.05
 STREAM_EVENT_COST_S = 0.2e-6
 #: The stream's estimated share of the median step at which the summary says what it cost.
 STREAM_NOTE_MIN_SHARE = 0.01
+#: Events held by one slice's stream past which the summary says a long slice costs more: torch
+#: keeps every event until the slice ends, and on the 2-core VM a profile's cost climbed from
+#: ~1.07x to ~1.10x a step over ~4.5 million of them, and 8 million took 130 s to hand back
+#: (docs/OVERHEAD.md, "A profile's cost grows with its length").
+STREAM_LONG_EVENTS = 1_000_000
 
 
 def wide(memory: pd.DataFrame, events: tuple[str, ...] = ("enter", "exit")) -> pd.DataFrame:
@@ -399,9 +404,17 @@ def stream_cost(meta: dict, step_p50_s: float) -> dict | None:
 
 
 def stream_note(meta: dict, step_p50_s: float) -> str | None:
-    """The summary's note on what the CPU memory stream cost, when it is a share worth saying."""
+    """The summary's note on what the CPU memory stream cost, when it is a share worth saying
+    or the slice held enough events to cost more than the estimate says."""
     c = stream_cost(meta, step_p50_s)
-    if c is None or c["share"] < STREAM_NOTE_MIN_SHARE:
+    if c is None:
+        return None
+    events = int(meta["memory"]["stream_events"])
+    long = (f"; this slice held {events:,} allocator events: torch keeps each one until the slice ends, "
+            f"and past about a million of them a step costs more than this estimate (a few percent more "
+            f"on a 2-core VM) and the slice takes longer to end: profile fewer steps, or memory=False for a long one"
+            if events >= STREAM_LONG_EVENTS else "")
+    if c["share"] < STREAM_NOTE_MIN_SHARE and not long:
         return None
     per_step_us = c["per_step_s"] * 1e6
     cost = f"{per_step_us / 1e3:.2f} ms" if per_step_us >= 100 else f"{per_step_us:.0f} us"
@@ -409,7 +422,7 @@ def stream_note(meta: dict, step_p50_s: float) -> str | None:
             f"profiler reported {c['events_per_step']:,.0f} allocations and frees a step, "
             f"~{STREAM_EVENT_COST_S * 1e6:.1f} us each (measured on a 2-core VM). That time is counted in "
             f"the phases that allocate (forward, backward, the optimizer step), not in tpkit's own "
-            f"share; memory=False (--no-memory) times them without it")
+            f"share; memory=False (--no-memory) times them without it{long}")
 
 
 def levels_over_time(memory: pd.DataFrame, device: str, max_points: int = 600) -> pd.DataFrame:
