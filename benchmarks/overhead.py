@@ -532,23 +532,13 @@ def own_process_turns(loop: str, skip: int, block: int, budget_s: float, log_dir
                       "--master-port", str(free_port()), "--aggregator-port", str(free_port()), str(HERE),
                       "--args", "--child", "--loops", loop, "--skip", str(skip), "--block", str(block),
                       "--threads", str(torch.get_num_threads()), *extra]
-    others = list(SUBPROCESS_MODES[1:])
-    plan = schedule(others, 10_000)
-    cycle_len = 2 * len(others)
-    blocks: list[Block] = []
-    done = 0
+    who = {BASE: SUBPROCESS_MODES[0], **{m: m for m in SUBPROCESS_MODES[1:]}}
     t = time.perf_counter()
     with Turns(cmds, {**os.environ, "PYTHONPATH": str(HERE.parent)}, HERE.parent, log_dir) as turns:
         turns.wait_ready(timeout_s=900)
         ready_s = time.perf_counter() - t
-        t0 = time.perf_counter()
-        for i, mode in enumerate(plan):
-            blocks.append(Block(mode, max(i - 1, 0) // cycle_len,
-                                steps=turns.block(SUBPROCESS_MODES[0] if mode == BASE else mode)))
-            done = i // cycle_len if i % cycle_len == 0 else 0
-            if done >= min_cycles and time.perf_counter() - t0 > budget_s:
-                break
-    return blocks, f"{done} cycles in {time.perf_counter() - t0:.0f} s after {ready_s:.0f} s of start-up"
+        blocks, done, took_s = turns.run(who, budget_s, min_cycles)
+    return blocks, f"{done} cycles in {took_s:.0f} s after {ready_s:.0f} s of start-up"
 
 
 # -- the report --------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psutil
+from interleave import BASE, Block, schedule
 
 PARENT = "parent"
 
@@ -144,8 +145,27 @@ class Turns:
         line, self._inbox = self._inbox.split(b"\n", 1)
         return json.loads(line)
 
+    def run(self, who: dict[str, str], budget_s: float, min_cycles: int = 3) -> tuple[list[Block], int, float]:
+        """Blocks in ``schedule``'s rotating order (``BASE`` between every two others) until the
+        first whole cycle past ``budget_s`` (``min_cycles`` at least). ``who``: mode -> the name
+        of the script that runs it, ``BASE`` included. Returns the blocks, the whole cycles and
+        the seconds they took."""
+        others = [m for m in who if m != BASE]
+        cycle_len = 2 * len(others)
+        blocks: list[Block] = []
+        done = 0
+        t0 = time.perf_counter()
+        for i, mode in enumerate(schedule(others, 10_000)):
+            blocks.append(Block(mode, max(i - 1, 0) // cycle_len, steps=self.block(who[mode])))
+            done = i // cycle_len if i % cycle_len == 0 else 0
+            if done >= min_cycles and time.perf_counter() - t0 > budget_s:
+                break
+        return blocks, done, time.perf_counter() - t0
+
     def close(self, timeout_s: float = 60.0) -> None:
-        """Thaw every tree, tell its script to stop, wait, then kill what is left."""
+        """Thaw every tree, tell its script to stop, wait, then kill what is left of the trees
+        as they were (a launcher's helpers outlive it, no longer under it)."""
+        trees = [p for proc in self.procs.values() if proc.poll() is None for p in _tree(proc.pid)]
         for name, proc in self.procs.items():
             if proc.poll() is None:
                 _signal_tree(proc.pid, signal.SIGCONT)
@@ -158,11 +178,14 @@ class Turns:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                for p in _tree(proc.pid):
-                    p.kill()
+                proc.kill()
                 proc.wait()
-        for p in [q for proc in self.procs.values() for q in _tree(proc.pid)]:  # helpers the launcher left
-            p.kill()
+        for p in trees:
+            try:
+                if p.is_running():  # the same process (psutil checks its start time), not a reused pid
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
         for fd in self._pipes.values():
             os.close(fd)
         self._pipes.clear()

@@ -16,11 +16,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import overhead as ov
-from interleave import BASE, Block, estimate, paired_ratios, schedule
+from interleave import BASE, estimate, paired_ratios
 from turns import Turns
 
 
@@ -34,18 +33,12 @@ def main() -> None:
         cmds[name] = base + (flags.split("|") if flags else [])
         names.append(name)
     who = {BASE: "baseline", **{n: n for n in names}}
-    plan, cycle_len = schedule(names, 10_000), 2 * len(names)
-    blocks: list[Block] = []
     logs = Path(tempfile.mkdtemp(prefix="tpkit-turns-check-"))
     with Turns(cmds, {**os.environ, "PYTHONPATH": str(ov.HERE.parent)}, ov.HERE.parent, logs) as turns:
         turns.wait_ready(timeout_s=600)
-        t0 = time.perf_counter()
-        for i, mode in enumerate(plan):
-            blocks.append(Block(mode, max(i - 1, 0) // cycle_len, steps=turns.block(who[mode])))
-            if i % cycle_len == 0 and i // cycle_len >= 3 and time.perf_counter() - t0 > budget_s:
-                break
+        blocks, _, took_s = turns.run(who, budget_s)
     pairs = paired_ratios(blocks)
-    print(f"{loop}, {ov.machine()}, {len(blocks)} blocks in {time.perf_counter() - t0:.0f} s (logs: {logs})")
+    print(f"{loop}, {ov.machine()}, {len(blocks)} blocks in {took_s:.0f} s (logs: {logs})")
     for n in names:
         p = [r for _, r in pairs[n]]
         print(f"{n:<10} {estimate(p).text()}  by 10 cycles: "
