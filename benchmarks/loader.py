@@ -7,7 +7,9 @@ once, one per process (W = the number of workers), and W times one plain loop al
 
 Peers (all shuffle with seed 0, batch with ``default_collate``):
   torch               torch.utils.data.DataLoader(num_workers=W)
-  tpkit               tpkit.data.Loader(num_workers=W), its defaults otherwise
+  tpkit               tpkit.data.Loader(num_workers=W), its defaults otherwise (the main
+                      process makes cheap batches itself while it would wait: main_helps="auto")
+  tpkit main waits    the same with main_helps=False: every batch from a worker
   torchdata process   torchdata.nodes: SamplerWrapper -> Batcher -> ParallelMapper(fetch and
                       collate a batch, W workers, method="process") -> Prefetcher -> Loader
                       (the DataLoader migration recipe of torchdata's documentation)
@@ -68,7 +70,7 @@ WORKLOADS = {
     # the plain loops' rates moved by a third from one run to the next
     "images": ("Images", {"n": 40_000}, 32, 1000),
 }
-PEERS = ("torch", "tpkit", "torchdata process", "torchdata thread", "spdl thread", "plain x1", "plain parallel")
+PEERS = ("torch", "tpkit", "tpkit main waits", "torchdata process", "torchdata thread", "spdl thread", "plain x1", "plain parallel")
 #: Goals of issue 14 for tpkit vs torch's DataLoader with the same workers.
 SPEED_GOALS = {"tiny": 4.0, "numpy_1ms": 1.1, "images": 3.0}
 FIRST_BATCH_GOAL, PSS_GOAL, CEILING_GOAL = 0.5, 1.0, 0.7
@@ -183,7 +185,8 @@ def import_peer(peer: str) -> None:
     starting the loader, not importing its library (tpkit.data is ~60 ms to import here)."""
     import importlib
 
-    mods = {"torch": "torch.utils.data", "tpkit": "tpkit.data", "spdl thread": "spdl.pipeline"}
+    mods = {"torch": "torch.utils.data", "tpkit": "tpkit.data", "tpkit main waits": "tpkit.data",
+            "spdl thread": "spdl.pipeline"}
     name = mods.get(peer, "torchdata.nodes" if peer.startswith("torchdata") else None)
     if name is not None:
         importlib.import_module(name)
@@ -198,10 +201,11 @@ def make_loader(peer: str, ds, bs: int, workers: int):
 
         return DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers,
                           generator=torch.Generator().manual_seed(0)), lambda: None
-    if peer == "tpkit":
+    if peer.startswith("tpkit"):
         from tpkit.data import Loader
 
-        return Loader(ds, batch_size=bs, shuffle=True, num_workers=workers, seed=0), lambda: None
+        return Loader(ds, batch_size=bs, shuffle=True, num_workers=workers, seed=0,
+                      main_helps="auto" if peer == "tpkit" else False), lambda: None
     if peer.startswith("torchdata"):
         import torchdata.nodes as tn
         from torch.utils.data import RandomSampler

@@ -61,7 +61,10 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
         raise ValueError(f"loader frame lacks columns {missing}; expected {list(COLUMNS)}")
     if loader.empty:
         return LoaderVerdict("healthy", num_workers or 0, "no batches recorded", 0.0, 0.0, 1.0)
-    W = num_workers if num_workers is not None else int(loader["worker"].nunique())
+    # worker -1 is the main process (batches it made while it would have waited): not a worker
+    if num_workers is None:
+        num_workers = max(1, int(loader.loc[loader["worker"] >= 0, "worker"].nunique()))
+    W = num_workers
     make_s = float((loader["fetch_s"] + loader["collate_s"]).median())
     transfer_s = float(loader["transfer_s"].median())
     ready = float((loader["queue_wait_s"] > ready_wait_s).mean())

@@ -98,6 +98,11 @@ class Loader:
       restart_workers: replace a worker that dies (signal, OOM kill) and re-send its batches.
       timeout: seconds to wait for one batch before raising LoaderTimeoutError (0: forever).
       device: with CUDA, copy batches to this device on a side stream, one batch ahead.
+      main_helps: "auto" (default), True or False: while the batch the loop needs next is not
+        there, the main process makes the next unassigned batch itself (reported as worker
+        -1). "auto" does so for cheap batches (<= 2 ms) of datasets that draw no random
+        numbers from the global generators, so batches stay torch's; True always (batches made
+        there draw from their own seeded stream); False never. See tpkit/data/main_help.py.
       fast_start: all workers make the epoch's first batch together (each a contiguous part,
         joined in the main process), so it arrives sooner when samples are expensive. Needs
         the default collate_fn and 2+ process workers. Samples are the same; random
@@ -115,7 +120,7 @@ class Loader:
                  persistent_workers: bool = False, seed: int | None = None,
                  in_order: bool = True, mode: str = "process", restart_workers: bool = False,
                  workers: int | str | None = None, device: Any = None,
-                 fast_start: bool = False) -> None:
+                 fast_start: bool = False, main_helps: bool | str = "auto") -> None:
         if workers is not None:
             num_workers = workers
         self._check_args(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
@@ -134,6 +139,9 @@ class Loader:
         self.persistent_workers, self.in_order, self.mode = persistent_workers, in_order, mode
         self.restart_workers = restart_workers
         self.fast_start = fast_start
+        if main_helps not in (True, False, "auto"):
+            raise LoaderArgumentError(f"main_helps must be 'auto', True or False; got {main_helps!r}")
+        self.main_helps = main_helps
         self.device, self.pin = resolve_device(device, pin_memory)
         self.pin_memory = pin_memory
 
@@ -298,7 +306,7 @@ class Loader:
                 ctx = mp.get_context(ctx)
             self._pool = ProcessPool(self._spec_args(base_seed), self._workers_int(), self.prefetch,
                                      self.in_order, self.restart_workers, self.timeout, ctx,
-                                     deep_small=self.prefetch_default)
+                                     deep_small=self.prefetch_default, main_helps=self.main_helps)
         return self._pool
 
     def close(self) -> None:
@@ -520,7 +528,7 @@ class _LoaderIter:
                 rec.yielded(item.batch)  # the memory probe counts the batch's tensors as data
         self.batches_done += 1
         self.last_make_s = item.fetch_s + item.collate_s
-        if self.worker_batches:
+        if self.worker_batches and item.worker >= 0:  # -1: made in the main process (map-style)
             self.worker_batches[item.worker] += 1
             self.next_worker = (item.worker + 1) % len(self.worker_batches)
         return item.batch

@@ -29,6 +29,10 @@ worker 0 starts from the random state that batch left behind (handed over at the
 the batches and their random transforms are the same as torch's. Worker 1 is forked just before
 it and makes batch 1 meanwhile; worker 0 and any others are forked by the second ``next()``, so
 the first batch costs one batch of work and one fork (``next(iter(loader))`` forks one worker).
+
+The main process helps: while the batch it must hand out next is not there, it makes the next
+unassigned one itself (tpkit/data/main_help.py says when and what that changes). Such a batch
+is reported as made by worker -1.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from typing import Any, Iterator, NamedTuple
 from ..capture.interrupts import held_sigint
 from .collate import merge_parts
 from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
+from .main_help import MainHelper, same_rng_states
 from .slots import flatten, map_segment, read_slot, remove_segments, segment_path, segment_prefix
 from .worker_loop import (
     BatchDone,
@@ -129,7 +134,8 @@ class _Worker:
 class _Answer(NamedTuple):
     """A worker's answer waiting in the reorder buffer (or one part of a split batch)."""
 
-    worker: _Worker | None  # None: a joined split batch (``msg`` is the _Split)
+    worker: _Worker | None  # None: a joined split batch (``msg`` is the _Split), or a batch made
+    # in the main process (``msg`` is its LoadedBatch, or its BatchFailed)
     life: int  # the worker's life when it answered: a slot of an older life is not reused
     mm: Any  # the ring's mapping (None when the batch holds no tensor, or for errors)
     msg: Any  # BatchDone, BatchFailed, StreamEnded, or a _Split
@@ -199,7 +205,7 @@ class ProcessPool:
 
     def __init__(self, spec_args: dict, num_workers: int, prefetch: int, in_order: bool,
                  restart_workers: bool, timeout_s: float, context: Any = None,
-                 deep_small: bool = False) -> None:
+                 deep_small: bool = False, main_helps: bool | str = "auto") -> None:
         self.loader_id = next(_loader_ids)
         self.prefix = segment_prefix(os.getpid(), self.loader_id)
         self.hold = hold_slots(num_workers)
@@ -228,6 +234,21 @@ class ProcessPool:
         self._poll_key: tuple = ()
         self._polling: tuple[Any, dict[int, tuple[bool, _Worker]]] = (None, {})
         self._last_wait_s = 0.0  # how long the last _wait took (see SPIN_S)
+        # batches this process makes while it would wait (main_help.py): map-style datasets
+        # without worker_init_fn or timeout only
+        self.helper: MainHelper | None = None
+        if (main_helps and not self.spec.iterable and self.spec.worker_init_fn is None
+                and not timeout_s):
+            self.helper = MainHelper(self.spec, main_helps, in_order)
+        self._helped_waiting = 0  # batches made here, not handed out yet
+        # the worker that gets no new batches while this process helps, when the workers
+        # and this process outnumber the cores (main_help.py); None: no worker is parked
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        self._parkable = num_workers - 1 if self.helper is not None and 2 <= num_workers >= cores else None
+        self._pending: collections.deque = collections.deque()  # (bid, indices) for any worker
 
     # -- life cycle ---------------------------------------------------------------------------
     def _start_worker(self, w: _Worker, skip_batches: int) -> None:
@@ -289,6 +310,8 @@ class ProcessPool:
         self.tasks = tasks
         self.tasks_done = False
         self.results: dict[int, _Answer] = {}
+        self._helped_waiting = 0
+        self._pending.clear()
         self.rr = first_worker  # iterables: whose turn the next batch is (resume keeps it)
         if self._unstarted is not None:
             for w in self.workers:
@@ -315,6 +338,7 @@ class ProcessPool:
         self.next_yield = bid + 1
         mine = get_rng_states()
         seed_worker(self.spec.base_seed, 0, in_main=True)
+        seeded = get_rng_states() if self.helper is not None else None
         maker = BatchMaker(self.spec)
         fork_error: list[BaseException] = []
 
@@ -339,6 +363,9 @@ class ProcessPool:
         finally:
             self._rng0 = get_rng_states()
             set_rng_states(mine)
+        if seeded is not None and self.helper is not None:
+            self.helper.first_drew = not same_rng_states(seeded, self._rng0)
+            self.helper.note_make(made.fetch_s + made.collate_s)
         # the other workers (worker 0, which goes on from this batch's random state, and any
         # beyond worker 1) are forked by the next next(): this one is not kept waiting for them
         return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
@@ -390,8 +417,19 @@ class ProcessPool:
         return (w.proc is not None and not w.exhausted and in_use < depth + self.hold
                 and len(w.inflight) < depth)
 
+    def _parked(self) -> int | None:
+        """The worker id that gets no new batches now (main_help.py), or None."""
+        if self._parkable is None or self.tasks is None or self._unstarted is not None:
+            return None
+        assert self.helper is not None
+        return self._parkable if self.helper.wanted() else None
+
     def _pick(self) -> _Worker | None:
         ws = self.workers
+        parked = self._parked()
+        if parked is not None:  # the main process makes that worker's share: the least loaded other
+            ok = [w for w in ws if w.id != parked and self._has_room(w)]
+            return min(ok, key=lambda w: len(w.inflight) + w.buffered) if ok else None
         if not self.in_order:
             if self.tasks is None and all(w.exhausted for w in ws):
                 self.tasks_done = True
@@ -421,6 +459,15 @@ class ProcessPool:
                     w.inflight[bid] = msg
                     split.sent.add(k)
                     self._send(w, msg)
+        while self._pending:  # a batch the main process gave back: to any worker with room
+            room = [w for w in self.workers if self._has_room(w)]
+            if not room:
+                return
+            bid, idx = self._pending.popleft()
+            w = room[0]
+            msg = Task(bid, idx, w.free.pop())
+            w.inflight[bid] = msg
+            self._send(w, msg)
         while not self.tasks_done:
             picked = self._pick()
             if picked is None:
@@ -460,6 +507,8 @@ class ProcessPool:
             raise WorkerError(w.id, -1, None, msg.exc_type, msg.message, msg.traceback)
         if isinstance(msg, BatchDone):
             w.slot_bytes = max(w.slot_bytes, msg.slot_bytes)
+            if self.helper is not None:
+                self.helper.note_make(msg.fetch_s + msg.collate_s)
             mm = None
             if msg.gen >= 0:  # the batch has tensors in the ring (else the skeleton is all of it)
                 mm = w.maps.get((w.life, msg.gen))
@@ -547,13 +596,17 @@ class ProcessPool:
             self._poll_key, self._polling = key, (poller, where)
         return self._polling
 
-    def _wait(self, timeout_s: float | None) -> bool:
-        """Wait up to ``timeout_s`` for the workers; receive every answer that is there."""
+    def _wait(self, timeout_s: float | None, look: bool = False) -> bool:
+        """Wait up to ``timeout_s`` for the workers (``look``: do not wait); receive every
+        answer that is there."""
         poller, where = self._poller()
-        t0 = perf_counter()
-        spin_s = SPIN_S if self._last_wait_s < SPIN_AFTER_WAIT_S else 0.0
-        ready = poll_spinning(poller, timeout_s, spin_s)
-        self._last_wait_s = perf_counter() - t0
+        if look:
+            ready = poller.poll(0)
+        else:
+            t0 = perf_counter()
+            spin_s = SPIN_S if self._last_wait_s < SPIN_AFTER_WAIT_S else 0.0
+            ready = poll_spinning(poller, timeout_s, spin_s)
+            self._last_wait_s = perf_counter() - t0
         got = bool(ready)
         dead: dict[int, _Worker] = {}
         while ready:
@@ -599,11 +652,58 @@ class ProcessPool:
         return LoadedBatch(batch, 0, fetch_s, collate_s, max(0.0, (t0 - done_ns) / 1e9),
                            write_s + (t1 - t0) / 1e9, n)
 
+    def _may_help(self) -> bool:
+        """Whether this process makes a batch now (the caller would wait otherwise)."""
+        h = self.helper
+        return (h is not None and self.tasks is not None and not self.tasks_done
+                and self._helped_waiting < self._help_ahead() and self._unstarted is None and h.wanted())
+
+    def _help_ahead(self) -> int:
+        """Batches made here and not handed out yet, at most: as many as the workers may have
+        in flight (a helped batch waits for the in-flight ones before it, in order; more would
+        only hold memory)."""
+        known = [w.slot_bytes for w in self.workers if w.slot_bytes >= 0]  # a parked one may never tell
+        small = self.deep_small and bool(known) and max(known) <= SMALL_SLOT_BYTES
+        return (DEEP_PREFETCH if small else self.prefetch) * self.num_workers
+
+    def _help(self) -> None:
+        """Make the next unassigned batch here, into the reorder buffer; or, when it drew
+        random numbers it must not draw here, give it to a worker (main_help.py)."""
+        assert self.helper is not None and self.tasks is not None
+        idx = next(self.tasks, None)
+        if idx is None:
+            self.tasks_done = True
+            return
+        bid = self._next_id
+        self._next_id += 1
+        try:
+            made = self.helper.make(idx)
+        except Exception as e:
+            self.results[bid] = _Answer(None, 0, None, failed(bid, self.helper.maker.current_index, e))
+            self.helper.maker.current_index = None
+            self._helped_waiting += 1
+            return
+        except BaseException:  # Ctrl-C while making it: the batch is a worker's to make
+            self._pending.append((bid, idx))
+            raise
+        if made is None:
+            self._pending.append((bid, idx))
+            return
+        self.results[bid] = _Answer(None, 0, None, LoadedBatch(
+            made.batch, -1, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples))
+        self._helped_waiting += 1
+
     def _take(self, bid: int) -> LoadedBatch | None:
         a = self.results.pop(bid)
         w, msg = a.worker, a.msg
         if w is None:
-            return self._take_split(bid, msg)
+            if isinstance(msg, _Split):
+                return self._take_split(bid, msg)
+            self._helped_waiting -= 1
+            if isinstance(msg, BatchFailed):
+                raise WorkerError(-1, bid - self.epoch_first_id, msg.index, msg.exc_type, msg.message,
+                                  msg.traceback)
+            return msg
         w.buffered -= 1
         if isinstance(msg, StreamEnded):
             return None
@@ -656,11 +756,15 @@ class ProcessPool:
                     if out is not None:
                         self._dispatch()  # refill now: the reorder slot it left is free
                         return out
-                if self.tasks_done and not any(w.inflight for w in self.workers):
+                if self.tasks_done and not self._pending and not any(w.inflight for w in self.workers):
                     raise StopIteration
             if self.tasks_done and self.tasks is None and all(w.exhausted for w in self.workers) \
                     and not any(w.inflight for w in self.workers) and not self.results:
                 raise StopIteration
+            if self._may_help():
+                if not self._wait(0, look=True):  # nothing came meanwhile: make the next batch here
+                    self._help()
+                continue
             t0 = perf_counter()
             step_s = 5.0 if not self.timeout_s else min(5.0, self.timeout_s - waited_s)
             got = self._wait(max(step_s, 0.0))
