@@ -737,15 +737,20 @@ class ProcessPool:
             return self._make_local(*self._local)
         if self._unstarted is not None:
             self._start_deferred()
+        # True after a batch made here while nothing came: the workers' queues are as the last
+        # dispatch left them, so the next pass skips it (~8 us); it dispatches before any sleep
+        made_here = False
         while True:
-            self._dispatch()
+            if not made_here:
+                self._dispatch()
             if self.in_order:
                 while self.next_yield in self.results:
                     bid = self.next_yield
                     self.next_yield += 1
                     out = self._take(bid)
                     if out is not None:
-                        self._dispatch()  # refill now: the reorder slot it left is free
+                        if out.worker >= 0:  # refill now: the reorder slot it left is free
+                            self._dispatch()
                         return out
                 if self.tasks_done and self.next_yield >= self._next_id:
                     raise StopIteration
@@ -764,6 +769,12 @@ class ProcessPool:
             if self._may_help():
                 if not self._wait(0, look=True):  # nothing came meanwhile: make the next batch here
                     self._help()
+                    made_here = not self._pending
+                else:
+                    made_here = False
+                continue
+            if made_here:
+                made_here = False
                 continue
             t0 = perf_counter()
             step_s = 5.0 if not self.timeout_s else min(5.0, self.timeout_s - waited_s)
