@@ -23,12 +23,13 @@ class SlowInWorkers(Dataset):
     sleep), in the main process nothing (``everywhere``: there too): the main process finds its
     next batch missing every time and helps. ``draw_from``: samples from this index on add ``torch.rand`` (None: no
     sample draws). ``fail_in_main``: the main process's first sample from that index on raises
-    (once)."""
+    (once); ``interrupt_in_main``: raises KeyboardInterrupt there instead, as a Ctrl-C would."""
 
     def __init__(self, n: int = 120, worker_s: float = 0.0003, draw_from: int | None = None,
-                 fail_in_main: int | None = None, everywhere: bool = False) -> None:
+                 fail_in_main: int | None = None, everywhere: bool = False,
+                 interrupt_in_main: int | None = None) -> None:
         self.n, self.worker_s, self.draw_from, self.fail_in_main = n, worker_s, draw_from, fail_in_main
-        self.everywhere = everywhere
+        self.everywhere, self.interrupt_in_main = everywhere, interrupt_in_main
 
     def __len__(self) -> int:
         return self.n
@@ -36,6 +37,8 @@ class SlowInWorkers(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         if self.everywhere or get_worker_info() is not None:
             time.sleep(self.worker_s)
+        elif self.interrupt_in_main is not None and i >= self.interrupt_in_main:
+            raise KeyboardInterrupt
         elif self.fail_in_main is not None and i >= self.fail_in_main:
             self.fail_in_main = None
             raise ValueError(f"sample {i} cannot be read here")
@@ -163,3 +166,39 @@ def test_no_help_for_expensive_batches_timeouts_worker_init_or_false():
 def test_main_helps_takes_auto_true_or_false():
     with pytest.raises(ValueError, match="main_helps must be 'auto', True or False"):
         Loader(SlowInWorkers(), batch_size=2, num_workers=2, main_helps="yes")
+
+
+def test_a_loop_the_workers_keep_up_with_gets_every_batch_from_them():
+    """The loop takes longer per batch than the workers: past the start, the main process
+    never waits, so it makes no batch and no worker rests (both make batches)."""
+    loader = Loader(SlowInWorkers(n=200, worker_s=0.0), batch_size=2, num_workers=2)
+
+    def slow_loop():
+        out = []
+        for b in loader:
+            time.sleep(0.004)
+            out.append(b)
+        return out
+
+    batches, rows = _recorded(slow_loop)
+    assert len(batches) == 100
+    later = rows.iloc[50:]
+    assert set(later["worker"]) == {0, 1}
+
+
+def test_ctrl_c_while_the_main_process_makes_a_batch_leaves_nothing_behind():
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    list(Loader(SlowInWorkers(n=60), batch_size=2, num_workers=2, main_helps=False))
+    expected = _rng_draws()
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    loader = Loader(SlowInWorkers(n=60, interrupt_in_main=20), batch_size=2, num_workers=2, main_helps=True)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for b in loader:
+            got.append(b[:, 0].tolist())
+    assert got == [[2.0 * k, 2.0 * k + 1] for k in range(len(got))]
+    assert not live_children() and not shm_files()
+    del loader
+    # the interrupted batch's own stream was swapped out again: this process's RNGs are where
+    # an epoch of the same length leaves them (only the base seed was drawn from them)
+    assert _rng_draws() == expected

@@ -22,9 +22,11 @@ When (``main_helps``):
   False: never.
 
 Where the workers and the main process outnumber the cores this process may run on (2 workers
-on 2 cores), the last worker gets no new batches while the main process helps: it takes that
-worker's place, instead of three processes taking turns on two cores (docs/MEASURED.md). The
-worker resumes as soon as the helping stops.
+on 2 cores), the last worker gets no new batches while the main process helps (it made a batch
+within the last ``PARK_WINDOW`` handed out): it takes that worker's place, instead of three
+processes taking turns on two cores (docs/MEASURED.md). A loop the workers keep up with never
+waits, so the main process never helps and no worker rests; the worker resumes as soon as the
+helping stops.
 
 What it changes: the set and the order of batches stay the same. Which worker makes which
 batch does not (worker ``b % W`` makes batch ``b`` unless this process made it), so a dataset
@@ -50,6 +52,8 @@ from .worker_loop import BatchMaker, Made, RngStates, WorkerSpec, get_rng_states
 HELP_MAX_S = 2e-3
 #: "auto": batches made here whose random states are compared before and after.
 VERIFY_BATCHES = 64
+#: A worker rests (see above) while the main process made a batch within this many handed out.
+PARK_WINDOW = 32
 #: Weight of the newest batch in the moving average of make times.
 MAKE_EMA = 0.2
 

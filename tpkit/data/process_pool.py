@@ -54,7 +54,7 @@ from typing import Any, Iterator, NamedTuple
 from ..capture.interrupts import held_sigint
 from .collate import merge_parts
 from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
-from .main_help import MainHelper, same_rng_states
+from .main_help import PARK_WINDOW, MainHelper, same_rng_states
 from .slots import flatten, map_segment, read_slot, remove_segments, segment_path, segment_prefix
 from .worker_loop import (
     BatchDone,
@@ -241,6 +241,8 @@ class ProcessPool:
                 and not timeout_s):
             self.helper = MainHelper(self.spec, main_helps, in_order)
         self._helped_waiting = 0  # batches made here, not handed out yet
+        self._handed = 0  # batches handed out over the pool's life
+        self._helped_at = -PARK_WINDOW - 1  # ``_handed`` when this process last made a batch
         # the worker that gets no new batches while this process helps, when the workers
         # and this process outnumber the cores (main_help.py); None: no worker is parked
         try:
@@ -419,7 +421,8 @@ class ProcessPool:
 
     def _parked(self) -> int | None:
         """The worker id that gets no new batches now (main_help.py), or None."""
-        if self._parkable is None or self.tasks is None or self._unstarted is not None:
+        if (self._parkable is None or self.tasks is None or self._unstarted is not None
+                or self._handed - self._helped_at > PARK_WINDOW):
             return None
         assert self.helper is not None
         return self._parkable if self.helper.wanted() else None
@@ -676,6 +679,7 @@ class ProcessPool:
             return
         bid = self._next_id
         self._next_id += 1
+        self._helped_at = self._handed
         try:
             made = self.helper.make(idx)
         except Exception as e:
@@ -683,9 +687,6 @@ class ProcessPool:
             self.helper.maker.current_index = None
             self._helped_waiting += 1
             return
-        except BaseException:  # Ctrl-C while making it: the batch is a worker's to make
-            self._pending.append((bid, idx))
-            raise
         if made is None:
             self._pending.append((bid, idx))
             return
@@ -696,6 +697,7 @@ class ProcessPool:
     def _take(self, bid: int) -> LoadedBatch | None:
         a = self.results.pop(bid)
         w, msg = a.worker, a.msg
+        self._handed += 1
         if w is None:
             if isinstance(msg, _Split):
                 return self._take_split(bid, msg)
