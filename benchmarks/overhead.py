@@ -309,11 +309,46 @@ class _MemoryOffWithStream:
             self.profile.__exit__(*exc)
 
 
+class _PhasesWithoutComm:
+    """tpkit phases only without the communication probe (a slice installs it whenever a process
+    group is up): set against "tpkit phases only" under DDP it is what timing collectives costs
+    (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=...)."""
+
+    def __init__(self, steps: int, warmup: int) -> None:
+        self.profile = _tpkit(memory=False, clock_hz=0)(steps, warmup)
+
+    @property
+    def run(self) -> Any:
+        return getattr(self.profile, "run", None)
+
+    def __enter__(self) -> "_PhasesWithoutComm":
+        from tpkit.capture import slice as tp_slice
+
+        self.kept = list(tp_slice.PROBE_FACTORIES)
+        tp_slice.PROBE_FACTORIES[:] = [f for f in self.kept if f.__name__ != "_comm_probe"]
+        try:
+            self.profile.__enter__()
+        except BaseException:
+            tp_slice.PROBE_FACTORIES[:] = self.kept
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from tpkit.capture import slice as tp_slice
+
+        try:
+            self.profile.__exit__(*exc)
+        finally:
+            tp_slice.PROBE_FACTORIES[:] = self.kept
+
+
 #: Modes that take the default apart, run only when named in --modes.
-COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {"tpkit memory off + stream": _MemoryOffWithStream}
+COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {"tpkit memory off + stream": _MemoryOffWithStream,
+                                                         "tpkit phases only without comm probe": _PhasesWithoutComm}
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
-                       ("the memory probe's own work over the stream", "tpkit default", "tpkit memory off + stream"))
+                       ("the memory probe's own work over the stream", "tpkit default", "tpkit memory off + stream"),
+                       ("the communication probe (under DDP)", "tpkit phases only", "tpkit phases only without comm probe"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",
                     "tpkit default, one profile", "none, second launch")
 TRACEML, TPKIT_OWN, TPKIT_WHOLE, SECOND_LAUNCH = SUBPROCESS_MODES[1:]
