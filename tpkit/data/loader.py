@@ -98,9 +98,9 @@ class Loader:
       restart_workers: replace a worker that dies (signal, OOM kill) and re-send its batches.
       timeout: seconds to wait for one batch before raising LoaderTimeoutError (0: forever).
       device: with CUDA, copy batches to this device on a side stream, one batch ahead.
-      main_helps: "auto" (default), True or False: while the batch the loop needs next is not
-        there, the main process makes the next unassigned batch itself (reported as worker
-        -1). "auto" does so for cheap batches (<= 2 ms) of datasets that draw no random
+      main_helps: "auto" (default), True or False: with process workers, while the batch the
+        loop needs next is not there, the main process makes the next unassigned batch itself
+        (reported as worker -1). "auto" does so for cheap batches (<= 2 ms) of datasets that draw no random
         numbers from the global generators, so batches stay torch's; True always (batches made
         there draw from their own seeded stream); False never. See tpkit/data/main_help.py.
       fast_start: all workers make the epoch's first batch together (each a contiguous part,
