@@ -77,7 +77,6 @@ class MainHelper:
         self.verified = 0
         self.off_reason = ""
         self.own_rng: RngStates | None = None  # main_helps=True: the stream helped batches draw from
-        self.made = 0  # batches made here and kept, over the pool's life
 
     def note_make(self, seconds: float) -> None:
         """A batch's fetch + collate time, from a worker's answer or from this process."""
@@ -98,7 +97,6 @@ class MainHelper:
         """One batch made here; None when (in "auto") it drew random numbers: this process's
         random states are as before, helping is off, and the caller hands the task to a worker.
         A dataset's exception propagates (the caller reports it as this batch's failure)."""
-        self.made += 1  # taken back below if it is given to a worker
         if self.mode is True:
             return self._make_own_stream(indices)
         if self.verified >= VERIFY_BATCHES:
@@ -113,7 +111,6 @@ class MainHelper:
             if drew:
                 set_rng_states(before)
         if drew:
-            self.made -= 1
             self.off_reason = ("a batch made in the main process drew random numbers (torch, "
                                "numpy or Python's random): from then on the workers make every "
                                "batch, so random transforms draw as under torch's DataLoader")

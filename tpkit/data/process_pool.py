@@ -410,11 +410,14 @@ class ProcessPool:
                 w.free.append(slot)
                 w.held -= 1
 
+    def _depth(self, w: _Worker) -> int:
+        """Batches in flight this worker may have (see the module docstring)."""
+        return DEEP_PREFETCH if self.deep_small and 0 <= w.slot_bytes <= SMALL_SLOT_BYTES else self.prefetch
+
     def _has_room(self, w: _Worker) -> bool:
         # Like torch, count batches the worker still owes; a finished batch waiting in the
         # reorder buffer holds a slot (the hard limit) but must not idle its worker.
-        depth = (DEEP_PREFETCH if self.deep_small and 0 <= w.slot_bytes <= SMALL_SLOT_BYTES
-                 else self.prefetch)
+        depth = self._depth(w)
         in_use = self.n_slots - len(w.free)  # in flight, answered and waiting, or held by the loop
         return (w.proc is not None and not w.exhausted and in_use < depth + self.hold
                 and len(w.inflight) < depth)
@@ -665,9 +668,8 @@ class ProcessPool:
         """Batches made here and not handed out yet, at most: as many as the workers may have
         in flight (a helped batch waits for the in-flight ones before it, in order; more would
         only hold memory)."""
-        known = [w.slot_bytes for w in self.workers if w.slot_bytes >= 0]  # a parked one may never tell
-        small = self.deep_small and bool(known) and max(known) <= SMALL_SLOT_BYTES
-        return (DEEP_PREFETCH if small else self.prefetch) * self.num_workers
+        # the deepest worker's depth for every worker: a resting one may never have told its size
+        return max(self._depth(w) for w in self.workers) * self.num_workers
 
     def _help(self) -> None:
         """Make the next unassigned batch here, into the reorder buffer; or, when it drew
