@@ -147,3 +147,26 @@ def test_step_time_from_run_steps_ignores_warmup_and_data_wait():
     v = loader_verdict(_frame(fetch_s=0.030, collate_s=0.002, transfer_s=0.001), steps=steps)
     assert v.verdict == "queue empty" and v.workers == 4
     assert loop_step_s(pd.DataFrame()) is None
+
+
+@pytest.mark.parametrize("workers, mode", [(0, "main process"), (2, "thread")])
+def test_the_profile_records_how_the_loader_made_its_batches(tmp_path, workers, mode):
+    """The run knows the worker count without a ``knobs=`` entry, so the advice says "now 2",
+    not "now 0", and it survives a save and load."""
+    import tpkit as tp
+    from tpkit.analysis.recommend import current_workers
+    from tpkit.run import Run
+
+    loader = Loader(Mixed(40), batch_size=4, num_workers=workers, mode="thread")
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with tp.profile(steps=4, warmup=1, progress=False, memory=False, clocks=False) as prof:
+        for b in loader:
+            model(b["i"].float()[:, None]).sum().backward()
+            opt.step()
+    meta = prof.run.meta["loader"]
+    assert meta == {"num_workers": workers, "mode": mode, "batch_size": 4, "prefetch": loader.prefetch}
+    assert current_workers(prof.run.meta) == workers
+    assert current_workers({"knobs": {"num_workers": 3}, "loader": meta}) == 3  # the user's knob first
+    prof.run.save(tmp_path / "run")
+    assert Run.load(tmp_path / "run").meta["loader"] == meta

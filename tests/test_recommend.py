@@ -87,6 +87,36 @@ def test_data_stall_with_a_loader_that_has_enough_workers_asks_for_none():
     assert recs[0].title.startswith("Loader workers starved: 4 workers could make a batch every 5.00 ms")
 
 
+def _host_util(busy_pct: float, cores: int = 2) -> "object":
+    """A clocks frame whose whole host was ``busy_pct`` busy and this process half of it."""
+    rows = [(t * 0.05, dev, "cpu_util_pct", v) for t in range(10)
+            for dev, v in (("cpu", busy_pct), ("process", busy_pct / 2))]
+    return _frame("clocks", rows)
+
+
+@pytest.mark.parametrize("busy_pct, verdict, workers", [(97.0, "no free core", 2), (40.0, "queue empty", 3)])
+def test_data_stall_asks_for_workers_only_where_a_core_is_free(busy_pct, verdict, workers):
+    # 2 workers, 20 ms a batch, 10 ms of loop work: 3 would keep up, if a third had a core to run
+    # on. Batches 0, 3, 6 were made by the main process while the loop waited (worker -1).
+    loader = _frame("loader", [(i, -1 if i % 3 == 0 else i % 2, 0.015, 0.005, 0.0, 0.0) for i in range(9)])
+    run = make_run(data_wait=0.01, forward=0.01, knobs={"num_workers": 2}, loader=loader,
+                   clocks=_host_util(busy_pct))
+    run.meta["host"] = {"cpu_count": 2, "usable_cores": 2}
+    v = rc.loader_advice(run)
+    assert (v.verdict, v.workers) == (verdict, workers)
+    assert "(the main process made 3 of 9 itself while it waited)" in v.reason
+    recs = rc.data_stall(run)
+    if verdict == "no free core":
+        assert "the host's 2 cores were 97% busy (about 0.1 idle)" in v.reason
+        assert [(r.kind, r.action) for r in recs] == [("data-loader", {})]  # never "use 3 workers" on no core
+        assert recs[0].expected_gain.startswith("more workers would not help")
+    else:
+        assert recs[0].action == {"num_workers": 3}
+    # a process held to fewer cores than the host has: the host's mean says nothing about them
+    run.meta["host"] = {"cpu_count": 16, "usable_cores": 2}
+    assert rc.loader_advice(run).verdict == "queue empty"
+
+
 # -- copies --------------------------------------------------------------------------------------
 
 def test_copies_fire_and_skip_knobs_already_set():

@@ -9,6 +9,10 @@ copy) and ``queue_wait_s`` (how long the finished batch waited for the training 
   busy (more workers would help: "queue empty"), or they had spare time and the work did not
   reach them fast enough ("workers starved": main process too busy, prefetch too small), or
   moving the batch cost more than making it ("transfer-bound").
+- More workers need a core to run on: when the loop waited but the host's cores were already
+  busy (the workers, the loop and, with ``main_helps``, the main process making batches while
+  it waited), another worker would take CPU from the others: "no free core", and the worker
+  count stays.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-VERDICTS = ("healthy", "queue empty", "workers starved", "transfer-bound")
+from .clocks import host_load
+
+#: Another worker needs about this much of an idle core (host utilisation over the slice).
+FREE_CORE_MIN = 0.5
+
+VERDICTS = ("healthy", "queue empty", "workers starved", "transfer-bound", "no free core")
 COLUMNS = ("batch", "worker", "fetch_s", "collate_s", "queue_wait_s", "transfer_s")
 
 
@@ -44,15 +53,35 @@ def loop_step_s(steps: pd.DataFrame) -> float | None:
     return float((rows["duration_s"] - rows["data_wait_s"].fillna(0.0)).median())
 
 
+def free_cores(clocks: pd.DataFrame | None, meta: dict) -> tuple[float, str] | None:
+    """How many of this process's cores stood idle during the slice, on average, and the words
+    that say so: the whole host's ``cpu_util_pct`` (``clocks.host_load``) over its
+    ``host.cpu_count`` cores. Where the process may use fewer cores than the host has
+    (``host.usable_cores``: a container, ``taskset``) the host's mean says nothing about those,
+    and this returns None, as it does without a utilisation series."""
+    host = meta.get("host") or {}
+    count, usable = host.get("cpu_count"), host.get("usable_cores")
+    if clocks is None or not count or (usable is not None and usable < count):
+        return None
+    load = host_load(clocks)
+    if load is None:
+        return None
+    idle = count * max(0.0, 100.0 - load["host_pct"]) / 100.0
+    return idle, f"the host's {count} cores were {load['host_pct']:.0f}% busy (about {idle:.1f} idle)"
+
+
 def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
                    num_workers: int | None = None, ready_wait_s: float = 1e-3,
-                   max_workers: int | None = None, steps: pd.DataFrame | None = None) -> LoaderVerdict:
+                   max_workers: int | None = None, steps: pd.DataFrame | None = None,
+                   idle_cores: tuple[float, str] | None = None) -> LoaderVerdict:
     """Judge one run's loader.
 
     loader: rows of ``run.loader``. step_s: the training loop's own time per batch, data wait
     excluded; or pass ``steps=run.steps`` to derive it (``loop_step_s``). Without either the
     verdict relies on queue waits alone. num_workers: workers the run used (default: distinct
     ``worker`` values). ready_wait_s: a batch counts as "was ready" above this wait.
+    idle_cores: ``free_cores``'s (idle cores, words); without it more workers are assumed to
+    find a core.
     """
     if step_s is None and steps is not None:
         step_s = loop_step_s(steps)
@@ -87,8 +116,16 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
                              f"{per_batch_s / W * 1e3:.2f} ms but the loop waited anyway: the main "
                              f"process hands work out too slowly; raise prefetch or move work "
                              f"out of the training loop", make_s, transfer_s, ready)
+    waited = f"only {ready:.0%} of batches were ready when the loop asked and each takes " \
+             f"{per_batch_s * 1e3:.2f} ms to make"
+    helped = int((loader["worker"] < 0).sum())
+    if helped:
+        waited += f" (the main process made {helped} of {len(loader)} itself while it waited)"
+    if idle_cores is not None and idle_cores[0] < FREE_CORE_MIN:
+        return LoaderVerdict("no free core", min(W, cap), f"{waited}, but {idle_cores[1]}: another "
+                             f"worker would take CPU from the loop and the workers there; make batches "
+                             f"cheaper (lighter transforms, samples stored decoded, uint8 sent to the "
+                             f"device) or give this process more cores", make_s, transfer_s, ready)
     want = need if need is not None else W + 1
     return LoaderVerdict("queue empty", min(max(want, W + 1 if need is None else want), cap),
-                         f"only {ready:.0%} of batches were ready when the loop asked and each "
-                         f"takes {per_batch_s * 1e3:.2f} ms to make: add workers", make_s,
-                         transfer_s, ready)
+                         f"{waited}: add workers", make_s, transfer_s, ready)

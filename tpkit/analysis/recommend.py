@@ -128,9 +128,12 @@ def _totals(steps: pd.DataFrame) -> _Totals:
 # -- the rules ---------------------------------------------------------------------------------
 
 def current_workers(meta: dict) -> int | None:
-    """The loader workers the run used, from its ``num_workers`` knob (None: not recorded)."""
-    cur = _knobs(meta).get("num_workers")
-    return int(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
+    """The loader workers the run used: its ``num_workers`` knob, else what tpkit's loader
+    recorded (``meta["loader"]``); None where neither says."""
+    for cur in (_knobs(meta).get("num_workers"), (meta.get("loader") or {}).get("num_workers")):
+        if isinstance(cur, (int, float)) and not isinstance(cur, bool):
+            return int(cur)
+    return None
 
 
 def loader_advice(run: "Run") -> "LoaderVerdict | None":
@@ -139,9 +142,10 @@ def loader_advice(run: "Run") -> "LoaderVerdict | None":
     with the worker count the run used; None when tpkit's loader recorded nothing."""
     if run.loader is None or run.loader.empty:
         return None
-    from .loader import loader_verdict
+    from .loader import free_cores, loader_verdict
 
-    return loader_verdict(run.loader, steps=run.steps, num_workers=current_workers(run.meta))
+    return loader_verdict(run.loader, steps=run.steps, num_workers=current_workers(run.meta),
+                          idle_cores=free_cores(run.clocks, run.meta))
 
 
 def data_stall(run: "Run") -> list[Recommendation]:

@@ -204,6 +204,11 @@ class Recorder:
                          queue_wait_s: float, transfer_s: float) -> None:
         self.loader.append((batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s))
 
+    def loader_used(self, config: dict[str, Any]) -> None:
+        """tpkit's loader says how it runs (``num_workers``, ``mode``...): ``meta["loader"]``,
+        the first loader's of the slice (the training loop's, before any evaluation)."""
+        self.meta.setdefault("loader", config)
+
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)

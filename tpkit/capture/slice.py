@@ -26,6 +26,7 @@ from ..errors import ProfileActiveError, StopSlice, TpkitError
 from ..run import Run
 from . import recorder as _rec
 from .build import build_run
+from .host import cpu_name, usable_cores
 from .interrupts import held_sigint
 from .probes.cuda_timing import maybe_cuda_timer
 from .probes.phases import PhaseProbe
@@ -382,19 +383,8 @@ def _progress_bar(cfg: SliceConfig, warmup: int | None) -> Any:
     return tqdm(total=total, desc=f"tpkit {cfg.name or 'run'}", unit="step", leave=False)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _static_meta(cfg: SliceConfig) -> dict[str, Any]:
-    devices = [f"cpu: {_cpu_name()} ({os.cpu_count()} cores)"]
+    devices = [f"cpu: {cpu_name()} ({os.cpu_count()} cores)"]
     if torch.cuda.is_available():
         devices += [f"cuda:{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
     return {
@@ -407,7 +397,8 @@ def _static_meta(cfg: SliceConfig) -> dict[str, Any]:
         "devices": devices,
         "versions": {"tpkit": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                 "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+                 "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
+                 "torch_threads": torch.get_num_threads()},
         "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 

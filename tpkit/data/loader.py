@@ -410,6 +410,17 @@ class _LoaderIter:
         if loader.auto_workers and loader.workers_reason.startswith("workers='auto': starting"):
             self.auto_probe = loader._auto_probe = AutoProbe(os.cpu_count() or 1, skip=2 + W * loader.prefetch)
         self.last_make_s = 0.0
+        self._told: weakref.ref | None = None  # the profile told how this loader runs
+
+    def _config(self) -> dict[str, Any]:
+        """How this epoch's batches are made, for the profile's ``meta["loader"]``."""
+        loader, W = self.loader, self.loader._workers_int()
+        mode = "main process" if W == 0 else loader.mode
+        out: dict[str, Any] = {"num_workers": W, "mode": mode, "batch_size": loader.batch_size,
+                               "prefetch": loader.prefetch}
+        if mode == "process":
+            out["main_helps"] = loader.main_helps
+        return out
 
     def __iter__(self) -> "_LoaderIter":
         return self
@@ -521,6 +532,9 @@ class _LoaderIter:
                     if tok is not None:
                         rec.exit(tok)
                 item = item._replace(batch=dev, transfer_s=item.transfer_s + wait_s)
+            if self._told is None or self._told() is not rec:
+                self._told = weakref.ref(rec)
+                rec.loader_used(self._config())
             rec.add_samples(item.n_samples)
             rec.add_loader_batch(self.batches_done, item.worker, item.fetch_s, item.collate_s,
                                  item.queue_wait_s, item.transfer_s)

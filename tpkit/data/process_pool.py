@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from time import perf_counter, perf_counter_ns
 from typing import Any, Iterator, NamedTuple
 
+from ..capture.host import usable_cores
 from ..capture.interrupts import held_sigint
 from .collate import merge_parts
 from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
@@ -245,10 +246,7 @@ class ProcessPool:
         self._helped_at = -PARK_WINDOW - 1  # ``_handed`` when this process last made a batch
         # the worker that gets no new batches while this process helps, when the workers
         # and this process outnumber the cores (main_help.py); None: no worker is parked
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
         self._parkable = num_workers - 1 if self.helper is not None and 2 <= num_workers >= cores else None
         self._pending: collections.deque = collections.deque()  # (bid, indices) for any worker
 
