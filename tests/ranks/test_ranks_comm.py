@@ -90,7 +90,7 @@ def test_one_rank_collectives_and_ddp_unchanged(one_rank, one_thread):
     """Sync and async collectives are seen with their op and bytes; DDP trains to the same
     parameters with the probe as without it; the end-of-backward window is reported."""
 
-    def train(with_probe: bool) -> tuple[list[torch.Tensor], list]:
+    def train(with_probe: bool) -> tuple[list[torch.Tensor], list, comm.CommProbe]:
         torch.manual_seed(0)
         net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -107,16 +107,21 @@ def test_one_rank_collectives_and_ddp_unchanged(one_rank, one_thread):
             dist.all_reduce(torch.ones(4), async_op=True).wait()
         finally:
             probe.remove()
-        return [p.detach().clone() for p in net.parameters()], spans
+        return [p.detach().clone() for p in net.parameters()], spans, probe
 
-    plain, _ = train(False)
-    probed, spans = train(True)
+    plain, _, _ = train(False)
+    probed, spans, probe = train(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, probed))
     kinds = [(d["kind"], d["op"], d["bytes"]) for _, _, _, d in spans]
     assert [k for k in kinds if k[0] == "end_of_backward"] == [("end_of_backward", "all_reduce", 4 * 36)] * 3
     assert ("blocking_call", "broadcast", 16) in kinds  # DDP's bucket-order broadcast, 2nd iteration
     assert kinds[-2:] == [("wait", "all_reduce", 64), ("wait", "all_reduce", 16)]
     assert all(phase == "comm" and e >= s for phase, s, e, _ in spans)
+    # One rank: no collective has a peer, so none gets a completion callback (each would cost the
+    # loop ~75 us); in-flight time is at most a bound up to its wait, and the run says so.
+    assert len(probe.ops) == 7 and all(c.done_ns is None for c in probe.ops)
+    assert {d["end"] for _, _, d in probe.overlapped()} == {"waited"}  # the async all_reduce's
+    assert any(n.startswith("one rank: collectives have no peer") for n in probe.meta()["comm"]["notes"])
 
 
 # -- two ranks under torchrun -----------------------------------------------------------------------

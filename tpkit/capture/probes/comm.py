@@ -19,7 +19,8 @@ How collectives are seen, without replacing anything the user or a framework ins
   collectives (DTensor), and direct ``torch.distributed`` calls. The probe registers a kernel for
   those operators at the ``ADInplaceOrView`` key, one step above the backend kernels and after the
   autograd fallback (so autograd's behaviour is untouched): it stamps the issue, redispatches to
-  the real kernel, and on gloo asks the returned Work's future for its completion time.
+  the real kernel, and on gloo takes its completion time from the returned Work: at once when it
+  already completed, else from a callback on its future.
   ``remove()`` destroys that registration and the operators dispatch as before (a fallthrough).
   DDP's ``register_comm_hook`` (one per model, never removable) is left to the user.
 - **Exposed waits.** ``Work.wait`` is patched (Python ``torch.distributed`` calls it for every
@@ -189,6 +190,7 @@ class CommProbe:
         self._graph_tasks: set[int] = set()  # backward passes that already queued callback A
         self._cuda: _CudaClock | None = None
         self._issued = 0  # collectives issued since install, kept or not
+        self._world: int | None = None  # the default process group's size at install
 
     # -- life cycle ---------------------------------------------------------------------------
     def install(self) -> "CommProbe":
@@ -205,6 +207,10 @@ class CommProbe:
         self.installed = True
         _ACTIVE = self
         try:
+            self._world = dist.get_world_size() if dist.is_initialized() else None
+            if self._world == 1:
+                self._note("one rank: collectives have no peer, so their time in flight is not timed "
+                           "(no completion callbacks); waits for them are")
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 self._cuda = self._clock if self._clock is not None else _CudaClock()
             from torch._C import _distributed_c10d as c10d
@@ -409,9 +415,11 @@ class CommProbe:
             handle = work_cls.unbox(work)  # the same Python object Work.wait will be called on
         except Exception:
             return
-        if rec.device == "cuda":
-            # No completion callback on CUDA (a NCCL future completes at enqueue): keep the
-            # handle until it is waited, bounded, pruning the ones that finished.
+        if rec.device == "cuda" or self._world == 1:
+            # No completion callback on CUDA (a NCCL future completes at enqueue), nor where the
+            # default group has one rank (a collective with no peer: nothing to overlap, and a
+            # callback costs the loop ~75 us, below): keep the handle until it is waited,
+            # bounded, pruning the ones that finished.
             if len(self._pending) >= MAX_PENDING:
                 for key, (h, _) in list(self._pending.items()):
                     if h.is_completed():
@@ -420,22 +428,35 @@ class CommProbe:
                     self._pending.pop(next(iter(self._pending)), None)
             self._pending[id(handle)] = (handle, rec)
             return
-        self._pending[id(handle)] = (handle, rec)
         key = id(handle)
+        if handle.is_completed():
+            # Done before the call returned (gloo's thread was quicker than this line): now is
+            # its completion time, microseconds late, and no callback is needed. A callback
+            # costs the loop ~75 us a collective on a 2-core VM (gloo's thread takes the GIL;
+            # docs/OVERHEAD.md), most of what timing a world-1 DDP step's all-reduce cost.
+            rec.done_ns = perf_counter_ns()
+            self._keep_completed(key, (handle, rec))
+            return
+        self._pending[key] = (handle, rec)
 
         def done(_fut: Any) -> None:
             rec.done_ns = perf_counter_ns()
             # gloo's thread; single dict operations are atomic under the GIL
             entry = self._pending.pop(key, None)
             if entry is not None and rec.wait_ns is None:
-                self._completed[key] = entry
-                while len(self._completed) > MAX_COMPLETED:
-                    self._completed.pop(next(iter(self._completed)), None)
+                self._keep_completed(key, entry)
 
         try:
             handle.get_future().add_done_callback(done)
         except Exception:  # a backend without futures: matched at wait, if waited
             pass
+
+    def _keep_completed(self, key: int, entry: tuple[Any, Collective]) -> None:
+        """A collective completed before anyone waited for it: kept (the newest
+        ``MAX_COMPLETED``) so that its wait, if one comes, is matched to it."""
+        self._completed[key] = entry
+        while len(self._completed) > MAX_COMPLETED:
+            self._completed.pop(next(iter(self._completed)), None)
 
     # -- the end of a backward pass --------------------------------------------------------------
     def _queue_end_of_backward(self, gt: int, device: str) -> None:
