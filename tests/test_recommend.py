@@ -117,6 +117,18 @@ def test_data_stall_asks_for_workers_only_where_a_core_is_free(busy_pct, verdict
     assert rc.loader_advice(run).verdict == "queue empty"
 
 
+def test_a_loader_that_keeps_up_says_what_the_loops_wait_is():
+    # every batch waited 20 ms in the queue (ready), yet the loop waited 10 ms of its 20 ms steps
+    loader = _frame("loader", [(i, i % 2, 0.001, 0.0, 0.02, 0.0001) for i in range(8)])
+    v = rc.loader_advice(make_run(data_wait=0.01, forward=0.01, loader=loader))
+    assert v.verdict == "healthy"
+    assert v.reason.endswith("the loader keeps up; the loop still waited 10.00 ms of its 20.00 ms steps: the "
+                             "loader's own work in the main process to hand a ready batch over (receiving it, "
+                             "reading its slot), which more workers do not shorten")
+    quiet = rc.loader_advice(make_run(data_wait=0.0019, forward=0.0181, loader=loader))  # 9.5%: nothing to say
+    assert quiet.reason.endswith("the loader keeps up")
+
+
 # -- copies --------------------------------------------------------------------------------------
 
 def test_copies_fire_and_skip_knobs_already_set():

@@ -24,8 +24,10 @@ import pandas as pd
 
 from .clocks import host_load
 
+#: A loader that keeps up while the loop still waits this share of its steps says what the wait is.
+HANDOVER_SHARE = 0.10
 #: Another worker needs about this much of an idle core (host utilisation over the slice).
-FREE_CORE_MIN = 0.5
+IDLE_CORES_MIN = 0.5
 
 VERDICTS = ("healthy", "queue empty", "workers starved", "transfer-bound", "no free core")
 COLUMNS = ("batch", "worker", "fetch_s", "collate_s", "queue_wait_s", "transfer_s")
@@ -42,18 +44,35 @@ class LoaderVerdict:
     ready_fraction: float  # batches that were waiting when the loop asked
 
 
-def loop_step_s(steps: pd.DataFrame) -> float | None:
-    """The training loop's own time per step, data wait excluded: the median of
-    ``duration_s - data_wait_s`` over the measured (non-warmup) rows of ``run.steps``."""
+def _measured(steps: pd.DataFrame | None) -> pd.DataFrame | None:
     if steps is None or steps.empty or not {"duration_s", "data_wait_s"} <= set(steps.columns):
         return None
     rows = steps[~steps["warmup"]] if "warmup" in steps.columns else steps
-    if rows.empty:
-        return None
-    return float((rows["duration_s"] - rows["data_wait_s"].fillna(0.0)).median())
+    return None if rows.empty else rows
 
 
-def free_cores(clocks: pd.DataFrame | None, meta: dict) -> tuple[float, str] | None:
+def loop_step_s(steps: pd.DataFrame) -> float | None:
+    """The training loop's own time per step, data wait excluded: the median of
+    ``duration_s - data_wait_s`` over the measured (non-warmup) rows of ``run.steps``."""
+    rows = _measured(steps)
+    return None if rows is None else float((rows["duration_s"] - rows["data_wait_s"].fillna(0.0)).median())
+
+
+def _handover_words(steps: pd.DataFrame | None) -> str:
+    """Where the loader keeps up but the loop still waits ``HANDOVER_SHARE`` of its steps or
+    more, what that wait is (empty otherwise)."""
+    rows = _measured(steps)
+    if rows is None:
+        return ""
+    wait_s, step_s = float(rows["data_wait_s"].fillna(0.0).median()), float(rows["duration_s"].median())
+    if step_s <= 0 or wait_s < HANDOVER_SHARE * step_s:
+        return ""
+    return (f"; the loop still waited {wait_s * 1e3:.2f} ms of its {step_s * 1e3:.2f} ms steps: the loader's own "
+            f"work in the main process to hand a ready batch over (receiving it, reading its slot), which "
+            f"more workers do not shorten")
+
+
+def idle_cores(clocks: pd.DataFrame | None, meta: dict) -> tuple[float, str] | None:
     """How many of this process's cores stood idle during the slice, on average, and the words
     that say so: the whole host's ``cpu_util_pct`` (``clocks.host_load``) over its
     ``host.cpu_count`` cores. Where the process may use fewer cores than the host has
@@ -80,7 +99,7 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
     excluded; or pass ``steps=run.steps`` to derive it (``loop_step_s``). Without either the
     verdict relies on queue waits alone. num_workers: workers the run used (default: distinct
     ``worker`` values). ready_wait_s: a batch counts as "was ready" above this wait.
-    idle_cores: ``free_cores``'s (idle cores, words); without it more workers are assumed to
+    idle_cores: ``idle_cores``'s (idle cores, words); without it more workers are assumed to
     find a core.
     """
     if step_s is None and steps is not None:
@@ -105,7 +124,7 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
     if ready >= 0.8:
         fewer = min(W, need) if need is not None else W
         return LoaderVerdict("healthy", min(fewer, cap), f"{ready:.0%} of batches were ready when the "
-                             f"loop asked; the loader keeps up", make_s, transfer_s, ready)
+                             f"loop asked; the loader keeps up{_handover_words(steps)}", make_s, transfer_s, ready)
     if transfer_s > make_s and transfer_s > 0:
         return LoaderVerdict("transfer-bound", min(W, cap), f"moving a batch ({transfer_s * 1e3:.2f} ms) "
                              f"costs more than making it ({make_s * 1e3:.2f} ms): pin memory, "
@@ -121,7 +140,7 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
     helped = int((loader["worker"] < 0).sum())
     if helped:
         waited += f" (the main process made {helped} of {len(loader)} itself while it waited)"
-    if idle_cores is not None and idle_cores[0] < FREE_CORE_MIN:
+    if idle_cores is not None and idle_cores[0] < IDLE_CORES_MIN:
         return LoaderVerdict("no free core", min(W, cap), f"{waited}, but {idle_cores[1]}: another "
                              f"worker would take CPU from the loop and the workers there; make batches "
                              f"cheaper (lighter transforms, samples stored decoded, uint8 sent to the "

@@ -142,10 +142,10 @@ def loader_advice(run: "Run") -> "LoaderVerdict | None":
     with the worker count the run used; None when tpkit's loader recorded nothing."""
     if run.loader is None or run.loader.empty:
         return None
-    from .loader import free_cores, loader_verdict
+    from .loader import idle_cores, loader_verdict
 
     return loader_verdict(run.loader, steps=run.steps, num_workers=current_workers(run.meta),
-                          idle_cores=free_cores(run.clocks, run.meta))
+                          idle_cores=idle_cores(run.clocks, run.meta))
 
 
 def data_stall(run: "Run") -> list[Recommendation]:
