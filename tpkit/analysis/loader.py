@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from .clocks import host_load
+from .steps import measured
 
 #: A loader that keeps up while the loop still waits this share of its steps says what the wait is.
 HANDOVER_SHARE = 0.10
@@ -45,9 +46,10 @@ class LoaderVerdict:
 
 
 def _measured(steps: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The measured steps (``steps.measured``) with a duration and a data wait; None if none."""
     if steps is None or steps.empty or not {"duration_s", "data_wait_s"} <= set(steps.columns):
         return None
-    rows = steps[~steps["warmup"]] if "warmup" in steps.columns else steps
+    rows = measured(steps) if "warmup" in steps.columns else steps
     return None if rows.empty else rows
 
 
