@@ -13,7 +13,8 @@ peer: each block is paired with the no-probe blocks on either side) and with eac
 Prints microseconds added per step (one collective a step) with 95% bootstrap intervals, and the
 ratio of each step time to the no-probe one. ``--gpt2`` also sets a phases-only profile of the
 2-layer GPT-2 step of benchmarks/overhead.py (no Trainer) on the plain model against the same
-profile on the model wrapped in DDP, with and without the probe, each paired with its own
+profile on the model wrapped in DDP, with and without the probe (``comm=True`` / ``False``: at one
+rank a slice leaves collectives untimed by default, since session 22), each paired with its own
 model's unprofiled blocks (``--find-unused``: wrapped as the Hugging Face Trainer wraps it).
 
     python benchmarks/comm_probe.py [--budget 60] [--gpt2 [--find-unused]]
@@ -34,7 +35,6 @@ from common import machine, versions, write_rows
 from interleave import estimate
 
 import tpkit as tp
-from tpkit.capture import slice as tp_slice
 from tpkit.capture.probes import comm
 
 STEPS_PER_BLOCK, SKIP = 40, 5
@@ -70,18 +70,13 @@ MODES: dict[str, Callable[[], Callable[[], Any]]] = {
 
 
 def _phases_only(with_comm: bool) -> Callable[[], Callable[[], Any]]:
-    """A phases-only slice (``tp.profile``, memory and clocks off), with or without the
-    communication probe a slice installs under a process group; returns what ends it."""
+    """A phases-only slice (``tp.profile``, memory and clocks off), timing collectives or not
+    (``comm``: at one rank a slice does not by default); returns what ends it."""
 
     def start() -> Callable[[], Any]:
-        kept = list(tp_slice.PROBE_FACTORIES)
-        if not with_comm:
-            tp_slice.PROBE_FACTORIES[:] = [f for f in kept if f.__name__ != "_comm_probe"]
-        try:
-            prof = tp.profile(steps=10**9, warmup=0, memory=False, clocks=False, stop=False, progress=False)
-            prof.__enter__()
-        finally:
-            tp_slice.PROBE_FACTORIES[:] = kept
+        prof = tp.profile(steps=10**9, warmup=0, memory=False, clocks=False, stop=False, progress=False,
+                          comm=with_comm)
+        prof.__enter__()
         return lambda: prof.__exit__(None, None, None)
 
     return start

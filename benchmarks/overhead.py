@@ -309,46 +309,19 @@ class _MemoryOffWithStream:
             self.profile.__exit__(*exc)
 
 
-class _PhasesWithoutComm:
-    """tpkit phases only without the communication probe (a slice installs it whenever a process
-    group is up): set against "tpkit phases only" under DDP it is what timing collectives costs
-    (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=...)."""
-
-    def __init__(self, steps: int, warmup: int) -> None:
-        self.profile = _tpkit(memory=False, clock_hz=0)(steps, warmup)
-
-    @property
-    def run(self) -> Any:
-        return getattr(self.profile, "run", None)
-
-    def __enter__(self) -> "_PhasesWithoutComm":
-        from tpkit.capture import slice as tp_slice
-
-        self.kept = list(tp_slice.PROBE_FACTORIES)
-        tp_slice.PROBE_FACTORIES[:] = [f for f in self.kept if f.__name__ != "_comm_probe"]
-        try:
-            self.profile.__enter__()
-        except BaseException:
-            tp_slice.PROBE_FACTORIES[:] = self.kept
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        from tpkit.capture import slice as tp_slice
-
-        try:
-            self.profile.__exit__(*exc)
-        finally:
-            tp_slice.PROBE_FACTORIES[:] = self.kept
-
-
 #: Modes that take the default apart, run only when named in --modes.
-COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {"tpkit memory off + stream": _MemoryOffWithStream,
-                                                         "tpkit phases only without comm probe": _PhasesWithoutComm}
+#: The communication pair matters under DDP (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0
+#: MASTER_ADDR=127.0.0.1 MASTER_PORT=...): at one rank a slice leaves collectives untimed by
+#: default, and these two time them (comm=True) or never do (comm=False).
+COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
+    "tpkit memory off + stream": _MemoryOffWithStream,
+    "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
+    "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
                        ("the memory probe's own work over the stream", "tpkit default", "tpkit memory off + stream"),
-                       ("the communication probe (under DDP)", "tpkit phases only", "tpkit phases only without comm probe"))
+                       ("the communication probe (under DDP)", "tpkit phases only with comm probe",
+                        "tpkit phases only without comm probe"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",
                     "tpkit default, one profile", "none, second launch")
 TRACEML, TPKIT_OWN, TPKIT_WHOLE, SECOND_LAUNCH = SUBPROCESS_MODES[1:]
@@ -521,7 +494,7 @@ def add_own_process(out: dict[str, Samples], blocks: list[Block]) -> None:
     for mode, pairs in paired_ratios(blocks).items():
         out[mode].pairs += pairs
     load = load_avg()[0]
-    for mode in SUBPROCESS_MODES:
+    for mode in [*SUBPROCESS_MODES, *{b.mode for b in blocks if b.mode.endswith(OWN)}]:
         if mode in out:
             out[mode].loads.append(load)
 
@@ -553,8 +526,23 @@ def child_main(args: argparse.Namespace) -> None:
         loop.train(TurnTaker(args.turns, args.turn_name, args.skip, args.block, clock))
 
 
+OWN = ", own process"
+
+
+def own_component_args(names: list[str]) -> dict[str, list[str]]:
+    """``--own-modes``: tpkit's in-process modes (e.g. 'tpkit phases only') also run under
+    TraceML's launcher, a fresh slice each block, as '<mode>, own process', to take the
+    own-process default apart."""
+    out = {}
+    for name in names:
+        if name not in MODES and name not in COMPONENT_MODES or not name.startswith("tpkit"):
+            raise SystemExit(f"--own-modes: {name!r} is not a tpkit mode of --modes ({', '.join(m for m in [*MODES, *COMPONENT_MODES] if m.startswith('tpkit'))})")
+        out[name + OWN] = ["--mode", name, "--slice-per-block"]
+    return out
+
+
 def own_process_turns(loop: str, skip: int, block: int, budget_s: float, log_dir: Path,
-                      min_cycles: int = 3) -> tuple[list[Block], str]:
+                      min_cycles: int = 3, extra: dict[str, list[str]] | None = None) -> tuple[list[Block], str]:
     """Every own-process mode (``OWN_PROCESS_ARGS``) under TraceML's launcher, with TraceML on
     for its own mode only, started at once and taking turns block by block (``turns.Turns``: the
     ones not running are frozen), the baseline between every two others in ``schedule``'s
@@ -562,12 +550,12 @@ def own_process_turns(loop: str, skip: int, block: int, budget_s: float, log_dir
     baseline's under ``BASE``) and a line saying how it went."""
     exe = str(Path(sys.executable).with_name("traceml"))
     cmds = {}
-    for name, extra in OWN_PROCESS_ARGS.items():
+    for name, args in {**OWN_PROCESS_ARGS, **(extra or {})}.items():
         cmds[name] = [exe, "run", *([] if name == TRACEML else ["--disable-traceml"]), "--logs-dir", str(log_dir),
                       "--master-port", str(free_port()), "--aggregator-port", str(free_port()), str(HERE),
                       "--args", "--child", "--loops", loop, "--skip", str(skip), "--block", str(block),
-                      "--threads", str(torch.get_num_threads()), *extra]
-    who = {BASE: SUBPROCESS_MODES[0], **{m: m for m in SUBPROCESS_MODES[1:]}}
+                      "--threads", str(torch.get_num_threads()), *args]
+    who = {BASE: SUBPROCESS_MODES[0], **{m: m for m in cmds if m != SUBPROCESS_MODES[0]}}
     t = time.perf_counter()
     with Turns(cmds, {**os.environ, "PYTHONPATH": str(HERE.parent)}, HERE.parent, log_dir) as turns:
         turns.wait_ready(timeout_s=900)
@@ -602,13 +590,14 @@ def fmt_est(e: Estimate | None) -> str:
 def print_table(results: dict[str, dict[str, Samples]], modes: list[str],
                 cell: Callable[[str, str, Samples], str], width: int = 26) -> None:
     """A row per mode, a column per loop; ``cell(loop, mode, samples)`` for each mode that ran."""
-    print(f"{'mode':<28}" + "".join(f"{name:>{width}}" for name in results))
+    w = max([28, *(len(m) + 2 for m in modes)])
+    print(f"{'mode':<{w}}" + "".join(f"{name:>{width}}" for name in results))
     for mode in modes:
         cells = []
         for loop in results:
             s = results[loop].get(mode)
             cells.append("not run" if s is None or not s.steps else cell(loop, mode, s))
-        print(f"{mode:<28}" + "".join(f"{c:>{width}}" for c in cells))
+        print(f"{mode:<{w}}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
@@ -663,7 +652,8 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
         return fmt_est(paired(results[loop], mode))
 
     ran = {m for r in results.values() for m in r}
-    print_table(results, modes + [m for m in COMPONENT_MODES if m in ran], cell)
+    extra = sorted(m for m in ran if m.endswith(OWN) and m not in SUBPROCESS_MODES)
+    print_table(results, modes + [m for m in COMPONENT_MODES if m in ran] + extra, cell)
     print("  blocks per mode: " + ", ".join(f"{loop} {cycles.get(loop, 0)}" for loop in loops)
           + ". The own-process rows are paired with 'none, traceml launcher' (the launches taking turns, "
           "block by block); that row's own figure (in brackets) is its median step over the in-process 'none''s.")
@@ -689,7 +679,7 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
           f"{'gc ms/step':>11}{'gc/100 st':>10}{'max gc ms':>10}{'gen0/1/2':>14}")
     for loop in loops:
         for mode in ("none", "tpkit default", "tpkit memory off", "tpkit phases only", "torch.profiler CPU",
-                     *SUBPROCESS_MODES):
+                     *SUBPROCESS_MODES, *extra):
             s = results[loop].get(mode)
             if s is None or not s.steps:
                 continue
@@ -754,6 +744,9 @@ def main() -> None:
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"in-process modes; also {', '.join(COMPONENT_MODES)}, which takes the default apart")
+    ap.add_argument("--own-modes", default="",
+                    help="tpkit modes (of --modes, or the component ones) also run under TraceML's launcher, a fresh "
+                         "slice each block, beside the own-process default: what it is made of there")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default, what users get). On a shared, busy 2-core "
                          "machine, 1 keeps torch's thread pool from stretching steps 10-100x; it also makes steps "
@@ -797,6 +790,7 @@ def main() -> None:
     if why_not_traceml:
         notes.append(f"TraceML not run: {why_not_traceml}")
 
+    own_extra = own_component_args([m for m in args.own_modes.split(",") if m])
     watch = GcWatch().install()
     results: dict[str, dict[str, Samples]] = {name: {} for name in loops}
     built = {}
@@ -820,7 +814,8 @@ def main() -> None:
         log_dir = Path(tempfile.mkdtemp(prefix="tpkit-traceml-logs-"))
         for name in built:
             try:
-                blocks, how = own_process_turns(name, args.skip, args.block, args.own_budget, log_dir)
+                blocks, how = own_process_turns(name, args.skip, args.block, args.own_budget, log_dir,
+                                                extra=own_extra)
             except (RuntimeError, TimeoutError) as e:
                 notes.append(f"{name}: the own-process modes failed: {e}")
                 continue

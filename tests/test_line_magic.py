@@ -61,7 +61,7 @@ def test_help_lists_every_option_with_an_example(ip):
     doc = ip.find_line_magic("tp_profile").__doc__
     assert "%tp_profile --steps 20 train(model, loader)" in doc and "%%tp_profile" in doc
     for option in ("--steps", "--warmup", "--name", "--no-stop", "--quiet", "--save", "--no-memory",
-                   "--memory-detail", "--clock-hz", "--samples-per-step", "--kernels", "--ops"):
+                   "--memory-detail", "--clock-hz", "--samples-per-step", "--kernels", "--ops", "--comm"):
         assert option in doc, option
     assert ip.find_cell_magic("tp_profile").__doc__ == doc  # one magic, both forms
 

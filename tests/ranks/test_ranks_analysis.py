@@ -6,9 +6,11 @@ refused in a multi-rank launch."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -26,6 +28,7 @@ from tpkit.analysis.ranks import (  # noqa: E402
     straggler_verdict,
 )
 from tpkit.capture.build import exclusive_phase_times  # noqa: E402
+from tpkit.capture.slice import ONE_RANK_NOTE  # noqa: E402
 from tpkit.charts.ranks import rank_step_times, ranks_view  # noqa: E402
 from tpkit.schema import SCHEMAS, frame  # noqa: E402
 
@@ -189,7 +192,8 @@ def test_warmup_auto_refused_in_a_multi_rank_launch(monkeypatch):
 
 
 def test_a_slice_times_the_collectives_of_a_process_group(tmp_path, one_thread):
-    """One gloo rank in the test's own process: each step runs a synchronous all_reduce of 1,000
+    """One gloo rank in the test's own process, collectives timed on request (``comm=True``; at
+    one rank a slice leaves them out by default): each step runs a synchronous all_reduce of 1,000
     fp32 (4,000 bytes) after backward. The slice counts them exactly, reports each wait as a
     ``comm`` span (its own phase, out of ``other``), and leaves the dispatcher as it found it."""
     import torch
@@ -202,7 +206,7 @@ def test_a_slice_times_the_collectives_of_a_process_group(tmp_path, one_thread):
         model = torch.nn.Linear(8, 8)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         t = torch.ones(1000)
-        with tp.profile(steps=3, warmup=1, progress=False, memory=False, clocks=False) as prof:
+        with tp.profile(steps=3, warmup=1, progress=False, memory=False, clocks=False, comm=True) as prof:
             for _ in range(10):
                 model(torch.ones(4, 8)).sum().backward()
                 dist.all_reduce(t)
@@ -211,6 +215,7 @@ def test_a_slice_times_the_collectives_of_a_process_group(tmp_path, one_thread):
     finally:
         dist.destroy_process_group()
     run = prof.run
+    assert ONE_RANK_NOTE not in run.meta["notes"]
     assert run.meta["comm"]["by_op"] == {"all_reduce": {"ops": 4, "bytes": 16_000}}
     waits = run.spans[run.spans["phase"] == "comm"]
     assert len(waits) == 4 and set(waits["source"]) == {"wait:all_reduce"}
@@ -218,3 +223,67 @@ def test_a_slice_times_the_collectives_of_a_process_group(tmp_path, one_thread):
     assert run.steps.set_index("step")["comm_s"].to_dict() == pytest.approx(per_step.to_dict())
     assert isinstance(run.meta["start_unix_ns"], int)
     assert torch._C._dispatch_dump("c10d::allreduce_") == before
+
+
+def test_at_one_rank_a_slice_leaves_collectives_untimed_and_says_so(tmp_path, one_thread):
+    """A process group of one rank (``torchrun --nproc-per-node 1``, the Trainer's DDP at world 1):
+    its collectives have no peer, so by default nothing is hooked (the dispatcher is untouched
+    while the slice runs), no step has ``comm`` time, the run's notes say why and how to time them
+    anyway; DDP trains to the same parameters as without a profile."""
+    import torch
+    import torch.distributed as dist
+
+    before = torch._C._dispatch_dump("c10d::allreduce_")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+
+    def train(profiled: bool) -> tuple[list, Any, str]:
+        torch.manual_seed(0)
+        net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        dump = ""
+        with tp.profile(steps=3, warmup=1, progress=False, memory=False, clocks=False) if profiled \
+                else contextlib.nullcontext() as prof:
+            for i in range(4):
+                net(torch.full((2, 8), float(i))).pow(2).mean().backward()
+                dump = dump or torch._C._dispatch_dump("c10d::allreduce_")
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in net.parameters()], prof, dump
+
+    try:
+        plain, _, _ = train(False)
+        profiled, prof, during = train(True)
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(a, b) for a, b in zip(plain, profiled))
+    assert during == before  # no kernel registered for the collectives while the slice ran
+    run = prof.run
+    assert ONE_RANK_NOTE in run.meta["notes"] and "comm" not in run.meta
+    assert run.steps["comm_s"].tolist() == [0.0] * 4 and (run.spans["phase"] != "comm").all()
+    with pytest.raises(tp.TpkitError, match="comm must be"):
+        tp.profile(comm="yes").__enter__()
+
+
+def test_the_magic_times_one_rank_collectives_with_comm_on(ip, tmp_path, one_thread):
+    """``%tp_profile --comm on`` is ``comm=True``: at one rank the all_reduce of 16 fp32 in each
+    step is counted (4 steps, 256 bytes); ``--comm off`` leaves it out without a note."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    ip.user_ns.update(torch=torch, dist=dist, net=torch.nn.Linear(4, 4))
+    ip.run_cell("opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+                "def train(n):\n"
+                "    for _ in range(n):\n"
+                "        net(torch.ones(2, 4)).sum().backward()\n"
+                "        dist.all_reduce(torch.ones(16))\n"
+                "        opt.step(); opt.zero_grad()\n")
+    try:
+        ip.run_line_magic("tp_profile", "--steps 3 --warmup 1 --quiet --no-memory --clock-hz 0 --comm on train(9)")
+        on = tp.last_run()
+        ip.run_line_magic("tp_profile", "--steps 3 --warmup 1 --quiet --no-memory --clock-hz 0 --comm off train(9)")
+        off = tp.last_run()
+    finally:
+        dist.destroy_process_group()
+    assert on.meta["comm"]["by_op"] == {"all_reduce": {"ops": 4, "bytes": 256}}
+    assert "comm" not in off.meta and ONE_RANK_NOTE not in off.meta["notes"]

@@ -57,6 +57,9 @@ class SliceConfig:
     knobs: dict[str, Any] = field(default_factory=dict)
     save_dir: str | None = None  # save the Run under it (per rank: DIR/rank<k>); env TPKIT_SAVE_DIR
     ops: bool | int = False  # trace operators with torch.profiler in this many measured steps (True: 3)
+    # Time collectives: None where the default process group has more than one rank, True at any
+    # size (one rank included), False never.
+    comm: bool | None = None
 
     def validate(self) -> "SliceConfig":
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
@@ -73,6 +76,8 @@ class SliceConfig:
         for flag in ("stop", "progress", "memory", "memory_detail"):
             if not isinstance(getattr(self, flag), bool):
                 raise TpkitError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.comm is not None and not isinstance(self.comm, bool):
+            raise TpkitError(f"comm must be None (where there is more than one rank), True or False, got {self.comm!r}")
         if not isinstance(self.ops, (bool, int)) or (not isinstance(self.ops, bool) and self.ops < 0):
             raise TpkitError(f"ops must be True/False or a number of steps >= 0 to trace, got {self.ops!r}")
         if self.name is not None and not isinstance(self.name, str):
@@ -339,11 +344,22 @@ def _rank_watchdog(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
 PROBE_FACTORIES.append(_rank_watchdog)
 
 
+#: Said in the run when a process group of one rank is up and its collectives are not timed.
+ONE_RANK_NOTE = ("one rank in the process group: its collectives have no peer, so they are not timed as "
+                 "communication; what they cost locally stays in the phase that runs them (DDP's in "
+                 "backward). tp.profile(comm=True) / --comm times them anyway")
+
+
 def _comm_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
-    """Collectives, only where a process group is up (a single process has nothing to wait for)."""
+    """Collectives, where a process group of more than one rank is up (``cfg.comm`` None), or of
+    any size (True). At one rank a collective has no peer: nothing is communicated or waited for,
+    and timing it cost a DDP step 1-2% (docs/OVERHEAD.md), so the run says it was not."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if cfg.comm is False or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if cfg.comm is None and dist.get_world_size() == 1:
+        rec.note(ONE_RANK_NOTE)
         return None
     from .probes.comm import SliceCommProbe
 
@@ -432,7 +448,7 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
             stop: bool = True, progress: bool = True, samples_per_step: int | None = None,
             memory: bool = True, clock_hz: float = 20.0, clocks: bool = True,
             knobs: dict[str, Any] | None = None, memory_detail: bool = False,
-            save_dir: str | None = None, ops: bool | int = False) -> Profile:
+            save_dir: str | None = None, ops: bool | int = False, comm: bool | None = None) -> Profile:
     """Profile a slice of a training loop::
 
         with tp.profile(steps=20, warmup=3, name="baseline") as prof:
@@ -443,11 +459,13 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
     ``TPKIT_SAVE_DIR``) saves the Run there, under ``rank<k>`` in a multi-process launch.
     ``ops=3`` (or True) traces operators with torch.profiler in the last 3 measured steps:
     ``run.ops``, and the Ops section (top operators by self time within each phase).
+    ``comm`` times collectives (waits as ``comm`` spans, in-flight time behind compute): by
+    default where the process group has more than one rank; True at one rank as well; False never.
     """
     return Profile(SliceConfig(steps=steps, warmup=warmup, name=name, stop=stop, progress=progress,
                                samples_per_step=samples_per_step, memory=memory,
                                memory_detail=memory_detail, clock_hz=clock_hz if clocks else 0.0,
-                               knobs=dict(knobs or {}), save_dir=save_dir, ops=ops))
+                               knobs=dict(knobs or {}), save_dir=save_dir, ops=ops, comm=comm))
 
 
 def profile_fn(step_fn: Callable[[], Any], steps: int = 20, warmup: int | Literal["auto"] = 3,

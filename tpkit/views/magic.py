@@ -55,6 +55,9 @@ class TpkitMagics(Magics):
     @argument("--no-memory", action="store_true", help="do not track memory by category")
     @argument("--memory-detail", action="store_true",
               help="CUDA: also record the allocator history and keep the largest allocations alive at the peak, with stacks")
+    @argument("--comm", choices=["auto", "on", "off"], default="auto",
+              help="time collectives: auto (where the process group has more than one rank), on (one rank "
+                   "as well), off; default auto")
     @argument("--clock-hz", type=float, default=20.0, help="clock/power sampling rate, 0 turns it off (max 200); default 20")
     @argument("--samples-per-step", type=int, default=None, help="samples in one step, when the loader cannot tell")
     @argument("--kernels", choices=["on", "off", "ab"], default=None,
@@ -154,7 +157,8 @@ class TpkitMagics(Magics):
                                  stop=not args.no_stop, progress=not args.quiet,
                                  samples_per_step=args.samples_per_step, memory=not args.no_memory,
                                  memory_detail=args.memory_detail,
-                                 clock_hz=args.clock_hz, ops=args.ops).validate()
+                                 clock_hz=args.clock_hz, ops=args.ops,
+                                 comm={"auto": None, "on": True, "off": False}[args.comm]).validate()
         except TpkitError as e:
             raise UsageError(f"%%tp_profile: {e}") from None
         if args.save:
