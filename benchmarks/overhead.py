@@ -821,13 +821,14 @@ def main() -> None:
                 continue
             print(f"{name}: own-process modes, {how}, done at {time.perf_counter() - t_start:.0f} s", flush=True)
             add_own_process(results[name], blocks)
-        notes.append(f"TraceML ran in its own process, as `traceml run overhead.py --args --child ...` (its launcher "
+        also = f", and {', '.join(own_extra)}" if own_extra else ""
+        notes.append("TraceML ran in its own process, as `traceml run overhead.py --args --child ...` (its launcher "
                      "starts an aggregator process and torchrun around the script: it cannot share this process), "
                      "beside `traceml run --disable-traceml` (the same torchrun launch, TraceML off: the baseline) "
                      "and that launch with tpkit's default, a fresh slice each block or one profile over the run "
-                     "(tpkit measured as TraceML is). The four ran at once and took turns block by block, the ones "
-                     f"not running frozen (SIGSTOP, benchmarks/turns.py), in the same rotating order as the modes here; "
-                     f"logs in {log_dir}")
+                     f"(tpkit measured as TraceML is){also}. All of them ran at once and took turns block by block, "
+                     "the ones not running frozen (SIGSTOP, benchmarks/turns.py), in the same rotating order as the "
+                     f"modes here; logs in {log_dir}")
         notes.append("under torchrun the Trainer sees WORLD_SIZE=1 and wraps the model in DistributedDataParallel; "
                      "'none, traceml launcher' vs 'none' shows what that launch costs a Trainer loop before TraceML "
                      "does anything")
