@@ -347,7 +347,7 @@ PROBE_FACTORIES.append(_rank_watchdog)
 #: Said in the run when a process group of one rank is up and its collectives are not timed.
 ONE_RANK_NOTE = ("one rank in the process group: its collectives have no peer, so they are not timed as "
                  "communication; what they cost locally stays in the phase that runs them (DDP's in "
-                 "backward). tp.profile(comm=True) / --comm times them anyway")
+                 "backward). tp.profile(comm=True) / %%tp_profile --comm on times them anyway")
 
 
 def _comm_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
