@@ -494,7 +494,7 @@ def add_own_process(out: dict[str, Samples], blocks: list[Block]) -> None:
     for mode, pairs in paired_ratios(blocks).items():
         out[mode].pairs += pairs
     load = load_avg()[0]
-    for mode in [*SUBPROCESS_MODES, *{b.mode for b in blocks if b.mode.endswith(OWN)}]:
+    for mode in dict.fromkeys([*SUBPROCESS_MODES, *(b.mode for b in blocks if b.mode.endswith(OWN))]):
         if mode in out:
             out[mode].loads.append(load)
 
