@@ -535,7 +535,7 @@ def own_component_args(names: list[str]) -> dict[str, list[str]]:
     own-process default apart."""
     out = {}
     for name in names:
-        if name not in MODES and name not in COMPONENT_MODES or not name.startswith("tpkit"):
+        if not name.startswith("tpkit") or (name not in MODES and name not in COMPONENT_MODES):
             raise SystemExit(f"--own-modes: {name!r} is not a tpkit mode of --modes ({', '.join(m for m in [*MODES, *COMPONENT_MODES] if m.startswith('tpkit'))})")
         out[name + OWN] = ["--mode", name, "--slice-per-block"]
     return out
