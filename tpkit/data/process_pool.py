@@ -79,11 +79,11 @@ SMALL_SLOT_BYTES = 256 * 1024
 #: The in-process first batch forks worker 1 while it is made (so that worker makes batch 1
 #: meanwhile) only when the batch looks at least this long to make (its second sample's time
 #: times the batch size). Forking then costs the first batch more than the fork (5-12 ms here):
-#: the main process also takes a copy-on-write fault on every page it writes afterwards. A
-#: 32-sample batch of ~1 ms samples came 44 ms after the loader was made with the fork and 31 ms
-#: without, and batch 12 came no later without it (benchmarks/first_batches.py). A cheaper batch
-#: is handed out at once and every worker forks at the next ``next()`` (docs/DESIGN_CHANGES.md,
-#: "The first batch").
+#: the main process also takes a copy-on-write fault on every page it writes afterwards (~800
+#: more faults, ~10 ms more CPU while a 32 ms batch was made). 32 samples of ~1 ms came 61 ms
+#: after the loader was made with the fork and 42 ms without, and batch 12 came no later without
+#: it (benchmarks/first_batches.py). A cheaper batch is handed out at once and every worker
+#: forks at the next ``next()`` (docs/DESIGN_CHANGES.md, "The first batch").
 FORK_AHEAD_MIN_S = 0.050
 DEEP_PREFETCH = 8
 #: Waiting for a batch, the main process polls the workers' pipes for up to SPIN_S (yielding
