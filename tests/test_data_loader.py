@@ -445,8 +445,8 @@ def test_a_first_batch_under_50_ms_forks_no_worker_while_it_is_made():
 def test_the_fork_during_a_slow_first_batch_is_not_charged_to_fetching(monkeypatch):
     """A batch that looks slow (8 ms x 8 samples = 64 ms, over the 50 ms threshold) forks worker
     1 after its second sample; the fork is not the batch's fetch time. The fork is made 150 ms
-    slower here, so the check tells "charged" from a slow host's noise (a real fork costs 10-15 ms, and the
-    sleeps of a loaded 2-core host overshoot by about as much)."""
+    slower here, so the check tells "charged" from a slow host's noise (a real fork costs 10-15
+    ms, and the sleeps of a loaded 2-core host overshoot by about as much)."""
     from tpkit.data import process_pool
     from tpkit.data.process_pool import FORK_AHEAD_MIN_S
     assert FORK_AHEAD_MIN_S == 0.050
