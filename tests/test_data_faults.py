@@ -225,8 +225,8 @@ def _tpkit_threads() -> list[str]:
 
 def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
     """Ctrl-C while the workers start (in the second next(): worker 1 was forked by the first,
-    worker 0 has just been forked and is being handed its tasks): the started workers and their
-    segments go too."""
+    whose 6 samples of 10 ms are slow enough to fork ahead, and worker 0 has just been forked and
+    is being handed its tasks): the started workers and their segments go too."""
     from tpkit.data import process_pool
 
     real, calls = process_pool.ProcessPool._dispatch, []
@@ -237,7 +237,7 @@ def test_ctrl_c_while_workers_start_leaves_nothing(monkeypatch):
             raise KeyboardInterrupt
         return real(self)
     monkeypatch.setattr(process_pool.ProcessPool, "_dispatch", interrupted)
-    loader = Loader(Slow(), batch_size=2, num_workers=2)
+    loader = Loader(Slow(), batch_size=6, num_workers=2)
     it = iter(loader)
     assert calls == [] and not live_children()  # nothing forked before the first next()
     next(it)
