@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,12 +38,9 @@ import loader as bench  # noqa: E402
 WORKLOADS = {**bench.WORKLOADS, "numpy_3ms": ("NumpyWork", {"n": 20_000, "cpu_ms": 3.0}, 32, 240)}
 #: batches whose arrival is timed (1-based: batch 1 is the first)
 AT = (1, 2, 4, 12, 24)
-THRESHOLDS_MS = (10.0, 50.0)
-NEVER = "tpkit, no fork ahead"
-
-
-def variants() -> list[str]:
-    return ["torch"] + [f"tpkit, fork ahead >= {t:g} ms" for t in THRESHOLDS_MS] + [NEVER]
+#: variant -> FORK_AHEAD_MIN_S it runs with (None: torch's DataLoader)
+VARIANTS: dict[str, float | None] = {"torch": None, "tpkit, fork ahead >= 10 ms": 0.010,
+                                     "tpkit, fork ahead >= 50 ms": 0.050, "tpkit, no fork ahead": float("inf")}
 
 
 def measure(workload: str, variant: str) -> list[float]:
@@ -55,15 +51,15 @@ def measure(workload: str, variant: str) -> list[float]:
     import tpkit.datasets as tds
 
     torch.set_num_threads(1)
-    if variant == NEVER:
-        pool.FORK_AHEAD_MIN_S = float("inf")
-    elif variant != "torch":
-        pool.FORK_AHEAD_MIN_S = float(variant.split(">= ")[1].split()[0]) / 1e3
+    threshold = VARIANTS[variant]
+    peer = "torch" if threshold is None else "tpkit"
+    if threshold is not None:
+        pool.FORK_AHEAD_MIN_S = threshold
     cls, kw, bs, _ = WORKLOADS[workload]
     ds = getattr(tds, cls)(**kw)
-    bench.import_peer("torch" if variant == "torch" else "tpkit")
+    bench.import_peer(peer)
     t0 = time.perf_counter()
-    loader, shutdown = bench.make_loader("torch" if variant == "torch" else "tpkit", ds, bs, 2)
+    loader, shutdown = bench.make_loader(peer, ds, bs, 2)
     out = []
     for k, b in enumerate(loader, start=1):
         bench._touch(b)
@@ -89,7 +85,7 @@ def main() -> None:
 
     iters = cost.calibrate(trials=40)
     env = {**os.environ, cost.ENV_VAR: f"{iters:.3f}"}
-    names = variants()
+    names = list(VARIANTS)
     print(f"{common.machine()}; {common.versions()}; load average {common.load_avg()[0]:.2f}")
     print(f"2 workers, {args.rounds} rounds, the variants rotated each round; cpu_ms calibrated once: "
           f"{iters:.1f} iterations per ms")
@@ -98,11 +94,10 @@ def main() -> None:
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for v in order:
-                p = subprocess.run([sys.executable, __file__, "--child", wl, v], env=env,
-                                   capture_output=True, text=True, timeout=300)
-                if p.returncode != 0:
-                    sys.exit(f"{wl} / {v} failed:\n{p.stderr[-2000:]}")
-                times[v].append(json.loads(p.stdout.strip().splitlines()[-1]))
+                rc, out, err = bench.run_child([sys.executable, __file__, "--child", wl, v], env, timeout=300)
+                if rc != 0:
+                    sys.exit(f"{wl} / {v} failed:\n{err[-2000:]}")
+                times[v].append(json.loads(out.strip().splitlines()[-1]))
         print(f"\n== {wl} (batch {WORKLOADS[wl][2]}), ms from constructing the loader to batch k "
               f"(medians of {args.rounds}) ==")
         print(f"{'variant':28s}" + "".join(f"{'k=' + str(k):>8s}" for k in AT) + f"{'k=1 vs torch':>14s}")
