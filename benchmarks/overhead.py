@@ -5,12 +5,16 @@ Loops
   hf_gpt2_2l    Hugging Face Trainer, GPT-2 built from GPT2Config (2 layers), synthetic tokens
   hf_gpt2_12l   the same with 12 layers
   plain_tiny    tpkit's built-in tiny transformer in a plain PyTorch loop (tpkit.demo)
+  lightning_gpt2_2l  Lightning Trainer.fit on the same 2-layer GPT-2 (automatic optimization, the
+                loss logged with self.log every step, as LightningModules do)
 
 Modes, in this process, in short blocks inside one training run per loop, each block paired with
 the no-profiler blocks on either side of it (benchmarks/interleave.py says why and how):
   none, tpkit default (phases + memory + clocks at 20 Hz), tpkit memory off (phases + clocks),
   tpkit phases only (memory off, clock_hz=0), torch.profiler (CPU activities),
-  torch.profiler + profile_memory.
+  torch.profiler + profile_memory; on the Lightning loop also Lightning's own SimpleProfiler
+  (``Trainer(profiler="simple")``: every hook timed), put in the running Trainer's place for its
+  blocks.
 TraceML runs through its own launcher (``traceml run script.py``: an aggregator process and
 torchrun around the script), so it cannot share this process. After the in-process blocks, this
 script starts four times at once as a child under that launcher: with TraceML on; with
@@ -247,10 +251,90 @@ class PlainLoop:
                 return
 
 
+class LightningLoop:
+    """Lightning's ``Trainer.fit`` on a GPT-2 of ``n_layer`` layers (the Trainer loops' model and
+    data); a fresh Trainer per run. ``trainer`` is the one running now (a Lightning profiler mode
+    takes its place in it for a block)."""
+
+    trainer: Any = None
+
+    def __init__(self, n_layer: int) -> None:
+        import logging
+
+        import lightning as L
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        transformers.logging.set_verbosity_error()
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner per fit
+        torch.manual_seed(0)
+
+        class GPT2Module(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, **GPT2))
+
+            def training_step(self, batch: dict, batch_idx: int) -> Any:
+                loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                self.log("loss", loss)
+                return loss
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.AdamW(self.parameters(), lr=5e-5)
+
+        self.module = GPT2Module()
+        self.data = _Tokens(50_000, SEQ_LEN, GPT2["vocab_size"])
+        self.callbacks: list[Any] = []  # every fit's, before the loop's own (TraceML's, under its launcher)
+
+    def _fit(self, data: Any, callback: Any, max_steps: int) -> None:
+        import lightning as L
+
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, callbacks=[*self.callbacks, callback])
+        loader = torch.utils.data.DataLoader(data, batch_size=HF_BATCH, num_workers=0)
+        LightningLoop.trainer = trainer
+        try:
+            trainer.fit(self.module, loader)
+        finally:
+            LightningLoop.trainer = None
+
+    def run(self, n_steps: int, ctx: Any) -> Record:
+        import lightning as L
+
+        rec = Record()
+
+        class Timer(L.Callback):
+            def on_train_start(self, trainer, module):  # noqa: ANN001
+                rec.end_step()  # the first step's start, as in the plain loop
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001
+                rec.end_step()
+
+        with ctx:
+            self._fit(self.data, Timer(), n_steps)
+        return rec
+
+    def train(self, runner: "BlockRunner") -> None:
+        """One ``fit`` driven by ``runner``; an epoch is one block, as for the HF Trainer."""
+        import lightning as L
+
+        class Drive(L.Callback):
+            def on_train_start(self, trainer, module):  # noqa: ANN001
+                runner.start()
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001
+                if not runner.step_end():
+                    trainer.should_stop = True
+
+        self._fit(torch.utils.data.Subset(self.data, range(runner.block_steps * HF_BATCH)), Drive(), -1)
+
+
 LOOPS: dict[str, Callable[[], Any]] = {
     "hf_gpt2_2l": lambda: HFLoop(2),
     "hf_gpt2_12l": lambda: HFLoop(12),
     "plain_tiny": PlainLoop,
+    "lightning_gpt2_2l": lambda: LightningLoop(2),
 }
 
 
@@ -276,6 +360,40 @@ MODES: dict[str, Callable[[int, int], Any]] = {
     "torch.profiler CPU": _torch_profiler(),
     "torch.profiler + memory": _torch_profiler(profile_memory=True),
 }
+
+
+class LightningProfiler:
+    """Lightning's SimpleProfiler in the running Trainer's place for a block (what
+    ``Trainer(profiler="simple")`` runs at every hook), the Trainer's own profiler put back after.
+    ``profiler`` keeps what it recorded."""
+
+    def __init__(self, steps: int, warmup: int) -> None:
+        from lightning.pytorch.profilers import SimpleProfiler
+
+        self.profiler = SimpleProfiler()
+        self._was: Any = None
+
+    def __enter__(self) -> "LightningProfiler":
+        trainer = LightningLoop.trainer
+        if trainer is None:
+            raise RuntimeError("Lightning's profiler runs only inside the Lightning loop's fit")
+        self.profiler.setup(stage="fit", local_rank=0)
+        self._was, trainer.profiler = trainer.profiler, self.profiler
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if LightningLoop.trainer is not None and self._was is not None:
+            LightningLoop.trainer.profiler = self._was
+
+
+#: Peers that exist only in one framework's loop: a mode here runs on that loop alone.
+LOOP_MODES: dict[str, tuple[type, Callable[[int, int], Any]]] = {
+    "Lightning SimpleProfiler": (LightningLoop, LightningProfiler)}
+
+
+def modes_for(loop: Any, modes: list[str]) -> list[str]:
+    """``modes`` less the framework peers that do not belong to ``loop``."""
+    return [m for m in modes if m not in LOOP_MODES or isinstance(loop, LOOP_MODES[m][0])]
 
 
 class _MemoryOffWithStream:
@@ -338,7 +456,7 @@ OWN_PROCESS_ARGS = {SUBPROCESS_MODES[0]: [], TRACEML: ["--traceml"],
                     SECOND_LAUNCH: []}
 #: Goals of issue 14 (ratios vs none; "clocks" is memory off / phases only, see below).
 GOALS = {"tpkit default": 1.05, "tpkit phases only": 1.02, "clocks at 20 Hz": 1.01}
-PEERS = ("torch.profiler CPU", "torch.profiler + memory", "TraceML, own process")
+PEERS = ("torch.profiler CPU", "torch.profiler + memory", "Lightning SimpleProfiler", "TraceML, own process")
 #: The tpkit mode that does what a peer does, where that is not the default: torch.profiler's CPU
 #: mode records no memory, so beside "tpkit default ahead of" it (the issue's goal, which asks the
 #: default, memory included, to cost less than a profile without memory) the report shows tpkit
@@ -391,7 +509,7 @@ class BlockRunner:
         # before the blocks is frozen (``freeze_startup``), so a full pass sees only what is new.
         gc.collect()
         mode = self.plan[self._i]
-        ctx = (MODES.get(mode) or COMPONENT_MODES[mode])(self.block, self.skip)
+        ctx = _mode_factory(mode)(self.block, self.skip)
         ctx.__enter__()
         self._ctx = ctx
         self.watch.pauses.clear()
@@ -440,6 +558,12 @@ class Samples:
         self.add_steps(b.steps, b.gc, b.gc_by_gen)
         self.tpkit += b.tpkit
         self.tpkit_frac += b.tpkit_frac
+
+
+def _mode_factory(mode: str) -> Callable[[int, int], Any]:
+    if mode in LOOP_MODES:
+        return LOOP_MODES[mode][1]
+    return MODES.get(mode) or COMPONENT_MODES[mode]
 
 
 def freeze_startup() -> None:
@@ -504,18 +628,25 @@ def child_main(args: argparse.Namespace) -> None:
     process, then blocks of steps when the parent says (``turns.TurnTaker``), with TraceML on
     (``--traceml``), or an in-process mode (``--mode``, e.g. tpkit's default) around the whole
     run, or neither."""
-    if args.traceml:
+    loop = LOOPS[args.loops]()
+    if args.traceml and isinstance(loop, LightningLoop):
+        # TraceML's Lightning integration: its init and its callback (Lightning owns the loop;
+        # the generic "auto" init is refused by its Lightning instrumentation)
+        from traceml_ai.integrations import lightning as traceml_lightning
+
+        traceml_lightning.init()
+        loop.callbacks.append(traceml_lightning.TraceMLCallback())
+    elif args.traceml:
         import traceml_ai as traceml
 
-        traceml.init(mode="auto")  # the plain loop's forward/backward/optimizer timers
-    loop = LOOPS[args.loops]()
+        traceml.init(mode="auto")  # the plain loop's forward/backward/optimizer timers, the HF Trainer's callback
     if args.traceml and isinstance(loop, PlainLoop):
         import traceml_ai as traceml
 
         loop.wrap = lambda m=loop.model: traceml.trace_step(m)
     loop.run(args.skip + 3, nullcontext())  # the same warm-up as in the main process
     freeze_startup()
-    make = MODES.get(args.mode) or COMPONENT_MODES[args.mode] if args.mode != BASE else None
+    make = _mode_factory(args.mode) if args.mode != BASE else None
     if make is not None and args.slice_per_block:  # a fresh profile each block, as in this process
         loop.train(TurnTaker(args.turns, args.turn_name, args.skip, args.block, clock,
                              each_block=lambda: make(args.block, args.skip)))
@@ -611,6 +742,8 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
                             ("clocks at 20 Hz <= 1.01x", clocks, GOALS["clocks at 20 Hz"])):
         out.append((what, fmt_est(est), "not measured" if est is None else est.verdict(goal)))
     for peer in PEERS:
+        if peer in LOOP_MODES and peer not in r:  # a framework's own profiler, on another loop
+            continue
         if peer == TRACEML:  # tpkit's default measured as TraceML is: under its launcher, taking turns
             out.append(_ahead(r, TPKIT_OWN, TRACEML, " (both under its launcher, taking turns)"))
             out.append(_ahead(r, TPKIT_WHOLE, TRACEML, " (one profile over the run, as TraceML's)"))
@@ -637,7 +770,7 @@ def _ahead(r: dict[str, Samples], mode: str, peer: str, label: str = "") -> tupl
 
 def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dict[str, int]) -> list[dict]:
     loops = list(results)
-    modes = [*MODES, *SUBPROCESS_MODES]
+    modes = [*MODES, *LOOP_MODES, *SUBPROCESS_MODES]
     rows: list[dict] = []
     la = load_avg()
     print(f"\n== per-step time ratio vs none: median of the paired block ratios [95% interval] (load average now "
@@ -675,10 +808,11 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
           "no memory).")
 
     print("\n== tpkit's own time (Run.steps.tpkit_s) and gc pauses inside steps ==")
-    print(f"{'loop':<14}{'mode':<28}{'step ms':>9}{'tpkit_s ms':>11}{'% of step':>10}"
+    lw = max([14, *(len(loop) + 2 for loop in loops)])
+    print(f"{'loop':<{lw}}{'mode':<28}{'step ms':>9}{'tpkit_s ms':>11}{'% of step':>10}"
           f"{'gc ms/step':>11}{'gc/100 st':>10}{'max gc ms':>10}{'gen0/1/2':>14}")
     for loop in loops:
-        for mode in ("none", "tpkit default", "tpkit memory off", "tpkit phases only", "torch.profiler CPU",
+        for mode in ("none", "tpkit default", "tpkit memory off", "tpkit phases only", "torch.profiler CPU", *LOOP_MODES,
                      *SUBPROCESS_MODES, *extra):
             s = results[loop].get(mode)
             if s is None or not s.steps:
@@ -688,10 +822,10 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
             pct = f"{100 * statistics.median(s.tpkit_frac):.2f}%" if s.tpkit_frac else "-"
             gcs = s.gc
             if not gcs:  # the own-process scripts time steps only
-                print(f"{loop:<14}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{'-':>11}{'-':>10}{'-':>10}{'-':>14}")
+                print(f"{loop:<{lw}}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{'-':>11}{'-':>10}{'-':>10}{'-':>14}")
                 continue
             n_gc = sum(1 for g in gcs if g > 0)
-            print(f"{loop:<14}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{1e3 * sum(gcs) / len(gcs):>11.3f}"
+            print(f"{loop:<{lw}}{mode:<28}{step_ms:>9.2f}{tk:>11}{pct:>10}{1e3 * sum(gcs) / len(gcs):>11.3f}"
                   f"{100 * n_gc / len(gcs):>10.1f}{1e3 * max(gcs):>10.2f}{'/'.join(map(str, s.gc_by_gen)):>14}")
     print("  gc/100 st: kept steps with a collection inside, per 100; gen0/1/2: collections inside kept steps.")
     small, big = results.get("hf_gpt2_2l", {}).get("tpkit default"), results.get("hf_gpt2_12l", {}).get("tpkit default")
@@ -742,7 +876,7 @@ def main() -> None:
                     help="seconds of blocks per loop for the own-process modes (TraceML's launch with TraceML on, "
                          "off, and off with tpkit's default two ways), taking turns; default 150, 0 (not run) with --quick")
     ap.add_argument("--loops", default=",".join(LOOPS))
-    ap.add_argument("--modes", default=",".join(MODES),
+    ap.add_argument("--modes", default=",".join([*MODES, *LOOP_MODES]),
                     help=f"in-process modes; also {', '.join(COMPONENT_MODES)}, which takes the default apart")
     ap.add_argument("--own-modes", default="",
                     help="tpkit modes (of --modes, or the component ones) also run under TraceML's launcher, a fresh "
@@ -805,7 +939,7 @@ def main() -> None:
     freeze_startup()
     cycles: dict[str, int] = {}
     for name, loop in built.items():
-        n = measure_blocks(loop, modes, args.skip, args.block, args.budget, watch, results[name])
+        n = measure_blocks(loop, modes_for(loop, modes), args.skip, args.block, args.budget, watch, results[name])
         cycles[name] = n
         print(f"{name}: {n} cycles in this process, done at {time.perf_counter() - t_start:.0f} s, "
               f"load {load_avg()[0]:.2f}", flush=True)

@@ -172,3 +172,38 @@ def test_memory_off_with_stream_runs_the_bare_stream_inside_a_memory_off_profile
         with pytest.raises(RuntimeError, match="already running"):
             oh.COMPONENT_MODES["tpkit memory off + stream"](2, 0).__enter__()
         assert torch.nn.Module.__call__ is call
+
+
+def test_lightning_loop_runs_lightnings_own_profiler_for_its_blocks_only(bench, monkeypatch):
+    """On the Lightning loop, Lightning's SimpleProfiler (a peer its users compare with) times
+    every step of its blocks, as ``Trainer(profiler="simple")`` would, and the Trainer's own
+    profiler is back for the no-profiler blocks; the other loops never run that mode."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    oh, _ = bench
+    made, restored = [], []
+
+    class Kept(oh.LightningProfiler):
+        def __init__(self, steps, warmup):
+            super().__init__(steps, warmup)
+            made.append(self)
+
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            restored.append(type(oh.LightningLoop.trainer.profiler))
+
+    monkeypatch.setitem(oh.LOOP_MODES, "Lightning SimpleProfiler", (oh.LightningLoop, Kept))
+    monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)
+    loop = oh.LightningLoop(1)
+    out: dict = {}
+    cycles = oh.measure_blocks(loop, ["none", "Lightning SimpleProfiler"], skip=1, block=2, budget_s=0.0,
+                               watch=oh.GcWatch(), out=out)
+    assert cycles == 3 and len(made) == 3
+    for mode in made:  # each block: 1 dropped + 2 kept steps, every one timed by Lightning's profiler
+        assert len(mode.profiler.recorded_durations["run_training_batch"]) == 3
+    assert restored == [PassThroughProfiler] * 3
+    assert len(out["Lightning SimpleProfiler"].steps) == 3 * 2 and len(out["none"].pairs) == 0
+    assert oh.LightningLoop.trainer is None  # the fit is over
+    assert oh.modes_for(oh.PlainLoop.__new__(oh.PlainLoop), ["none", "Lightning SimpleProfiler"]) == ["none"]
