@@ -1,4 +1,4 @@
-"""What does watching cost? Per-step time of three training loops with no profiler, under
+"""What does watching cost? Per-step time of four training loops with no profiler, under
 tpkit (four configurations) and under its peers, side by side in one run.
 
 Loops
@@ -37,7 +37,7 @@ two no-profiler blocks' medians around it), with a 95% bootstrap interval; a goa
 the interval lies under it. gc pauses are timed with ``gc.callbacks`` in every mode; tpkit's own
 time per step is its Run's ``tpkit_s`` column.
 
-    python benchmarks/overhead.py              # full run (about 25 minutes on 2 idle cores)
+    python benchmarks/overhead.py              # full run (about 30 minutes on 2 idle cores)
     python benchmarks/overhead.py --quick      # smoke run, about a minute on 2 idle cores
     python benchmarks/overhead.py --threads 1  # on a busy shared machine (see --help)
 """
@@ -461,7 +461,8 @@ PEERS = ("torch.profiler CPU", "torch.profiler + memory", "Lightning SimpleProfi
 #: mode records no memory, so beside "tpkit default ahead of" it (the issue's goal, which asks the
 #: default, memory included, to cost less than a profile without memory) the report shows tpkit
 #: with memory off against it. torch.profiler + memory is already like for like with the default.
-LIKE_FOR_LIKE = {"torch.profiler CPU": "tpkit memory off"}
+#: Lightning's SimpleProfiler times the loop's hooks, nothing else: tpkit's phases only is its like.
+LIKE_FOR_LIKE = {"torch.profiler CPU": "tpkit memory off", "Lightning SimpleProfiler": "tpkit phases only"}
 
 
 class BlockRunner:
@@ -804,8 +805,9 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
     print("  clocks only is not a configuration tp.profile offers (it always installs the phase probe); "
           "'clocks at 20 Hz' is tpkit memory off / tpkit phases only, block by block in each cycle. 'ahead "
           "of' a peer in this process: the peer's ratio minus tpkit's, cycle by cycle (above zero: tpkit costs "
-          "less); tpkit's is the default's, or memory off's on a like-for-like row (torch.profiler CPU records "
-          "no memory).")
+          "less); tpkit's is the default's, or on a like-for-like row the tpkit mode that does what the peer "
+          "does (memory off against torch.profiler CPU, which records no memory; phases only against "
+          "Lightning's SimpleProfiler, which times hooks).")
 
     print("\n== tpkit's own time (Run.steps.tpkit_s) and gc pauses inside steps ==")
     lw = max([14, *(len(loop) + 2 for loop in loops)])

@@ -207,3 +207,24 @@ def test_lightning_loop_runs_lightnings_own_profiler_for_its_blocks_only(bench, 
     assert len(out["Lightning SimpleProfiler"].steps) == 3 * 2 and len(out["none"].pairs) == 0
     assert oh.LightningLoop.trainer is None  # the fit is over
     assert oh.modes_for(oh.PlainLoop.__new__(oh.PlainLoop), ["none", "Lightning SimpleProfiler"]) == ["none"]
+
+
+def test_lightnings_simple_profiler_is_set_against_phases_only_like_for_like(bench, monkeypatch):
+    """Lightning's SimpleProfiler times hooks and records no memory: beside the default's line the
+    report sets tpkit's phases only against it; on loops where it did not run there is no line."""
+    oh, _ = bench
+    clock = FakeClock()
+    monkeypatch.setattr(oh, "clock", clock)
+    monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)
+    costs = {"none": 1.0, "tpkit default": 1.06, "tpkit phases only": 1.015, "Lightning SimpleProfiler": 1.0}
+    monkeypatch.setattr(oh, "MODES", {m: lambda s, w, c=c: Costly(c) for m, c in costs.items()})
+    monkeypatch.setattr(oh, "LOOP_MODES", {})
+    out: dict = {}
+    oh.measure_blocks(DriftingLoop(clock), list(costs), skip=3, block=8, budget_s=100.0, watch=oh.GcWatch(), out=out)
+    checks = {what.split(" (")[0] + (" (like for like)" if "like for like" in what else ""): verdict
+              for what, _, verdict in oh.goal_checks(out)}
+    assert checks["tpkit default ahead of Lightning SimpleProfiler"] == "NOT met"
+    assert checks["tpkit phases only ahead of Lightning SimpleProfiler (like for like)"] == "NOT met"
+    del out["Lightning SimpleProfiler"]
+    monkeypatch.setattr(oh, "LOOP_MODES", {"Lightning SimpleProfiler": (oh.LightningLoop, None)})
+    assert not any("SimpleProfiler" in what for what, _, _ in oh.goal_checks(out))
