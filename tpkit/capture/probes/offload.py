@@ -1,7 +1,7 @@
 """The offload probe: what offloading optimizers and DeepSpeed engines did during a slice.
 
-Installed by the profiler only when ``tpkit.offload`` or ``deepspeed`` is already imported
-(it never imports DeepSpeed itself). Two jobs:
+Installed in every slice; it never imports DeepSpeed itself (one imported during the slice's
+first step is still seen). Two jobs:
 
 - ``CPUOffloadAdamW``: the exposed part of its step is an ``offload`` span (it records that
   itself); the background work (copies out, host step, copies back on its worker thread) is
@@ -103,10 +103,20 @@ class OffloadProbe:
         if adamw is not None:
             self._start = {id(o): dict(o.counters) for o in adamw.live_optimizers()}
         if not self._patch_deepspeed():
-            # deepspeed may be imported inside the profiled cell: look again at each phase
-            # start until it is (a dict lookup), so engine.step is wrapped before it runs
+            # deepspeed may be imported inside the profiled cell, before the loop: look again at
+            # each phase start of the first step, so engine.step is wrapped before it runs. Not
+            # after it: each look is a listener call and a ``tpkit`` span at every boundary
+            # (~8 a step, 15-20 us of tpkit_s on a 9 ms CPU step, docs/OVERHEAD.md), and an
+            # engine made after the loop's first step is not a loop tpkit has seen.
             self.rec.phase_listeners.append(self._late_patch)
+            self.rec.step_listeners.append(self._first_step_ended)
         return self
+
+    def _first_step_ended(self, raw_step: int, end_ns: int) -> None:
+        if self._late_patch in self.rec.phase_listeners:  # (phase listeners are not running now)
+            if not self._patched:
+                self._patch_deepspeed()  # imported during the step's last phase
+            self.rec.phase_listeners.remove(self._late_patch)
 
     def _patch_deepspeed(self) -> bool:
         engine_mod = sys.modules.get("deepspeed.runtime.engine")
@@ -127,6 +137,8 @@ class OffloadProbe:
             self._handles.pop().remove()
         if self._late_patch in self.rec.phase_listeners:
             self.rec.phase_listeners.remove(self._late_patch)
+        if self._first_step_ended in self.rec.step_listeners:
+            self.rec.step_listeners.remove(self._first_step_ended)
         self._patched.restore()
 
 
@@ -243,6 +255,6 @@ class OffloadProbe:
 
 
 def offload_probe(rec: Recorder, cfg: Any) -> OffloadProbe | None:
-    """Factory for ``tpkit.profiler.PROBE_FACTORIES``. Always installed: it costs a dict lookup
-    per phase until DeepSpeed shows up, and imports nothing."""
+    """Factory for ``tpkit.profiler.PROBE_FACTORIES``. Always installed: until DeepSpeed shows
+    up it looks for it at each phase start of the slice's first step, and imports nothing."""
     return OffloadProbe(rec)
