@@ -45,34 +45,32 @@ def _loop(steps: int, before_step=None) -> tp.profile:
     return prof
 
 
-def test_deepspeed_imported_before_the_first_step_is_wrapped_and_put_back(monkeypatch):
-    monkeypatch.delitem(sys.modules, ENGINE_MODULE, raising=False)
-    seen = {}
+def _import_at(step: int, monkeypatch, seen: dict):
+    """A ``before_step`` that imports the stand-in engine module before loop step ``step`` and,
+    before the next one, notes whether the probe has wrapped its ``step`` (``seen["wrapped"]``)."""
 
-    def import_at(i):
-        if i == 0:
+    def before_step(i):
+        if i == step:
             cls = _fake_deepspeed(monkeypatch)
             seen["cls"], seen["step"] = cls, cls.__dict__["step"]
-        elif i == 1:
+        elif i == step + 1:
             seen["wrapped"] = seen["cls"].__dict__["step"] is not seen["step"]
 
-    _loop(3, import_at)
+    return before_step
+
+
+def test_deepspeed_imported_before_the_first_step_is_wrapped_and_put_back(monkeypatch):
+    monkeypatch.delitem(sys.modules, ENGINE_MODULE, raising=False)
+    seen: dict = {}
+    _loop(3, _import_at(0, monkeypatch, seen))
     assert seen["wrapped"]
     assert seen["cls"].__dict__["step"] is seen["step"]  # the slice put it back
 
 
 def test_after_the_first_step_the_probe_adds_nothing_to_the_boundaries(monkeypatch):
     monkeypatch.delitem(sys.modules, ENGINE_MODULE, raising=False)
-    seen = {}
-
-    def import_late(i):
-        if i == 2:
-            cls = _fake_deepspeed(monkeypatch)
-            seen["cls"], seen["step"] = cls, cls.__dict__["step"]
-        elif i == 3:
-            seen["wrapped"] = seen["cls"].__dict__["step"] is not seen["step"]
-
-    prof = _loop(5, import_late)
+    seen: dict = {}
+    prof = _loop(5, _import_at(2, monkeypatch, seen))
     spans = prof.run.spans
     own = spans[(spans["phase"] == "tpkit")]
     assert set(own["step"]) <= {0}  # the first step's looks, none after (phases only: no other listener)

@@ -132,20 +132,27 @@ def test_quotient_and_difference_pair_blocks_of_the_same_cycle(bench):
     assert il.estimate([1.0, 1.01, 0.99, 1.0]).verdict(1.05) == "too few blocks"  # an interval, no verdict
 
 
-def test_goal_checks_compare_the_default_and_like_for_like_modes_with_each_peer(bench, monkeypatch):
-    """torch.profiler's CPU mode records no memory: the report says whether the default (memory on)
-    is ahead of it, and whether tpkit with memory off, the same work, is."""
-    oh, _ = bench
+def _verdicts(oh, monkeypatch, costs: dict) -> tuple[dict, dict]:
+    """Modes costing ``costs`` (x the step) measured on the drifting host; the goal checks'
+    verdicts by what they say (" (like for like)" kept), and the samples."""
     clock = FakeClock()
     monkeypatch.setattr(oh, "clock", clock)
     monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)
-    costs = {"none": 1.0, "tpkit default": 1.04, "tpkit memory off": 1.005, "tpkit phases only": 1.003,
-             "torch.profiler CPU": 1.02, "torch.profiler + memory": 1.10}
     monkeypatch.setattr(oh, "MODES", {m: lambda s, w, c=c: Costly(c) for m, c in costs.items()})
     out: dict = {}
     oh.measure_blocks(DriftingLoop(clock), list(costs), skip=3, block=8, budget_s=100.0, watch=oh.GcWatch(), out=out)
     checks = {what.split(" (")[0] + (" (like for like)" if "like for like" in what else ""): verdict
               for what, _, verdict in oh.goal_checks(out)}
+    return checks, out
+
+
+def test_goal_checks_compare_the_default_and_like_for_like_modes_with_each_peer(bench, monkeypatch):
+    """torch.profiler's CPU mode records no memory: the report says whether the default (memory on)
+    is ahead of it, and whether tpkit with memory off, the same work, is."""
+    oh, _ = bench
+    checks, _ = _verdicts(oh, monkeypatch, {"none": 1.0, "tpkit default": 1.04, "tpkit memory off": 1.005,
+                                            "tpkit phases only": 1.003, "torch.profiler CPU": 1.02,
+                                            "torch.profiler + memory": 1.10})
     assert checks["tpkit default <= 1.05x"] == "met"
     assert checks["tpkit default ahead of torch.profiler CPU"] == "NOT met"
     assert checks["tpkit memory off ahead of torch.profiler CPU (like for like)"] == "met"
@@ -213,16 +220,9 @@ def test_lightnings_simple_profiler_is_set_against_phases_only_like_for_like(ben
     """Lightning's SimpleProfiler times hooks and records no memory: beside the default's line the
     report sets tpkit's phases only against it; on loops where it did not run there is no line."""
     oh, _ = bench
-    clock = FakeClock()
-    monkeypatch.setattr(oh, "clock", clock)
-    monkeypatch.setattr(oh.gc, "collect", lambda *a: 0)
-    costs = {"none": 1.0, "tpkit default": 1.06, "tpkit phases only": 1.015, "Lightning SimpleProfiler": 1.0}
-    monkeypatch.setattr(oh, "MODES", {m: lambda s, w, c=c: Costly(c) for m, c in costs.items()})
     monkeypatch.setattr(oh, "LOOP_MODES", {})
-    out: dict = {}
-    oh.measure_blocks(DriftingLoop(clock), list(costs), skip=3, block=8, budget_s=100.0, watch=oh.GcWatch(), out=out)
-    checks = {what.split(" (")[0] + (" (like for like)" if "like for like" in what else ""): verdict
-              for what, _, verdict in oh.goal_checks(out)}
+    checks, out = _verdicts(oh, monkeypatch, {"none": 1.0, "tpkit default": 1.06, "tpkit phases only": 1.015,
+                                              "Lightning SimpleProfiler": 1.0})
     assert checks["tpkit default ahead of Lightning SimpleProfiler"] == "NOT met"
     assert checks["tpkit phases only ahead of Lightning SimpleProfiler (like for like)"] == "NOT met"
     del out["Lightning SimpleProfiler"]
