@@ -934,7 +934,7 @@ def main() -> None:
         try:
             built[name] = LOOPS[name]()
         except ImportError as e:
-            notes.append(f"{name} not run: {e} (pip install transformers accelerate)")
+            notes.append(f"{name} not run: {e} (make setup installs the [bench] and [integrations] extras)")
             results.pop(name)
             continue
         built[name].run(args.skip + 3, nullcontext())  # warm caches and the allocator
@@ -965,7 +965,7 @@ def main() -> None:
                      f"(tpkit measured as TraceML is){also}. All of them ran at once and took turns block by block, "
                      "the ones not running frozen (SIGSTOP, benchmarks/turns.py), in the same rotating order as the "
                      f"modes here; logs in {log_dir}")
-        notes.append("under torchrun the Trainer sees WORLD_SIZE=1 and wraps the model in DistributedDataParallel; "
+        notes.append("under torchrun the HF Trainer sees WORLD_SIZE=1 and wraps the model in DistributedDataParallel; "
                      "'none, traceml launcher' vs 'none' shows what that launch costs a Trainer loop before TraceML "
                      "does anything")
 
