@@ -1,7 +1,7 @@
 """The offload probe looks for DeepSpeed at each phase of a slice's first step only: an engine
 module imported inside the profiled cell, before the loop, still has its step and backward
 wrapped; after the first step the probe adds nothing to the loop's boundaries (no listener call,
-no ``tpkit`` span). DeepSpeed itself is stood in for by a module of the same name."""
+no ``tpkit`` span), and a DeepSpeed first imported later is named in the run's notes. DeepSpeed itself is stood in for by a module of the same name."""
 
 from __future__ import annotations
 
@@ -77,3 +77,9 @@ def test_after_the_first_step_the_probe_adds_nothing_to_the_boundaries(monkeypat
     assert (own["step"] == 0).sum() >= 4
     assert not seen["wrapped"]  # an engine module first imported after the loop's first step is not looked for
     assert (prof.run.steps["tpkit_s"].iloc[1:] == 0).all()
+    assert any("DeepSpeed was first imported after the slice's first step" in n for n in prof.run.meta["notes"])
+
+
+def test_a_slice_that_never_meets_deepspeed_says_nothing_about_it(monkeypatch):
+    monkeypatch.delitem(sys.modules, ENGINE_MODULE, raising=False)
+    assert not any("DeepSpeed" in n for n in _loop(3).run.meta["notes"])

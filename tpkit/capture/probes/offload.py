@@ -97,6 +97,7 @@ class OffloadProbe:
         self.engines: dict[int, Any] = {}
         self._handles: list[Any] = []
         self.engine_steps = 0
+        self.deepspeed_watched = False  # DeepSpeedEngine's step and backward were wrapped in this slice
 
     def install(self) -> "OffloadProbe":
         adamw = sys.modules.get("tpkit.offload.adamw")
@@ -107,7 +108,8 @@ class OffloadProbe:
             # each phase start of the first step, so engine.step is wrapped before it runs. Not
             # after it: each look is a listener call and a ``tpkit`` span at every boundary
             # (~8 a step, 15-20 us of tpkit_s on a 9 ms CPU step, docs/OVERHEAD.md), and an
-            # engine made after the loop's first step is not a loop tpkit has seen.
+            # engine made after the loop's first step is not a loop tpkit has seen (``meta`` notes
+            # a DeepSpeed first imported then).
             self.rec.phase_listeners.append(self._late_patch)
             self.rec.step_listeners.append(self._first_step_ended)
         return self
@@ -125,6 +127,7 @@ class OffloadProbe:
         cls = engine_mod.DeepSpeedEngine
         self._patched.set(cls, "step", self._wrap_step(cls.step))
         self._patched.set(cls, "backward", self._wrap_backward(cls.backward))
+        self.deepspeed_watched = True
         return True
 
     def _late_patch(self, phase: str, event: str, raw_step: int) -> None:
@@ -247,6 +250,10 @@ class OffloadProbe:
                 f"{o['host_step_s'] / steps * 1e3:.2f} ms/step, {o['overlap_share']:.0%} of the offload work "
                 f"overlapped the rest of the step, {o['exposed_s'] / steps * 1e3:.2f} ms/step exposed; host "
                 f"optimizer state {o['host_state_bytes'] / 2**20:.1f} MiB, pinned buffers {o['pinned_bytes'] / 2**20:.1f} MiB")
+        if not self.deepspeed_watched and "deepspeed.runtime.engine" in sys.modules:
+            self.rec.note("DeepSpeed was first imported after the slice's first step, so tpkit did not watch its "
+                          "engines: a DeepSpeed engine's steps and phases may be counted wrong here (ZeRO-3 can "
+                          "show a step per parameter sub-group); import deepspeed before the profiled loop starts")
         if self.engines:
             engine = next(iter(self.engines.values()))
             out["deepspeed"] = {**deepspeed_holdings(engine), "engine_steps": self.engine_steps,
