@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from tpkit.capture import recorder
 from tpkit.data import Loader, WorkerError
-from tpkit.data.main_help import HELP_MAX_S
+from tpkit.data.main_help import HELP_MAX_S, RETRY_S
 
 
 class SlowInWorkers(Dataset):
@@ -23,13 +23,14 @@ class SlowInWorkers(Dataset):
     sleep), in the main process nothing (``everywhere``: there too): the main process finds its
     next batch missing every time and helps. ``draw_from``: samples from this index on add ``torch.rand`` (None: no
     sample draws). ``fail_in_main``: the main process's first sample from that index on raises
-    (once); ``interrupt_in_main``: raises KeyboardInterrupt there instead, as a Ctrl-C would."""
+    (once); ``interrupt_in_main``: raises KeyboardInterrupt there instead, as a Ctrl-C would;
+    ``main_s``: a sample made in the main process takes that long (a sleep)."""
 
     def __init__(self, n: int = 120, worker_s: float = 0.0003, draw_from: int | None = None,
                  fail_in_main: int | None = None, everywhere: bool = False,
-                 interrupt_in_main: int | None = None) -> None:
+                 interrupt_in_main: int | None = None, main_s: float = 0.0) -> None:
         self.n, self.worker_s, self.draw_from, self.fail_in_main = n, worker_s, draw_from, fail_in_main
-        self.everywhere, self.interrupt_in_main = everywhere, interrupt_in_main
+        self.everywhere, self.interrupt_in_main, self.main_s = everywhere, interrupt_in_main, main_s
 
     def __len__(self) -> int:
         return self.n
@@ -37,6 +38,8 @@ class SlowInWorkers(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         if self.everywhere or get_worker_info() is not None:
             time.sleep(self.worker_s)
+        elif self.main_s:
+            time.sleep(self.main_s)
         elif self.interrupt_in_main is not None and i >= self.interrupt_in_main:
             raise KeyboardInterrupt
         elif self.fail_in_main is not None and i >= self.fail_in_main:
@@ -161,6 +164,19 @@ def test_no_help_for_expensive_batches_timeouts_worker_init_or_false():
         assert len(rows) == len(batches)
         assert (rows["worker"] >= 0).all(), case
         assert len(batches) == len(loader)
+
+
+def test_auto_stops_helping_while_its_own_batches_are_slow():
+    """Batches are cheap in the workers but take twice HELP_MAX_S in the main process (as a
+    large batch does there on a busy host): "auto" makes one, sees it was slow and leaves the
+    batches to the workers for RETRY_S; the epoch keeps its order."""
+    loader = Loader(SlowInWorkers(n=400, worker_s=0.0, main_s=HELP_MAX_S), batch_size=2, num_workers=2)
+    t0 = time.perf_counter()
+    batches, rows = _recorded(lambda: list(loader))
+    elapsed_s = time.perf_counter() - t0
+    assert [b[:, 0].tolist() for b in batches] == [[2.0 * k, 2.0 * k + 1] for k in range(200)]
+    made_here = int((rows["worker"] == -1).sum())
+    assert 1 <= made_here <= 1 + int(elapsed_s / RETRY_S), (made_here, elapsed_s)
 
 
 def test_main_helps_takes_auto_true_or_false():
