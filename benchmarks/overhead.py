@@ -348,8 +348,30 @@ def _tpkit(**kw: Any) -> Callable[[int, int], Any]:
     return make
 
 
+class QuietTorchProfiler:
+    """torch.profiler.profile, its start and stop with fd 2 sent to /dev/null: kineto announces
+    each on stderr ("USDT ... profiler_start"), hundreds of lines a run otherwise. Only the
+    start and stop are quieted (outside the timed steps); the steps run as under the bare
+    profiler."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **kw)
+
+    def __enter__(self) -> Any:
+        from tpkit.capture.probes.memory import quiet_stderr
+
+        with quiet_stderr():
+            return self.prof.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        from tpkit.capture.probes.memory import quiet_stderr
+
+        with quiet_stderr():
+            return self.prof.__exit__(*exc)
+
+
 def _torch_profiler(**kw: Any) -> Callable[[int, int], Any]:
-    return lambda steps, warmup: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **kw)
+    return lambda steps, warmup: QuietTorchProfiler(**kw)
 
 
 MODES: dict[str, Callable[[int, int], Any]] = {
