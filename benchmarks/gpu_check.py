@@ -76,11 +76,16 @@ def ensure_tpkit() -> str:
     import importlib.abc
     import importlib.util
 
-    try:
-        spec = importlib.util.find_spec("tpkit")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
+    def found(name: str) -> Any:
+        try:
+            return importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+
+    # tpkit alone is not enough: a check's own process inherits PYTHONPATH (below), which finds
+    # the checkout's tpkit/ but not kernels/ and datasets/ under their package names
+    spec = found("tpkit")
+    if spec is not None and found("tpkit.kernels") is not None and found("tpkit.datasets") is not None:
         return f"installed ({Path(spec.origin or '?').parent})"
     mapped = {"tpkit.kernels": ROOT / "kernels", "tpkit.datasets": ROOT / "datasets"}
 
