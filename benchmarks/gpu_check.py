@@ -624,7 +624,15 @@ def check_memory(ctx: Ctx) -> None:
     x = x_host.to(dev)
     sync = torch.cuda.synchronize if ctx.cuda else (lambda: None)
 
-    # truth, from the allocator, around one unprofiled step (CPU: from the tensors)
+    # truth, from the allocator, around one unprofiled step (CPU: from the tensors). cuBLAS
+    # makes a workspace per thread at its first matmul (32 MiB each on an H200: the forward's
+    # thread and autograd's), held from then on: a throwaway step on a few rows makes them
+    # first, so the deltas below are the step's own (the first GPU run read them as
+    # activations and gradients: docs/GPU_RUNS.md)
+    model.to(dev)
+    model(x[:8]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.to("cpu")
     sync()
     a0 = alloc() if alloc else 0
     model.to(dev)
@@ -682,6 +690,9 @@ def check_memory(ctx: Ctx) -> None:
             opt.zero_grad(set_to_none=True)
     run = prof.run
     dname = "cuda:0" if ctx.cuda else "cpu"
+    # the rows behind the figures below, for whoever reads a failure
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    run.memory[run.memory["step"].between(0, 1)].to_csv(ctx.out / "memory_rows.csv", index=False)
     truth_src = "torch.cuda.memory_allocated deltas" if ctx.cuda else "the tensors' storage bytes"
     for cat, truth, phase, event in (("parameters", params, "forward", "enter"),
                                      ("gradients", grads, "backward", "exit"),

@@ -110,3 +110,35 @@ def test_a_loop_without_an_optimizer_ends_steps_on_the_gpu(clock):
     fwd = run.spans[run.spans["phase"] == "forward"]
     assert list(run.steps["end_s"]) == pytest.approx(list(fwd["end_s"]), abs=1e-6)
     assert run.steps["duration_s"].iloc[1] == pytest.approx(0.010, abs=1e-6)
+
+
+def test_the_gpu_ends_its_queued_steps_before_the_clock_sampler_stops(monkeypatch):
+    """The host runs ahead of the GPU; a sampler stopped when the host's last step ends misses
+    the GPU's last steps. The slice waits for the GPU (its one end sync) before stopping it."""
+    import torch
+
+    import tpkit as tp
+    import tpkit.capture.slice as slice_mod
+    from tpkit.capture.probes import clocks
+
+    order: list[str] = []
+    cuda = FakeCuda()
+    cuda.synchronize = lambda: order.append("gpu sync")  # type: ignore[method-assign]
+    monkeypatch.setattr(slice_mod, "maybe_cuda_timer", lambda: ct.CudaTimer(SimpleNamespace(cuda=cuda)))
+    remove = clocks.ClockProbe.remove
+
+    def noted_remove(self):  # noqa: ANN001, ANN202
+        order.append("sampler stopped")
+        return remove(self)
+
+    monkeypatch.setattr(clocks.ClockProbe, "remove", noted_remove)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tp.profile(steps=3, warmup=1, progress=False, memory=False, clock_hz=50) as prof:
+        while True:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(prof.run.steps) == 4
+    start_syncs = 2  # CudaTimer's: before and after its reference event
+    assert order[start_syncs:] == ["gpu sync", "sampler stopped"]  # finish() has nothing left to wait for

@@ -579,7 +579,10 @@ def test_cuda_rows_peaks_and_detail_through_a_stand_in():
     assert fake.stopped  # tpkit started that history, so it stops it
     cuda = frame_of(rec).query("device == 'cuda:0'")
     enter = cuda.query("phase == 'forward' and event == 'enter'").set_index("category")["bytes"]
-    assert enter["parameters"] == 64 and enter["activations"] == 2000 - 64
+    # what is held beyond the known sets as a forward begins is not the forward's
+    assert enter["parameters"] == 64 and enter["activations"] == 0 and enter["other"] == 2000 - 64
+    exit_ = cuda.query("phase == 'forward' and event == 'exit'").set_index("category")["bytes"]
+    assert exit_["activations"] == 5000 - 2000 and exit_["other"] == 2000 - 64
     # the process peak rose to 5,500 in the last stretch: forward's peak
     assert cuda.query("phase == 'forward' and event == 'peak'")["bytes"].sum() == 5500
     # inside h2d the process peak rose from 2,500 to 4,500: a new high, exact
@@ -1047,3 +1050,43 @@ def test_a_run_counts_every_allocator_event_of_its_steps_and_says_what_they_cost
     off = tp.profile_fn(_allocating_step(500), steps=6, warmup=1, progress=False, clocks=False, memory=False)
     assert "stream_events" not in (off.meta.get("memory") or {})
     assert not [n for n in off.summary().notes if n.startswith("memory tracking cost")]
+
+
+def test_a_user_history_started_since_the_last_allocation_is_seen(monkeypatch):
+    """A history that has recorded nothing yet leaves no trace in the snapshot; the CUDA
+    allocator still says it is on, and tpkit then leaves it running (never starts its own)."""
+    import tpkit.capture.probes.memory as mem
+
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"device_traces": [[]], "segments": []})
+    assert mem.CudaAllocator().history_running()
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    assert not mem.CudaAllocator().history_running()
+
+
+@fake_ptr
+def test_cuda_memory_held_across_steps_is_not_activations():
+    """cuBLAS keeps a workspace per thread from its first matmul on (32 MiB each on an H200):
+    allocated, no tensor of the loop's. Two steps, 640 B held beyond the parameters as each
+    forward begins, 4,000 B of activations at each forward's exit: activations read 4,000,
+    the 640 B are other."""
+    held = 64 + 640
+    reads = [(held, held)]  # install
+    for _ in range(2):  # forward enter, forward exit, backward enter, backward exit
+        reads += [(held, 9000), (held + 4000, 9000), (held + 4000, 9000), (held, 9000)]
+    fake = FakeCuda(reads)
+    rec = Recorder("fake")
+    model = cuda_model()
+    rec.models[id(model)] = model
+    probe = mem.MemoryProbe(rec, cuda=fake).install()
+    for _ in range(2):
+        rec.exit(rec.enter("forward", "test"))
+        rec.exit(rec.enter("backward", "test"))
+        rec.end_step()
+    probe.remove()
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    fwd_exit = cuda.query("phase == 'forward' and event == 'exit'")
+    assert list(fwd_exit.query("category == 'activations'")["bytes"]) == [4000, 4000]
+    assert list(fwd_exit.query("category == 'other'")["bytes"]) == [640, 640]
+    bwd_exit = cuda.query("phase == 'backward' and event == 'exit'")
+    assert list(bwd_exit.query("category == 'activations'")["bytes"]) == [0, 0]

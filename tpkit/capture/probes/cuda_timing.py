@@ -41,6 +41,7 @@ class CudaTimer:
         self._anchor_host_ns = self.ref_host_ns
         self._anchor_ns: list[int] | None = None  # resolved anchor times, after finish()
         self.skipped_in_capture = 0
+        self._drained = False
 
     def mark(self) -> tuple[int, Any] | None:
         """A CUDA event for a boundary, with the index of its anchor (None during graph capture)."""
@@ -58,9 +59,21 @@ class CudaTimer:
         ev.record()
         return len(self.anchors) - 1, ev
 
-    def finish(self) -> None:
-        """The one sync at the end; then the anchors' times are chained from the first."""
+    def drain(self) -> None:
+        """Wait for the GPU to run what the slice queued: the slice's teardown calls this before
+        it stops the clock sampler. The host queues work ahead of the GPU (on a GPU-bound loop,
+        up to the launch queue: 4 steps of 105 ms on an H200 in benchmarks/gpu_check.py), so a
+        sampler stopped when the host's last step ends missed the GPU's last steps (12 of 15
+        steps held a clock sample: docs/GPU_RUNS.md). This is the slice's end sync, moved
+        earlier: ``finish`` then has nothing to wait for."""
         self.torch.cuda.synchronize()
+        self._drained = True
+
+    def finish(self) -> None:
+        """The one sync at the end (unless ``drain`` made it); then the anchors' times are
+        chained from the first."""
+        if not self._drained:
+            self.torch.cuda.synchronize()
         times = [self.ref_host_ns]
         for prev, cur in zip(self.anchors, self.anchors[1:]):
             times.append(times[-1] + round(prev.elapsed_time(cur) * 1e6))

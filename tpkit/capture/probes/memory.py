@@ -267,8 +267,16 @@ class CudaAllocator:
 
     def history_running(self) -> bool:
         """Whether an allocator history is recording now (someone else's: tpkit's own is
-        started only when none runs). A recording history leaves entries in the snapshot's
-        device traces."""
+        started only when none runs). Asked of the allocator where torch's CUDA build says
+        (``_cuda_isHistoryEnabled``); else a recording history is seen by the entries it left
+        in the snapshot's device traces, which misses one started since the last allocation
+        (on an H200 that switched the user's history off: docs/GPU_RUNS.md)."""
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if enabled is not None:
+            try:
+                return bool(enabled())
+            except RuntimeError:  # no CUDA allocator to ask
+                pass
         snap = torch.cuda.memory._snapshot()
         return any(snap.get("device_traces") or [])
 
@@ -1213,11 +1221,18 @@ class MemoryProbe:
 
         add = self.rec.add_memory
 
+        # CUDA: what the allocator holds beyond the known sets when a forward begins is held
+        # across steps (cuBLAS's workspaces, 32 MiB per handle on an H200, made at the first
+        # matmul of each thread; a user's caches), not the forward's: activations are what the
+        # forward and backward hold beyond it (docs/GPU_RUNS.md)
+        held: dict[str, int] = {}
+
         def rows(lv: _Levels, event: str, dev: str, phase: str, raw_step: int, t_ns: int) -> None:
             rest: dict[str, int] = {}
             if lv.rest is not None:
                 if phase in ACTIVATION_PHASES:
-                    rest = {"activations": lv.rest, "temporaries": lv.rest_backward, "other": 0}
+                    base = min(held.get(dev, 0), lv.rest)
+                    rest = {"activations": lv.rest - base, "temporaries": lv.rest_backward, "other": base}
                 else:
                     rest = {"activations": 0, "temporaries": 0, "other": lv.rest + lv.rest_backward}
             for c in MEMORY_CATEGORIES:
@@ -1231,6 +1246,8 @@ class MemoryProbe:
             for dev in devices:
                 lv = level(k, dev)
                 if lv is not None:
+                    if dev != "cpu" and phase == "forward" and event == "enter" and lv.rest is not None:
+                        held[dev] = lv.rest
                     rows(lv, event, dev, phase, raw_step, t_ns)
             if event == "enter":
                 stack.append(k)
