@@ -167,12 +167,12 @@ class Profile:
         then the first failure that was not an ordinary error is raised."""
         if self.rec is not None and _rec.active() is self.rec:
             _rec.set_active(None)
-        timer = self.rec.cuda_timer if self.rec is not None else None
-        if timer is not None and self._probes:
+        rec = self.rec
+        if rec is not None and rec.cuda_timer is not None and self._probes:
             try:  # the GPU ends the slice's steps while the clock sampler still runs
-                timer.drain()
+                rec.cuda_timer.drain()
             except Exception as e:  # noqa: BLE001 - a device error must not keep a probe in
-                self.rec.note(f"waiting for the GPU at the slice's end failed: {e!r}")
+                rec.note(f"waiting for the GPU at the slice's end failed: {e!r}")
         fatal: BaseException | None = None
         while self._probes:
             probe = self._probes.pop()
