@@ -612,6 +612,10 @@ def test_cuda_stretch_without_a_new_high_gives_its_boundary_maximum():
     probe.remove()
     cuda = frame_of(rec).query("device == 'cuda:0'")
     assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 3000
+    # and the run says those peaks are lower bounds, with what makes them exact
+    bound = probe.meta()["memory"]["peak_lower_bound"]["cuda:0"]
+    assert bound.startswith("3 of 3 stretches") and "new high" in bound
+    assert any("cuda:0 peaks are lower bounds" in n for n in rec.notes)
 
 
 @fake_ptr

@@ -74,7 +74,9 @@ def memory_peak(memory: pd.DataFrame, device: str | None = None,
     (the CPU allocation stream replayed to it) or is approximate: the devices listed in
     ``approximate`` (``run.meta["memory"]["approximate_mix"]``: CUDA, whose known sets come
     from the phase boundary, and the CPU when no allocator stream could be replayed). The
-    total is the peak either way. Empty when no measured step has memory rows."""
+    total is the peak either way, except on a CUDA device listed in
+    ``run.meta["memory"]["peak_lower_bound"]``, whose peak may be higher than this (the run's
+    notes say so). Empty when no measured step has memory rows."""
     w = wide(memory, ("enter", "exit", "peak"))
     cols = ["device", "step", "phase", "category", "bytes", "total_bytes", "mix_exact"]
     if device is not None:

@@ -575,6 +575,9 @@ class MemoryProbe:
             # devices whose category mix at a peak is not taken at the peak's instant
             "approximate_mix": ([] if exact_cpu else ["cpu"]) + [f"cuda:{i}" for i in sorted(self._cuda_in_use)],
         }
+        bounded = self._cuda_peaks_bounded()
+        if bounded:
+            out["peak_lower_bound"] = bounded
         if self._detail:
             out["top_at_peak"] = self._detail
         events = getattr(self.cpu, "events_seen", 0)
@@ -582,6 +585,22 @@ class MemoryProbe:
             out["stream_events"] = int(events)
             out["stream_steps"] = len(self.rec.step_ends)  # the stream runs the whole slice
         return {"memory": out}
+
+    def _cuda_peaks_bounded(self) -> dict[str, str]:
+        """Devices with stretches whose peak could only be bounded from below: the process's
+        peak counter (never reset, so the user's ``max_memory_allocated`` stays theirs) did not
+        rise in them, so their peak is the higher of their two boundary levels; a transient
+        inside (an optimizer's temporaries) is not seen."""
+        out: dict[str, str] = {}
+        for dev in sorted({d for reads in self.cuda_reads.values() for d in reads}):
+            exact = [r[dev][2] for r in self.cuda_reads.values() if dev in r]
+            missed = sum(1 for e in exact if not e)
+            if missed:
+                out[dev] = (f"{missed} of {len(exact)} stretches between phase boundaries (a stretch's peak is "
+                            "exact only where it set a new high for the process: tpkit never resets the peak "
+                            "counter, so the user's max_memory_allocated stays theirs; elsewhere it is the higher "
+                            "of the stretch's two boundary levels, and a transient inside it is not seen)")
+        return out
 
     # -- hooks (the hot path) ---------------------------------------------------------------
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -1241,6 +1260,8 @@ class MemoryProbe:
                 elif c in rest:
                     add(phase, event, dev, c, max(0, int(rest[c])), t_ns=t_ns, raw_step=raw_step)
 
+        for dev, how in self._cuda_peaks_bounded().items():
+            self.rec.note(f"memory: {dev} peaks are lower bounds in {how}")
         stack: list[int] = []
         for k, (phase, event, raw_step, t_ns) in enumerate(bounds):
             for dev in devices:
