@@ -98,3 +98,20 @@ def test_a_step_that_mostly_waits_in_collectives_is_comm_bound_not_compute_bound
     v = analysis.verdict({"forward_s": 0.25, "backward_s": 0.10, "comm_s": 0.60, "other_s": 0.05})
     assert v.kind == "comm-bound" and "60%" in v.evidence
     assert analysis.verdict({"forward_s": 0.70, "backward_s": 0.20, "comm_s": 0.10}).kind == "compute-bound"
+
+
+def test_siblings_that_overlap_by_a_little_share_the_time_once():
+    """On a GPU some spans are stamped by CUDA events and some on the host: the offload span
+    inside an optimizer step began 34 us before a ``tpkit`` span beside it ended (an H200's
+    offload run). Every instant is charged once, to the deepest span open, the latest begun
+    among equals: optimizer + offload + tpkit never exceed the optimizer span."""
+    s = spans([
+        (0, "optimizer", 0.0, 0.583, 0),
+        (0, "tpkit", 0.0001, 0.00035, 1),
+        (0, "offload", 0.00032, 0.5829, 1),  # begins before the tpkit span ends
+    ])
+    out = build.exclusive_phase_times(s).set_index("step").loc[0]
+    assert out.offload_s == pytest.approx(0.5829 - 0.00032)
+    assert out.tpkit_s == pytest.approx(0.00032 - 0.0001)
+    assert out.optimizer_s == pytest.approx(0.583 - 0.5829 + 0.0001)
+    assert out.optimizer_s + out.offload_s + out.tpkit_s == pytest.approx(0.583)

@@ -142,3 +142,37 @@ def test_the_gpu_ends_its_queued_steps_before_the_clock_sampler_stops(monkeypatc
     assert len(prof.run.steps) == 4
     start_syncs = 2  # CudaTimer's: before and after its reference event
     assert order[start_syncs:] == ["gpu sync", "sampler stopped"]  # finish() has nothing left to wait for
+
+
+def test_on_a_gpu_tpkit_spans_are_what_the_gpu_waited_for(clock, monkeypatch):
+    """A listener's host work (400 us a boundary) is charged to the GPU's timeline only where
+    the GPU had nothing queued: with 10 ms of work queued ahead it waited for nothing."""
+    import tpkit.capture.recorder as recorder_mod
+    from tpkit.capture.build import build_run
+    from tpkit.capture.recorder import Recorder
+
+    monkeypatch.setattr(recorder_mod, "perf_counter_ns", lambda: clock.ns)
+    cuda = FakeCuda()
+    rec = Recorder("gpu")
+    rec.t0_ns = clock.ns
+    rec.cuda_timer = ct.CudaTimer(SimpleNamespace(cuda=cuda))
+    idle = {"gpu": False}
+
+    def listener(phase, event, step):  # noqa: ANN001, ANN202
+        clock.ns += 400_000
+        if idle["gpu"]:  # the GPU ran out of work: its clock goes on with the host's
+            cuda.gpu_ns += 400_000
+
+    rec.phase_listeners.append(listener)
+    for gpu_idle in (False, True):
+        idle["gpu"] = gpu_idle
+        tok = rec.enter("forward", "test")
+        clock.ns += 1_000_000
+        cuda.gpu_ns += 10_000_000
+        rec.exit(tok)
+        rec.end_step()
+    run = build_run(rec, 0)
+    own = run.spans[run.spans["phase"] == "tpkit"].groupby("step")["duration_s"].sum()
+    assert own.loc[0] == pytest.approx(0.0, abs=1e-9)  # queued work: the GPU never waited
+    assert own.loc[1] == pytest.approx(0.0008, abs=1e-6)  # idle: both boundaries' 400 us
+    assert rec.own_host_ns == 4 * 400_000

@@ -655,6 +655,7 @@ class CudaStandIn:
         mp.setattr(torch.cuda, "device_count", lambda: 8)
         mp.setattr(torch.cuda, "memory_allocated", self.memory_allocated)
         mp.setattr(torch.cuda, "max_memory_allocated", self.max_memory_allocated)
+        mp.setattr(torch.cuda, "memory_stats_as_nested_dict", self.nested_stats)
         mp.setattr(torch.cuda, "reset_peak_memory_stats", self.resets.append)
         mp.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
         mp.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
@@ -671,6 +672,10 @@ class CudaStandIn:
     def max_memory_allocated(self, device: int = 0) -> int:
         self.read.add(device)
         return self.peak[device]
+
+    def nested_stats(self, device: int = 0) -> dict:
+        self.read.add(device)
+        return {"allocated_bytes": {"all": {"current": self.allocated[device], "peak": self.peak[device]}}}
 
     def snapshot(self, *args: Any, **kwargs: Any) -> dict:
         entry = {"action": "alloc", "addr": 1, "size": 512, "frames": []}
@@ -1094,3 +1099,23 @@ def test_cuda_memory_held_across_steps_is_not_activations():
     assert list(fwd_exit.query("category == 'other'")["bytes"]) == [640, 640]
     bwd_exit = cuda.query("phase == 'backward' and event == 'exit'")
     assert list(bwd_exit.query("category == 'activations'")["bytes"]) == [0, 0]
+
+
+def test_cuda_reads_take_both_counters_from_one_stats_call(monkeypatch):
+    """memory_allocated and max_memory_allocated each flatten the allocator's whole stats dict
+    in Python; a boundary reads both from one nested dict instead (the same two numbers)."""
+    calls = []
+
+    def nested(device=None):  # noqa: ANN001, ANN202
+        calls.append(device)
+        return {"allocated_bytes": {"all": {"current": 4096, "peak": 8192, "allocated": 1, "freed": 1},
+                                    "large_pool": {"current": 0, "peak": 0}},
+                "reserved_bytes": {"all": {"current": 1 << 20, "peak": 1 << 20}}}
+
+    def flattened(device=None):  # noqa: ANN001, ANN202
+        raise AssertionError("the flattened stats are not read at a boundary")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", nested)
+    monkeypatch.setattr(torch.cuda, "memory_stats", flattened)
+    assert mem.CudaAllocator().read(0) == (4096, 8192)
+    assert calls == [0]

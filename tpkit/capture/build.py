@@ -21,6 +21,12 @@ def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
     """Seconds of each built-in phase per step, each instant charged to the innermost
     built-in phase open at that instant (an h2d copy inside forward is h2d, not forward).
 
+    Innermost: the deepest open span, the latest started among equals. Spans need not nest
+    cleanly: on a GPU some are stamped by CUDA events and some on the host, so a span can begin
+    a few microseconds before its sibling ends (the offload span inside an optimizer step and
+    a ``tpkit`` span beside it, on an H200: charging by a stack of open ancestors counted the
+    offload's 583 ms twice). Every instant is charged once.
+
     User phases (``tp.phase``) do not take time from built-in phases: a built-in phase
     inside a user phase keeps its time, and a user phase's own time falls to ``other``.
     Returns one row per step with columns ``step`` and ``<phase>_s`` for built-in phases.
@@ -29,28 +35,33 @@ def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
     cols = [f"{p}_s" for p in BUILTIN_PHASES]
     if len(spans) and spans["phase"].isin(UNCOUNTED_PHASES).any():
         spans = spans[~spans["phase"].isin(UNCOUNTED_PHASES)]
-    if spans.empty:
+    builtin_spans = spans[spans["phase"].isin(set(BUILTIN_PHASES))] if len(spans) else spans
+    steps = sorted(int(k) for k in spans["step"].unique()) if len(spans) else []
+    if not steps:
         return pd.DataFrame(columns=["step", *cols])
-    builtin = set(BUILTIN_PHASES)
-    rows: dict[int, dict[str, float]] = {}
-    ordered = spans.sort_values(["step", "start_s", "depth"], kind="stable")
-    for step, group in ordered.groupby("step", sort=True):
-        acc = dict.fromkeys(BUILTIN_PHASES, 0.0)
-        stack: list[tuple[float, str]] = []  # (end_s, phase) of open ancestors
-        for start, end, phase in zip(group["start_s"].to_numpy(), group["end_s"].to_numpy(),
-                                     group["phase"].to_numpy()):
-            while stack and stack[-1][0] <= start:
-                stack.pop()
-            if phase in builtin:
-                dur = float(end - start)
-                acc[phase] += dur
-                for _, anc in reversed(stack):  # nearest built-in ancestor loses this time
-                    if anc in builtin:
-                        acc[anc] -= dur
-                        break
-            stack.append((float(end), str(phase)))
-        rows[int(step)] = {f"{p}_s": max(0.0, v) for p, v in acc.items()}
-    out = pd.DataFrame.from_dict(rows, orient="index")
+    rows: dict[int, dict[str, float]] = {k: dict.fromkeys(BUILTIN_PHASES, 0.0) for k in steps}
+    for step, group in builtin_spans.groupby("step", sort=True):
+        acc = rows[int(step)]
+        # boundaries in time order, ends before starts at the same instant
+        marks: list[tuple[float, int, int]] = []
+        starts, depths = group["start_s"].to_numpy(), group["depth"].to_numpy()
+        phases = group["phase"].to_numpy()
+        for i, (a, b) in enumerate(zip(starts, group["end_s"].to_numpy())):
+            if b > a:
+                marks += [(float(a), 1, i), (float(b), 0, i)]
+        marks.sort()
+        open_: set[int] = set()
+        last = None
+        for t, kind, i in marks:
+            if open_ and last is not None and t > last:
+                top = max(open_, key=lambda j: (depths[j], starts[j], j))
+                acc[str(phases[top])] += t - last
+            if kind:
+                open_.add(i)
+            else:
+                open_.discard(i)
+            last = t
+    out = pd.DataFrame.from_dict({k: {f"{p}_s": v for p, v in r.items()} for k, r in rows.items()}, orient="index")
     out.index.name = "step"
     return out.reset_index()
 

@@ -83,6 +83,7 @@ class Recorder:
         self.samples = 0  # samples seen in the current step
         self.samples_per_step: int | None = None  # when set, overrides what loaders reported
         self.cuda_timer: Any = None  # set by the CUDA timing probe when a GPU is in use
+        self.own_host_ns = 0  # host time of tpkit's own work (the tpkit spans' host durations)
         self.step_events: dict[int, Any] = {}  # raw step -> CUDA event at its end (GPU runs only)
         self._stack: list[list] = []  # open spans: [phase, start_ns, depth, source, raw_step, ev]
         self._open: dict[str, int] = {}
@@ -115,12 +116,16 @@ class Recorder:
         """Open a span; returns a token for ``exit``. Listeners run before the stamp, and
         their time is a ``tpkit`` span of its own (tpkit's cost, never charged to a phase)."""
         already = self._open.get(phase, 0)
+        timer = self.cuda_timer
         if self.phase_listeners and not already:
             t = perf_counter_ns()
+            sev = timer.mark() if timer is not None else None
             for fn in self.phase_listeners:
                 fn(phase, "enter", self.step_index)
-            self._own(t)
-        ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
+            ev = timer.mark() if timer is not None else None
+            self._own(t, sev, ev)  # on a GPU it ends at the phase's own start event
+        else:
+            ev = timer.mark() if timer is not None else None
         depth = len(self._stack)
         self._stack.append([phase, perf_counter_ns(), depth, source, self.step_index, ev])
         self._open[phase] = already + 1
@@ -139,7 +144,8 @@ class Recorder:
                 t = perf_counter_ns()
                 for fn in self.phase_listeners:
                     fn(phase, "exit", step)
-                self._own(t)
+                # on a GPU it starts at the phase's own end event
+                self._own(t, ev, self.cuda_timer.mark() if ev is not None else None)
 
     def is_open(self, phase: str) -> bool:
         return self._open.get(phase, 0) > 0
@@ -188,14 +194,22 @@ class Recorder:
     def yielded(self, batch: Any) -> None:
         """A loader handed ``batch`` to the loop (the memory probe counts it as ``data``)."""
         t = perf_counter_ns()
+        timer = self.cuda_timer
+        sev = timer.mark() if timer is not None and self.batch_listeners else None
         for fn in self.batch_listeners:
             fn(batch)
-        self._own(t)
+        self._own(t, sev, timer.mark() if sev is not None else None)
 
-    def _own(self, start_ns: int) -> None:
-        """tpkit's own work since ``start_ns`` (probe listeners): a ``tpkit`` span."""
-        self._spans += ("tpkit", start_ns, perf_counter_ns(), len(self._stack), "probes",
-                        self.step_index, None, None)
+    def _own(self, start_ns: int, start_event: Any = None, end_event: Any = None) -> None:
+        """tpkit's own work since ``start_ns`` (probe listeners): a ``tpkit`` span. On a GPU it
+        is timed by CUDA events around that work, like the phases: what the GPU spent waiting
+        for it (nothing while the GPU still had queued work; an H200's GPT-2-small slice had
+        charged 7.5 ms of host time a step to the GPU's timeline: docs/GPU_RUNS.md). Its host
+        time adds up in ``own_host_ns`` (``meta["cuda_timing"]["tpkit_host_s"]``)."""
+        end_ns = perf_counter_ns()
+        self.own_host_ns += end_ns - start_ns
+        self._spans += ("tpkit", start_ns, end_ns, len(self._stack), "probes",
+                        self.step_index, start_event, end_event if start_event is not None else None)
 
     def add_clock(self, t_ns: int, device: str, metric: str, value: float) -> None:
         self.clocks.append((t_ns, device, metric, value))

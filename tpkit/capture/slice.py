@@ -276,6 +276,8 @@ class Profile:
                 rec.note(f"{type(probe).__name__} could not report its facts: {e!r}")
         if rec.cuda_timer is not None:
             meta.update(rec.cuda_timer.meta())
+            # on a GPU the tpkit spans are what the GPU waited for tpkit; this is its host time
+            meta["cuda_timing"]["tpkit_host_s"] = rec.own_host_ns / 1e9
         try:
             self.run = build_run(rec, warmup, meta)
             for probe in self._removed:
