@@ -355,18 +355,17 @@ class QuietTorchProfiler:
     profiler."""
 
     def __init__(self, **kw: Any) -> None:
+        from tpkit.capture.probes.memory import quiet_stderr
+
+        self.quiet = quiet_stderr
         self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **kw)
 
     def __enter__(self) -> Any:
-        from tpkit.capture.probes.memory import quiet_stderr
-
-        with quiet_stderr():
+        with self.quiet():
             return self.prof.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
-        from tpkit.capture.probes.memory import quiet_stderr
-
-        with quiet_stderr():
+        with self.quiet():
             return self.prof.__exit__(*exc)
 
 

@@ -66,6 +66,11 @@ MAKE_EMA = 0.2
 RETRY_S = 1.0
 
 
+def _moving_average(average: float | None, seconds: float) -> float:
+    """``average`` moved towards the newest ``seconds`` by ``MAKE_EMA`` (the first one: itself)."""
+    return seconds if average is None else average + MAKE_EMA * (seconds - average)
+
+
 def same_rng_states(a: RngStates, b: RngStates) -> bool:
     """Whether two ``get_rng_states()`` results are the same states (nothing drew between)."""
     (ta, na, ra), (tb, nb, rb) = a, b
@@ -93,8 +98,7 @@ class MainHelper:
 
     def note_make(self, seconds: float) -> None:
         """A batch's fetch + collate time, from a worker's answer or from this process."""
-        m = self.make_s
-        self.make_s = seconds if m is None else m + MAKE_EMA * (seconds - m)
+        self.make_s = _moving_average(self.make_s, seconds)
 
     def wanted(self) -> bool:
         """Whether to make the next batch here now (the caller knows it would wait otherwise)."""
@@ -152,8 +156,7 @@ class MainHelper:
         assert made is not None  # map-style: never exhausted
         seconds = made.fetch_s + made.collate_s
         self.note_make(seconds)
-        m = self.own_make_s
-        self.own_make_s = seconds if m is None else m + MAKE_EMA * (seconds - m)
+        self.own_make_s = _moving_average(self.own_make_s, seconds)
         if self.own_make_s > HELP_MAX_S:  # wanted() then says no for RETRY_S ("auto" only)
             self.slow_since = perf_counter()
         return made

@@ -439,6 +439,7 @@ class MemoryProbe:
         self.walks: dict[int, dict[tuple[str, str], int]] = {}
         #: boundary -> {device: (allocated, peak in the stretch before, peak exact)}
         self.cuda_reads: dict[int, dict[str, tuple[int, int, bool]]] = {}
+        self._bounded: dict[str, str] = {}  # devices whose stretch peaks are lower bounds (_emit)
         # the optimizers that stepped (held for the slice only: dropped in remove())
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self._batch: list[weakref.ref] = []
@@ -580,9 +581,8 @@ class MemoryProbe:
             # devices whose category mix at a peak is not taken at the peak's instant
             "approximate_mix": ([] if exact_cpu else ["cpu"]) + [f"cuda:{i}" for i in sorted(self._cuda_in_use)],
         }
-        bounded = self._cuda_peaks_bounded()
-        if bounded:
-            out["peak_lower_bound"] = bounded
+        if self._bounded:
+            out["peak_lower_bound"] = self._bounded
         if self._detail:
             out["top_at_peak"] = self._detail
         events = getattr(self.cpu, "events_seen", 0)
@@ -1265,7 +1265,8 @@ class MemoryProbe:
                 elif c in rest:
                     add(phase, event, dev, c, max(0, int(rest[c])), t_ns=t_ns, raw_step=raw_step)
 
-        for dev, how in self._cuda_peaks_bounded().items():
+        self._bounded = self._cuda_peaks_bounded()
+        for dev, how in self._bounded.items():
             self.rec.note(f"memory: {dev} peaks are lower bounds in {how}")
         stack: list[int] = []
         for k, (phase, event, raw_step, t_ns) in enumerate(bounds):
