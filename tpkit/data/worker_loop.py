@@ -4,6 +4,7 @@ Messages on the worker's pipe (small named tuples, never tensor data):
 
 main -> worker  ``Task(batch_id, indices, slot)``   make this batch (``indices`` is None for an
                                                   iterable dataset: the next of this worker's stream)
+                a list of ``Task``                make these batches, in order
                 ``Reset(skip_batches)``           new epoch of an iterable dataset
                 ``None``                          exit
 worker -> main  ``BatchDone(batch_id, slot, gen, slot_bytes, skeleton, fetch_s, collate_s,
@@ -374,25 +375,31 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
             except Exception as e:
                 conn.send(failed(-1, None, e))
             continue
-        if exhausted:
-            conn.send(StreamEnded(msg.batch_id))
-            continue
-        try:
-            made = maker.make(msg.indices)
-            if made is None:
-                exhausted = True
-                conn.send(StreamEnded(msg.batch_id))
-                continue
-            t0 = perf_counter()
-            skel, gen, slot_bytes = ring.write(msg.slot, made.batch)
-            write_s = perf_counter() - t0
-            done = BatchDone(msg.batch_id, msg.slot, gen, slot_bytes, skel, made.fetch_s,
-                             made.collate_s, write_s, perf_counter_ns(), made.n_samples)
-            del made  # the samples go now, not at the next batch
-            # plain pickle (the skeleton holds plain values and tpkit's own placeholders): the
-            # pipe's ForkingPickler costs ~5 us more per call
-            conn.send_bytes(done_to_wire(done))
-        except Exception as e:
-            conn.send(failed(msg.batch_id, maker.current_index, e))
-            maker.current_index = None
+        for task in (msg if type(msg) is list else (msg,)):  # a list: several tasks, in order
+            exhausted = _do_task(task, maker, ring, conn, exhausted)
     ring.close()
+
+
+def _do_task(task: Task, maker: BatchMaker, ring: WorkerRing, conn: Any, exhausted: bool) -> bool:
+    """Make one batch into its slot and answer; returns whether the iterable stream is over."""
+    if exhausted:
+        conn.send(StreamEnded(task.batch_id))
+        return True
+    try:
+        made = maker.make(task.indices)
+        if made is None:
+            conn.send(StreamEnded(task.batch_id))
+            return True
+        t0 = perf_counter()
+        skel, gen, slot_bytes = ring.write(task.slot, made.batch)
+        write_s = perf_counter() - t0
+        done = BatchDone(task.batch_id, task.slot, gen, slot_bytes, skel, made.fetch_s,
+                         made.collate_s, write_s, perf_counter_ns(), made.n_samples)
+        del made  # the samples go now, not at the next batch
+        # plain pickle (the skeleton holds plain values and tpkit's own placeholders): the
+        # pipe's ForkingPickler costs ~5 us more per call
+        conn.send_bytes(done_to_wire(done))
+    except Exception as e:
+        conn.send(failed(task.batch_id, maker.current_index, e))
+        maker.current_index = None
+    return False
