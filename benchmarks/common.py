@@ -47,8 +47,10 @@ def quantiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def write_rows(name: str, rows: list[dict]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.csv"
+    """Write ``rows`` to ``results/<name>.csv``; a ``name`` that is a path (it has a folder or
+    ends in ``.csv``: what ``--out`` of loader.py takes) is used as it is."""
+    path = Path(name) if "/" in name or name.endswith(".csv") else RESULTS / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         fields = list(dict.fromkeys(k for row in rows for k in row))  # every row's keys, first seen first
         w = csv.DictWriter(f, fieldnames=fields, restval="")

@@ -912,7 +912,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 12 s of blocks per loop, no TraceML (its launcher alone takes ~20 s to "
                          "start) unless --own-budget is given")
-    ap.add_argument("--out", default="overhead", help="results/<out>.csv")
+    ap.add_argument("--out", default="overhead", help="results/<out>.csv, or a CSV path")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--turns", help=argparse.SUPPRESS)
     ap.add_argument("--turn-name", help=argparse.SUPPRESS)
