@@ -9,7 +9,9 @@ within ``prefetch + hold`` slots. With the default prefetch (``deep_small=True``
 whose batches are small (a slot of at most ``SMALL_SLOT_BYTES``) gets ``DEEP_PREFETCH``
 batches in flight: for batches that cost little to make, the hand-over round trip (a wake-up
 of each side) is what limits the rate, and a deeper queue hides it; a slot that is never
-needed is never written, so it costs no memory (tmpfs pages come on first write). A handed-out batch keeps its slot until the training loop
+needed is never written, so it costs no memory (tmpfs pages come on first write). Such a
+worker's queue is refilled ``REFILL_TASKS`` at a time, its tasks in one message
+(``ProcessPool._may_refill``). A handed-out batch keeps its slot until the training loop
 drops every view of it; when the loop already holds ``hold`` of a worker's slots, the next
 batch from that worker is handed out as a private copy instead. So a dispatch never waits on
 the user, and no slot is overwritten while a view of it is alive.
