@@ -73,36 +73,34 @@ def _round_up(n: int, to: int) -> int:
 
 
 # -- flattening a batch into leaves + skeleton ------------------------------------------------
-
-class _Leaf:
-    """Placeholder for a tensor or array inside a skeleton (picklable, tiny)."""
-
-    __slots__ = ("spec",)
-
-    def __init__(self, spec: tuple) -> None:
-        self.spec = spec  # (kind, offset, nbytes, dtype_name, shape)
-
-    def __reduce__(self):
-        return (_Leaf, (self.spec,))
-
-
-class _Pickled:
-    """Anything a slot cannot hold, as pickle bytes inside a skeleton (what torch's DataLoader
-    does with every batch). Plain ``pickle``, not the pipe's ForkingPickler: a tensor inside
-    is copied as bytes, never handed over as a shared-memory file descriptor."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __reduce__(self):
-        return (_Pickled, (self.data,))
+#
+# A skeleton is made of plain tuples, ints, strings and type references only, so that pickle
+# writes and reads it in C: a worker pickles one for every batch it makes, and placeholder
+# objects with a ``__reduce__`` (a Python call each) cost the tiny workload 3-7% of its
+# samples/s (docs/OVERHEAD.md, "Fewer messages for small batches"). Its nodes:
+#
+#   (LEAF, kind, offset, nbytes, dtype, shape)  a tensor or array in the slot ("torch"/"numpy");
+#                                               while flattening, (LEAF, index into leaves)
+#   (PICKLED, bytes)                            anything a slot cannot hold, as pickle bytes
+#   (MAP, type, [(key, node), ...]), (NAMEDTUPLE, type, [node, ...]), (SEQ, type, [node, ...])
+#                                               (type: 0, 1, 2 for list, tuple, dict: a type
+#                                               reference costs pickle an import lookup,
+#                                               four times the rest of a small skeleton)
+#   anything else                               a plain value (number, string, bytes, None,
+#                                               numpy scalar) as it is
+#
+# A plain value is never a tuple (tuples are SEQ nodes), so a tuple is always a node.
+LEAF, PICKLED, MAP, NAMEDTUPLE, SEQ = 0, 1, 2, 3, 4
+_BUILTIN_TYPES = (list, tuple, dict)
+_BUILTIN_CODES = {t: i for i, t in enumerate(_BUILTIN_TYPES)}
 
 
-def _pickled(obj: Any, where: str) -> _Pickled:
+def _pickled(obj: Any, where: str) -> tuple:
+    """``obj`` as a PICKLED node: plain ``pickle``, not the pipe's ForkingPickler, so a tensor
+    inside is copied as bytes, never handed over as a shared-memory file descriptor (what
+    torch's DataLoader does with every batch)."""
     try:
-        return _Pickled(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        return (PICKLED, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as e:
         raise UnsupportedBatchError(
             f"{where} is a {type(obj).__module__}.{type(obj).__qualname__} that cannot be pickled "
@@ -116,14 +114,14 @@ _SCALARS = (int, float, bool, complex, str, bytes, type(None))
 
 
 def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
-    """Replace tensors/arrays (and deferred ``Stack``s) in ``obj`` by indices into
-    ``leaves``; returns the skeleton. Other objects stay in the skeleton (pickled when not a
-    plain number or string). Raises UnsupportedBatchError naming the place of a device
+    """Replace tensors/arrays (and deferred ``Stack``s) in ``obj`` by (LEAF, index into
+    ``leaves``) nodes; returns the skeleton. Other objects stay in the skeleton (PICKLED when
+    not a plain number or string). Raises UnsupportedBatchError naming the place of a device
     tensor or of an object that cannot be pickled.
     """
     if isinstance(obj, Stack):
         leaves.append(obj)
-        return _Leaf(("torch", len(leaves) - 1))
+        return (LEAF, len(leaves) - 1)
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             raise UnsupportedBatchError(
@@ -133,61 +131,50 @@ def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
             return _pickled(obj, where)
         leaves.append(obj)
-        return _Leaf(("torch", len(leaves) - 1))
+        return (LEAF, len(leaves) - 1)
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             return _pickled(obj, where)
         leaves.append(obj)
-        return _Leaf(("numpy", len(leaves) - 1))
+        return (LEAF, len(leaves) - 1)
     if isinstance(obj, _SCALARS) or isinstance(obj, np.generic):
         return obj
     if isinstance(obj, Mapping):
-        return (_MAP, type(obj), [(k, flatten(v, leaves, f"{where}[{k!r}]")) for k, v in obj.items()])
+        return (MAP, _BUILTIN_CODES.get(type(obj), type(obj)),
+                [(k, flatten(v, leaves, f"{where}[{k!r}]")) for k, v in obj.items()])
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return (_NAMEDTUPLE, type(obj), [flatten(v, leaves, f"{where}.{f}") for f, v in zip(obj._fields, obj)])
+        return (NAMEDTUPLE, type(obj), [flatten(v, leaves, f"{where}.{f}") for f, v in zip(obj._fields, obj)])
     if isinstance(obj, (list, tuple)):
-        return (_SEQ, type(obj), [flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(obj)])
+        return (SEQ, _BUILTIN_CODES.get(type(obj), type(obj)),
+                [flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(obj)])
     return _pickled(obj, where)
 
 
-class _Tag:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self):
-        return (_tag, (self.name,))
-
-
-def _tag(name: str) -> "_Tag":
-    return {"map": _MAP, "nt": _NAMEDTUPLE, "seq": _SEQ}[name]
-
-
-_MAP, _NAMEDTUPLE, _SEQ = _Tag("map"), _Tag("nt"), _Tag("seq")
-
-
 def unflatten(skel: Any, make_leaf: Callable[[tuple], Any]) -> Any:
-    """Rebuild a batch from its skeleton; ``make_leaf(spec)`` gives each tensor or array."""
-    if isinstance(skel, _Leaf):
-        return make_leaf(skel.spec)
-    if isinstance(skel, _Pickled):
-        return pickle.loads(skel.data)
-    if isinstance(skel, tuple) and len(skel) == 3 and isinstance(skel[0], _Tag):
-        tag, typ, items = skel
-        if tag is _MAP:
-            d = {k: unflatten(v, make_leaf) for k, v in items}
-            if typ is dict:
-                return d
-            try:
-                return typ(d)
-            except Exception:  # a Mapping type that cannot be built from a dict
-                return d
-        vals = [unflatten(v, make_leaf) for v in items]
-        if tag is _NAMEDTUPLE:
-            return typ(*vals)
-        return vals if typ is list else (tuple(vals) if typ is tuple else typ(vals))
-    return skel
+    """Rebuild a batch from its skeleton; ``make_leaf(node)`` gives each tensor or array from
+    its (LEAF, kind, offset, nbytes, dtype, shape) node."""
+    if type(skel) is not tuple:
+        return skel
+    tag = skel[0]
+    if tag == LEAF:
+        return make_leaf(skel)
+    if tag == PICKLED:
+        return pickle.loads(skel[1])
+    _, typ, items = skel
+    if type(typ) is int:
+        typ = _BUILTIN_TYPES[typ]
+    if tag == MAP:
+        d = {k: unflatten(v, make_leaf) for k, v in items}
+        if typ is dict:
+            return d
+        try:
+            return typ(d)
+        except Exception:  # a Mapping type that cannot be built from a dict
+            return d
+    vals = [unflatten(v, make_leaf) for v in items]
+    if tag == NAMEDTUPLE:
+        return typ(*vals)
+    return vals if typ is list else (tuple(vals) if typ is tuple else typ(vals))
 
 
 def leaf_nbytes(leaves: list) -> int:
@@ -262,19 +249,19 @@ class WorkerRing:
                 n = x.nbytes
                 if n:
                     x.into(self._view(slot, off, n, x.dtype, x.shape))  # collate straight into the slot
-                specs.append(("torch", off, n, str(x.dtype)[6:], x.shape))
+                specs.append((LEAF, "torch", off, n, str(x.dtype)[6:], x.shape))
             elif isinstance(x, torch.Tensor):
                 n = x.numel() * x.element_size()
                 shape = tuple(x.shape)
                 if n:
                     self._view(slot, off, n, x.dtype, shape).copy_(x.detach())
-                specs.append(("torch", off, n, str(x.dtype)[6:], shape))
+                specs.append((LEAF, "torch", off, n, str(x.dtype)[6:], shape))
             else:
                 n = x.nbytes
                 arr = self._u8[base + off: base + off + n].numpy()
                 if n:
                     arr.view(x.dtype).reshape(x.shape)[...] = x
-                specs.append(("numpy", off, n, x.dtype.str, tuple(x.shape)))
+                specs.append((LEAF, "numpy", off, n, x.dtype.str, tuple(x.shape)))
             off += n
         skel = _respec(skel, specs)
         return skel, self.gen, self.slot_bytes
@@ -299,14 +286,18 @@ class WorkerRing:
 
 
 def _respec(skel: Any, specs: list) -> Any:
-    if isinstance(skel, _Leaf):
-        return _Leaf(specs[skel.spec[1]])
-    if isinstance(skel, tuple) and len(skel) == 3 and isinstance(skel[0], _Tag):
-        tag, typ, items = skel
-        if tag is _MAP:
-            return (tag, typ, [(k, _respec(v, specs)) for k, v in items])
-        return (tag, typ, [_respec(v, specs) for v in items])
-    return skel
+    """The skeleton with each (LEAF, index) node replaced by its (LEAF, kind, ...) node."""
+    if type(skel) is not tuple:
+        return skel
+    tag = skel[0]
+    if tag == LEAF:
+        return specs[skel[1]]
+    if tag == PICKLED:
+        return skel
+    _, typ, items = skel
+    if tag == MAP:
+        return (tag, typ, [(k, _respec(v, specs)) for k, v in items])
+    return (tag, typ, [_respec(v, specs) for v in items])
 
 
 # -- the main-process side ------------------------------------------------------------------
@@ -326,8 +317,8 @@ def map_segment(path: str) -> mmap.mmap:
     return mm
 
 
-def _no_leaf(spec: tuple) -> Any:
-    raise AssertionError(f"a skeleton without a ring names a slot leaf {spec}")
+def _no_leaf(node: tuple) -> Any:
+    raise AssertionError(f"a skeleton without a ring names a slot leaf {node}")
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -355,8 +346,8 @@ def read_slot(mm: mmap.mmap | None, slot: int, slot_bytes: int, skel: Any, copy:
         return unflatten(skel, _no_leaf)
     lease = np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=slot * slot_bytes)
 
-    def make(spec: tuple) -> Any:
-        kind, off, n, dtype, shape = spec
+    def make(node: tuple) -> Any:
+        _, kind, off, n, dtype, shape = node
         raw = lease[off: off + n]
         if kind == "torch":
             twin = _numpy_twin(dtype)

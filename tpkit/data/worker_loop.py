@@ -131,8 +131,8 @@ def done_to_wire(done: BatchDone) -> bytes:
     """A finished batch's answer as the worker writes it: a plain tuple (no class to look up
     when it is read) whose skeleton is pickle bytes of its own, which the main process reads
     once per distinct layout (``done_from_wire``): a batch of fixed layout has the same
-    skeleton every time, and unpickling it (its placeholders are objects) cost ~4 us of the
-    ~6 us an answer took to read."""
+    skeleton every time, and unpickling it cost ~4 us of the ~6 us an answer took to read
+    (when its placeholders were objects; slots.py's skeletons are plain tuples since)."""
     return pickle.dumps((*done[:4], pickle.dumps(done.skeleton, pickle.HIGHEST_PROTOCOL), *done[5:]),
                         pickle.HIGHEST_PROTOCOL)
 
@@ -396,7 +396,7 @@ def _do_task(task: Task, maker: BatchMaker, ring: WorkerRing, conn: Any, exhaust
         done = BatchDone(task.batch_id, task.slot, gen, slot_bytes, skel, made.fetch_s,
                          made.collate_s, write_s, perf_counter_ns(), made.n_samples)
         del made  # the samples go now, not at the next batch
-        # plain pickle (the skeleton holds plain values and tpkit's own placeholders): the
+        # plain pickle (the skeleton holds plain values, tuples and type references): the
         # pipe's ForkingPickler costs ~5 us more per call
         conn.send_bytes(done_to_wire(done))
     except Exception as e:
