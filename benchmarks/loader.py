@@ -40,6 +40,11 @@ Work per sample is fixed (tpkit.datasets.cost: a number of iterations calibrated
 ``cpu_ms`` on an idle core); this script calibrates once and hands the same figure to every
 subprocess, so every peer does the same work.
 
+tpkit's share of the ceiling is judged by back-to-back pairs after the rounds
+(``--ceiling-pairs``, PAIR_SECONDS): tpkit and ``plain parallel`` one right after the other,
+the median of the pairs' ratios with a 95% bootstrap interval. Within a round the two run up to
+~40 s apart, and the host's speed moves more than the goal's margin in that time.
+
 Prints ratios (medians over repeats) and writes long-format rows to benchmarks/results/loader.csv.
 """
 
@@ -74,6 +79,13 @@ PEERS = ("torch", "tpkit", "tpkit main waits", "torchdata process", "torchdata t
 #: Goals of issue 14 for tpkit vs torch's DataLoader with the same workers.
 SPEED_GOALS = {"tiny": 4.0, "numpy_1ms": 1.1, "images": 3.0}
 FIRST_BATCH_GOAL, PSS_GOAL, CEILING_GOAL = 0.5, 1.0, 0.7
+#: How tpkit's share of the ceiling is judged (``--ceiling-pairs``). In a round the peers run one
+#: after another, so tpkit and the ceiling are measured up to ~40 s apart, and the host's speed
+#: moves more than that in between (one run's rounds read 0.42-1.03 of the ceiling). After the
+#: rounds, tpkit and ``plain parallel`` run back to back, the order alternating, each timed for
+#: at most PAIR_SECONDS (a few seconds apart: each child's start-up is between them); the
+#: median of those pairs' ratios, with a 95% bootstrap interval, is what the goal is judged by.
+PAIR_SECONDS = 2.0
 
 
 # -- measuring, in the child -------------------------------------------------------------------
@@ -409,6 +421,9 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--max-seconds", type=float, default=5.0, help="timed loop stops after this long")
     ap.add_argument("--pss-interval", type=float, default=0.5, help="seconds between PSS samples")
+    ap.add_argument("--ceiling-pairs", type=int, default=10,
+                    help="after the rounds, this many back-to-back pairs of tpkit and plain parallel per "
+                         "workload, which the ceiling goal is judged by (see PAIR_SECONDS); 0: none")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 0.5 s timed per peer")
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "PEER"))
     ap.add_argument("--out", default=None, help="CSV path (default results/loader.csv, loader_quick.csv with --quick)")
@@ -423,12 +438,13 @@ def main() -> None:
         watchdog.start()
         return
     if args.quick:
-        args.repeats, args.max_seconds = 1, 0.5
+        args.repeats, args.max_seconds, args.ceiling_pairs = 1, 0.5, 0
     out_path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         "loader_quick.csv" if args.quick else "loader.csv")
 
     sys.path.insert(0, str(Path(__file__).parent))
     from common import load_avg, machine
+    from interleave import MIN_FOR_VERDICT, estimate
 
     from tpkit.datasets import cost
 
@@ -468,6 +484,27 @@ def main() -> None:
                 rows.append({"op": "loader", "workload": wl, "peer": peer, "workers": args.workers, "repeat": r,
                              **m, "machine": mach, "versions": _versions()})
         print(f"{wl} done at {time.perf_counter() - t_start:.0f} s, load {load_avg()[0]:.2f}", flush=True)
+    pair_ratios: dict[str, list[float]] = {}
+    if args.ceiling_pairs and "tpkit" in peers and "plain parallel" in peers:
+        for wl in workloads:
+            for k in range(args.ceiling_pairs):
+                got = {}
+                for peer in (("tpkit", "plain parallel") if k % 2 == 0 else ("plain parallel", "tpkit")):
+                    rc, stdout, stderr = run_child([sys.executable, __file__, "--one", wl, peer, "--workers",
+                                                    str(args.workers), "--max-seconds", str(PAIR_SECONDS),
+                                                    "--pss-interval", str(args.pss_interval)], env)
+                    try:
+                        got[peer] = json.loads(stdout.strip().splitlines()[-1])["samples_per_s"]
+                    except (IndexError, ValueError, KeyError):
+                        notes.append(f"{wl}/{peer} ceiling pair {k} failed (exit {rc})")
+                if len(got) == 2:
+                    pair_ratios.setdefault(wl, []).append(got["tpkit"] / got["plain parallel"])
+                    rows.append({"op": "ceiling_pair", "workload": wl, "peer": "tpkit / plain parallel",
+                                 "workers": args.workers, "repeat": k, "tpkit_samples_per_s": got["tpkit"],
+                                 "ceiling_samples_per_s": got["plain parallel"], "machine": mach,
+                                 "versions": _versions()})
+            print(f"{wl} ceiling pairs done at {time.perf_counter() - t_start:.0f} s, load {load_avg()[0]:.2f}",
+                  flush=True)
 
     def med(wl, peer, key):
         return _med([m[key] for m in results.get((wl, peer), [])])
@@ -538,7 +575,17 @@ def main() -> None:
                   (f"first batch vs torch <= {FIRST_BATCH_GOAL:g}x", first, first <= FIRST_BATCH_GOAL),
                   (f"peak PSS vs torch <= {PSS_GOAL:g}x", pss, pss <= PSS_GOAL)]
         pairs = ""
-        if (wl, "plain parallel") in results:
+        est = estimate(pair_ratios.get(wl, []))
+        if est is not None:  # back-to-back pairs: the estimate the goal is judged by
+            verdict = ("too few pairs" if est.n < MIN_FOR_VERDICT else "met" if est.lo >= CEILING_GOAL
+                       else "NOT met" if est.hi < CEILING_GOAL else "undecided")
+            checks.append((f"of the {w}-core ceiling (plain parallel) >= {CEILING_GOAL:g}", est.value, verdict))
+            pairs = (f"{est.n} back-to-back pairs: median {est.text(unit='')}; met when the whole interval is "
+                     f"at or over the goal")
+            if (wl, "plain parallel") in results:
+                frac, lo, hi = paired(wl, "tpkit", "plain parallel")
+                pairs += f"; the rounds' ratios {frac:.3f} ({lo:.2f}-{hi:.2f})"
+        elif (wl, "plain parallel") in results:
             frac, lo, hi = paired(wl, "tpkit", "plain parallel")
             checks.append((f"of the {w}-core ceiling (plain parallel) >= {CEILING_GOAL:g}", frac, frac >= CEILING_GOAL))
             pairs = (f"median of the rounds' ratios, {lo:.2f}-{hi:.2f}; medians' ratio "
@@ -552,7 +599,7 @@ def main() -> None:
                 checks.append((f"samples/s ahead of {peer} ({other:.2f}x)", speed, speed > other))
         print(f"{wl}:")
         for what, value, met in checks:
-            print(f"  {what:<48}{value:>8.3f}  {'met' if met else 'NOT met'}")
+            print(f"  {what:<48}{value:>8.3f}  {met if isinstance(met, str) else 'met' if met else 'NOT met'}")
             if pairs and what.startswith(f"of the {w}-core ceiling"):
                 print(f"    ({pairs})")
         if (wl, "tpkit main waits") in results:
