@@ -489,15 +489,13 @@ class ProcessPool:
                 if not out and not self._may_refill(w):  # once begun, a pass fills every queue
                     return
                 bid = self._next_id
+                idx = None  # an iterable dataset's task: the next of the worker's stream
                 if self.tasks is not None:
-                    try:
-                        idx = next(self.tasks)
-                    except StopIteration:
+                    idx = next(self.tasks, None)  # map-style: an index list, never None
+                    if idx is None:
                         self.tasks_done = True
                         return
-                    msg = Task(bid, idx, w.free.pop())
-                else:
-                    msg = Task(bid, None, w.free.pop())
+                msg = Task(bid, idx, w.free.pop())
                 w.inflight[bid] = msg
                 self._next_id += 1
                 out.setdefault(w.id, (w, []))[1].append(msg)
