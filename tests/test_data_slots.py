@@ -4,6 +4,7 @@ the skeleton sent for every batch pickles in C (plain tuples, no class to look u
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import pickletools
 
@@ -51,7 +52,7 @@ def same(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def ring():
-    prefix = segment_prefix(0, 990_001)
+    prefix = segment_prefix(os.getpid(), 990_001)  # a loader id no test loader reaches
     r = WorkerRing(prefix, 0, 0, 2)
     yield r
     r.close()
