@@ -56,6 +56,15 @@ def test_iterable_matches_torch(workers, drop_last):
     assert sum(len(b["i"]) for b in ours) == (23 if not drop_last else sum(len(b["i"]) for b in ref))
 
 
+def test_a_long_iterable_stream_of_small_batches_matches_torch():
+    """Long enough for the small-batch workers' queues to be refilled several tasks at a time
+    (process_pool.REFILL_TASKS): the round robin over workers still gives each its turn as
+    torch's does, so the batches come in torch's order."""
+    ours = list(Loader(Shards(800), batch_size=2, num_workers=2))
+    ref = list(DataLoader(Shards(800), batch_size=2, num_workers=2))
+    assert as_lists(ours) == as_lists(ref)
+
+
 def test_batch_size_none_batch_sampler_and_custom_collate_match_torch():
     kw = dict(batch_size=None, num_workers=2)
     assert as_lists(list(Loader(Mixed(7), **kw))) == as_lists(list(DataLoader(Mixed(7), **kw)))
@@ -761,3 +770,48 @@ def test_the_pool_spins_only_after_a_short_wait(monkeypatch):
     pool._last_wait_s = 10 * process_pool.SPIN_AFTER_WAIT_S
     pool._wait(0.0)
     assert spins == [process_pool.SPIN_S, 0.0]
+
+
+def test_a_refill_that_waits_keeps_the_workers_turn():
+    """An iterable dataset's batches go to the workers in turn, as in torch (worker k's stream
+    makes every W-th batch). When the worker whose turn it is may not be refilled yet (a
+    small-batch worker waits until 4 of its queue are free), the pass sends nothing, and the
+    next batch is still that worker's, whatever room the others have."""
+    from tpkit.data.process_pool import DEEP_PREFETCH, REFILL_TASKS, ProcessPool
+
+    pool = ProcessPool(dict(dataset=Shards(), iterable=True, auto_collate=True, batch_size=2,
+                            drop_last=False, collate_fn=torch.utils.data.default_collate, base_seed=0,
+                            worker_init_fn=None), num_workers=2, prefetch=2, in_order=True,
+                       restart_workers=False, timeout_s=0, deep_small=True)
+    sent: list[tuple[int, int]] = []
+
+    class Pipe:
+        def __init__(self, wid: int) -> None:
+            self.wid = wid
+
+        def send_bytes(self, raw: bytes) -> None:
+            import pickle
+            msg = pickle.loads(raw)
+            sent.extend((t.batch_id, self.wid) for t in (msg if isinstance(msg, list) else [msg]))
+
+    for w in pool.workers:  # as if started, their batches known to be small
+        w.proc, w.conn, w.slot_bytes = object(), Pipe(w.id), 1024
+        w.free = list(range(pool.n_slots))
+    pool.epoch_first_id = pool.next_yield = 0
+    pool.splits, pool.results, pool.tasks, pool.tasks_done, pool.rr = {}, {}, None, False, 0
+    pool._finalizer.detach()  # no process to stop
+    pool._dispatch()
+    assert [w for _, w in sorted(sent)] == [0, 1] * DEEP_PREFETCH  # the first pass fills both, in turn
+    w0, w1 = pool.workers
+    for w in (w0, w1):  # answered: w0 two batches, w1 five
+        for bid in sorted(w.inflight)[: 2 if w is w0 else 5]:
+            w.free.append(w.inflight.pop(bid).slot)
+    sent.clear()
+    pool._dispatch()  # w0's turn, with room for 2 < REFILL_TASKS: nothing, though w1 has 5
+    assert sent == [] and pool.rr == 0
+    for bid in sorted(w0.inflight)[:REFILL_TASKS - 2]:
+        w0.free.append(w0.inflight.pop(bid).slot)
+    pool._dispatch()  # now w0 first, then in turn until w1's queue is full
+    sent.sort()
+    assert [b for b, _ in sent] == list(range(2 * DEEP_PREFETCH, 2 * DEEP_PREFETCH + 2 * REFILL_TASKS))
+    assert [w for _, w in sent] == [0, 1] * REFILL_TASKS

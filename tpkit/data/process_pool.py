@@ -482,11 +482,13 @@ class ProcessPool:
         out: dict[int, tuple[_Worker, list[Task]]] = {}  # worker id -> its tasks of this pass
         try:
             while not self.tasks_done:
+                rr = self.rr  # _pick moves an iterable dataset's round robin on
                 picked = self._pick()
                 if picked is None:
                     return
                 w = picked
                 if not out and not self._may_refill(w):  # once begun, a pass fills every queue
+                    self.rr = rr  # the next batch is still w's to make
                     return
                 bid = self._next_id
                 idx = None  # an iterable dataset's task: the next of the worker's stream
