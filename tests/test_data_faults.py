@@ -147,6 +147,31 @@ def test_restart_workers_replaces_a_killed_worker_without_loss_or_repeat(tmp_pat
     assert not live_children() and not shm_files()
 
 
+def test_a_worker_killed_amid_a_several_task_message_is_replaced_without_loss_or_repeat(tmp_path):
+    """Deep in an epoch of small batches a worker holds several tasks from one message when it
+    dies; the new worker gets each of them again, one message each, and the epoch is whole."""
+    from unittest import mock
+
+    from tpkit.data.process_pool import ProcessPool
+
+    bundles: list[int] = []
+    send = ProcessPool._send
+
+    def watched(w, msg):
+        if isinstance(msg, list):
+            bundles.append(len(msg))
+        send(w, msg)
+
+    with mock.patch.object(ProcessPool, "_send", staticmethod(watched)):
+        loader = Loader(KillsItself(str(tmp_path / "m"), at=301, n=400), batch_size=2, num_workers=2,
+                        restart_workers=True, main_helps=False)
+        with pytest.warns(RuntimeWarning, match="restarted"):
+            got = [b.flatten().tolist() for b in loader]
+    assert got == [[i, i + 1] for i in range(0, 400, 2)]
+    assert bundles and max(bundles) >= 3
+    assert not live_children() and not shm_files()
+
+
 def test_restart_workers_with_an_iterable_dataset(tmp_path):
     from data_helpers import Shards
 
