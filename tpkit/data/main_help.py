@@ -17,9 +17,11 @@ When (``main_helps``):
     generators; the first ``VERIFY_BATCHES`` batches made here are checked again (states
     before and after: ~0.2 ms each), and one that drew puts this process's states back,
     goes to a worker instead and stops the helping for good (``off_reason`` says so).
-    A batch made here is timed too: while this process's own batches take longer than
-    ``HELP_MAX_S`` (it shares the cores with the workers, and a large batch is new memory here
-    where a worker reuses its slot), it stops helping and tries again ``RETRY_S`` later.
+    A batch made here is timed too: when the median of this process's last
+    ``OWN_BATCHES_JUDGED`` batches took longer than ``HELP_MAX_S`` (it shares the cores with
+    the workers, and a large batch is new memory here where a worker reuses its slot), it stops
+    helping and tries again ``RETRY_S`` later. One slow batch is not enough: a main process
+    descheduled for a timeslice in the middle of a tiny batch reads ~10 ms.
   True: always, whatever a batch costs; batches made here draw from their own stream (seeded
     as a worker ``num_workers`` would be), swapped in and out around each (~0.15 ms).
   False: never.
@@ -42,6 +44,7 @@ first batch already does); ``main_helps=False`` keeps every ``__getitem__`` in t
 
 from __future__ import annotations
 
+import collections
 from time import perf_counter
 from typing import Any
 
@@ -60,9 +63,12 @@ VERIFY_BATCHES = 64
 PARK_WINDOW = 32
 #: Weight of the newest batch in the moving average of make times.
 MAKE_EMA = 0.2
-#: "auto": after batches made here took longer than ``HELP_MAX_S`` (moving average of this
-#: process's own), the main process tries again this many seconds later (the host's load, or
-#: the dataset's cost, may have changed).
+#: "auto": this many of the main process's own latest batches are judged (their median) when
+#: it decides its batches are too slow to make here.
+OWN_BATCHES_JUDGED = 3
+#: "auto": after batches made here took longer than ``HELP_MAX_S`` (the median of this
+#: process's last ``OWN_BATCHES_JUDGED``), the main process tries again this many seconds later
+#: (the host's load, or the dataset's cost, may have changed).
 RETRY_S = 1.0
 
 
@@ -86,11 +92,11 @@ class MainHelper:
         self.spec, self.mode, self.in_order = spec, mode, in_order
         self.maker = BatchMaker(spec)
         self.make_s: float | None = None  # moving average of a batch's fetch + collate
-        # the same for the batches made here alone: with the workers running beside it, this
-        # process makes a batch slower than they do (images, 2 workers on 2 cores: 5-13 ms
+        # the times of the last batches made here alone: with the workers running beside it,
+        # this process makes a batch slower than they do (images, 2 workers on 2 cores: 5-13 ms
         # here against ~1.9 ms in a worker), and that is how long a batch that arrived waits
-        self.own_make_s: float | None = None
-        self.slow_since: float | None = None  # when own_make_s went over HELP_MAX_S
+        self.own_recent: collections.deque[float] = collections.deque(maxlen=OWN_BATCHES_JUDGED)
+        self.slow_since: float | None = None  # when their median went over HELP_MAX_S
         self.first_drew: bool | None = None  # whether the in-process first batch drew randomness
         self.verified = 0
         self.off_reason = ""
@@ -111,7 +117,8 @@ class MainHelper:
         if self.slow_since is not None:
             if perf_counter() - self.slow_since < RETRY_S:
                 return False
-            self.own_make_s = self.slow_since = None  # try again, from a fresh average
+            self.slow_since = None  # try again, judged afresh
+            self.own_recent.clear()
         return not self.in_order or self.first_drew is False
 
     def make(self, indices: Any) -> Made | None:
@@ -156,7 +163,8 @@ class MainHelper:
         assert made is not None  # map-style: never exhausted
         seconds = made.fetch_s + made.collate_s
         self.note_make(seconds)
-        self.own_make_s = _moving_average(self.own_make_s, seconds)
-        if self.own_make_s > HELP_MAX_S:  # wanted() then says no for RETRY_S ("auto" only)
-            self.slow_since = perf_counter()
+        recent = self.own_recent
+        recent.append(seconds)
+        if len(recent) == OWN_BATCHES_JUDGED and sorted(recent)[OWN_BATCHES_JUDGED // 2] > HELP_MAX_S:
+            self.slow_since = perf_counter()  # wanted() then says no for RETRY_S ("auto" only)
         return made
