@@ -17,11 +17,12 @@ When (``main_helps``):
     generators; the first ``VERIFY_BATCHES`` batches made here are checked again (states
     before and after: ~0.2 ms each), and one that drew puts this process's states back,
     goes to a worker instead and stops the helping for good (``off_reason`` says so).
-    A batch made here is timed too: when the median of this process's last
-    ``OWN_BATCHES_JUDGED`` batches took longer than ``HELP_MAX_S`` (it shares the cores with
-    the workers, and a large batch is new memory here where a worker reuses its slot), it stops
-    helping and tries again ``RETRY_S`` later. One slow batch is not enough: a main process
-    descheduled for a timeslice in the middle of a tiny batch reads ~10 ms.
+    A batch made here is timed too: when it took longer than ``HELP_MAX_S`` of this thread's
+    CPU time (a large batch is new memory here where a worker reuses its slot), or when the
+    median of this process's last ``OWN_BATCHES_JUDGED`` batches took longer than that in all
+    (it shares the cores with the workers), it stops helping and tries again ``RETRY_S``
+    later. One batch long only in wall time is not enough: a main process descheduled for a
+    timeslice in the middle of a tiny batch reads ~10 ms.
   True: always, whatever a batch costs; batches made here draw from their own stream (seeded
     as a worker ``num_workers`` would be), swapped in and out around each (~0.15 ms).
   False: never.
@@ -45,7 +46,7 @@ first batch already does); ``main_helps=False`` keeps every ``__getitem__`` in t
 from __future__ import annotations
 
 import collections
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any
 
 import numpy as np
@@ -159,12 +160,16 @@ class MainHelper:
             set_rng_states(mine)
 
     def _timed(self, indices: Any) -> Made:
+        cpu0 = thread_time()
         made = self.maker.make(indices)
         assert made is not None  # map-style: never exhausted
         seconds = made.fetch_s + made.collate_s
         self.note_make(seconds)
         recent = self.own_recent
         recent.append(seconds)
-        if len(recent) == OWN_BATCHES_JUDGED and sorted(recent)[OWN_BATCHES_JUDGED // 2] > HELP_MAX_S:
+        # slow at once when the batch's own work was (this thread's CPU time: a large batch's
+        # new memory, its copies), else when the median of the last few was (a stall)
+        if seconds > HELP_MAX_S and thread_time() - cpu0 > HELP_MAX_S or (
+                len(recent) == OWN_BATCHES_JUDGED and sorted(recent)[OWN_BATCHES_JUDGED // 2] > HELP_MAX_S):
             self.slow_since = perf_counter()  # wanted() then says no for RETRY_S ("auto" only)
         return made
