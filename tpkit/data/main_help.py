@@ -67,9 +67,9 @@ MAKE_EMA = 0.2
 #: "auto": this many of the main process's own latest batches are judged (their median) when
 #: it decides its batches are too slow to make here.
 OWN_BATCHES_JUDGED = 3
-#: "auto": after batches made here took longer than ``HELP_MAX_S`` (the median of this
-#: process's last ``OWN_BATCHES_JUDGED``), the main process tries again this many seconds later
-#: (the host's load, or the dataset's cost, may have changed).
+#: "auto": after batches made here were judged too slow (``MainHelper._timed``), the main
+#: process tries again this many seconds later (the host's load, or the dataset's cost, may
+#: have changed).
 RETRY_S = 1.0
 
 
@@ -97,7 +97,7 @@ class MainHelper:
         # this process makes a batch slower than they do (images, 2 workers on 2 cores: 5-13 ms
         # here against ~1.9 ms in a worker), and that is how long a batch that arrived waits
         self.own_recent: collections.deque[float] = collections.deque(maxlen=OWN_BATCHES_JUDGED)
-        self.slow_since: float | None = None  # when their median went over HELP_MAX_S
+        self.slow_since: float | None = None  # when they were judged too slow (_timed)
         self.first_drew: bool | None = None  # whether the in-process first batch drew randomness
         self.verified = 0
         self.off_reason = ""
