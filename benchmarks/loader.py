@@ -374,6 +374,19 @@ def peer_available(peer: str) -> str | None:
     return None
 
 
+def measure_in_child(wl: str, peer: str, workers: int, max_seconds: float, pss_interval: float,
+                     env: dict, notes: list[str], what: str) -> dict | None:
+    """``measure_one`` in a fresh process (``--one``); None, with a note, when it failed."""
+    rc, stdout, stderr = run_child([sys.executable, __file__, "--one", wl, peer, "--workers", str(workers),
+                                    "--max-seconds", str(max_seconds), "--pss-interval", str(pss_interval)], env)
+    try:
+        return json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = " | ".join(stderr.strip().splitlines()[-4:])
+        notes.append(f"{wl}/{peer} {what} failed (exit {rc}): {tail}")
+        return None
+
+
 def run_child(cmd: list[str], env: dict, timeout: float = 600) -> tuple[int, str, str]:
     """Runs one measurement in its own process group, output to files (a worker left behind
     by a peer must not hold a pipe open), and kills whatever of the group is left."""
@@ -470,14 +483,9 @@ def main() -> None:
         for r in range(args.repeats):
             order = peers[r % len(peers):] + peers[:r % len(peers)]  # rotate: no peer always first
             for peer in order:
-                rc, stdout, stderr = run_child([sys.executable, __file__, "--one", wl, peer, "--workers",
-                                                str(args.workers), "--max-seconds", str(args.max_seconds),
-                                                "--pss-interval", str(args.pss_interval)], env)
-                try:
-                    m = json.loads(stdout.strip().splitlines()[-1])
-                except (IndexError, ValueError):
-                    tail = " | ".join(stderr.strip().splitlines()[-4:])
-                    notes.append(f"{wl}/{peer} repeat {r} failed (exit {rc}): {tail}")
+                m = measure_in_child(wl, peer, args.workers, args.max_seconds, args.pss_interval, env,
+                                     notes, f"repeat {r}")
+                if m is None:
                     continue
                 m["load_avg_1m"], m["repeat"] = round(load_avg()[0], 2), r
                 results.setdefault((wl, peer), []).append(m)
@@ -490,13 +498,10 @@ def main() -> None:
             for k in range(args.ceiling_pairs):
                 got = {}
                 for peer in (("tpkit", "plain parallel") if k % 2 == 0 else ("plain parallel", "tpkit")):
-                    rc, stdout, stderr = run_child([sys.executable, __file__, "--one", wl, peer, "--workers",
-                                                    str(args.workers), "--max-seconds", str(PAIR_SECONDS),
-                                                    "--pss-interval", str(args.pss_interval)], env)
-                    try:
-                        got[peer] = json.loads(stdout.strip().splitlines()[-1])["samples_per_s"]
-                    except (IndexError, ValueError, KeyError):
-                        notes.append(f"{wl}/{peer} ceiling pair {k} failed (exit {rc})")
+                    m = measure_in_child(wl, peer, args.workers, PAIR_SECONDS, args.pss_interval, env,
+                                         notes, f"ceiling pair {k}")
+                    if m is not None:
+                        got[peer] = m["samples_per_s"]
                 if len(got) == 2:
                     pair_ratios.setdefault(wl, []).append(got["tpkit"] / got["plain parallel"])
                     rows.append({"op": "ceiling_pair", "workload": wl, "peer": "tpkit / plain parallel",

@@ -209,7 +209,7 @@ class Recorder:
         end_ns = perf_counter_ns()
         self.own_host_ns += end_ns - start_ns
         self._spans += ("tpkit", start_ns, end_ns, len(self._stack), "probes",
-                        self.step_index, start_event, end_event if start_event is not None else None)
+                        self.step_index, start_event, end_event)
 
     def add_clock(self, t_ns: int, device: str, metric: str, value: float) -> None:
         self.clocks.append((t_ns, device, metric, value))

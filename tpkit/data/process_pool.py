@@ -419,13 +419,16 @@ class ProcessPool:
         """Batches in flight this worker may have (see the module docstring)."""
         return DEEP_PREFETCH if self.deep_small and 0 <= w.slot_bytes <= SMALL_SLOT_BYTES else self.prefetch
 
-    def _has_room(self, w: _Worker) -> bool:
-        # Like torch, count batches the worker still owes; a finished batch waiting in the
-        # reorder buffer holds a slot (the hard limit) but must not idle its worker.
+    def _room(self, w: _Worker) -> int:
+        """Tasks ``w`` may be sent now. Like torch, count batches the worker still owes; a
+        finished batch waiting in the reorder buffer holds a slot (the hard limit) but must not
+        idle its worker."""
         depth = self._depth(w)
         in_use = self.n_slots - len(w.free)  # in flight, answered and waiting, or held by the loop
-        return (w.proc is not None and not w.exhausted and in_use < depth + self.hold
-                and len(w.inflight) < depth)
+        return min(depth - len(w.inflight), depth + self.hold - in_use)
+
+    def _has_room(self, w: _Worker) -> bool:
+        return w.proc is not None and not w.exhausted and self._room(w) > 0
 
     def _parked(self) -> int | None:
         """The worker id that gets no new batches now (main_help.py), or None."""
@@ -512,11 +515,7 @@ class ProcessPool:
         in one message: the worker still has the rest of its queue to make meanwhile, and a
         message a batch cost both processes a pipe round (the main process ~10 us to send, the
         worker ~15 us to wake on and read it), a tenth of a ~150 us batch."""
-        depth = self._depth(w)
-        if depth < DEEP_PREFETCH:
-            return True
-        in_use = self.n_slots - len(w.free)
-        return min(depth - len(w.inflight), depth + self.hold - in_use) >= REFILL_TASKS
+        return self._depth(w) < DEEP_PREFETCH or self._room(w) >= REFILL_TASKS
 
     @staticmethod
     def _send(w: "_Worker", msg: Task | list[Task]) -> None:
