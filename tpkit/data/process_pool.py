@@ -239,7 +239,8 @@ class ProcessPool:
         self.closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.prefix)
         self._skeletons: dict[bytes, Any] = {}  # see worker_loop.done_from_wire
-        self._poll_key: tuple = ()
+        self._poll_key = -1
+        self._forks = 0  # workers forked over the pool's life (``_poller``)
         self._polling: tuple[Any, dict[int, tuple[bool, _Worker]]] = (None, {})
         self._last_wait_s = 0.0  # how long the last _wait took (see SPIN_S)
         # batches this process makes while it would wait (main_help.py): map-style datasets
@@ -276,6 +277,7 @@ class ProcessPool:
                 gc.unfreeze()
         child.close()
         w.conn = parent
+        self._forks += 1
         w.free = list(range(self.n_slots))
         w.held = 0
         w.inflight = {}
@@ -442,14 +444,12 @@ class ProcessPool:
         ws = self.workers
         parked = self._parked()
         if parked is not None:  # the main process makes that worker's share: the least loaded other
-            ok = [w for w in ws if w.id != parked and self._has_room(w)]
-            return min(ok, key=lambda w: len(w.inflight) + w.buffered) if ok else None
+            return self._least_loaded(parked)
         if not self.in_order:
             if self.tasks is None and all(w.exhausted for w in ws):
                 self.tasks_done = True
                 return None
-            ok = [w for w in ws if self._has_room(w)]
-            return min(ok, key=lambda w: len(w.inflight) + w.buffered) if ok else None
+            return self._least_loaded(None)
         if self.tasks is not None:  # map-style: batch b goes to worker b % W, like torch
             w = ws[(self._next_id - self.epoch_first_id) % len(ws)]
             return w if self._has_room(w) else None
@@ -462,6 +462,17 @@ class ProcessPool:
                 return None
         self.tasks_done = True
         return None
+
+    def _least_loaded(self, skip: int | None) -> _Worker | None:
+        """The worker with room and the fewest batches owed or waiting, other than ``skip``
+        (a plain loop: ``_dispatch`` asks at every pass, twice a batch of a fast loader)."""
+        best, fewest = None, 0
+        for w in self.workers:
+            if w.id != skip and self._has_room(w):
+                owed = len(w.inflight) + w.buffered
+                if best is None or owed < fewest:
+                    best, fewest = w, owed
+        return best
 
     def _dispatch(self) -> None:
         self._drain_released()
@@ -524,9 +535,11 @@ class ProcessPool:
         in ``inflight``, and the receive loop reports the death (with the worker's own error
         when it sent one) or, with restart_workers, re-sends them one by one."""
         try:
-            # plain pickle: a task is ints and lists of ints (the pipe's ForkingPickler, with its
-            # per-call reducer table, costs ~5 us more); the worker's recv() reads it as is
-            w.conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+            # plain pickle of plain tuples: a task is ints and a list of ints (the pipe's
+            # ForkingPickler, with its per-call reducer table, costs ~5 us more; a Task would
+            # cost a class lookup and a Python call each way); the worker's recv() reads it
+            wire = tuple(msg) if type(msg) is not list else [tuple(t) for t in msg]
+            w.conn.send_bytes(pickle.dumps(wire, pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, ConnectionResetError):
             pass
 
@@ -610,13 +623,13 @@ class ProcessPool:
         for task in old:  # same batches, same order, into the new worker's ring
             task = task._replace(slot=w.free.pop())
             w.inflight[task.batch_id] = task
-            w.conn.send(task)
+            self._send(w, task)
 
     def _poller(self) -> tuple[Any, dict[int, tuple[bool, _Worker]]]:
         """One ``select.poll`` over every live worker's pipe and process sentinel, kept while
         the workers stay the same (``multiprocessing.connection.wait`` and ``Connection.poll``
         build a new selector at each call: ~10 us each, three per batch)."""
-        key = tuple((w.id, w.life) for w in self.workers if w.proc is not None)
+        key = self._forks  # the workers change only when one is forked (or all stop: a new pool)
         if key != self._poll_key:
             poller, where = select.poll(), {}
             for w in self.workers:
@@ -694,7 +707,10 @@ class ProcessPool:
         in flight (a helped batch waits for the in-flight ones before it, in order; more would
         only hold memory)."""
         # the deepest worker's depth for every worker: a resting one may never have told its size
-        return max(self._depth(w) for w in self.workers) * self.num_workers
+        depth = self.prefetch
+        for w in self.workers:  # (asked before each batch made here: no generator)
+            depth = max(depth, self._depth(w))
+        return depth * self.num_workers
 
     def _help(self) -> None:
         """Make the next unassigned batch here, into the reorder buffer; or, when it drew

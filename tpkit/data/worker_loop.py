@@ -3,8 +3,9 @@
 Messages on the worker's pipe (small named tuples, never tensor data):
 
 main -> worker  ``Task(batch_id, indices, slot)``   make this batch (``indices`` is None for an
-                                                  iterable dataset: the next of this worker's stream)
-                a list of ``Task``                make these batches, in order
+                                                  iterable dataset: the next of this worker's stream);
+                                                  on the pipe a plain tuple of the three
+                a list of them                    make these batches, in order
                 ``Reset(skip_batches)``           new epoch of an iterable dataset
                 ``None``                          exit
 worker -> main  ``BatchDone(batch_id, slot, gen, slot_bytes, skeleton, fetch_s, collate_s,
@@ -380,26 +381,28 @@ def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batche
     ring.close()
 
 
-def _do_task(task: Task, maker: BatchMaker, ring: WorkerRing, conn: Any, exhausted: bool) -> bool:
-    """Make one batch into its slot and answer; returns whether the iterable stream is over."""
+def _do_task(task: tuple, maker: BatchMaker, ring: WorkerRing, conn: Any, exhausted: bool) -> bool:
+    """Make one batch into its slot and answer; returns whether the iterable stream is over.
+    ``task``: a ``Task``'s fields, as the pipe carries them (a plain tuple)."""
+    batch_id, indices, slot = task
     if exhausted:
-        conn.send(StreamEnded(task.batch_id))
+        conn.send(StreamEnded(batch_id))
         return True
     try:
-        made = maker.make(task.indices)
+        made = maker.make(indices)
         if made is None:
-            conn.send(StreamEnded(task.batch_id))
+            conn.send(StreamEnded(batch_id))
             return True
         t0 = perf_counter()
-        skel, gen, slot_bytes = ring.write(task.slot, made.batch)
+        skel, gen, slot_bytes = ring.write(slot, made.batch)
         write_s = perf_counter() - t0
-        done = BatchDone(task.batch_id, task.slot, gen, slot_bytes, skel, made.fetch_s,
+        done = BatchDone(batch_id, slot, gen, slot_bytes, skel, made.fetch_s,
                          made.collate_s, write_s, perf_counter_ns(), made.n_samples)
         del made  # the samples go now, not at the next batch
         # plain pickle (the skeleton holds plain values, tuples and type references): the
         # pipe's ForkingPickler costs ~5 us more per call
         conn.send_bytes(done_to_wire(done))
     except Exception as e:
-        conn.send(failed(task.batch_id, maker.current_index, e))
+        conn.send(failed(batch_id, maker.current_index, e))
         maker.current_index = None
     return False

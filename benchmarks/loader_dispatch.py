@@ -1,0 +1,150 @@
+"""What the main process's cheaper hand-out is worth (session 28): tpkit's loader as it is against
+the same loader with the four methods it changed put back as they were after session 27,
+switched block by block inside one loader, on the tiny workload of ``benchmarks/loader.py``
+(64 samples of 8 floats and an int a batch, 2 workers).
+
+The peer (``Before``, rebuilt here from session 27's code):
+
+- ``_pick`` listed the workers with room and took ``min`` with a key function, at every pass of
+  ``_dispatch`` (about two a batch, most of them sending nothing);
+- ``_send`` pickled ``Task`` named tuples (a class lookup when pickled, a Python call when read);
+- ``_help_ahead`` (asked before each batch the main process makes) ran a generator;
+- ``_poller`` built a tuple over the workers at every wait to see whether they had changed.
+
+Each method is looked up on the class at every call, so one loader runs both: 20 batches to
+let the queues settle, then ``--block`` timed batches, the variants taking turns (the order
+alternating each cycle). Each cycle's ratio is the peer's time over the current one's (> 1: the
+current is faster). Printed: the median ratio with its 95% bootstrap interval, with the main
+process helping (the default) and waiting.
+
+    python benchmarks/loader_dispatch.py [--cycles 300] [--block 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import select
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import load_avg, machine, versions, write_rows  # noqa: E402
+from interleave import estimate  # noqa: E402
+
+SETTLE_BATCHES = 20
+CHANGED = ("_pick", "_send", "_help_ahead", "_poller")
+
+
+class Before:
+    """The four methods as session 27 left them (the peer)."""
+
+    def _pick(self: Any) -> Any:
+        ws = self.workers
+        parked = self._parked()
+        if parked is not None:
+            ok = [w for w in ws if w.id != parked and self._has_room(w)]
+            return min(ok, key=lambda w: len(w.inflight) + w.buffered) if ok else None
+        if not self.in_order:
+            if self.tasks is None and all(w.exhausted for w in ws):
+                self.tasks_done = True
+                return None
+            ok = [w for w in ws if self._has_room(w)]
+            return min(ok, key=lambda w: len(w.inflight) + w.buffered) if ok else None
+        if self.tasks is not None:
+            w = ws[(self._next_id - self.epoch_first_id) % len(ws)]
+            return w if self._has_room(w) else None
+        for k in range(len(ws)):
+            w = ws[(self.rr + k) % len(ws)]
+            if not w.exhausted:
+                if self._has_room(w):
+                    self.rr = (w.id + 1) % len(ws)
+                    return w
+                return None
+        self.tasks_done = True
+        return None
+
+    @staticmethod
+    def _send(w: Any, msg: Any) -> None:
+        try:
+            w.conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))  # Task named tuples
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _help_ahead(self: Any) -> int:
+        return max(self._depth(w) for w in self.workers) * self.num_workers
+
+    def _poller(self: Any) -> Any:
+        key = tuple((w.id, w.life) for w in self.workers if w.proc is not None)
+        if key != self._poll_key:
+            poller, where = select.poll(), {}
+            for w in self.workers:
+                if w.proc is not None:
+                    for fd, dead in ((w.conn.fileno(), False), (w.proc.sentinel, True)):
+                        poller.register(fd, select.POLLIN)
+                        where[fd] = (dead, w)
+            self._poll_key, self._polling = key, (poller, where)
+        return self._polling
+
+
+def measure(main_helps: bool | str, cycles: int, block: int) -> tuple[list[float], list[float]]:
+    """Seconds a timed block took with the peer's methods and with the current ones, per cycle."""
+    from tpkit.data import Loader
+    from tpkit.data.process_pool import ProcessPool
+    from tpkit.datasets import TinySamples
+
+    now = {name: ProcessPool.__dict__[name] for name in CHANGED}
+    before = {name: Before.__dict__[name] for name in CHANGED}
+    n_batches = 300 + cycles * 2 * (SETTLE_BATCHES + block)
+    loader = Loader(TinySamples(n_batches * 64), batch_size=64, shuffle=True, num_workers=2,
+                    main_helps=main_helps)
+    it = iter(loader)
+    times: dict[str, list[float]] = {"before": [], "now": []}
+    try:
+        for _ in range(300):  # workers started, rings made, queues deep
+            next(it)
+        for cyc in range(cycles):
+            for variant in (("before", "now") if cyc % 2 else ("now", "before")):
+                for name, method in (before if variant == "before" else now).items():
+                    setattr(ProcessPool, name, method)
+                for _ in range(SETTLE_BATCHES):
+                    next(it)
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    next(it)
+                times[variant].append(time.perf_counter() - t0)
+    finally:
+        for name, method in now.items():
+            setattr(ProcessPool, name, method)
+        loader.close()
+    return times["before"], times["now"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cycles", type=int, default=300)
+    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
+    args = ap.parse_args()
+
+    print(f"{machine()};", f"load average at start {' / '.join(f'{x:.2f}' for x in load_avg())};", versions())
+    print(f"tiny workload, 2 workers, {args.cycles} cycles of {args.block} timed batches a variant; "
+          f"the main process's {', '.join(CHANGED)} as now against as after session 27")
+    rows = []
+    for label, helps in (("main process helps (default)", "auto"), ("main process waits", False)):
+        before, now = measure(helps, args.cycles, args.block)
+        est = estimate([a / b for a, b in zip(before, now)])
+        assert est is not None
+        rate = lambda ts: args.block * 64 / sorted(ts)[len(ts) // 2]  # noqa: E731
+        print(f"  {label:30s} now over before: {est.text()}  "
+              f"({rate(before):,.0f} -> {rate(now):,.0f} samples/s, block medians)")
+        rows += [{"variant": label, "cycle": i, "before_s": a, "now_s": b}
+                 for i, (a, b) in enumerate(zip(before, now))]
+    path = write_rows("loader_dispatch", rows)
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()
