@@ -618,6 +618,92 @@ def test_cuda_stretch_without_a_new_high_gives_its_boundary_maximum():
     assert any("cuda:0 peaks are lower bounds" in n for n in rec.notes)
 
 
+class HeardStream(mem.CpuAllocatorStream):
+    """Plays the allocator stream of a GPU machine: the marker storages the probe made and
+    freed, in order, and the CUDA caching allocator's reports to the profiler (cuda:0's level
+    with each), scripted per stretch: ``reports[k]`` are heard between boundary k - 1 (the
+    install for k = 0) and boundary k."""
+
+    def __init__(self, reports: dict[int, list[int]]) -> None:
+        super().__init__()
+        self.reports = reports
+        self.probe: mem.MemoryProbe | None = None
+
+    def start(self) -> None:
+        self.active = True
+
+    def stop(self) -> list[tuple[int, int]]:
+        assert self.probe is not None
+        self.active = False
+        pool = self.probe._pool_flat
+        cpu = [(pool[2 * i], pool[2 * i + 1]) for i in range(len(pool) // 2)]
+        self.cuda_levels = []
+        for ptr, size, kind, idx, _ in self.probe.marks:
+            if kind == mem._BOUND:
+                self.cuda_levels += [(len(cpu), 0, level) for level in self.reports.get(idx, [])]
+            cpu.append((ptr, -size))
+        return cpu
+
+
+def heard_slice(reports: dict[int, list[int]], reads: list[tuple[int, int]]) -> tuple[Recorder, mem.MemoryProbe]:
+    """forward enter (boundary 0), h2d enter (1), h2d exit (2), forward exit (3) on a model on
+    cuda:0; ``reads``: (allocated, process peak) at the install and at each boundary."""
+    stream = HeardStream(reports)
+    rec = Recorder("heard")
+    model = cuda_model()
+    rec.models[id(model)] = model
+    probe = stream.probe = mem.MemoryProbe(rec, cpu=stream, cuda=FakeCuda(reads)).install()
+    rec.enter("forward", "test")
+    tok = rec.enter("h2d", "test")
+    rec.exit(tok)
+    rec.exit(0)
+    probe.remove()
+    return rec, probe
+
+
+#: the process's peak counter stands at 8,000 from before the slice and never rises in it
+NO_NEW_HIGH = [(1000, 8000), (2000, 8000), (3000, 8000), (2500, 8000), (2200, 8000)]
+
+
+@fake_ptr
+def test_cuda_peaks_come_from_the_allocators_own_reports_in_the_stream():
+    """Inside h2d the allocator went 3,000 -> 4,100 -> 5,200 -> 2,500: its boundaries read 3,000
+    and 2,500, and the process's peak counter (8,000 from before the slice, never reset) did
+    not move, so the counters alone gave 3,000 and called it a lower bound. The allocator's
+    reports in the stream give the peak itself, and every stretch was heard: exact."""
+    rec, probe = heard_slice({0: [2000], 1: [3000], 2: [4100, 5200, 2500], 3: [2200]}, NO_NEW_HIGH)
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    h2d = cuda.query("phase == 'h2d' and event == 'peak'").set_index("category")["bytes"]
+    assert h2d.sum() == 5200 and h2d["parameters"] == 64
+    assert cuda.query("phase == 'forward' and event == 'peak'")["bytes"].sum() == 5200
+    assert "peak_lower_bound" not in probe.meta()["memory"]
+    assert not any("lower bounds" in n for n in rec.notes)
+
+
+@fake_ptr
+def test_a_cuda_stretch_not_heard_keeps_its_lower_bound():
+    """Between h2d's exit and forward's exit the level fell from 2,500 to 2,200 with no report
+    of the allocator in the stream (a thread the profiler does not hear freed it): that
+    stretch cannot be read, so it keeps the higher boundary level and the run says it is a
+    lower bound; the stretches that were heard are exact."""
+    rec, probe = heard_slice({0: [2000], 1: [3000], 2: [4100, 5200, 2500]}, NO_NEW_HIGH)
+    bound = probe.meta()["memory"]["peak_lower_bound"]["cuda:0"]
+    assert bound.startswith("1 of 4 stretches")
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 5200
+
+
+@fake_ptr
+def test_cuda_reports_never_lower_a_peak_the_counter_saw():
+    """A stretch that set a new high for the process is read exactly by its peak counter (6,000
+    inside h2d); reports that heard less (a transient in a thread the profiler does not hear)
+    do not lower it."""
+    reads = [(1000, 1500), (2000, 2500), (3000, 3500), (2500, 6000), (2200, 6000)]
+    rec, _ = heard_slice({0: [2000], 1: [3000], 2: [4100, 2500], 3: [2200]}, reads)
+    cuda = frame_of(rec).query("device == 'cuda:0'")
+    assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 6000
+
+
 @fake_ptr
 def test_cuda_first_seen_mid_slice_does_not_trust_the_old_peak():
     fake = FakeCuda([(1000, 1500), (2000, 2500), (3000, 3500)])
@@ -946,14 +1032,20 @@ def _event(t_ns: int, **fields: Any) -> SimpleNamespace:
     return SimpleNamespace(start_time_ns=t_ns, extra_fields=SimpleNamespace(**fields))
 
 
-def test_the_stream_reads_its_allocations_in_time_order_and_cpu_only() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    events = [_event(30, ptr=7, alloc_size=-64, device=cpu), _event(10, ptr=7, alloc_size=64, device=cpu),
-              _event(20, ptr=9, alloc_size=512, device=cuda)]
-    assert mem.allocations(events) == [(7, 64), (7, -64)]
+def test_the_stream_reads_its_allocations_in_time_order_and_cuda_levels_apart() -> None:
+    cpu, cuda, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    events = [_event(30, ptr=7, alloc_size=-64, device=cpu, total_allocated=0),
+              _event(10, ptr=7, alloc_size=64, device=cpu, total_allocated=64),
+              _event(20, ptr=9, alloc_size=512, device=cuda, total_allocated=4096),
+              _event(5, ptr=3, alloc_size=1024, device=cuda1, total_allocated=1024),
+              _event(40, ptr=9, alloc_size=-512, device=cuda, total_allocated=3584)]
+    # CUDA reports: after how many CPU events each came, its device, the level it reported
+    want = ([(7, 64), (7, -64)], [(0, 1, 1024), (1, 0, 4096), (2, 0, 3584)])
+    assert mem.allocations(events) == want
     # an event of another kind (an out-of-memory report has no address) is passed over
     oom = _event(15, alloc_size=1 << 40, device=cpu, total_allocated=0)
-    assert mem.allocations([*events, oom]) == [(7, 64), (7, -64)]
+    assert mem.allocations([*events, oom]) == want
+    assert mem.allocations(events[:2]) == ([(7, 64), (7, -64)], [])
 
 
 def test_the_stream_of_a_real_slice_is_every_allocation_and_free_of_it() -> None:

@@ -42,10 +42,13 @@ How the allocator is read:
   back on first, so that profiler sees every op; the stream's end switches it back on.
 - CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` at each boundary, for the
   devices holding tensors the probe has seen only (not every visible device), and the known
-  sets walked from the tensors there (the CUDA path still walks per boundary). The peak
-  counter is process-global and never reset: a stretch's peak is exact when the counter rose
-  during it (a new high for the process), otherwise it is the higher of its two boundary levels;
-  the mix at a CUDA peak takes the known sets of the higher boundary (``approximate_mix`` in
+  sets walked from the tensors there (the CUDA path still walks per boundary). A stretch's
+  peak comes from the caching allocator's own reports in the stream above (it reports every
+  allocation and free with the device's level, and the replay takes the highest in each
+  stretch: ``_stream_cuda_peaks``); where they did not cover a stretch, from the peak counter,
+  which is process-global and never reset: exact when it rose during the stretch (a new high
+  for the process), otherwise the higher of the stretch's two boundary levels, said as a lower
+  bound. The mix at a CUDA peak takes the known sets of the higher boundary (``approximate_mix`` in
   ``run.meta["memory"]``). ``--memory-detail`` records the allocator history and keeps the
   largest allocations alive at the peak, with their stacks; a history that was already
   recording is read and left on, and tpkit switches off only the one it started.
@@ -154,6 +157,8 @@ class CpuAllocatorStream:
         #: events torch's profiler recorded in the last session (every device's allocations and
         #: frees): each one was paid for inside the loop's own phases (docs/OVERHEAD.md)
         self.events_seen = 0
+        #: the CUDA allocator's reports in the last session (``allocations``' second list)
+        self.cuda_levels: list[tuple[int, int, int]] = []
 
     def _record_functions_on(self) -> None:
         """RecordFunction back on, when called in the thread where it was switched off (the
@@ -216,30 +221,43 @@ class CpuAllocatorStream:
             result = self._disable()
         events = result.experimental_event_tree()
         self.events_seen = len(events)
-        return allocations(events)
+        cpu, self.cuda_levels = allocations(events)
+        return cpu
 
 
-def allocations(events: list[Any]) -> list[tuple[int, int]]:
-    """``(ptr, bytes)`` of the CPU allocations and frees among a profiler result's events, in
-    time order. The stream holds allocator events only (~800 a step of a 2-layer GPT-2), so
-    this reads each event's fields with three C-level passes (1.3 s -> 0.6 s for 480k events
-    here); an event of another kind (an out-of-memory report has no ``ptr``) sends the whole
-    list through the per-event reading instead."""
+def allocations(events: list[Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """What a profiler result's allocator events say, in time order: ``(ptr, bytes)`` of every
+    CPU allocation (bytes > 0) and free (< 0); and for each report of the CUDA caching
+    allocator, ``(position, device index, total_allocated)``: the report came after
+    ``position`` of the CPU events, and ``total_allocated`` is the device's allocated bytes
+    the allocator reported with it (its level at that event: ``MemoryProbe._stream_cuda_peaks``).
+
+    The stream holds allocator events only (~800 a step of a 2-layer GPT-2), so a stream of
+    CPU events alone is read with three C-level passes (1.3 s -> 0.6 s for 480k events here);
+    one with another device's events, or an event of another kind (an out-of-memory report has
+    no ``ptr``), is read event by event."""
     ts = [ev.start_time_ns for ev in events]
     if any(a > b for a, b in zip(ts, ts[1:])):  # one thread's events come in order: no sort
         events = [events[k] for k in sorted(range(len(events)), key=ts.__getitem__)]
     fields = [ev.extra_fields for ev in events]
     cpu = torch.device("cpu")
     try:
-        return [(p, n) for p, n, d in map(_ALLOC_FIELDS, fields) if d == cpu]
+        out = [(p, n) for p, n, d in map(_ALLOC_FIELDS, fields) if d == cpu]
+        if len(out) == len(fields):
+            return out, []
     except AttributeError:
-        out = []
-        for f in fields:
-            size = getattr(f, "alloc_size", None)
-            if size is None or getattr(f, "ptr", None) is None or getattr(f.device, "type", "cpu") != "cpu":
-                continue
+        pass
+    out, cuda = [], []
+    for f in fields:
+        size = getattr(f, "alloc_size", None)
+        dev = getattr(f, "device", None)
+        if size is None or getattr(f, "ptr", None) is None or dev is None:
+            continue
+        if dev.type == "cpu":
             out.append((int(f.ptr), int(size)))
-        return out
+        elif dev.type == "cuda":
+            cuda.append((len(out), dev.index or 0, int(f.total_allocated)))
+    return out, cuda
 
 
 _ALLOC_FIELDS = operator.attrgetter("ptr", "alloc_size", "device")
@@ -439,6 +457,7 @@ class MemoryProbe:
         self.walks: dict[int, dict[tuple[str, str], int]] = {}
         #: boundary -> {device: (allocated, peak in the stretch before, peak exact)}
         self.cuda_reads: dict[int, dict[str, tuple[int, int, bool]]] = {}
+        self._cuda_baseline: dict[str, tuple[int, int, bool]] = {}  # {device: read} at install
         self._bounded: dict[str, str] = {}  # devices whose stretch peaks are lower bounds (_emit)
         # the optimizers that stepped (held for the slice only: dropped in remove())
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
@@ -493,7 +512,8 @@ class MemoryProbe:
                 self._refill(min(MARKERS_AHEAD_MAX, MARKERS_PER_STEP_AHEAD * self.steps_ahead))
             self._observe()  # what exists already (a model seen before, its optimizer's state)
             for i in sorted(self._cuda_in_use):
-                self._read_cuda(i)  # the baseline: the first stretch's peak is measured from here
+                # the baseline: the first stretch's peak is measured from here
+                self._cuda_baseline[f"cuda:{i}"] = self._read_cuda(i)
             if self.detail:
                 if self.cuda.available():
                     try:
@@ -592,19 +612,21 @@ class MemoryProbe:
         return {"memory": out}
 
     def _cuda_peaks_bounded(self) -> dict[str, str]:
-        """Devices with stretches whose peak could only be bounded from below: the process's
-        peak counter (never reset, so the user's ``max_memory_allocated`` stays theirs) did not
-        rise in them, so their peak is the higher of their two boundary levels; a transient
-        inside (an optimizer's temporaries) is not seen."""
+        """Devices with stretches whose peak could only be bounded from below: the allocator's
+        reports did not cover them (``_stream_cuda_peaks``) and the process's peak counter
+        (never reset, so the user's ``max_memory_allocated`` stays theirs) did not rise in
+        them, so their peak is the higher of their two boundary levels; a transient inside (an
+        optimizer's temporaries) is not seen."""
         out: dict[str, str] = {}
         for dev in sorted({d for reads in self.cuda_reads.values() for d in reads}):
             exact = [r[dev][2] for r in self.cuda_reads.values() if dev in r]
             missed = sum(1 for e in exact if not e)
             if missed:
                 out[dev] = (f"{missed} of {len(exact)} stretches between phase boundaries (a stretch's peak is "
-                            "exact only where it set a new high for the process: tpkit never resets the peak "
-                            "counter, so the user's max_memory_allocated stays theirs; elsewhere it is the higher "
-                            "of the stretch's two boundary levels, and a transient inside it is not seen)")
+                            "exact where the CUDA allocator's own reports to the profiler covered it, or where "
+                            "it set a new high for the process: tpkit never resets the peak counter, so the "
+                            "user's max_memory_allocated stays theirs; elsewhere it is the higher of the "
+                            "stretch's two boundary levels, and a transient inside it is not seen)")
         return out
 
     # -- hooks (the hot path) ---------------------------------------------------------------
@@ -1100,6 +1122,7 @@ class MemoryProbe:
                     ids[i] = a
                     freed_at[a] = i
         self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
+        self._stream_cuda_peaks(at_bound)
 
         # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest, rest in backward]
         index = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "data": 3, _BUFFER: 4, _OWN: -2}
@@ -1166,6 +1189,44 @@ class MemoryProbe:
         if k_open is not None and best is not None:
             seg[k_open] = best
         return levels, seg
+
+    def _stream_cuda_peaks(self, at_bound: dict[int, int]) -> None:
+        """Each stretch between two boundaries found one after the other in the stream gets its
+        CUDA peak from the allocator's own reports in it (``CpuAllocatorStream.cuda_levels``):
+        the caching allocator reports every allocation and free to the profiler with the
+        device's allocated bytes, so the highest of those and of the stretch's two boundary
+        levels is the stretch's peak, whether a report carries the level before its event or
+        after it. The process's peak counter (never reset by tpkit) gives that only where a
+        stretch set a new high; here every stretch is read (docs/GPU_RUNS.md).
+
+        Only what the profiler heard: the loop's thread and the threads torch runs its work in
+        (autograd's, intra-op) report; a CUDA allocation made in a thread of the user's own
+        shows in the levels reported after it, but a transient there between two reports is
+        missed. A stretch whose level changed with no report of that device inside it (an
+        allocator that does not report, or a thread that was not heard) keeps the boundary
+        reading and its lower-bound flag."""
+        levels = getattr(self.cpu, "cuda_levels", None)
+        if not levels or not self.cuda_reads:
+            return  # no CUDA device in use, or its allocator was not heard
+        found = sorted(at_bound.items())  # (position in the CPU stream, boundary)
+        positions = [i for i, _ in found]
+        highest: dict[tuple[int, str], int] = {}  # (boundary that ends the stretch, device) -> level
+        for pos, index, total in levels:
+            f = bisect.bisect_left(positions, pos)  # the first boundary after the report
+            if f < len(found):
+                key = (found[f][1], f"cuda:{index}")
+                if total > highest.get(key, -1):
+                    highest[key] = total
+        reporting = {dev for _, dev in highest}  # devices whose allocator was heard at all
+        for f, (_, k) in enumerate(found):
+            if (found[f - 1][1] if f else -1) != k - 1:
+                continue  # the boundary before was not found in the stream: not one stretch
+            for dev, (now, peak, _) in self.cuda_reads.get(k, {}).items():
+                before = self.cuda_reads.get(k - 1, {}).get(dev) if k else self._cuda_baseline.get(dev)
+                heard = highest.get((k, dev))
+                if dev not in reporting or before is None or (heard is None and before[0] != now):
+                    continue
+                self.cuda_reads[k][dev] = (now, max(peak, heard if heard is not None else 0), True)
 
     def _template_gradients(self, spans: list[tuple[int, int, list[int]]], looked: list[bool], size: list[int],
                             tag: list[str | None], known_at: list[int], alloc_at: list[int],
