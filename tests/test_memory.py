@@ -214,6 +214,29 @@ def test_optimizer_state_replaced_between_looks_counts_from_its_allocation():
     assert (other.iloc[1:] < 1024).all(), other.tolist()  # the copies are not 'other', the old state gone
 
 
+def test_walked_gradients_are_walked_again_whenever_one_changed():
+    """Where boundaries walk the known sets (a CUDA device, no stream), the gradients are walked
+    again only when a gradient tensor or its address changed: a gradient replaced by a view of a
+    larger storage counts that storage, set to None counts nothing, the same tensors count the
+    same."""
+    model = MLP()
+    rec = Recorder("walk")
+    rec.models[id(model)] = model
+    probe = mem.MemoryProbe(rec)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    grads = lambda: probe._known_sets().get(("cpu", "gradients"), 0)  # noqa: E731
+    assert grads() == 4 * n_params(model) and grads() == 4 * n_params(model)
+    big = torch.zeros(params[0].numel() + 1000)
+    params[0].grad = big[: params[0].numel()].view_as(params[0])
+    assert grads() == 4 * n_params(model) + 4 * 1000
+    for p in params:
+        p.grad = None
+    assert grads() == 0
+    assert probe._known_sets()[("cpu", "parameters")] == 4 * n_params(model)
+
+
 def test_loop_in_another_thread_gets_the_known_sets_walked():
     """The profiler reports only the starting thread's allocations: a loop tpkit follows into
     another thread gets exact known sets at its boundaries, and its mix is said approximate."""
