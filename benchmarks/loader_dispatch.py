@@ -11,11 +11,10 @@ The peer (``Before``, rebuilt here from session 27's code):
 - ``_help_ahead`` (asked before each batch the main process makes) ran a generator;
 - ``_poller`` built a tuple over the workers at every wait to see whether they had changed.
 
-Each method is looked up on the class at every call, so one loader runs both: 20 batches to
-let the queues settle, then ``--block`` timed batches, the variants taking turns (the order
-alternating each cycle). Each cycle's ratio is the peer's time over the current one's (> 1: the
-current is faster). Printed: the median ratio with its 95% bootstrap interval, with the main
-process helping (the default) and waiting.
+Each method is looked up on the class at every call, so one loader runs both, in turns
+(``loader_blocks.py``: > 1, the current one is faster). Printed: the median of the cycles'
+ratios with its 95% bootstrap interval, with the main process helping (the default) and
+waiting.
 
     python benchmarks/loader_dispatch.py [--cycles 300] [--block 150]
 """
@@ -26,16 +25,13 @@ import argparse
 import pickle
 import select
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import load_avg, machine, versions, write_rows  # noqa: E402
-from interleave import estimate  # noqa: E402
+from loader_blocks import compare  # noqa: E402
 
-SETTLE_BATCHES = 20
 CHANGED = ("_pick", "_send", "_help_ahead", "_poller")
 
 
@@ -90,60 +86,24 @@ class Before:
         return self._polling
 
 
-def measure(main_helps: bool | str, cycles: int, block: int) -> tuple[list[float], list[float]]:
-    """Seconds a timed block took with the peer's methods and with the current ones, per cycle."""
-    from tpkit.data import Loader
-    from tpkit.data.process_pool import ProcessPool
-    from tpkit.datasets import TinySamples
-
-    now = {name: ProcessPool.__dict__[name] for name in CHANGED}
-    before = {name: Before.__dict__[name] for name in CHANGED}
-    n_batches = 300 + cycles * 2 * (SETTLE_BATCHES + block)
-    loader = Loader(TinySamples(n_batches * 64), batch_size=64, shuffle=True, num_workers=2,
-                    main_helps=main_helps)
-    it = iter(loader)
-    times: dict[str, list[float]] = {"before": [], "now": []}
-    try:
-        for _ in range(300):  # workers started, rings made, queues deep
-            next(it)
-        for cyc in range(cycles):
-            for variant in (("before", "now") if cyc % 2 else ("now", "before")):
-                for name, method in (before if variant == "before" else now).items():
-                    setattr(ProcessPool, name, method)
-                for _ in range(SETTLE_BATCHES):
-                    next(it)
-                t0 = time.perf_counter()
-                for _ in range(block):
-                    next(it)
-                times[variant].append(time.perf_counter() - t0)
-    finally:
-        for name, method in now.items():
-            setattr(ProcessPool, name, method)
-        loader.close()
-    return times["before"], times["now"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=300)
     ap.add_argument("--block", type=int, default=150, help="timed batches a block")
     args = ap.parse_args()
+    from tpkit.data.process_pool import ProcessPool
 
-    print(f"{machine()};", f"load average at start {' / '.join(f'{x:.2f}' for x in load_avg())};", versions())
-    print(f"tiny workload, 2 workers, {args.cycles} cycles of {args.block} timed batches a variant; "
-          f"the main process's {', '.join(CHANGED)} as now against as after session 27")
-    rows = []
-    for label, helps in (("main process helps (default)", "auto"), ("main process waits", False)):
-        before, now = measure(helps, args.cycles, args.block)
-        est = estimate([a / b for a, b in zip(before, now)])
-        assert est is not None
-        rate = lambda ts: args.block * 64 / sorted(ts)[len(ts) // 2]  # noqa: E731
-        print(f"  {label:30s} now over before: {est.text()}  "
-              f"({rate(before):,.0f} -> {rate(now):,.0f} samples/s, block medians)")
-        rows += [{"variant": label, "cycle": i, "before_s": a, "now_s": b}
-                 for i, (a, b) in enumerate(zip(before, now))]
-    path = write_rows("loader_dispatch", rows)
-    print(f"wrote {len(rows)} rows to {path}")
+    now = {name: ProcessPool.__dict__[name] for name in CHANGED}
+    before = {name: Before.__dict__[name] for name in CHANGED}
+
+    def use(methods: dict[str, Any]) -> Callable[[], None]:
+        def switch() -> None:
+            for name, method in methods.items():
+                setattr(ProcessPool, name, method)
+        return switch
+
+    compare("loader_dispatch", f"the main process's {', '.join(CHANGED)} as now (current) against as "
+            "after session 27 (peer)", args.cycles, args.block, peer=use(before), current=use(now))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import itertools
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -574,6 +575,13 @@ def test_small_batches_get_a_deeper_queue(tmp_path, nbytes, ahead):
     loader.close()
 
 
+def shuffled_by_workers(loader_class: Any, ds: Any, seed: int, **kwargs: Any) -> list:
+    """A shuffled epoch of ``ds`` in batches of 4 from 2 workers, as plain lists."""
+    loader = loader_class(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed),
+                          num_workers=2, **kwargs)
+    return as_lists(list(loader))
+
+
 def test_small_batch_workers_get_their_tasks_four_at_a_time():
     """A worker of small batches (8 in flight) is refilled when 4 of its queue are free, its
     tasks in one message: after the first answers a message carries 3-4 tasks where it
@@ -593,12 +601,8 @@ def test_small_batch_workers_get_their_tasks_four_at_a_time():
 
     ds = Mixed(400)
     with mock.patch.object(ProcessPool, "_send", staticmethod(counted)):
-        loader = Loader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3),
-                        num_workers=2, main_helps=False)
-        got = as_lists(list(loader))
-    want = as_lists(list(DataLoader(ds, batch_size=4, shuffle=True,
-                                    generator=torch.Generator().manual_seed(3), num_workers=2)))
-    assert got == want
+        got = shuffled_by_workers(Loader, ds, seed=3, main_helps=False)
+    assert got == shuffled_by_workers(DataLoader, ds, seed=3)
     assert sum(sizes) == 100 - 1  # the first batch is made in this process, before the fork
     steady = sizes[4:-2]  # after each worker's first tasks (its batches' size not known yet)
     # in order, batch b goes to worker b % 2: one worker is a task behind the other
@@ -624,12 +628,8 @@ def test_tasks_travel_as_plain_tuples():
 
     ds = Mixed(200)
     with mock.patch.object(Connection, "send_bytes", kept):
-        loader = Loader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5),
-                        num_workers=2, main_helps=False)
-        got = as_lists(list(loader))
-    want = as_lists(list(DataLoader(ds, batch_size=4, shuffle=True,
-                                    generator=torch.Generator().manual_seed(5), num_workers=2)))
-    assert got == want
+        got = shuffled_by_workers(Loader, ds, seed=5, main_helps=False)
+    assert got == shuffled_by_workers(DataLoader, ds, seed=5)  # torch's pipes are not watched
     tasks = [pickle.loads(raw) for raw in written]
     tasks = [t for msg in tasks if msg is not None for t in (msg if isinstance(msg, list) else [msg])]
     assert len(tasks) == 50 - 1 and all(type(t) is tuple and len(t) == 3 for t in tasks)
