@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from IPython.utils.capture import capture_output
 
@@ -725,6 +725,43 @@ def test_cuda_reports_never_lower_a_peak_the_counter_saw():
     rec, _ = heard_slice({0: [2000], 1: [3000], 2: [4100, 2500], 3: [2200]}, reads)
     cuda = frame_of(rec).query("device == 'cuda:0'")
     assert cuda.query("phase == 'h2d' and event == 'peak'")["bytes"].sum() == 6000
+
+
+@fake_ptr
+def test_cuda_stretch_peaks_are_the_true_peaks_for_any_history():
+    """For any history of CUDA allocations and frees inside the four stretches of a forward with
+    an h2d inside it, with any high the process's peak counter reached before the slice, and
+    whether the allocator reports the level after each event or before it, every phase's peak
+    is the highest level the device held in it, and no stretch is called a lower bound (the
+    allocator reported at least once in the slice)."""
+    deltas = st.lists(st.integers(-3000, 3000), max_size=6)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(deltas, min_size=4, max_size=4), st.integers(0, 20_000), st.booleans())
+    def check(stretches: list[list[int]], high_before: int, after: bool) -> None:
+        assume(any(stretches))  # an allocator that never reported is not trusted (test above)
+        level = 5000
+        high = max(high_before, level)
+        reads = [(level, high)]  # at install
+        reports: dict[int, list[int]] = {}
+        held: list[list[int]] = []  # levels each stretch went through, its two ends included
+        for k, changes in enumerate(stretches):
+            seen = [level]
+            for d in changes:
+                d = max(d, 100 - level)  # the model's parameters stay allocated
+                reports.setdefault(k, []).append(level + d if after else level)
+                level += d
+                seen.append(level)
+                high = max(high, level)
+            held.append(seen)
+            reads.append((level, high))
+        rec, probe = heard_slice(reports, reads)
+        peaks = frame_of(rec).query("device == 'cuda:0' and event == 'peak'").groupby("phase")["bytes"].sum()
+        assert peaks["h2d"] == max(held[2])
+        assert peaks["forward"] == max(max(h) for h in held[1:])
+        assert "peak_lower_bound" not in probe.meta()["memory"]
+
+    check()
 
 
 @fake_ptr
