@@ -3,7 +3,7 @@ path reads the allocator's counters and walks the tensors at every boundary) and
 CPU stream can be replayed. GPT-2 small's shape from a config (12 layers, 148 parameters, all
 with gradients, AdamW's state), on the CPU: the walk is the same Python whatever the device.
 
-Peer: the walk as it was until session 28 (``Before``, rebuilt here): every gradient's storage
+Peer: the walk as it was until session 28 (``before_known_sets``, rebuilt here): every gradient's storage
 walked at every boundary. Now the gradients are walked again only when a gradient tensor or
 its address changed (``MemoryProbe._known_sets``). Both run on the same probe in turns,
 ``--repeats`` rounds of ``--calls`` calls; printed: the median time of a call of each, and the

@@ -1012,9 +1012,10 @@ class MemoryProbe:
         return known
 
     # -- after the slice: replay and rows ---------------------------------------------------
-    def _replay(self, events: list[tuple[int, int]]) -> tuple[dict[int, _Levels], dict[int, _Levels]]:
-        """Replay the CPU stream. Returns the levels at each boundary whose marker was found, and
-        for each boundary the levels at the highest instant between it and the next boundary.
+    def _replay(self, events: list[tuple[int, int]]) -> tuple[dict[int, _Levels], dict[int, _Levels], dict[int, int]]:
+        """Replay the CPU stream. Returns the levels at each boundary whose marker was found, for
+        each boundary the levels at the highest instant between it and the next boundary, and
+        where each found boundary's marker is in the stream (position -> boundary).
 
         Pass 1 gives every block allocated in the slice an id and, from the observations, a
         category: a known storage found alive counts as known from its allocation (a gradient
@@ -1138,7 +1139,6 @@ class MemoryProbe:
                     ids[i] = a
                     freed_at[a] = i
         self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
-        self._stream_cuda_peaks(at_bound)
 
         # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest, rest in backward]
         index = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "data": 3, _BUFFER: 4, _OWN: -2}
@@ -1204,7 +1204,7 @@ class MemoryProbe:
                 where[a] = -1
         if k_open is not None and best is not None:
             seg[k_open] = best
-        return levels, seg
+        return levels, seg, at_bound
 
     def _stream_cuda_peaks(self, at_bound: dict[int, int]) -> None:
         """Each stretch between two boundaries found one after the other in the stream gets its
@@ -1302,7 +1302,8 @@ class MemoryProbe:
         if not bounds:
             return
         self._backfill_walks()
-        levels, seg = self._replay(events) if events else ({}, {})
+        levels, seg, found = self._replay(events) if events else ({}, {}, {})
+        self._stream_cuda_peaks(found)  # before the CUDA peaks are judged (_cuda_peaks_bounded)
         devices = ["cpu"] + [f"cuda:{i}" for i in sorted(self._cuda_in_use)]
 
         def level(k: int, dev: str) -> _Levels | None:
