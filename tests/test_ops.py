@@ -13,6 +13,7 @@ from factories import table
 import tpkit as tp
 from tpkit.analysis.ops import assign_phases, ops_by_phase, top_ops
 from tpkit.run import Run
+from tpkit.schema import CPU_SOURCE_COUNTER, ENV_CPU_ALLOCATIONS
 from tpkit.views import html as report
 
 B, D_IN, D_OUT = 128, 256, 2048
@@ -88,11 +89,27 @@ def test_top_op_per_phase_with_shapes_only_in_the_requested_steps(one_thread):
     fwd_s = by[by["phase"] == "forward"]["self_cpu_s"].sum()
     assert 0 < fwd_s <= run.steps[run.steps["step"].isin([2, 3])]["forward_s"].sum() * 1.05
     assert any("traced measured steps 2-3" in n for n in run.meta["notes"])
-    # the memory probe's allocator stream had to give torch's one profiler session up: said so
-    assert any("one profiler session" in n for n in run.meta["notes"])
+    # tpkit's CPU allocation counter (not a profiler session) counted on through the traced steps
+    assert run.meta["memory"]["cpu_source"] == CPU_SOURCE_COUNTER
+    assert not any("one profiler session" in n or "not measured" in n for n in run.meta["notes"])
+    assert (_activations_at_forward_exit(run) > 0).all()
     # the dashboard (a tab per section) and the report get an Ops section
     assert "Ops" in [t for t, _ in report.section_charts(run)]
     assert "aten::sort" in report.dashboard_html(run, include_js=False)
+
+
+def _activations_at_forward_exit(run: Run) -> pd.Series:
+    m = run.memory
+    sel = m[(m["phase"] == "forward") & (m["event"] == "exit") & (m["category"] == "activations")]
+    return sel.set_index("step")["bytes"]
+
+
+def test_with_torch_s_allocator_stream_the_trace_takes_the_one_profiler_session_and_says_so(one_thread, monkeypatch):
+    monkeypatch.setenv(ENV_CPU_ALLOCATIONS, "stream")
+    run = traced_run(ops=2, steps=4, warmup=1)
+    assert sorted(run.ops["step"].unique()) == [2, 3]
+    assert any("one profiler session" in n for n in run.meta["notes"])
+    assert "activations" not in set(run.memory["category"])  # the known sets only, said so
 
 
 def test_ops_true_traces_three_steps_and_a_run_without_ops_has_none(one_thread, tmp_path):

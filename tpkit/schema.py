@@ -103,6 +103,15 @@ def decode_throttle(mask: float | int) -> list[str]:
 
 #: The launch environment's variable that makes every rank save its run under ``DIR/rank<k>``.
 ENV_SAVE_DIR = "TPKIT_SAVE_DIR"
+#: Where exact CPU memory comes from: ``counter`` (the default where it can be built: tpkit's
+#: CPU allocation counter) or ``stream`` (torch's profiler memory stream, ~3x the cost per
+#: allocation; always used on a machine with an accelerator, whose allocator reports only there).
+ENV_CPU_ALLOCATIONS = "TPKIT_CPU_ALLOCATIONS"
+
+#: ``run.meta["memory"]["cpu_source"]``: what the run's CPU memory was counted from.
+CPU_SOURCE_COUNTER = "allocation counter (tpkit's CPU allocator wrapper)"
+CPU_SOURCE_STREAM = "allocator stream (torch profiler memory events only)"
+CPU_SOURCE_KNOWN_SETS = "known sets only"
 
 
 # -- the Run's tables -----------------------------------------------------------------------

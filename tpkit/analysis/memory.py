@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import MEMORY_CATEGORIES, PHASE_NAMES, fmt_bytes
+from ..schema import CPU_SOURCE_COUNTER, MEMORY_CATEGORIES, PHASE_NAMES, fmt_bytes
 
 _GROUP = ["step", "t_s", "phase", "event", "device"]
 
@@ -29,6 +29,9 @@ LEAK_MIN_SHARE = 0.05
 #: ~800 events cost ~150-175 us of a 2-layer GPT-2 step (docs/OVERHEAD.md). An estimate for
 #: other machines, said as one: the run cannot time it (it lands inside the ops that allocate).
 STREAM_EVENT_COST_S = 0.2e-6
+#: The same for tpkit's CPU allocation counter (``cpu_source`` CPU_SOURCE_COUNTER), measured the
+#: same way (docs/OVERHEAD.md, "A counting allocator in tpkit").
+COUNTER_EVENT_COST_S = 0.06e-6
 #: The stream's estimated share of the median step at which the summary says what it cost.
 STREAM_NOTE_MIN_SHARE = 0.01
 #: Events held by one slice's stream past which the summary says a long slice costs more: torch
@@ -401,8 +404,14 @@ def stream_cost(meta: dict, step_p50_s: float) -> dict | None:
     if not events or not steps or not step_p50_s > 0:
         return None
     per_step = events / steps
-    cost_s = per_step * STREAM_EVENT_COST_S
+    cost_s = per_step * event_cost_s(meta)
     return {"events_per_step": per_step, "per_step_s": cost_s, "share": cost_s / step_p50_s}
+
+
+def event_cost_s(meta: dict) -> float:
+    """What one allocator event cost the loop with the run's CPU source (an estimate)."""
+    counter = (meta.get("memory") or {}).get("cpu_source") == CPU_SOURCE_COUNTER
+    return COUNTER_EVENT_COST_S if counter else STREAM_EVENT_COST_S
 
 
 def stream_note(meta: dict, step_p50_s: float) -> str | None:
@@ -412,17 +421,25 @@ def stream_note(meta: dict, step_p50_s: float) -> str | None:
     if c is None:
         return None
     events = int(meta["memory"]["stream_events"])
-    long = (f"; this slice held {events:,} allocator events: torch keeps each one until the slice ends, "
-            f"and past about a million of them a step costs more than this estimate (a few percent more "
-            f"on a 2-core VM) and the slice takes longer to end: profile fewer steps, or memory=False for a long one"
-            if events >= STREAM_LONG_EVENTS else "")
+    counter = meta["memory"].get("cpu_source") == CPU_SOURCE_COUNTER
+    long = ""
+    if events >= STREAM_LONG_EVENTS:
+        long = (f"; this slice held {events:,} allocator events, which tpkit replays when the slice ends "
+                f"(about 2 s a million on a 2-core VM): profile fewer steps, or memory=False for a long one"
+                if counter else
+                f"; this slice held {events:,} allocator events: torch keeps each one until the slice ends, "
+                f"and past about a million of them a step costs more than this estimate (a few percent more "
+                f"on a 2-core VM) and the slice takes longer to end: profile fewer steps, or memory=False "
+                f"for a long one")
     if c["share"] < STREAM_NOTE_MIN_SHARE and not long:
         return None
     per_step_us = c["per_step_s"] * 1e6
     cost = f"{per_step_us / 1e3:.2f} ms" if per_step_us >= 100 else f"{per_step_us:.0f} us"
-    return (f"memory tracking cost about {cost} a step ({c['share']:.1%} of the median step): torch's "
-            f"profiler reported {c['events_per_step']:,.0f} allocations and frees a step, "
-            f"~{STREAM_EVENT_COST_S * 1e6:.1f} us each (measured on a 2-core VM). That time is counted in "
+    who = "tpkit's allocation counter saw" if counter else "torch's profiler reported"
+    each_us = event_cost_s(meta) * 1e6
+    return (f"memory tracking cost about {cost} a step ({c['share']:.1%} of the median step): {who} "
+            f"{c['events_per_step']:,.0f} allocations and frees a step, "
+            f"~{each_us:.2f} us each (measured on a 2-core VM). That time is counted in "
             f"the phases that allocate (forward, backward, the optimizer step), not in tpkit's own "
             f"share; memory=False (--no-memory) times them without it{long}")
 

@@ -31,7 +31,12 @@ when its address comes back in the stream (a batch made outside it: when the nex
 
 How the allocator is read:
 
-- CPU: torch's CPU allocator tells the profiler about every allocation and free when memory
+- CPU, by default: tpkit's allocation counter (``allocator_counter.py``), a C++ allocator in
+  front of torch's CPU allocator that lists ``(address, bytes)`` of every allocation and free
+  of the loop's thread while the slice runs, at about a third of what the profiler's report
+  below costs per event. Built the first time it is needed; where it cannot be built, or on a
+  machine with an accelerator, or with ``TPKIT_CPU_ALLOCATIONS=stream``, the stream below.
+- CPU, the stream: torch's CPU allocator tells the profiler about every allocation and free when memory
   profiling is on. We switch on *only that*: the profiler runs with ``profile_memory=True`` and
   its op callbacks restricted to a record scope that no op uses, so no op events are kept.
   RecordFunction is switched off in the loop's thread while the stream runs: torch's autograd
@@ -80,9 +85,20 @@ import torch.optim.optimizer as _optim
 from torch.autograd import profiler as _autograd_profiler
 from torch.autograd import profiler_legacy as _autograd_profiler_legacy
 
-from ...schema import KNOWN_MEMORY_CATEGORIES, MEMORY_CATEGORIES, MIB
+from ...schema import (
+    CPU_SOURCE_COUNTER,
+    CPU_SOURCE_KNOWN_SETS,
+    CPU_SOURCE_STREAM,
+    ENV_CPU_ALLOCATIONS,
+    KNOWN_MEMORY_CATEGORIES,
+    MEMORY_CATEGORIES,
+    MIB,
+)
 from ..recorder import Recorder
+from . import allocator_counter
+from .allocator_counter import CpuAllocatorCounter
 from .patching import Patches
+from .phases import has_accelerator
 
 #: Phases during which what the allocator holds beyond the known sets is called activations.
 ACTIVATION_PHASES: frozenset[str] = frozenset({"forward", "backward"})
@@ -149,6 +165,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class CpuAllocatorStream:
     """CPU allocations and frees as torch's profiler sees them, with no op events, and
     RecordFunction off in the starting thread while it runs (see the module docstring)."""
+
+    #: (the stream learns of another profiler from torch's flag; the counter's own attribute)
+    stopped_by_profiler = False
 
     def __init__(self) -> None:
         self.active = False
@@ -261,6 +280,30 @@ def allocations(events: list[Any]) -> tuple[list[tuple[int, int]], list[tuple[in
 
 
 _ALLOC_FIELDS = operator.attrgetter("ptr", "alloc_size", "device")
+
+
+def cpu_allocation_source() -> tuple[CpuAllocatorStream | CpuAllocatorCounter, str | None]:
+    """Where a slice's CPU allocations come from, and what the run should say about it (or
+    None): tpkit's allocation counter, built the first time it is needed
+    (``allocator_counter.py``); torch's profiler stream on a machine with an accelerator (its
+    caching allocator reports only there), when ``TPKIT_CPU_ALLOCATIONS=stream`` asks for it,
+    or when the counter cannot be built (the run then says why and what it costs)."""
+    want = os.environ.get(ENV_CPU_ALLOCATIONS, "counter").strip().lower()
+    if want not in ("counter", "stream"):
+        raise ValueError(f"{ENV_CPU_ALLOCATIONS}={want!r}: use 'counter' (the default) or 'stream'")
+    if want == "stream" or has_accelerator():
+        return CpuAllocatorStream(), None
+    ext, why, build_s = allocator_counter.load()
+    if ext is None:
+        return CpuAllocatorStream(), (
+            f"CPU memory was counted from torch's profiler stream, which costs about three times what "
+            f"tpkit's CPU allocation counter costs per allocation: the counter could not be built ({why}). "
+            f"It needs a C++ compiler and ninja (pip install ninja); {ENV_CPU_ALLOCATIONS}=stream "
+            f"uses the stream without trying")
+    if build_s >= allocator_counter.BUILT_AFTER_S:
+        return CpuAllocatorCounter(ext), (f"tpkit built its CPU allocation counter before the slice "
+                                          f"({build_s:.1f} s, once per machine and torch version)")
+    return CpuAllocatorCounter(ext), None
 
 
 class CudaAllocator:
@@ -433,13 +476,18 @@ class MemoryProbe:
     slice.
     """
 
-    def __init__(self, rec: Recorder, detail: bool = False, cpu: CpuAllocatorStream | None = None,
+    def __init__(self, rec: Recorder, detail: bool = False,
+                 cpu: CpuAllocatorStream | CpuAllocatorCounter | None = None,
                  cuda: CudaAllocator | None = None, steps: int = 0) -> None:
         self.rec = rec
         self.detail = detail
         #: steps the slice expects (warm-up included): markers for them are made at install
         self.steps_ahead = steps
-        self.cpu = cpu if cpu is not None else CpuAllocatorStream()
+        self._source_note: str | None = None  # said in the run once the probe is installed
+        if cpu is None:
+            cpu, self._source_note = cpu_allocation_source()
+        self.cpu = cpu
+        self._counting = isinstance(cpu, CpuAllocatorCounter)
         self.cuda = cuda if cuda is not None else CudaAllocator()
         # The hot path appends plain ints and interned strings to flat lists (4 per entry), so
         # that nothing it keeps is tracked by the gc: no collection is triggered by tpkit.
@@ -504,6 +552,8 @@ class MemoryProbe:
             return self
         self.installed = True
         try:
+            if self._source_note:
+                self.rec.note(self._source_note)
             self._handle = _optim.register_optimizer_step_pre_hook(self._see_optimizer)
             try:
                 self._stream_tid = get_ident()
@@ -599,8 +649,9 @@ class MemoryProbe:
         exact_cpu = self._cpu_note is None and self._stream_lost_at is None and not self._cpu_walked
         out: dict[str, Any] = {
             "capacity_bytes": cap,
-            "cpu_source": "allocator stream (torch profiler memory events only)" if self._cpu_note is None
-            else "known sets only",
+            "cpu_source": (CPU_SOURCE_KNOWN_SETS if self._cpu_note is not None
+                           else CPU_SOURCE_COUNTER if self._counting
+                           else CPU_SOURCE_STREAM),
             # devices whose category mix at a peak is not taken at the peak's instant
             "approximate_mix": ([] if exact_cpu else ["cpu"]) + [f"cuda:{i}" for i in sorted(self._cuda_in_use)],
         }
@@ -661,7 +712,9 @@ class MemoryProbe:
         for _ in range(MARKER_POOL if count is None else count):
             number = len(flat) >> 1
             size = MARKER_BASE_BYTES + 2 * (number % MARKER_SIZES)
-            m = torch.UntypedStorage(size)  # straight to the allocator: ~30% cheaper than torch.empty
+            # through the CPU allocator in use (torch.UntypedStorage(size) would go to torch's
+            # default one, which tpkit's allocation counter does not wrap)
+            m = torch.empty(size, dtype=torch.uint8).untyped_storage()
             flat += (m.data_ptr(), size)
             made.append((m, flat[-2], size, number))
         made.reverse()  # used in the order made, after what is left in the pool
@@ -705,8 +758,10 @@ class MemoryProbe:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
         stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
         # torch's flag of an open torch.profiler / autograd.profiler.profile session (tpkit's
-        # own stream does not set it), read in place: a call per boundary cost more than the read
-        if stream and _autograd_profiler._is_profiler_enabled:
+        # own stream does not set it), read in place: a call per boundary cost more than the read;
+        # the counter records on through tpkit's own operator trace, and says when it stopped
+        if stream and (self.cpu.stopped_by_profiler if self._counting
+                       else _autograd_profiler._is_profiler_enabled):
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
             stream = False

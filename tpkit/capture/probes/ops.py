@@ -11,10 +11,13 @@ stops the profiler at the end of the last one (that cost is a ``tpkit`` span of 
 event (name, self CPU time, self device time, input shapes, start and end on the slice's
 clock) in the Run's ``ops`` table; ``analysis.ops`` assigns each to the tpkit phase it ran in.
 
-torch has one profiler session per process. The memory probe's CPU allocator stream is such a
-session (``probes/memory.py``): when the ops steps start, it ends, and CPU memory beyond the
-known sets (activations, temporaries) is not measured in that run. Both are said in
-``run.meta["notes"]``; ``run.meta["ops"]`` names the traced steps.
+torch has one profiler session per process. Where the memory probe counts CPU memory from
+torch's allocator stream (a machine with an accelerator, or ``TPKIT_CPU_ALLOCATIONS=stream``),
+the stream is such a session (``probes/memory.py``): when the ops steps start, it ends, and CPU
+memory beyond the known sets (activations, temporaries) is not measured in that run. Both are
+said in ``run.meta["notes"]``; ``run.meta["ops"]`` names the traced steps. tpkit's CPU
+allocation counter (the default elsewhere) is not a profiler session: it records on through the
+traced steps, which record no memory (``allocator_counter.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..recorder import Recorder
+from .allocator_counter import own_profiler_start
 from .memory import quiet_stderr
 
 #: Names that are the profiler's own bookkeeping, not operators.
@@ -102,7 +106,8 @@ class OpsProbe:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             prof = self._factory(activities)
             self._displaced = bool(torch._C._autograd._profiler_enabled())
-            with quiet_stderr():  # kineto announces its start on fd 2
+            # kineto announces its start on fd 2; tpkit's CPU allocation counter records on
+            with quiet_stderr(), own_profiler_start():
                 prof.start()
             self._prof = prof
             self._wall_minus_perf_ns = time.time_ns() - time.perf_counter_ns()

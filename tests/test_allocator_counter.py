@@ -1,0 +1,174 @@
+"""tpkit's CPU allocation counter against torch's profiler stream, the truth it replaces: the
+same allocations and frees in the same order on real steps (operators, oneDNN's raw blocks, a
+deep copy made from Python); blocks from before it, from other threads and from after it
+freed through the right allocator; the run saying which source it used, and why not the
+counter when it could not be built."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+
+import pytest
+import torch
+
+import tpkit as tp
+from tpkit.analysis import memory as ma
+from tpkit.capture.probes import allocator_counter
+from tpkit.capture.probes import memory as mem
+from tpkit.capture.probes.allocator_counter import CpuAllocatorCounter
+from tpkit.schema import CPU_SOURCE_COUNTER, CPU_SOURCE_STREAM, ENV_CPU_ALLOCATIONS
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module, why, _ = allocator_counter.load()
+    if module is None:
+        pytest.fail(f"the counter must build on the test machine (a C++ compiler and ninja): {why}")
+    return module
+
+
+class Net(torch.nn.Module):
+    """A convolution (oneDNN's raw blocks), a transformer layer and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.layer = torch.nn.TransformerEncoderLayer(d_model=36, nhead=4, dim_feedforward=64, batch_first=True)
+        self.head = torch.nn.Linear(36, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).flatten(2)  # [B, 8, 36]
+        return self.head(self.layer(h)).pow(2).mean()
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        ema = copy.deepcopy(model.head.weight.detach())  # a storage made from Python
+        del ema
+
+
+def _signed_bytes(source, model, opt, x, n) -> list[int]:
+    source.start()
+    try:
+        _steps(model, opt, x, n)
+    finally:
+        events = source.stop()
+    return [b for _, b in events]
+
+
+def test_the_counter_sees_every_allocation_and_free_the_stream_sees(ext):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 3, 8, 8)
+    _steps(model, opt, x, 3)  # warm: Adam's state and oneDNN's caches exist before either records
+    streamed = _signed_bytes(mem.CpuAllocatorStream(), model, opt, x, 4)
+    counted = _signed_bytes(CpuAllocatorCounter(ext), model, opt, x, 4)
+    assert len(streamed) > 400  # a real step's worth of events
+    assert counted == streamed
+
+
+def test_blocks_from_before_from_other_threads_and_freed_after_go_to_their_own_allocator(ext):
+    before = torch.full((1000,), 3.0)  # made by torch's allocator before the counter went in
+    counter = CpuAllocatorCounter(ext)
+    counter.start()
+    made: list[torch.Tensor] = []
+    other = threading.Thread(target=lambda: made.append(torch.ones(777)))
+    other.start()
+    other.join()
+    kept = torch.arange(12345, dtype=torch.float64)  # recorded, freed after the stop
+    del before  # its free is not the counter's to see (the stream's neither)
+    events = counter.stop()
+    assert events == [(kept.data_ptr(), 12345 * 8)]
+    assert kept.data_ptr() % 64 == 0  # the default allocator's alignment kept
+    assert float(kept.sum()) == 12345 * 12344 / 2 and float(made[0].sum()) == 777
+    del kept  # through the counter's deleter, not recording: nothing recorded, nothing broken
+    made.clear()
+    assert ext.installed()  # in front for the rest of the process, passing through
+    counter.start()
+    assert counter.stop() == []
+
+
+def test_a_process_forked_while_recording_records_nothing(ext):
+    """A DataLoader's workers are forked by the loop inside the slice: each is a copy of the
+    recording thread, and must neither record nor keep the parent's list."""
+    counter = CpuAllocatorCounter(ext)
+    counter.start()
+    kept = torch.ones(1000)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: allocate, then ask the counter what it holds
+        try:
+            torch.ones(2000).sum()
+            os.write(write, str(len(ext.stop())).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert got == "0"
+    assert counter.stop() == [(kept.data_ptr(), 4000)]  # the parent's record goes on
+
+
+def test_a_torch_profiler_started_inside_stops_the_counter_and_says_so(ext):
+    counter = CpuAllocatorCounter(ext)
+    counter.start()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.ones(2048).sum()
+    assert any(e.name == "aten::ones" for e in prof.events())  # the user's profiler kept its session
+    with pytest.raises(RuntimeError, match="another profiler started"):
+        counter.stop()
+    assert torch.UntypedStorage.__dict__.get("__new__") is None  # put back
+
+
+def _profiled(steps: int) -> tp.Run:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return tp.profile_fn(step, steps=steps, warmup=0, progress=False, clocks=False)
+
+
+def test_the_default_profile_counts_from_the_counter_and_the_stream_on_request(monkeypatch):
+    run = _profiled(3)
+    assert run.meta["memory"]["cpu_source"] == CPU_SOURCE_COUNTER
+    monkeypatch.setenv(ENV_CPU_ALLOCATIONS, "stream")
+    run2 = _profiled(3)
+    assert run2.meta["memory"]["cpu_source"] == CPU_SOURCE_STREAM
+    # the same memory, to the byte, from either source
+    cols = ["step", "phase", "event", "category", "bytes"]
+    assert run.memory[cols].reset_index(drop=True).equals(run2.memory[cols].reset_index(drop=True))
+    monkeypatch.setenv(ENV_CPU_ALLOCATIONS, "tracemalloc")
+    with pytest.raises(ValueError, match="'counter' .* or 'stream'"):
+        _profiled(1)
+
+
+def test_a_counter_that_cannot_be_built_leaves_the_stream_and_a_note(monkeypatch):
+    monkeypatch.setattr(allocator_counter, "load", lambda: (None, "CalledProcessError: c++ not found", 0.0))
+    source, note = mem.cpu_allocation_source()
+    assert isinstance(source, mem.CpuAllocatorStream)
+    assert note is not None and "could not be built (CalledProcessError: c++ not found)" in note
+    monkeypatch.setattr(allocator_counter, "load", lambda: (object(), None, 6.2))
+    source, note = mem.cpu_allocation_source()
+    assert isinstance(source, CpuAllocatorCounter)
+    assert note == "tpkit built its CPU allocation counter before the slice (6.2 s, once per machine and torch version)"
+
+
+def test_the_cost_note_names_the_counter_and_its_cost_per_event():
+    meta = {"memory": {"stream_events": 24_000, "stream_steps": 10, "cpu_source": CPU_SOURCE_COUNTER}}
+    cost = ma.stream_cost(meta, step_p50_s=0.010)
+    assert cost is not None and cost["per_step_s"] == pytest.approx(2400 * ma.COUNTER_EVENT_COST_S)
+    note = ma.stream_note(meta, 0.010)
+    assert note is not None and "tpkit's allocation counter saw 2,400 allocations and frees a step" in note
