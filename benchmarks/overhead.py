@@ -484,14 +484,14 @@ class _DefaultOnStream:
 #: default, and these two time them (comm=True) or never do (comm=False).
 COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit memory off + stream": _MemoryOffWithStream,
-    "tpkit default, profiler stream": _DefaultOnStream,
+    "tpkit default (stream)": _DefaultOnStream,
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
     "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
                        ("the default with tpkit's allocation counter over the default with torch's stream",
-                        "tpkit default", "tpkit default, profiler stream"),
-                       ("the memory probe's own work over the stream", "tpkit default, profiler stream",
+                        "tpkit default", "tpkit default (stream)"),
+                       ("the memory probe's own work over the stream", "tpkit default (stream)",
                         "tpkit memory off + stream"),
                        ("the communication probe (under DDP)", "tpkit phases only with comm probe",
                         "tpkit phases only without comm probe"))
