@@ -104,7 +104,7 @@ def decode_throttle(mask: float | int) -> list[str]:
 #: The launch environment's variable that makes every rank save its run under ``DIR/rank<k>``.
 ENV_SAVE_DIR = "TPKIT_SAVE_DIR"
 #: Where exact CPU memory comes from: ``counter`` (the default where it can be built: tpkit's
-#: CPU allocation counter) or ``stream`` (torch's profiler memory stream, ~3x the cost per
+#: CPU allocation counter) or ``stream`` (torch's profiler memory stream, which costs more per
 #: allocation; always used on a machine with an accelerator, whose allocator reports only there).
 ENV_CPU_ALLOCATIONS = "TPKIT_CPU_ALLOCATIONS"
 

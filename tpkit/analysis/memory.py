@@ -29,9 +29,12 @@ LEAK_MIN_SHARE = 0.05
 #: ~800 events cost ~150-175 us of a 2-layer GPT-2 step (docs/OVERHEAD.md). An estimate for
 #: other machines, said as one: the run cannot time it (it lands inside the ops that allocate).
 STREAM_EVENT_COST_S = 0.2e-6
-#: The same for tpkit's CPU allocation counter (``cpu_source`` CPU_SOURCE_COUNTER), measured the
-#: same way (docs/OVERHEAD.md, "A counting allocator in tpkit").
-COUNTER_EVENT_COST_S = 0.06e-6
+#: The same with tpkit's CPU allocation counter (``cpu_source`` CPU_SOURCE_COUNTER): the default
+#: against memory off over the step's events, on 2-layer GPT-2 steps of 7-8 ms under the HF
+#: Trainer and Lightning (0.12-0.16 ms a step for 816 and 1,244 events; the stream's default read
+#: 0.21-0.25 ms in the same runs). It holds the memory probe's own work too: the counter alone
+#: did not read above noise on a bare step (docs/OVERHEAD.md, "tpkit's own CPU allocation counter").
+COUNTER_EVENT_COST_S = 0.14e-6
 #: The stream's estimated share of the median step at which the summary says what it cost.
 STREAM_NOTE_MIN_SHARE = 0.01
 #: Events held by one slice's stream past which the summary says a long slice costs more: torch

@@ -32,12 +32,15 @@ from Python is given the counter as its allocator (``torch.UntypedStorage.__new_
 the end). Two ways past it remain, said plainly: a storage made from a buffer
 (``UntypedStorage.from_buffer``), and one made before the counter first went in and grown
 during a slice (``resize_``), come from the default allocator, which the counter does not see
-(the stream does: that allocator reports them). A torch profiler run by the
-user inside the slice would see each block 64 bytes larger, so the counter stops, and its
-events are dropped, when one starts (as the stream's are: the run falls back to the known sets
-and says so). tpkit's own operator trace (``--ops``: ``ops.py``) records no memory, so the counter
-records on through it: with the counter a run can have both. Only the CPU: on a machine with an accelerator the probe keeps the
-profiler stream, which also carries the CUDA caching allocator's reports.
+(the stream does: that allocator reports them).
+
+A torch profiler run by the user inside the slice would see each block 64 bytes larger, so the
+counter stops, and its events are dropped, when one starts (as the stream's are: the run falls
+back to the known sets and says so). tpkit's own operator trace (``--ops``: ``ops.py``) records
+no memory, so the counter records on through it: with the counter a run can have both.
+
+Only the CPU: on a machine with an accelerator the probe keeps the profiler stream, which also
+carries the CUDA caching allocator's reports.
 """
 
 from __future__ import annotations
