@@ -18,12 +18,14 @@ import torch.optim.optimizer as oo
 import torch.utils.data.dataloader as dl
 
 from tpkit.capture import recorder
+from tpkit.capture.probes import allocator_counter
 
 #: Classes and modules whose attributes tpkit patches while a slice runs (any of them, now or
 #: later): every attribute's identity is compared.
 PATCHED_PLACES: list[Any] = [torch.Tensor, torch.optim.Optimizer, torch.nn.Module, torch.autograd,
                              torch.autograd.profiler, torch.autograd.profiler_legacy,
-                             dl._BaseDataLoaderIter, torch.amp.GradScaler, torch.distributed]
+                             dl._BaseDataLoaderIter, torch.amp.GradScaler, torch.distributed,
+                             torch.UntypedStorage]
 
 
 def _shm() -> set[str]:
@@ -47,6 +49,9 @@ def snapshot() -> dict[str, Any]:
         "sigint": signal.getsignal(signal.SIGINT),
         "active": recorder.active(),
         "autograd_profiler": torch.autograd.profiler._is_profiler_enabled,
+        # tpkit's CPU allocation counter stays in front of the allocator once in (its module
+        # docstring), passing through: no thread may still record after a slice
+        "cpu_counter_recording": allocator_counter._module is not None and allocator_counter._module.recording(),
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.distributed's deprecated aliases warn when touched

@@ -145,6 +145,9 @@ bool install() {
 
 bool installed() { return c10::GetCPUAllocator() == &counting; }
 
+// Whether some thread records now (a slice that ended must leave it false).
+bool any_recording() { return recording.load(std::memory_order_relaxed) != 0; }
+
 // The counter's address, for torch.UntypedStorage(..., allocator=): storages made from Python
 // go to torch's default allocator directly unless given one.
 int64_t address() { return reinterpret_cast<int64_t>(static_cast<c10::Allocator*>(&counting)); }
@@ -178,6 +181,7 @@ pybind11::list stop() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install);
   m.def("installed", &installed);
+  m.def("recording", &any_recording);
   m.def("address", &address);
   m.def("start", &start);
   m.def("stop", &stop);
