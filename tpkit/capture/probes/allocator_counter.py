@@ -49,7 +49,7 @@ import contextlib
 import time
 from pathlib import Path
 from threading import Lock
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd import profiler as _autograd_profiler
@@ -66,8 +66,21 @@ BUILT_AFTER_S = 1.0
 _lock = Lock()
 _module: Any = None
 _failure: str | None = None  # why it could not be built, once per process (no second compile)
-_build_s = 0.0  # what the first load in this process took
 _own_profiler_starting = False  # see own_profiler_start
+
+
+def before_profiler_starts(patches: Patches, first: Callable[[], None]) -> None:
+    """Run ``first`` before any torch profiler started from Python starts (each looks one of
+    these names up in its module at its start); undone by ``patches``."""
+    def wrap(enable: Any) -> Any:
+        def enable_profiler(*args: Any, **kwargs: Any) -> Any:
+            first()
+            return enable(*args, **kwargs)
+        return enable_profiler
+
+    for module, name in ((_autograd_profiler, "_enable_profiler"),
+                         (_autograd_profiler_legacy, "_enable_profiler_legacy")):
+        patches.set(module, name, wrap(getattr(module, name)))
 
 
 @contextlib.contextmanager
@@ -85,7 +98,7 @@ def own_profiler_start() -> Iterator[None]:
 def load() -> tuple[Any | None, str | None, float]:
     """The built extension, or None and why not; and the seconds this process's first load took
     (0.0 after it). Compiles it the first time on this machine and torch version."""
-    global _module, _failure, _build_s
+    global _module, _failure
     with _lock:
         if _module is not None or _failure is not None:
             return _module, _failure, 0.0
@@ -98,8 +111,7 @@ def load() -> tuple[Any | None, str | None, float]:
             first = str(e).strip().splitlines()[:1]
             _failure = f"{type(e).__name__}: {first[0] if first else ''}".strip()
             return None, _failure, 0.0
-        _build_s = time.perf_counter() - t0
-        return _module, None, _build_s
+        return _module, None, time.perf_counter() - t0
 
 
 class CpuAllocatorCounter:
@@ -140,20 +152,11 @@ class CpuAllocatorCounter:
         self._ext.start()
         self.active = True
 
-        def on_start(enable: Any) -> Any:
-            def enable_profiler(*args: Any, **kwargs: Any) -> Any:
-                if not _own_profiler_starting:
-                    self._give_way()  # before the profiler sees a block through the counter
-                return enable(*args, **kwargs)
-            return enable_profiler
-
-        # every torch profiler started from Python looks one of these up in its module at its start
-        for module, name in ((_autograd_profiler, "_enable_profiler"),
-                             (_autograd_profiler_legacy, "_enable_profiler_legacy")):
-            self._patches.set(module, name, on_start(getattr(module, name)))
+        before_profiler_starts(self._patches, self._give_way)
 
     def _give_way(self) -> None:
-        if self.active and not self.stopped_by_profiler:
+        """Before another profiler sees a block through the counter (tpkit's own ops trace excepted)."""
+        if self.active and not self.stopped_by_profiler and not _own_profiler_starting:
             self.stopped_by_profiler = True
             self._ext.stop()  # what it recorded is dropped, as the stream's is (see the docstring)
             self.events_seen = 0

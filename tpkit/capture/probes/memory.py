@@ -84,7 +84,6 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.optim.optimizer as _optim
 from torch.autograd import profiler as _autograd_profiler
-from torch.autograd import profiler_legacy as _autograd_profiler_legacy
 
 from ...schema import (
     CPU_SOURCE_COUNTER,
@@ -188,18 +187,8 @@ class CpuAllocatorStream:
             self._off_in = None
 
     def _switch_record_functions_off(self) -> None:
-        def on_first(enable: Any) -> Any:
-            def enable_profiler(*args: Any, **kwargs: Any) -> Any:
-                self._record_functions_on()  # a profiler starting now sees every op
-                return enable(*args, **kwargs)
-            return enable_profiler
-
-        # every torch profiler started from Python (torch.profiler, autograd.profiler,
-        # emit_nvtx/emit_itt; the legacy one) looks one of these names up in its module when
-        # it starts
-        for module, name in ((_autograd_profiler, "_enable_profiler"),
-                             (_autograd_profiler_legacy, "_enable_profiler_legacy")):
-            self._patches.set(module, name, on_first(getattr(module, name)))
+        # a profiler starting now sees every op
+        allocator_counter.before_profiler_starts(self._patches, self._record_functions_on)
         torch._C._autograd._enable_record_function(False)
         self._off_in = get_ident()
 
