@@ -15,6 +15,7 @@ model), so the other ranks wait for it at their next collective. Writes
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import time
@@ -145,6 +146,7 @@ def run_case(framework: str, delay_phase: str, memory: bool, a: argparse.Namespa
 
 
 def main() -> None:
+    faulthandler.enable(all_threads=True)  # an abort prints every thread's Python stack
     a = parse()
     frameworks, phases = a.framework.split(","), a.delay_phase.split(",")
     memory = [m == "on" for m in a.memory.split(",")] if a.memory else [True] * len(frameworks)
