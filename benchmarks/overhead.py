@@ -509,6 +509,11 @@ OWN_PROCESS_ARGS = {SUBPROCESS_MODES[0]: [], TRACEML: ["--traceml"],
                     # percent (0.969x [0.961-0.987] in one run, 1.000x in another: docs/OVERHEAD.md), a
                     # floor under which no own-process difference is told apart; every run measures it
                     SECOND_LAUNCH: []}
+#: Separate launches of one program run at speeds up to ~2% apart on this VM, and one A/A pair
+#: per run can read 1.000x while others differ (docs/OVERHEAD.md, "Launches differ", session 30).
+#: An own-process difference (tpkit against TraceML, each its own launch) is told apart only
+#: beyond this, or beyond the run's own A/A where that differs more.
+LAUNCH_SPREAD = 0.02
 #: Goals of issue 14 (ratios vs none; "clocks" is memory off / phases only, see below).
 GOALS = {"tpkit default": 1.05, "tpkit phases only": 1.02, "clocks at 20 Hz": 1.01}
 PEERS = ("torch.profiler CPU", "torch.profiler + memory", "Lightning SimpleProfiler", "TraceML, own process")
@@ -801,9 +806,10 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
         if peer in LOOP_MODES and peer not in r:  # a framework's own profiler, on another loop
             continue
         if peer == TRACEML:  # tpkit's default measured as TraceML is: under its launcher, taking turns
-            out.append(_ahead(r, TPKIT_OWN, TRACEML, " (both under its launcher, taking turns)"))
-            out.append(_ahead(r, TPKIT_WHOLE, TRACEML, " (one profile over the run, as TraceML's)"))
             aa = paired(r, SECOND_LAUNCH)
+            spread = launch_spread(aa)
+            out.append(_ahead(r, TPKIT_OWN, TRACEML, " (both under its launcher, taking turns)", spread))
+            out.append(_ahead(r, TPKIT_WHOLE, TRACEML, " (one profile over the run, as TraceML's)", spread))
             out.append((f"{SECOND_LAUNCH} against the first (A/A: separate processes alone)", fmt_est(aa),
                         "-" if aa is None else "alike" if aa.lo <= 1.0 <= aa.hi else
                         "they differ: own-process figures carry that much"))
@@ -814,12 +820,24 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _ahead(r: dict[str, Samples], mode: str, peer: str, label: str = "") -> tuple[str, str, str]:
-    """(what, value, verdict): ``mode`` ahead of an in-process ``peer``, the peer's ratio minus the
-    mode's cycle by cycle (above zero: tpkit costs less)."""
+def launch_spread(aa: Estimate | None) -> float:
+    """How far apart two launches of one program may run: ``LAUNCH_SPREAD``, or the run's own A/A
+    (the second launch against the first) where its interval reaches further from 1."""
+    if aa is None:
+        return LAUNCH_SPREAD
+    return max(LAUNCH_SPREAD, abs(aa.lo - 1.0), abs(aa.hi - 1.0))
+
+
+def _ahead(r: dict[str, Samples], mode: str, peer: str, label: str = "",
+           spread: float = 0.0) -> tuple[str, str, str]:
+    """(what, value, verdict): ``mode`` ahead of ``peer``, the peer's ratio minus the mode's cycle
+    by cycle (above zero: tpkit costs less). ``spread``: for modes in separate launches, the
+    difference the launches themselves may make; the interval must clear it."""
     diff = difference(r[peer].pairs, r[mode].pairs) if peer in r and mode in r else None
     verdict = "not measured" if diff is None else "too few blocks" if diff.n < MIN_FOR_VERDICT else (
-        "met" if diff.lo > 0 else "NOT met" if diff.hi <= 0 else "undecided")
+        "met" if diff.lo > spread else "NOT met" if diff.hi < -spread else "undecided")
+    if spread and verdict == "undecided":
+        verdict += f" (launches alone differ by up to {spread:.3f})"
     return (f"{mode} ahead of {peer}{label} ({fmt_est(paired(r, peer))})",
             "-" if diff is None else f"{diff.value:+.3f} [{diff.lo:+.3f}-{diff.hi:+.3f}]", verdict)
 

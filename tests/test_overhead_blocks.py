@@ -228,3 +228,19 @@ def test_lightnings_simple_profiler_is_set_against_phases_only_like_for_like(ben
     del out["Lightning SimpleProfiler"]
     monkeypatch.setattr(oh, "LOOP_MODES", {"Lightning SimpleProfiler": (oh.LightningLoop, None)})
     assert not any("SimpleProfiler" in what for what, _, _ in oh.goal_checks(out))
+
+
+def test_own_process_differences_are_told_apart_only_beyond_what_launches_alone_differ_by(bench, monkeypatch):
+    """tpkit and TraceML each run in a launch of their own, and two launches of one program run
+    up to ~2% apart: a lead smaller than that is undecided however narrow its interval, a larger
+    one is met; when the run's own A/A differs by more, that is the bar."""
+    oh, _ = bench
+    costs = {"none": 1.0, oh.TRACEML: 1.05, oh.TPKIT_OWN: 1.04, oh.TPKIT_WHOLE: 1.00, oh.SECOND_LAUNCH: 1.0}
+    checks, _ = _verdicts(oh, monkeypatch, costs)
+    assert checks[f"{oh.TPKIT_OWN} ahead of {oh.TRACEML}"].startswith("undecided (launches alone differ by up to 0.020")
+    assert checks[f"{oh.TPKIT_WHOLE} ahead of {oh.TRACEML}"] == "met"  # 0.05 ahead
+    checks, _ = _verdicts(oh, monkeypatch, {**costs, oh.SECOND_LAUNCH: 1.06})  # this run's launches: 6% apart
+    assert checks[f"{oh.TPKIT_WHOLE} ahead of {oh.TRACEML}"].startswith("undecided (launches alone differ by up to 0.06")
+    checks, _ = _verdicts(oh, monkeypatch, {**costs, oh.TPKIT_WHOLE: 1.09})  # 0.04 behind
+    assert checks[f"{oh.TPKIT_WHOLE} ahead of {oh.TRACEML}"] == "NOT met"
+    assert oh.launch_spread(None) == oh.LAUNCH_SPREAD
