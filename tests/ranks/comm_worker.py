@@ -128,10 +128,10 @@ def main() -> None:
     dist.destroy_process_group()
     # Every result is written: Python's finalization is skipped. A rank aborted after writing
     # all its files ("terminate called without an active exception"), once in CI and in 3 of
-    # ~140 launches here under load, never reproduced at will. That message is what a gloo
-    # thread prints when it wants the GIL while the interpreter is torn down (it can still
-    # hold a finished collective's tensors); faulthandler above prints the stacks if it comes
-    # back. tpkit's own exit is tested by train_worker.py, which exits normally.
+    # ~140 launches here under load, never reproduced at will. One known way to end like that:
+    # a gloo thread still holding a finished collective's tensors asks for the GIL while the
+    # interpreter is torn down. If it comes back, faulthandler above prints every stack.
+    # tpkit's own exit is tested by train_worker.py, which exits normally.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
