@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import types
 
 import pytest
 import torch
@@ -160,7 +161,8 @@ def test_a_counter_that_cannot_be_built_leaves_the_stream_and_a_note(monkeypatch
     source, note = mem.cpu_allocation_source()
     assert isinstance(source, mem.CpuAllocatorStream)
     assert note is not None and "could not be built (CalledProcessError: c++ not found)" in note
-    monkeypatch.setattr(allocator_counter, "load", lambda: (object(), None, 6.2))
+    built = types.SimpleNamespace(mark=lambda address, nbytes: None)  # a stand-in for the extension
+    monkeypatch.setattr(allocator_counter, "load", lambda: (built, None, 6.2))
     source, note = mem.cpu_allocation_source()
     assert isinstance(source, CpuAllocatorCounter)
     assert note == "tpkit built its CPU allocation counter before the slice (6.2 s, once per machine and torch version)"

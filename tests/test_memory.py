@@ -19,7 +19,7 @@ from tpkit import charts
 from tpkit.analysis import memory as ma
 from tpkit.capture.probes import memory as mem
 from tpkit.capture.recorder import Recorder
-from tpkit.schema import MEMORY_CATEGORIES
+from tpkit.schema import CPU_SOURCE_COUNTER, CPU_SOURCE_STREAM, ENV_CPU_ALLOCATIONS, MEMORY_CATEGORIES
 
 B, D, H = 64, 32, 512
 
@@ -1034,11 +1034,12 @@ def test_a_phase_entered_inside_itself_is_one_boundary_for_the_probes():
 
 @pytest.mark.parametrize("pool, ahead", [(1, 0), (3, 0), (3, 5)])
 def test_marker_storages_made_ahead_count_nowhere_whenever_they_are_made(monkeypatch, pool, ahead):
-    """Each boundary's marker is the free of a storage the probe allocated earlier: enough for
-    the slice's steps when the stream starts (at most MARKERS_AHEAD_MAX), then MARKER_POOL at
-    a time (a free costs a boundary less than an allocation). Where the pool runs out (at any
-    boundary, inside a backward pass too) must not show: the memory table is the same byte for
-    byte as with every marker made ahead."""
+    """With torch's stream, each boundary's marker is the free of a storage the probe allocated
+    earlier: enough for the slice's steps when the stream starts (at most MARKERS_AHEAD_MAX),
+    then MARKER_POOL at a time (a free costs a boundary less than an allocation). Where the pool
+    runs out (at any boundary, inside a backward pass too) must not show: the memory table is
+    the same byte for byte as with every marker made ahead."""
+    monkeypatch.setenv(ENV_CPU_ALLOCATIONS, "stream")
     def table(run: tp.Run) -> list:
         m = run.memory[run.memory["device"] == "cpu"]
         return m[["step", "phase", "event", "category", "bytes"]].astype(str).values.tolist()
@@ -1053,7 +1054,9 @@ def test_marker_storages_made_ahead_count_nowhere_whenever_they_are_made(monkeyp
 
 def test_a_slice_makes_its_markers_before_its_first_step(monkeypatch):
     """The markers for the steps asked for (warm-up included) are made when the stream starts:
-    none is allocated inside a step (a pool made there cost ~92 us every few steps)."""
+    none is allocated inside a step (a pool made there cost ~92 us every few steps). With
+    torch's stream: tpkit's counter needs no marker storage (the next test)."""
+    monkeypatch.setenv(ENV_CPU_ALLOCATIONS, "stream")
     made: list[tuple[int, int]] = []  # (markers made, boundaries seen so far)
     real = mem.MemoryProbe._refill
 
@@ -1065,6 +1068,29 @@ def test_a_slice_makes_its_markers_before_its_first_step(monkeypatch):
     run, _, _ = train_mlp(steps=6, warmup=1)
     assert made == [((6 + 1) * mem.MARKERS_PER_STEP_AHEAD, 0)]
     assert len(run.memory) > 0
+
+
+def test_with_the_counter_a_boundary_frees_no_storage_and_the_table_is_the_streams(monkeypatch):
+    """With tpkit's counter a boundary's marker is an event written into its list where the
+    boundary is (no storage made ahead, none freed at the boundary), and a slice longer than any
+    pool made ahead makes none either; the memory table is the one torch's stream gives, byte for
+    byte, with its storage markers."""
+    def table(run: tp.Run) -> list:
+        m = run.memory[run.memory["device"] == "cpu"]
+        return m[["step", "phase", "event", "category", "bytes"]].astype(str).values.tolist()
+
+    monkeypatch.setenv(ENV_CPU_ALLOCATIONS, "stream")
+    want, _, _ = train_mlp(steps=6)
+    assert want.meta["memory"]["cpu_source"] == CPU_SOURCE_STREAM
+    monkeypatch.delenv(ENV_CPU_ALLOCATIONS)
+    made: list[int | None] = []
+    monkeypatch.setattr(mem.MemoryProbe, "_refill", lambda self, count=None: made.append(count))
+    monkeypatch.setattr(mem, "MARKERS_AHEAD_MAX", 0)
+    got, model, _ = train_mlp(steps=6)
+    assert got.meta["memory"]["cpu_source"] == CPU_SOURCE_COUNTER
+    assert made == []
+    assert table(got) == table(want)
+    assert (rows(got, "backward", "exit", "gradients") == 4 * n_params(model)).all()
 
 
 def _nested_batches() -> Any:

@@ -127,6 +127,9 @@ class CpuAllocatorCounter:
         #: a torch profiler other than tpkit's own started: the counter stopped for it (the
         #: memory probe reads this at each boundary, in place)
         self.stopped_by_profiler = False
+        #: ``mark(address, bytes)``: an event of the caller's written into the list where it
+        #: stands now, if this thread records (the memory probe's boundary markers)
+        self.mark = ext.mark
 
     def start(self) -> None:
         if torch._C._autograd._profiler_enabled():
