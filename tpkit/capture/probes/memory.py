@@ -9,12 +9,13 @@ allocated outside backward, at a forward/backward boundary: what forward saved),
 ``.grad``) or, at any other boundary, ``other``. Model buffers count with that rest; tpkit's own
 tensors (``Recorder.own_tensors``) count nowhere.
 
-Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker:
-the free of a small storage allocated ahead of time (for the slice's steps when the stream
-starts, then ``MARKER_POOL`` at once when the last is used), whose address and odd size cut the
-allocator stream there; no Python loop over
-parameters runs there, and the hot path keeps only ints and strings in flat lists (nothing the
-gc tracks). The known sets are *observed* now and then: gradients at the first optimizer (or
+Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker
+that cuts the allocation stream there. With tpkit's counter it is an event written into the
+counter's list (an odd address no block has, an odd size). With torch's stream it is the free
+of a small storage allocated ahead of time (for the slice's steps when the stream starts, then
+``MARKER_POOL`` at once when the last is used), whose address and odd size are known. No
+Python loop over parameters runs there, and the hot path keeps only ints and strings in flat
+lists (nothing the gc tracks). The known sets are *observed* now and then: gradients at the first optimizer (or
 forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and then after every
 ``GRAD_LOOK_EVERY``-th, parameters and buffers when the model set changes, optimizer state when
 its cheap fingerprint changes, each batch when a loader hands it out, and once at the end; each
@@ -79,7 +80,7 @@ import weakref
 from dataclasses import dataclass
 from threading import get_ident
 from time import perf_counter_ns
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.optim.optimizer as _optim
@@ -146,6 +147,10 @@ def quiet_stderr() -> Iterator[None]:
         os.dup2(saved, fd)
         os.close(saved)
         os.close(devnull)
+
+
+def _no_event(address: int, nbytes: int) -> None:
+    raise AssertionError("torch's allocator stream takes no event of tpkit's: its markers are storages")
 
 
 def rest_category(phase: str) -> str:
@@ -479,6 +484,8 @@ class MemoryProbe:
             cpu, self._source_note = cpu_allocation_source()
         self.cpu = cpu
         self._counting = isinstance(cpu, CpuAllocatorCounter)
+        #: the counter's ``mark``: an event of tpkit's written into its list (``_write_mark``)
+        self._write_event: Callable[[int, int], None] = cpu.mark if isinstance(cpu, CpuAllocatorCounter) else _no_event
         self.cuda = cuda if cuda is not None else CudaAllocator()
         # The hot path appends plain ints and interned strings to flat lists (4 per entry), so
         # that nothing it keeps is tracked by the gc: no collection is triggered by tpkit.
@@ -709,7 +716,7 @@ class MemoryProbe:
         size = MARKER_BASE_BYTES + 2 * (number % MARKER_SIZES)
         address = 2 * number + 1  # odd: never a block's (they are 64-byte aligned)
         flat += (address, size, kind, index, -1)
-        self.cpu.mark(address, -size)
+        self._write_event(address, -size)
 
     def _refill(self, count: int | None = None) -> None:
         """``count`` (default ``MARKER_POOL``) marker storages, of sizes that differ from one to
