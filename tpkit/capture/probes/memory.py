@@ -15,10 +15,10 @@ counter's list (an odd address no block has, an odd size). With torch's stream i
 of a small storage allocated ahead of time (for the slice's steps when the stream starts, then
 ``MARKER_POOL`` at once when the last is used), whose address and odd size are known. No
 Python loop over parameters runs there, and the hot path keeps only ints and strings in flat
-lists (nothing the gc tracks). The known sets are *observed* now and then: gradients at the first optimizer (or
-forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and then after every
-``GRAD_LOOK_EVERY``-th, parameters and buffers when the model set changes, optimizer state when
-its cheap fingerprint changes, each batch when a loader hands it out, and once at the end; each
+lists (nothing the gc tracks). The known sets are *observed* now and then: gradients at the
+first optimizer (or forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and
+then after every ``GRAD_LOOK_EVERY``-th, parameters and buffers when the model set changes,
+optimizer state when its cheap fingerprint changes, each batch when a loader hands it out, and once at the end; each
 observation is a marker too. After the slice the stream is replayed twice: pass 1 gives every
 block allocated in the slice a category from the observations that found it alive (a known
 storage counts from its allocation; a gradient of a CPU parameter of at least
@@ -698,7 +698,11 @@ class MemoryProbe:
         the free of a storage allocated ahead (its address and odd size are known)."""
         if self._counting:
             self._write_mark(kind, index)
-            return
+        else:
+            self._free_marker(kind, index)
+
+    def _free_marker(self, kind: int, index: int) -> None:
+        """The stream's marker: the free of the next storage of the pool made ahead."""
         pool = self._pool
         if not pool:
             self._refill()
@@ -779,16 +783,11 @@ class MemoryProbe:
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
             stream = False
-        if stream:  # the marker (``_mark``, inlined)
+        if stream:  # the marker (``_mark``'s choice, made here: one call fewer)
             if self._counting:
                 self._write_mark(_BOUND, k)
             else:
-                pool = self._pool
-                if not pool:
-                    self._refill()
-                m, ptr, size, number = pool.pop()
-                self._marks_flat += (ptr, size, _BOUND, k, number)
-                del m
+                self._free_marker(_BOUND, k)
             if not self._cuda_in_use:
                 return
         # no CPU stream to replay, or CUDA devices in use: walk the known sets here
