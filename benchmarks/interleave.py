@@ -120,6 +120,26 @@ def estimate(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
     return Estimate(statistics.median(xs), meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1], len(xs))
 
 
+#: Student's t, two-sided 95%, by degrees of freedom; between entries the lower one's (wider).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+        10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def mean_interval(values: Sequence[float]) -> Estimate | None:
+    """The mean of a few independent values (one per launch) with its 95% Student-t interval
+    (None under 2 values). Launches are read this way, not by bootstrap over blocks: what sets
+    one launch apart from another (the program's layout in memory, the host it met) is shared
+    by all of that launch's blocks, so only whole launches are independent, and there are few."""
+    xs = list(values)
+    if len(xs) < 2:
+        return None
+    mean, half = statistics.mean(xs), 0.0
+    if len(set(xs)) > 1:
+        t = T975[max(df for df in T975 if df <= len(xs) - 1)]
+        half = t * statistics.stdev(xs) / len(xs) ** 0.5
+    return Estimate(mean, mean - half, mean + half, len(xs))
+
+
 def by_cycle(pairs: Sequence[tuple[int, float]]) -> dict[int, float]:
     """A mode's per-block ratios keyed by cycle (the mean where a cycle holds two blocks)."""
     acc: dict[int, list[float]] = {}

@@ -68,6 +68,7 @@ from interleave import (  # noqa: E402
     Estimate,
     difference,
     estimate,
+    mean_interval,
     paired_ratios,
     quotient,
     schedule,
@@ -514,6 +515,10 @@ OWN_PROCESS_ARGS = {SUBPROCESS_MODES[0]: [], TRACEML: ["--traceml"],
 #: An own-process difference (tpkit against TraceML, each its own launch) is told apart only
 #: beyond this, or beyond the run's own A/A where that differs more.
 LAUNCH_SPREAD = 0.02
+#: With this many launches of each own-process mode (``--launches``), an own-process difference is
+#: read across launches (``mean_interval`` of the per-launch differences), which carries what
+#: launches differ by in its own interval, instead of against ``LAUNCH_SPREAD``.
+MIN_LAUNCHES = 3
 #: Goals of issue 14 (ratios vs none; "clocks" is memory off / phases only, see below).
 GOALS = {"tpkit default": 1.05, "tpkit phases only": 1.02, "clocks at 20 Hz": 1.01}
 PEERS = ("torch.profiler CPU", "torch.profiler + memory", "Lightning SimpleProfiler", "TraceML, own process")
@@ -609,6 +614,7 @@ class Samples:
     gc_by_gen: list[int] = field(default_factory=lambda: [0, 0, 0])  # collections inside kept steps
     pairs: list[tuple[int, float]] = field(default_factory=list)  # in-process: (cycle, paired block ratio)
     loads: list[float] = field(default_factory=list)
+    launches: list[float] = field(default_factory=list)  # own-process: each launch's median paired ratio
 
     def add_steps(self, steps: list[float], gc_s: list[float], gc_by_gen: list[int]) -> None:
         self.steps += steps
@@ -672,12 +678,16 @@ def traceml_available() -> str | None:
 
 
 def add_own_process(out: dict[str, Samples], blocks: list[Block]) -> None:
-    """The own-process modes' blocks into ``out``: the baseline's steps as 'none, traceml
-    launcher', each profiler's with its ratios paired with the baseline blocks around it."""
+    """One launch of the own-process modes into ``out``: the baseline's steps as 'none, traceml
+    launcher', each profiler's with its ratios paired with the baseline blocks around it (its
+    cycles numbered after every cycle already in ``out``: a later launch's cycle 0 is not an
+    earlier one's), and each profiler's median ratio in this launch in ``launches``."""
     for b in blocks:
         out.setdefault(SUBPROCESS_MODES[0] if b.mode == BASE else b.mode, Samples()).add_steps(b.steps, [], [0, 0, 0])
+    offset = 1 + max((c for s in out.values() for c, _ in s.pairs), default=-1)
     for mode, pairs in paired_ratios(blocks).items():
-        out[mode].pairs += pairs
+        out[mode].pairs += [(offset + c, r) for c, r in pairs]
+        out[mode].launches.append(statistics.median(r for _, r in pairs))
     load = load_avg()[0]
     for mode in dict.fromkeys([*SUBPROCESS_MODES, *(b.mode for b in blocks if b.mode.endswith(OWN))]):
         if mode in out:
@@ -813,6 +823,10 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
             out.append((f"{SECOND_LAUNCH} against the first (A/A: separate processes alone)", fmt_est(aa),
                         "-" if aa is None else "alike" if aa.lo <= 1.0 <= aa.hi else
                         "they differ: own-process figures carry that much"))
+            if SECOND_LAUNCH in r and len(r[SECOND_LAUNCH].launches) >= 2:
+                xs = r[SECOND_LAUNCH].launches
+                out.append((f"{SECOND_LAUNCH} against the first, launch by launch ({len(xs)} launches)",
+                            f"{min(xs):.3f}-{max(xs):.3f}", f"sd {statistics.stdev(xs):.3f} between launches"))
             continue
         out.append(_ahead(r, "tpkit default", peer))
         if peer in LIKE_FOR_LIKE:  # the same work as the peer's: what a user choosing between the two compares
@@ -828,11 +842,28 @@ def launch_spread(aa: Estimate | None) -> float:
     return max(LAUNCH_SPREAD, abs(aa.lo - 1.0), abs(aa.hi - 1.0))
 
 
+def across_launches(r: dict[str, Samples], mode: str, peer: str) -> Estimate | None:
+    """The peer's median ratio minus the mode's, launch by launch, with its 95% interval across
+    launches (``mean_interval``); None with fewer than ``MIN_LAUNCHES`` launches of both."""
+    if peer not in r or mode not in r:
+        return None
+    a, b = r[peer].launches, r[mode].launches
+    if min(len(a), len(b)) < MIN_LAUNCHES:
+        return None
+    return mean_interval([x - y for x, y in zip(a, b)])
+
+
 def _ahead(r: dict[str, Samples], mode: str, peer: str, label: str = "",
            spread: float = 0.0) -> tuple[str, str, str]:
     """(what, value, verdict): ``mode`` ahead of ``peer``, the peer's ratio minus the mode's cycle
     by cycle (above zero: tpkit costs less). ``spread``: for modes in separate launches, the
-    difference the launches themselves may make; the interval must clear it."""
+    difference the launches themselves may make; the interval must clear it. With
+    ``MIN_LAUNCHES`` launches or more of both, the difference is read across launches instead."""
+    over = across_launches(r, mode, peer) if spread else None
+    if over is not None:
+        verdict = "met" if over.lo > 0 else "NOT met" if over.hi < 0 else "undecided"
+        return (f"{mode} ahead of {peer}{label} ({fmt_est(paired(r, peer))})",
+                f"{over.value:+.3f} [{over.lo:+.3f}-{over.hi:+.3f}]", f"{verdict} (across {over.n} launches)")
     diff = difference(r[peer].pairs, r[mode].pairs) if peer in r and mode in r else None
     verdict = "not measured" if diff is None else "too few blocks" if diff.n < MIN_FOR_VERDICT else (
         "met" if diff.lo > spread else "NOT met" if diff.hi < -spread else "undecided")
@@ -864,6 +895,11 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
     print("  blocks per mode: " + ", ".join(f"{loop} {cycles.get(loop, 0)}" for loop in loops)
           + ". The own-process rows are paired with 'none, traceml launcher' (the launches taking turns, "
           "block by block); that row's own figure (in brackets) is its median step over the in-process 'none''s.")
+    for loop, r in results.items():
+        several = {m: s.launches for m, s in r.items() if len(s.launches) >= 2}
+        if several:
+            print(f"  {loop}, each launch's median ratio: " + "; ".join(
+                f"{m} " + " ".join(f"{x:.3f}" for x in xs) for m, xs in several.items()))
 
     for what, num, den in COMPONENT_QUOTIENTS:
         if num in ran and den in ran:
@@ -937,7 +973,9 @@ def report(results: dict[str, dict[str, Samples]], notes: list[str], cycles: dic
                              "p80": p80, "mean": statistics.mean(xs), "ratio_vs_none": r if step else "",
                              "ratio_lo95": est.lo if step and est else "", "ratio_hi95": est.hi if step and est else "",
                              "blocks": est.n if step and est else "",
-                             "load_avg_1m": round(load, 2), "machine": mach, "versions": vers})
+                             "load_avg_1m": round(load, 2),
+                             "launch_ratios": " ".join(f"{x:.4f}" for x in s.launches) if step else "",
+                             "machine": mach, "versions": vers})
     return rows
 
 
@@ -950,6 +988,10 @@ def main() -> None:
     ap.add_argument("--own-budget", type=float, default=None,
                     help="seconds of blocks per loop for the own-process modes (TraceML's launch with TraceML on, "
                          "off, and off with tpkit's default two ways), taking turns; default 150, 0 (not run) with --quick")
+    ap.add_argument("--launches", type=int, default=1,
+                    help="launch the own-process modes this many times per loop, each time afresh, --own-budget "
+                         f"seconds each; with {MIN_LAUNCHES} or more, tpkit against TraceML is read across launches "
+                         "(two launches of one program run up to ~2%% apart: one launch each cannot tell 1-2 points)")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--modes", default=",".join([*MODES, *LOOP_MODES]),
                     help=f"in-process modes; also {', '.join(COMPONENT_MODES)}, which takes the default apart")
@@ -974,6 +1016,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.launches < 1:
+        ap.error(f"--launches must be 1 or more, got {args.launches}")
     if args.child:
         child_main(args)
         return
@@ -1022,14 +1066,16 @@ def main() -> None:
     if not why_not_traceml:
         log_dir = Path(tempfile.mkdtemp(prefix="tpkit-traceml-logs-"))
         for name in built:
-            try:
-                blocks, how = own_process_turns(name, args.skip, args.block, args.own_budget, log_dir,
-                                                extra=own_extra)
-            except (RuntimeError, TimeoutError) as e:
-                notes.append(f"{name}: the own-process modes failed: {e}")
-                continue
-            print(f"{name}: own-process modes, {how}, done at {time.perf_counter() - t_start:.0f} s", flush=True)
-            add_own_process(results[name], blocks)
+            for launch in range(1, args.launches + 1):
+                try:
+                    blocks, how = own_process_turns(name, args.skip, args.block, args.own_budget, log_dir,
+                                                    extra=own_extra)
+                except (RuntimeError, TimeoutError) as e:
+                    notes.append(f"{name}: the own-process modes failed (launch {launch}): {e}")
+                    continue
+                print(f"{name}: own-process modes, launch {launch} of {args.launches}, {how}, done at "
+                      f"{time.perf_counter() - t_start:.0f} s", flush=True)
+                add_own_process(results[name], blocks)
         also = f", and {', '.join(own_extra)}" if own_extra else ""
         notes.append("TraceML ran in its own process, as `traceml run overhead.py --args --child ...` (its launcher "
                      "starts an aggregator process and torchrun around the script: it cannot share this process), "

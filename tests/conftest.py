@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 import threading
 
@@ -6,8 +8,18 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Runs kept by the store during tests go to a temporary folder, not the checkout.
-os.environ["TPKIT_RUNS"] = tempfile.mkdtemp(prefix="tpkit-test-runs-")
+# Runs kept by the store during tests go to a temporary folder, not the checkout, removed when
+# this test process ends (not by a forked child leaving: the folder is the parent's).
+_RUNS = tempfile.mkdtemp(prefix="tpkit-test-runs-")
+os.environ["TPKIT_RUNS"] = _RUNS
+
+
+def _remove_runs(pid: int = os.getpid()) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(_RUNS, ignore_errors=True)
+
+
+atexit.register(_remove_runs)
 
 
 @pytest.fixture(scope="session")

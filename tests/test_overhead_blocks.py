@@ -244,3 +244,57 @@ def test_own_process_differences_are_told_apart_only_beyond_what_launches_alone_
     checks, _ = _verdicts(oh, monkeypatch, {**costs, oh.TPKIT_WHOLE: 1.09})  # 0.04 behind
     assert checks[f"{oh.TPKIT_WHOLE} ahead of {oh.TRACEML}"] == "NOT met"
     assert oh.launch_spread(None) == oh.LAUNCH_SPREAD
+
+
+def _launch(oh, il, speeds: dict[str, float], cycles: int = 12) -> list:
+    """One launch of the own-process modes taking turns: each mode's blocks run at ``speeds``
+    (its own process's pace, the profiler's cost included) against the baseline's, with a little
+    block-to-block jitter."""
+    rng = random.Random(len(speeds) * 1000 + int(sum(speeds.values()) * 1e4))
+    order = [m for m in oh.SUBPROCESS_MODES[1:] if m in speeds]
+    blocks = []
+    for mode in il.schedule(order, cycles):
+        pace = 1.0 if mode == il.BASE else speeds[mode]
+        cycle = max(len(blocks) - 1, 0) // (2 * len(order))
+        blocks.append(il.Block(mode, cycle, steps=[0.01 * pace * rng.uniform(0.998, 1.002) for _ in range(8)]))
+    return blocks
+
+
+def test_with_several_launches_tpkit_against_traceml_is_read_across_launches(bench):
+    """Each launch sets its processes' pace apart by up to ~2%, shared by all of its blocks, so one
+    launch each cannot tell a 1.5-point lead. Across five launches whose differences agree, the
+    lead is met though under LAUNCH_SPREAD; differences that change sign from launch to launch stay
+    undecided; with two launches the verdict falls back to the launch spread."""
+    oh, il = bench
+    lead = [(1.060, 1.045), (1.040, 1.024), (1.052, 1.038), (1.045, 1.031), (1.058, 1.042)]  # TraceML, tpkit
+    out: dict = {}
+    for traceml, tpkit in lead:
+        oh.add_own_process(out, _launch(oh, il, {oh.TRACEML: traceml, oh.TPKIT_OWN: tpkit, oh.SECOND_LAUNCH: 1.0}))
+    assert [round(x, 3) for x in out[oh.TRACEML].launches] == [t for t, _ in lead]
+    assert len({c for c, _ in out[oh.TRACEML].pairs}) == 5 * 12  # every launch's cycles kept apart
+    checks = {what.split(" (")[0]: (value, verdict) for what, value, verdict in oh.goal_checks(out)}
+    value, verdict = checks[f"{oh.TPKIT_OWN} ahead of {oh.TRACEML}"]
+    assert verdict == "met (across 5 launches)"
+    assert float(value.split()[0]) == pytest.approx(0.015, abs=0.001)
+
+    mixed = [(1.050, 1.040), (1.040, 1.055), (1.052, 1.038), (1.041, 1.050), (1.058, 1.042)]
+    out = {}
+    for traceml, tpkit in mixed:
+        oh.add_own_process(out, _launch(oh, il, {oh.TRACEML: traceml, oh.TPKIT_OWN: tpkit}))
+    checks = {what.split(" (")[0]: verdict for what, _, verdict in oh.goal_checks(out)}
+    assert checks[f"{oh.TPKIT_OWN} ahead of {oh.TRACEML}"] == "undecided (across 5 launches)"
+
+    out = {}
+    for traceml, tpkit in lead[:2]:
+        oh.add_own_process(out, _launch(oh, il, {oh.TRACEML: traceml, oh.TPKIT_OWN: tpkit}))
+    checks = {what.split(" (")[0]: verdict for what, _, verdict in oh.goal_checks(out)}
+    assert checks[f"{oh.TPKIT_OWN} ahead of {oh.TRACEML}"].startswith("undecided (launches alone differ by up to 0.020")
+
+
+def test_a_mean_interval_over_launches_uses_students_t(bench):
+    _, il = bench
+    e = il.mean_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    assert (e.value, e.n) == (2.0, 3)
+    assert e.hi - e.value == pytest.approx(4.303 / 3 ** 0.5, rel=1e-4)
+    assert il.mean_interval([0.5]) is None
+    assert il.mean_interval([0.5, 0.5]).lo == 0.5
