@@ -729,6 +729,9 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 OWN = ", own process"
+#: tpkit's mode that does what TraceML does on the CPU (phases and step times, no allocation
+#: accounting), when run under its launcher with ``--own-modes "tpkit memory off"``.
+TPKIT_LIKE_TRACEML = "tpkit memory off" + OWN
 
 
 def own_component_args(names: list[str]) -> dict[str, list[str]]:
@@ -820,6 +823,9 @@ def goal_checks(r: dict[str, Samples]) -> list[tuple[str, str, str]]:
             spread = launch_spread(aa)
             out.append(_ahead(r, TPKIT_OWN, TRACEML, " (both under its launcher, taking turns)", spread))
             out.append(_ahead(r, TPKIT_WHOLE, TRACEML, " (one profile over the run, as TraceML's)", spread))
+            if TPKIT_LIKE_TRACEML in r:  # --own-modes "tpkit memory off"
+                out.append(_ahead(r, TPKIT_LIKE_TRACEML, TRACEML, " (like for like: on the CPU TraceML records "
+                                  "no allocation, only the process's resident memory)", spread))
             out.append((f"{SECOND_LAUNCH} against the first (A/A: separate processes alone)", fmt_est(aa),
                         "-" if aa is None else "alike" if aa.lo <= 1.0 <= aa.hi else
                         "they differ: own-process figures carry that much"))
