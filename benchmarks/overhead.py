@@ -850,11 +850,13 @@ def launch_spread(aa: Estimate | None) -> float:
 
 def across_launches(r: dict[str, Samples], mode: str, peer: str) -> Estimate | None:
     """The peer's median ratio minus the mode's, launch by launch, with its 95% interval across
-    launches (``mean_interval``); None with fewer than ``MIN_LAUNCHES`` launches of both."""
+    launches (``mean_interval``); None with fewer than ``MIN_LAUNCHES`` launches of both, or
+    when one has a launch the other lacks (a launch with no block of a mode): they no longer
+    line up launch by launch."""
     if peer not in r or mode not in r:
         return None
     a, b = r[peer].launches, r[mode].launches
-    if min(len(a), len(b)) < MIN_LAUNCHES:
+    if len(a) != len(b) or len(a) < MIN_LAUNCHES:
         return None
     return mean_interval([x - y for x, y in zip(a, b)])
 
