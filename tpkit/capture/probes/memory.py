@@ -486,6 +486,8 @@ class MemoryProbe:
         self._counting = isinstance(cpu, CpuAllocatorCounter)
         #: the counter's ``mark``: an event of tpkit's written into its list (``_write_mark``)
         self._write_event: Callable[[int, int], None] = cpu.mark if isinstance(cpu, CpuAllocatorCounter) else _no_event
+        #: how a marker is made, chosen once: written into the counter's list, or a storage freed
+        self._marker: Callable[[int, int], None] = self._write_mark if self._counting else self._free_marker
         self.cuda = cuda if cuda is not None else CudaAllocator()
         # The hot path appends plain ints and interned strings to flat lists (4 per entry), so
         # that nothing it keeps is tracked by the gc: no collection is triggered by tpkit.
@@ -696,10 +698,7 @@ class MemoryProbe:
         """A marker, which cuts the CPU stream here: with tpkit's counter an event written into
         its list (an odd address no block has, an odd size: ``_write_mark``); with torch's stream
         the free of a storage allocated ahead (its address and odd size are known)."""
-        if self._counting:
-            self._write_mark(kind, index)
-        else:
-            self._free_marker(kind, index)
+        self._marker(kind, index)
 
     def _free_marker(self, kind: int, index: int) -> None:
         """The stream's marker: the free of the next storage of the pool made ahead."""
@@ -783,11 +782,8 @@ class MemoryProbe:
             # a torch.profiler started inside the slice takes the allocator stream over
             self._stream_lost_at = k
             stream = False
-        if stream:  # the marker (``_mark``'s choice, made here: one call fewer)
-            if self._counting:
-                self._write_mark(_BOUND, k)
-            else:
-                self._free_marker(_BOUND, k)
+        if stream:  # the marker (``_mark``, inlined: one call fewer)
+            self._marker(_BOUND, k)
             if not self._cuda_in_use:
                 return
         # no CPU stream to replay, or CUDA devices in use: walk the known sets here
