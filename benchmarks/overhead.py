@@ -479,6 +479,32 @@ class _DefaultOnStream:
         return self.profile.__exit__(*exc)
 
 
+class _DefaultWithPythonBoundaries:
+    """tpkit's default with the memory probe's phase listener in Python (``_on_phase``), as it
+    was before session 32, instead of the allocation counter's C ``boundary``: set against "tpkit
+    default" it is what noting the boundaries in C saves (docs/OVERHEAD.md, "Boundaries noted in
+    C++")."""
+
+    def __init__(self, steps: int, warmup: int) -> None:
+        self.profile = _tpkit()(steps, warmup)
+
+    @property
+    def run(self) -> Any:
+        return getattr(self.profile, "run", None)
+
+    def __enter__(self) -> Any:
+        from tpkit.capture.probes import memory
+
+        memory.BOUNDARIES_IN_COUNTER = False  # read when the slice installs its memory probe
+        try:
+            return self.profile.__enter__()
+        finally:
+            memory.BOUNDARIES_IN_COUNTER = True
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.profile.__exit__(*exc)
+
+
 #: Modes that take the default apart, run only when named in --modes.
 #: The communication pair matters under DDP (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0
 #: MASTER_ADDR=127.0.0.1 MASTER_PORT=...): at one rank a slice leaves collectives untimed by
@@ -486,6 +512,7 @@ class _DefaultOnStream:
 COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit memory off + stream": _MemoryOffWithStream,
     "tpkit default (stream)": _DefaultOnStream,
+    "tpkit default, boundaries in Python": _DefaultWithPythonBoundaries,
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
     "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
@@ -494,6 +521,8 @@ COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memo
                         "tpkit default", "tpkit default (stream)"),
                        ("the memory probe's own work over the stream", "tpkit default (stream)",
                         "tpkit memory off + stream"),
+                       ("the default with its boundaries noted in C over the same in Python", "tpkit default",
+                        "tpkit default, boundaries in Python"),
                        ("the communication probe (under DDP)", "tpkit phases only with comm probe",
                         "tpkit phases only without comm probe"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import types
+import time
+from unittest import mock
 
 import pytest
 import torch
@@ -98,23 +99,99 @@ def test_blocks_from_before_from_other_threads_and_freed_after_go_to_their_own_a
 def test_a_process_forked_while_recording_records_nothing(ext):
     """A DataLoader's workers are forked by the loop inside the slice: each is a copy of the
     recording thread, and must neither record nor keep the parent's list."""
-    counter = CpuAllocatorCounter(ext)
-    counter.start()
+    counter = _listening(ext, [], {}, set())
     kept = torch.ones(1000)
+    counter.boundary("forward", "enter", 0)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: allocate, then ask the counter what it holds
+    if pid == 0:  # the child: allocate and meet a boundary, then ask the counter what it holds
         try:
             torch.ones(2000).sum()
-            os.write(write, str(len(ext.stop())).encode())
+            counter.boundary("forward", "exit", 0)
+            os.write(write, f"{len(ext.stop())} {len(ext.boundaries())} {len(ext.markers())}".encode())
         finally:
             os._exit(0)
     os.close(write)
     got = os.read(read, 64).decode()
     os.waitpid(pid, 0)
     os.close(read)
-    assert got == "0"
-    assert counter.stop() == [(kept.data_ptr(), 4000)]  # the parent's record goes on
+    assert got == "0 0 0"
+    counter.boundary("forward", "exit", 0)
+    # the parent's record goes on
+    assert counter.stop() == [(kept.data_ptr(), 4000), (1, -513), (3, -515)]
+    assert [n[:2] for n in counter.boundaries()] == [("forward", "enter"), ("forward", "exit")]
+    counter.unlisten()
+    counter.forget()
+
+
+def _listening(ext, calls: list, models: dict, cuda: set, call=None) -> CpuAllocatorCounter:
+    counter = CpuAllocatorCounter(ext)
+    counter.start()
+    counter.listen(models, cuda, call or (lambda *a: calls.append(a)), "backward", ("optimizer", "forward"),
+                   7, 513, 192)
+    return counter
+
+
+def test_the_counter_notes_each_boundary_and_calls_the_probe_only_where_it_has_more_to_do(ext):
+    """The memory probe's phase listener while the counter records: each boundary noted, with
+    perf_counter_ns's clock, and its marker written (the n-th at address 2n + 1, size 513 + 2n);
+    the probe's Python is called instead at the first optimizer or forward enter after a
+    backward exit, when a model was added, while a CUDA device is in use, and for a boundary
+    of a thread that does not record."""
+    calls: list[tuple] = []
+    models: dict[int, object] = {}
+    cuda: set[int] = set()
+    counter = _listening(ext, calls, models, cuda)
+    b = counter.boundary
+    t0 = time.perf_counter_ns()
+    for phase in ("forward", "backward"):
+        b(phase, "enter", 0)
+        b(phase, "exit", 0)
+    b("optimizer", "enter", 0)  # 4: the look at the gradients
+    b("optimizer", "exit", 0)
+    b("optimizer", "enter", 0)  # zero_grad: looked already
+    models[1] = object()
+    b("data_wait", "enter", 1)  # 7: a model added
+    b("data_wait", "exit", 1)
+    cuda.add(0)
+    b("forward", "enter", 1)  # 9: CUDA in use
+    cuda.clear()
+    other = threading.Thread(target=b, args=("forward", "exit", 1))
+    other.start()
+    other.join()  # 10: another thread's
+    t1 = time.perf_counter_ns()
+    events = counter.stop()
+    counter.unlisten()
+    assert calls == [("optimizer", "enter", 0, 4, True), ("data_wait", "enter", 1, 7, False),
+                     ("forward", "enter", 1, 9, False), ("forward", "exit", 1, 10, False)]
+    noted = counter.boundaries()
+    assert [n[:3] for n in noted] == [("forward", "enter", 0), ("forward", "exit", 0), ("backward", "enter", 0),
+                                      ("backward", "exit", 0), ("optimizer", "enter", 0), ("optimizer", "exit", 0),
+                                      ("optimizer", "enter", 0), ("data_wait", "enter", 1), ("data_wait", "exit", 1),
+                                      ("forward", "enter", 1), ("forward", "exit", 1)]
+    times = [n[3] for n in noted]
+    assert t0 <= times[0] and times == sorted(times) and times[-1] <= t1
+    written = [0, 1, 2, 3, 5, 6, 8]  # the boundaries whose markers the counter wrote itself
+    assert counter.markers() == [(2 * n + 1, 513 + 2 * n, 7, k) for n, k in enumerate(written)]
+    assert events == [(2 * n + 1, -(513 + 2 * n)) for n in range(len(written))]
+    b("forward", "enter", 2)  # not listening: nothing noted, nothing called
+    assert len(counter.boundaries()) == 11 and len(calls) == 4
+    counter.forget()
+    assert counter.boundaries() == [] and counter.markers() == []
+
+
+def test_an_error_in_the_probes_call_reaches_the_loop_and_the_boundary_stays_noted(ext):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    counter = _listening(ext, [], {}, set(), interrupted)
+    counter.boundary("backward", "exit", 0)
+    with pytest.raises(KeyboardInterrupt):
+        counter.boundary("optimizer", "enter", 0)
+    assert counter.stop() == [(1, -513)]  # the backward exit's marker; the look's was the probe's to write
+    counter.unlisten()
+    assert [n[:2] for n in counter.boundaries()] == [("backward", "exit"), ("optimizer", "enter")]
+    counter.forget()
 
 
 def test_a_torch_profiler_started_inside_stops_the_counter_and_says_so(ext):
@@ -161,7 +238,7 @@ def test_a_counter_that_cannot_be_built_leaves_the_stream_and_a_note(monkeypatch
     source, note = mem.cpu_allocation_source()
     assert isinstance(source, mem.CpuAllocatorStream)
     assert note is not None and "could not be built (CalledProcessError: c++ not found)" in note
-    built = types.SimpleNamespace(mark=lambda address, nbytes: None)  # a stand-in for the extension
+    built = mock.NonCallableMock()  # a stand-in for the extension
     monkeypatch.setattr(allocator_counter, "load", lambda: (built, None, 6.2))
     source, note = mem.cpu_allocation_source()
     assert isinstance(source, CpuAllocatorCounter)

@@ -1093,6 +1093,29 @@ def test_with_the_counter_a_boundary_frees_no_storage_and_the_table_is_the_strea
     assert (rows(got, "backward", "exit", "gradients") == 4 * n_params(model)).all()
 
 
+def test_with_the_counter_a_usual_boundary_runs_no_python_of_the_probe(monkeypatch):
+    """With tpkit's counter the recorder's phase listener is the counter's C function: a usual
+    boundary is noted and marked there (in Python that cost 4-6 us a boundary inside real steps).
+    The probe's Python runs where it has more to do: the boundary after the model was first seen
+    (the forward exit of the first step) and, each step, the optimizer's first enter after the
+    backward pass (the look at the gradients). The boundaries are all there, each with its row."""
+    calls: list[tuple[str, str]] = []
+    real = mem.MemoryProbe._at_boundary
+
+    def at_boundary(self, phase, event, raw_step, k, look):
+        calls.append((phase, event))
+        real(self, phase, event, raw_step, k, look)
+
+    monkeypatch.setattr(mem.MemoryProbe, "_at_boundary", at_boundary)
+    run, model, _ = train_mlp(steps=6, warmup=1)
+    assert run.meta["memory"]["cpu_source"] == CPU_SOURCE_COUNTER
+    assert calls == [("forward", "exit")] + [("optimizer", "enter")] * 7
+    cpu = run.memory[run.memory["device"] == "cpu"]
+    # each of the 7 steps (one warm-up): enter, exit and peak of forward, backward and optimizer
+    assert cpu.groupby(["step", "phase", "event"]).ngroups == 7 * 9
+    assert (rows(run, "backward", "exit", "gradients") == 4 * n_params(model)).all()
+
+
 def _nested_batches() -> Any:
     leaves = st.one_of(st.integers(0, 9).map(lambda n: torch.full((n,), 1.0)), st.integers(), st.text(max_size=3),
                        st.none())

@@ -2,11 +2,14 @@
 // writes (address, bytes) of every allocation (bytes > 0) and free (bytes < 0) made by one
 // thread into an in-memory list while recording. What it replaces and why:
 // tpkit/capture/probes/allocator_counter.py and docs/OVERHEAD.md ("A counting allocator").
+// It also keeps the memory probe's phase boundaries and markers while the counter records
+// (docs/OVERHEAD.md, "Boundaries noted in C++").
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <pybind11/pybind11.h>
 
 #include <pthread.h>
+#include <time.h>
 
 #include <atomic>
 #include <cstdint>
@@ -43,6 +46,27 @@ std::atomic<uint64_t> recording{0};     // the recording session's number; 0: no
 uint64_t sessions = 0;                  // sessions started so far
 thread_local uint64_t thread_session = 0;  // the session this thread records for
 c10::Allocator* inner = nullptr;        // the allocator found installed when ours went in
+
+// The memory probe's notes (see "the memory probe's markers and boundaries" below).
+std::vector<int64_t> markers;  // kind, index, kind, index, ...
+int64_t marker_base = 1;
+int64_t marker_sizes = 1;
+struct Boundary {
+  PyObject* phase;
+  PyObject* event;
+  int64_t raw_step;
+  int64_t t_ns;
+};
+std::vector<Boundary> boundaries;
+int64_t boundary_kind = 0;              // the probe's kind of marker for a boundary
+PyObject* models = nullptr;             // the recorder's dict of models
+PyObject* cuda_in_use = nullptr;        // the probe's set of CUDA devices in use
+PyObject* at_boundary = nullptr;        // at_boundary(phase, event, raw_step, k, look)
+PyObject* look_after = nullptr;
+PyObject* look_at = nullptr;            // a tuple of phase names
+PyObject* enter_name = nullptr;
+Py_ssize_t models_seen = 0;
+bool look_armed = false;  // a look_after phase exited since the last look
 
 inline bool this_thread_records() {
   const uint64_t s = recording.load(std::memory_order_relaxed);
@@ -123,6 +147,11 @@ void after_fork_in_child() {
   thread_session = 0;
   new (&events_mutex) std::mutex();
   std::vector<int64_t>().swap(events);
+  // the probe's notes belong to the parent: dropped here without their references (touching
+  // Python objects is not safe in a fork's child; the counts stay one too high, harmlessly)
+  new (&boundaries) std::vector<Boundary>();
+  new (&markers) std::vector<int64_t>();
+  models = cuda_in_use = at_boundary = look_after = look_at = nullptr;
 }
 
 // Put the counter in front of the CPU allocator installed now, for the rest of the process: it
@@ -161,13 +190,197 @@ void start() {
   recording.store(sessions, std::memory_order_relaxed);
 }
 
-// An event of the caller's own in the list, where it stands now, if this thread records: the
-// memory probe's boundary markers (an odd address no block has, an odd size), so that a
-// boundary costs no allocation and no free (docs/OVERHEAD.md, "Markers written, not freed").
-void mark(int64_t address, int64_t bytes) {
-  if (this_thread_records()) {
-    record(reinterpret_cast<void*>(address), bytes);
+// -- the memory probe's markers and boundaries --------------------------------------------------
+// A marker is an event of tpkit's own in the list where it stands now: an odd address no block
+// has (blocks are 64-byte aligned) and an odd size, so that a boundary costs no allocation and no
+// free (docs/OVERHEAD.md, "Markers written, not freed"). The n-th marker of a session is at
+// address 2n + 1 with the size marker_base + 2 (n % marker_sizes), freed; what it marks (a kind
+// and an index of the probe's) is kept beside the list, in order.
+
+// Write the next marker if this thread records; false (nothing written) if it does not.
+bool write_marker(int64_t kind, int64_t index) {
+  if (!this_thread_records()) {
+    return false;
   }
+  const auto n = static_cast<int64_t>(markers.size() / 2);
+  markers.push_back(kind);
+  markers.push_back(index);
+  record(reinterpret_cast<void*>(2 * n + 1), -(marker_base + 2 * (n % marker_sizes)));
+  return true;
+}
+
+// The probe's phase boundaries: (phase, event, raw step, time) of each, in order, noted by
+// ``boundary``, the recorder's phase listener while the counter records. Written in Python that
+// listener took 4-6 us a boundary inside real steps (a dozen attribute reads on caches the step
+// had just cooled); here it is one call that notes the boundary and writes its marker. The
+// probe's Python (``at_boundary``) is called only where it has more to do: the first enter of a
+// ``look_at`` phase after an exit of ``look_after`` (the probe looks at the gradients then), a
+// model it has not seen, a CUDA device in use, or a boundary the counter does not record (another
+// thread's, or after a torch profiler took the counter over). Called with the GIL held, as all
+// of these are (the lists are only touched from Python).
+
+// The same clock as Python's time.perf_counter_ns on Linux.
+inline int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// Two names alike (the recorder's are interned literals: the identity answers first).
+inline bool same_name(PyObject* a, PyObject* b) {
+  if (a == b) {
+    return true;
+  }
+  if (!PyUnicode_Check(a) || !PyUnicode_Check(b)) {
+    return false;
+  }
+  return PyUnicode_Compare(a, b) == 0;
+}
+
+inline bool is_look_at(PyObject* phase) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(look_at);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (same_name(phase, PyTuple_GET_ITEM(look_at, i))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+inline void set_ref(PyObject*& slot, PyObject* value) {
+  Py_XINCREF(value);
+  Py_XDECREF(slot);
+  slot = value;
+}
+
+void clear_boundaries() {
+  for (const Boundary& b : boundaries) {
+    Py_DECREF(b.phase);
+    Py_DECREF(b.event);
+  }
+  boundaries.clear();
+}
+
+// From now on ``boundary`` notes the probe's boundaries and calls ``at_boundary`` where it must;
+// markers and boundaries start anew.
+void listen(pybind11::handle models_dict, pybind11::handle cuda_set, pybind11::handle callback,
+            pybind11::handle after, pybind11::tuple at, int64_t kind, int64_t base, int64_t sizes) {
+  if (!PyDict_Check(models_dict.ptr()) || !PySet_Check(cuda_set.ptr()) || sizes < 1) {
+    throw pybind11::type_error("listen(models: dict, cuda_in_use: set, at_boundary, look_after, look_at, "
+                               "boundary_kind, marker_base, marker_sizes >= 1)");
+  }
+  clear_boundaries();
+  markers.clear();
+  boundary_kind = kind;
+  marker_base = base;
+  marker_sizes = sizes;
+  set_ref(models, models_dict.ptr());
+  set_ref(cuda_in_use, cuda_set.ptr());
+  set_ref(at_boundary, callback.ptr());
+  set_ref(look_after, after.ptr());
+  set_ref(look_at, at.ptr());
+  if (enter_name == nullptr) {
+    enter_name = PyUnicode_InternFromString("enter");
+  }
+  models_seen = PyDict_Size(models);
+  look_armed = false;
+}
+
+// Stop calling the probe (its objects are let go); what was noted stays until the next listen.
+void unlisten() {
+  set_ref(models, nullptr);
+  set_ref(cuda_in_use, nullptr);
+  set_ref(at_boundary, nullptr);
+  set_ref(look_after, nullptr);
+  set_ref(look_at, nullptr);
+}
+
+// ``boundary(phase, event, raw_step)``, called by the recorder at every phase boundary: a plain C
+// function (METH_FASTCALL), without pybind11's dispatch, which cost ~0.5 us a boundary here.
+PyObject* boundary(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "boundary(phase, event, raw_step) takes 3 arguments");
+    return nullptr;
+  }
+  if (at_boundary == nullptr) {
+    Py_RETURN_NONE;  // not listening (a listener left in a list after unlisten notes nothing)
+  }
+  PyObject* phase = args[0];
+  PyObject* event = args[1];
+  const int64_t raw_step = PyLong_AsLongLong(args[2]);
+  if (raw_step == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  const auto k = static_cast<int64_t>(boundaries.size());
+  Py_INCREF(phase);
+  Py_INCREF(event);
+  boundaries.push_back({phase, event, raw_step, now_ns()});
+  const bool enter = same_name(event, enter_name);
+  bool look = false;
+  if (look_armed) {
+    if (enter && is_look_at(phase)) {
+      look_armed = false;
+      look = true;
+    }
+  } else if (!enter && same_name(phase, look_after)) {
+    look_armed = true;
+  }
+  if (!look && PyDict_Size(models) == models_seen && PySet_GET_SIZE(cuda_in_use) == 0 &&
+      write_marker(boundary_kind, k)) {
+    Py_RETURN_NONE;  // the usual boundary: noted, and its marker written
+  }
+  PyObject* callback = at_boundary;
+  Py_INCREF(callback);  // the call may unlisten
+  PyObject* result = PyObject_CallFunction(callback, "OOLLO", phase, event, static_cast<long long>(raw_step),
+                                           static_cast<long long>(k), look ? Py_True : Py_False);
+  Py_DECREF(callback);
+  if (models != nullptr) {
+    models_seen = PyDict_Size(models);
+  }
+  return result;  // nullptr with the callback's exception set
+}
+
+PyMethodDef boundary_def = {"boundary", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&boundary)),
+                            METH_FASTCALL, "boundary(phase, event, raw_step): the memory probe's phase listener"};
+
+// (phase, event, raw_step, t_ns) of every boundary noted since the last listen.
+pybind11::list noted_boundaries() {
+  pybind11::list out(boundaries.size());
+  for (size_t i = 0; i < boundaries.size(); ++i) {
+    const Boundary& b = boundaries[i];
+    out[i] = pybind11::make_tuple(pybind11::reinterpret_borrow<pybind11::object>(b.phase),
+                                  pybind11::reinterpret_borrow<pybind11::object>(b.event), b.raw_step, b.t_ns);
+  }
+  return out;
+}
+
+// The last boundary noted, or None.
+pybind11::object last_boundary() {
+  if (boundaries.empty()) {
+    return pybind11::none();
+  }
+  const Boundary& b = boundaries.back();
+  return pybind11::make_tuple(static_cast<int64_t>(boundaries.size() - 1),
+                              pybind11::reinterpret_borrow<pybind11::object>(b.phase),
+                              pybind11::reinterpret_borrow<pybind11::object>(b.event));
+}
+
+// (address, bytes, kind, index) of every marker written since the last listen, in order.
+pybind11::list written_markers() {
+  const size_t n = markers.size() / 2;
+  pybind11::list out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto number = static_cast<int64_t>(i);
+    out[i] = pybind11::make_tuple(2 * number + 1, marker_base + 2 * (number % marker_sizes), markers[2 * i],
+                                  markers[2 * i + 1]);
+  }
+  return out;
+}
+
+// Let go of what was noted.
+void forget() {
+  clear_boundaries();
+  markers.clear();
 }
 
 // Stop recording; the events as a list of (address, bytes) pairs, in order.
@@ -194,5 +407,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("address", &address);
   m.def("start", &start);
   m.def("stop", &stop);
-  m.def("mark", &mark);
+  m.def("write_marker", &write_marker);
+  m.def("listen", &listen);
+  m.def("unlisten", &unlisten);
+  m.add_object("boundary", pybind11::reinterpret_steal<pybind11::object>(PyCFunction_New(&boundary_def, nullptr)));
+  m.def("boundaries", &noted_boundaries);
+  m.def("last_boundary", &last_boundary);
+  m.def("markers", &written_markers);
+  m.def("forget", &forget);
 }

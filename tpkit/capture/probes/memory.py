@@ -11,7 +11,10 @@ tensors (``Recorder.own_tensors``) count nowhere.
 
 Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker
 that cuts the allocation stream there. With tpkit's counter it is an event written into the
-counter's list (an odd address no block has, an odd size). With torch's stream it is the free
+counter's list (an odd address no block has, an odd size), and the counter itself is the phase
+listener: one C call notes the boundary and writes its marker, and the probe's Python runs only
+where it has more to do (``_at_boundary``: the look after a backward pass, a new model, a CUDA
+device, a boundary the counter does not record). With torch's stream the marker is the free
 of a small storage allocated ahead of time (for the slice's steps when the stream starts, then
 ``MARKER_POOL`` at once when the last is used), whose address and odd size are known. No
 Python loop over parameters runs there, and the hot path keeps only ints and strings in flat
@@ -147,10 +150,6 @@ def quiet_stderr() -> Iterator[None]:
         os.dup2(saved, fd)
         os.close(saved)
         os.close(devnull)
-
-
-def _no_event(address: int, nbytes: int) -> None:
-    raise AssertionError("torch's allocator stream takes no event of tpkit's: its markers are storages")
 
 
 def rest_category(phase: str) -> str:
@@ -398,6 +397,12 @@ def host_capacity_bytes() -> int | None:
 #: Marker kinds in the CPU stream: a phase boundary, an observation of the known sets, a
 #: parameter's gradient being stored in ``.grad`` (its post-accumulate hook).
 _BOUND, _OBS, _GRAD_SET, _GONE = 0, 1, 2, 3
+#: The gradients are alive at the first enter of one of ``_LOOK_AT`` after an exit of ``_LOOK_AFTER``.
+_LOOK_AFTER, _LOOK_AT = "backward", ("optimizer", "forward")
+#: With tpkit's counter, the counter is the phase listener (``allocator_counter.cpp``): a boundary
+#: is one C call. False puts the probe's Python listener (``_on_phase``, as with torch's stream)
+#: in its place: the peer ``benchmarks/overhead.py`` measures it against.
+BOUNDARIES_IN_COUNTER = True
 #: CPU parameters at least this large get a post-accumulate-grad hook, so that their gradient
 #: counts as ``gradients`` from the instant it is stored in ``.grad`` (before that it is an
 #: autograd temporary in flight). Smaller ones count from their allocation, microseconds
@@ -466,10 +471,10 @@ class _Levels:
 class MemoryProbe:
     """Listens to phase boundaries; builds ``run.memory`` rows when removed.
 
-    The hot path (every phase boundary) only stamps the time and frees one marker storage made ahead
-    in the CPU stream; the known sets are observed a few times per step (the first optimizer
-    boundary after a backward, each batch, the slice's end) and the stream is replayed after the
-    slice.
+    The hot path (every phase boundary) only stamps the time and writes one marker into the CPU
+    stream (with tpkit's counter, both in one C call: the counter is the phase listener); the
+    known sets are observed a few times per step (the first optimizer boundary after a backward,
+    each batch, the slice's end) and the stream is replayed after the slice.
     """
 
     def __init__(self, rec: Recorder, detail: bool = False,
@@ -484,10 +489,16 @@ class MemoryProbe:
             cpu, self._source_note = cpu_allocation_source()
         self.cpu = cpu
         self._counting = isinstance(cpu, CpuAllocatorCounter)
-        #: the counter's ``mark``: an event of tpkit's written into its list (``_write_mark``)
-        self._write_event: Callable[[int, int], None] = cpu.mark if isinstance(cpu, CpuAllocatorCounter) else _no_event
-        #: how a marker is made, chosen once: written into the counter's list, or a storage freed
-        self._marker: Callable[[int, int], None] = self._write_mark if self._counting else self._free_marker
+        #: how a marker is made, chosen once: written into the counter's list (its
+        #: ``write_marker``: an odd address no block has, an odd size), or a storage freed
+        self._marker: Callable[[int, int], Any] = (cpu.write_marker if isinstance(cpu, CpuAllocatorCounter)
+                                                   else self._free_marker)
+        #: the phase listener: the counter's ``boundary`` while it records (it notes each
+        #: boundary and writes its marker, calling ``_at_boundary`` only where there is more to
+        #: do), else ``_on_phase``
+        self._listener: Callable[[str, str, int], None] = self._on_phase
+        self._listening = False  # the counter numbers the markers and keeps them (read back at remove)
+        self._bounds_noted = False  # the counter notes the boundaries too (read back at remove)
         self.cuda = cuda if cuda is not None else CudaAllocator()
         # The hot path appends plain ints and interned strings to flat lists (4 per entry), so
         # that nothing it keeps is tracked by the gc: no collection is triggered by tpkit.
@@ -561,7 +572,15 @@ class MemoryProbe:
             except Exception as e:  # e.g. a torch.profiler already running
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
                                   f"was not measured: the allocator stream could not start ({e})")
-            if self.cpu.active and not self._counting:  # the counter's markers are written, not freed
+            if self.cpu.active and isinstance(self.cpu, CpuAllocatorCounter):
+                # before any marker: the counter numbers them from here
+                self.cpu.listen(self.rec.models, self._cuda_in_use, self._at_boundary, _LOOK_AFTER,
+                                _LOOK_AT, _BOUND, MARKER_BASE_BYTES, MARKER_SIZES)
+                self._listening = True
+                if BOUNDARIES_IN_COUNTER:
+                    self._bounds_noted = True
+                    self._listener = self.cpu.boundary
+            elif self.cpu.active:  # the counter's markers are written, not freed
                 self._refill(min(MARKERS_AHEAD_MAX, MARKERS_PER_STEP_AHEAD * self.steps_ahead))
             self._observe()  # what exists already (a model seen before, its optimizer's state)
             for i in sorted(self._cuda_in_use):
@@ -582,7 +601,7 @@ class MemoryProbe:
                         self.rec.note(f"--memory-detail: the CUDA allocator history could not start ({e})")
                 else:
                     self.rec.note("--memory-detail needs a CUDA device in use; on the CPU it records nothing more")
-            self.rec.phase_listeners.append(self._on_phase)
+            self.rec.phase_listeners.append(self._listener)
             self.rec.batch_listeners.append(self._on_batch)
         except BaseException:
             self.remove()
@@ -591,11 +610,13 @@ class MemoryProbe:
 
     def remove(self) -> None:
         """Stop listening and turn the allocator stream into ``run.memory`` rows. Idempotent."""
-        pairs: tuple[tuple[list[Any], Any], ...] = ((self.rec.phase_listeners, self._on_phase),
+        pairs: tuple[tuple[list[Any], Any], ...] = ((self.rec.phase_listeners, self._listener),
                                                     (self.rec.batch_listeners, self._on_batch))
         for lst, fn in pairs:
             while fn in lst:
                 lst.remove(fn)
+        if self._listening:
+            self.cpu.unlisten()  # type: ignore[union-attr]
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -614,6 +635,16 @@ class MemoryProbe:
             except Exception as e:
                 self._cpu_note = (f"CPU memory beyond parameters, gradients, optimizer state and data "
                                   f"was not measured: {e}")
+        if self._listening:  # what the counter noted, into the probe's own lists
+            self._listening = False
+            counter: Any = self.cpu
+            if self._bounds_noted:
+                self._bounds_noted = False
+                for phase, event, raw_step, t_ns in counter.boundaries():
+                    self._bounds_flat += (phase, event, raw_step, t_ns)
+            for address, size, kind, index in counter.markers():
+                self._marks_flat += (address, size, kind, index, -1)
+            counter.forget()
         self._pool = []  # after the stream: these frees are in no stream
         if self._history:
             self._history = False
@@ -696,8 +727,9 @@ class MemoryProbe:
 
     def _mark(self, kind: int, index: int) -> None:
         """A marker, which cuts the CPU stream here: with tpkit's counter an event written into
-        its list (an odd address no block has, an odd size: ``_write_mark``); with torch's stream
-        the free of a storage allocated ahead (its address and odd size are known)."""
+        its list (an odd address no block has, an odd size; the replay matches it like a storage
+        marker whose allocation came before: pool number -1); with torch's stream the free of a
+        storage allocated ahead (its address and odd size are known)."""
         self._marker(kind, index)
 
     def _free_marker(self, kind: int, index: int) -> None:
@@ -708,18 +740,6 @@ class MemoryProbe:
         m, ptr, size, number = pool.pop()
         self._marks_flat += (ptr, size, kind, index, number)
         del m
-
-    def _write_mark(self, kind: int, index: int) -> None:
-        """The counter's marker: no storage, an event of tpkit's own in its list, matched by the
-        replay like a storage marker whose allocation came before (pool number -1). A boundary
-        cost ~6 us to free a storage right after a backward pass and ~3 us more to make one in a
-        profile longer than its markers made ahead; this is one call into the counter."""
-        flat = self._marks_flat
-        number = len(flat) // 5
-        size = MARKER_BASE_BYTES + 2 * (number % MARKER_SIZES)
-        address = 2 * number + 1  # odd: never a block's (they are 64-byte aligned)
-        flat += (address, size, kind, index, -1)
-        self._write_event(address, -size)
 
     def _refill(self, count: int | None = None) -> None:
         """``count`` (default ``MARKER_POOL``) marker storages, of sizes that differ from one to
@@ -737,6 +757,14 @@ class MemoryProbe:
         made.reverse()  # used in the order made, after what is left in the pool
         self._pool[:0] = made
 
+    def _last_bound(self) -> tuple[int, str, str] | None:
+        """``(k, phase, event)`` of the last boundary, or None."""
+        if self._bounds_noted:
+            last: tuple[int, str, str] | None = self.cpu.last_boundary()  # type: ignore[union-attr]
+            return last
+        f = self._bounds_flat
+        return ((len(f) >> 2) - 1, f[-4], f[-3]) if f else None
+
     @property
     def bounds(self) -> list[tuple[str, str, int, int]]:
         """``(phase, event, raw_step, t_ns)`` of every boundary so far."""
@@ -750,27 +778,38 @@ class MemoryProbe:
         return list(zip(f[0::5], f[1::5], f[2::5], f[3::5], f[4::5]))
 
     def _on_phase(self, phase: str, event: str, raw_step: int) -> None:
-        """At every boundary (ten or more a step, each right after work that left the caches
-        cold): record it and free a marker. The usual branch calls no other method of tpkit's:
-        each call cost 1-2 us there."""
+        """The phase listener where the counter does not note the boundaries (torch's stream, or
+        no stream): note the boundary, then ``_at_boundary``. The counter's ``boundary`` does
+        the same in C++ (``allocator_counter.cpp``)."""
         t_ns = perf_counter_ns()
         flat = self._bounds_flat
         k = len(flat) >> 2
         flat += (phase, event, raw_step, t_ns)
+        look = False
         if self._grads_new:
-            if event == "enter" and phase in ("optimizer", "forward"):
-                # new gradients since the last look: they are alive at the optimizer's step or
-                # zero_grad (or, in a loop without optimizer, at the next forward). Looked at in
-                # the first backward passes and then every GRAD_LOOK_EVERY-th: the replay finds
-                # the others' gradients from those (``_template_gradients``).
+            if event == "enter" and phase in _LOOK_AT:
                 self._grads_new = False
-                n = self._grad_looks
-                self._grad_looks += 1
-                look = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
-                if look or self._known_sets_grew():
-                    self._observe(grads=look)
-        elif event == "exit" and phase == "backward":
+                look = True
+        elif event == "exit" and phase == _LOOK_AFTER:
             self._grads_new = True
+        self._at_boundary(phase, event, raw_step, k, look)
+
+    def _at_boundary(self, phase: str, event: str, raw_step: int, k: int, look: bool) -> None:
+        """Boundary ``k``, noted already: write its marker, and walk the known sets where the
+        stream cannot be replayed (no stream, another thread, a torch profiler took it over) or a
+        CUDA device is in use. ``look``: the first optimizer or forward enter after a backward
+        pass, where the new gradients are alive (at the optimizer's step or zero_grad, or, in a
+        loop without optimizer, at the next forward): they are looked at after the first
+        backward passes and then every GRAD_LOOK_EVERY-th, and the replay finds the others'
+        gradients from those (``_template_gradients``). Each boundary comes right after work that
+        left the caches cold: the usual branch calls no other method of tpkit's (each call cost
+        1-2 us there)."""
+        if look:
+            n = self._grad_looks
+            self._grad_looks += 1
+            grads = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
+            if grads or self._known_sets_grew():
+                self._observe(grads=grads)
         if len(self.rec.models) != self._seen_key[0]:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
         stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
@@ -813,10 +852,9 @@ class MemoryProbe:
             self._add_observation(flat)
         # Loaders report the batch right after their data_wait span closed: count it as data
         # at that exit boundary too (the previous batch, still held by the loop, stays there).
-        f = self._bounds_flat
-        k = (len(f) >> 2) - 1
-        if k in self.walks and f[-4] == "data_wait" and f[-3] == "exit":
-            known = self.walks[k]
+        last = self._last_bound() if self.walks else None
+        if last is not None and last[0] in self.walks and last[1] == "data_wait" and last[2] == "exit":
+            known = self.walks[last[0]]
             for dev, _, nb, _, _ in items:
                 known[(dev, "data")] = known.get((dev, "data"), 0) + nb
 
