@@ -421,13 +421,20 @@ def modes_for(loop: Any, modes: list[str]) -> list[str]:
 class _MemoryOffWithStream:
     """tpkit with memory off plus the bare CPU allocator stream (no memory probe): set against
     "tpkit memory off" it is what the stream costs inside a profile, and against "tpkit default"
-    what the memory probe's own work costs on top of it (docs/OVERHEAD.md)."""
+    what the memory probe's own work costs on top of it (docs/OVERHEAD.md). ``counter``: tpkit's
+    allocation counter recording instead of the stream."""
 
-    def __init__(self, steps: int, warmup: int) -> None:
+    def __init__(self, steps: int, warmup: int, counter: bool = False) -> None:
+        from tpkit.capture.probes import allocator_counter
         from tpkit.capture.probes.memory import CpuAllocatorStream
 
         self.profile = _tpkit(memory=False)(steps, warmup)
-        self.stream = CpuAllocatorStream()
+        self.stream: Any = CpuAllocatorStream()
+        if counter:
+            ext, why, _ = allocator_counter.load()
+            if ext is None:
+                raise RuntimeError(f"tpkit's allocation counter could not be built: {why}")
+            self.stream = allocator_counter.CpuAllocatorCounter(ext)
 
     @property
     def run(self) -> Any:
@@ -511,18 +518,22 @@ class _DefaultWithPythonBoundaries:
 #: default, and these two time them (comm=True) or never do (comm=False).
 COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit memory off + stream": _MemoryOffWithStream,
+    "tpkit memory off + counter": lambda steps, warmup: _MemoryOffWithStream(steps, warmup, counter=True),
     "tpkit default (stream)": _DefaultOnStream,
-    "tpkit default, boundaries in Python": _DefaultWithPythonBoundaries,
+    "tpkit default (Python boundaries)": _DefaultWithPythonBoundaries,
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
     "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
+                       ("tpkit's allocation counter inside a profile", "tpkit memory off + counter",
+                        "tpkit memory off"),
+                       ("the memory probe's own work over the counter", "tpkit default", "tpkit memory off + counter"),
                        ("the default with tpkit's allocation counter over the default with torch's stream",
                         "tpkit default", "tpkit default (stream)"),
                        ("the memory probe's own work over the stream", "tpkit default (stream)",
                         "tpkit memory off + stream"),
                        ("the default with its boundaries noted in C over the same in Python", "tpkit default",
-                        "tpkit default, boundaries in Python"),
+                        "tpkit default (Python boundaries)"),
                        ("the communication probe (under DDP)", "tpkit phases only with comm probe",
                         "tpkit phases only without comm probe"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",
