@@ -141,6 +141,9 @@ class CpuAllocatorCounter:
         #: ``listen``s: notes the boundary and writes its marker, calling the probe's Python only
         #: where that has more to do (``allocator_counter.cpp``, "the probe's phase boundaries")
         self.boundary = ext.boundary
+        #: ``listen(models, cuda_in_use, at_boundary, look_after, look_at, boundary_kind,
+        #: marker_base, marker_sizes)``: ``boundary`` notes from now on, markers and boundaries
+        #: start anew; ``unlisten()`` lets the probe's objects go (the notes stay until ``forget``)
         self.listen = ext.listen
         self.unlisten = ext.unlisten
         #: ``(phase, event, raw_step, t_ns)`` of each boundary noted since ``listen``
@@ -149,6 +152,7 @@ class CpuAllocatorCounter:
         self.last_boundary = ext.last_boundary
         #: ``(address, bytes, kind, index)`` of each marker written since ``listen``
         self.markers = ext.markers
+        #: ``forget()``: lets go of the notes (the probe calls it once it has read them back)
         self.forget = ext.forget
 
     def start(self) -> None:
