@@ -55,6 +55,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 # Runs made here are not kept in tpkit's run store (tpkit/store.py reads TPKIT_RUNS at save time).
 os.environ.setdefault("TPKIT_RUNS", "off")
@@ -456,60 +457,42 @@ class _MemoryOffWithStream:
             self.profile.__exit__(*exc)
 
 
-class _DefaultOnStream:
-    """tpkit's default profile with CPU memory from torch's profiler stream (what the default
-    was before session 29, and what it still is where the allocation counter cannot be built):
-    set against "tpkit default" it is what the counter saves (docs/OVERHEAD.md)."""
+class _DefaultWhile:
+    """tpkit's default profile started with ``setting`` (a context manager) in force: what the
+    slice reads when it makes its probes. Set against "tpkit default" it is what the default's
+    own choice saves (docs/OVERHEAD.md)."""
 
-    def __init__(self, steps: int, warmup: int) -> None:
-        from tpkit.schema import ENV_CPU_ALLOCATIONS
-
-        self.env = ENV_CPU_ALLOCATIONS
+    def __init__(self, steps: int, warmup: int, setting: Callable[[], Any]) -> None:
         self.profile = _tpkit()(steps, warmup)
+        self.setting = setting
 
     @property
     def run(self) -> Any:
         return getattr(self.profile, "run", None)
 
     def __enter__(self) -> Any:
-        was = os.environ.get(self.env)
-        os.environ[self.env] = "stream"  # read when the slice makes its memory probe
-        try:
+        with self.setting():
             return self.profile.__enter__()
-        finally:
-            if was is None:
-                del os.environ[self.env]
-            else:
-                os.environ[self.env] = was
 
     def __exit__(self, *exc: Any) -> Any:
         return self.profile.__exit__(*exc)
 
 
-class _DefaultWithPythonBoundaries:
-    """tpkit's default with the memory probe's phase listener in Python (``_on_phase``), as it
-    was before session 32, instead of the allocation counter's C ``boundary``: set against "tpkit
-    default" it is what noting the boundaries in C saves (docs/OVERHEAD.md, "Boundaries noted in
-    C++")."""
+def _on_stream() -> Any:
+    """CPU memory from torch's profiler stream (the default before session 29, and still where
+    the allocation counter cannot be built): against the default, what the counter saves."""
+    from tpkit.schema import ENV_CPU_ALLOCATIONS
 
-    def __init__(self, steps: int, warmup: int) -> None:
-        self.profile = _tpkit()(steps, warmup)
+    return mock.patch.dict(os.environ, {ENV_CPU_ALLOCATIONS: "stream"})
 
-    @property
-    def run(self) -> Any:
-        return getattr(self.profile, "run", None)
 
-    def __enter__(self) -> Any:
-        from tpkit.capture.probes import memory
+def _python_boundaries() -> Any:
+    """The memory probe's phase listener in Python (``_on_phase``, as before session 32) instead
+    of the allocation counter's C ``boundary``: against the default, what noting the boundaries
+    in C saves (docs/OVERHEAD.md, "Boundaries noted in C++")."""
+    from tpkit.capture.probes import memory
 
-        memory.BOUNDARIES_IN_COUNTER = False  # read when the slice installs its memory probe
-        try:
-            return self.profile.__enter__()
-        finally:
-            memory.BOUNDARIES_IN_COUNTER = True
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self.profile.__exit__(*exc)
+    return mock.patch.object(memory, "BOUNDARIES_IN_COUNTER", False)
 
 
 #: Modes that take the default apart, run only when named in --modes.
@@ -519,8 +502,8 @@ class _DefaultWithPythonBoundaries:
 COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit memory off + stream": _MemoryOffWithStream,
     "tpkit memory off + counter": lambda steps, warmup: _MemoryOffWithStream(steps, warmup, counter=True),
-    "tpkit default (stream)": _DefaultOnStream,
-    "tpkit default (Python boundaries)": _DefaultWithPythonBoundaries,
+    "tpkit default (stream)": lambda steps, warmup: _DefaultWhile(steps, warmup, _on_stream),
+    "tpkit default (Python boundaries)": lambda steps, warmup: _DefaultWhile(steps, warmup, _python_boundaries),
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
     "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.

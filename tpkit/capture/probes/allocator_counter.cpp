@@ -197,6 +197,9 @@ void start() {
 // address 2n + 1 with the size marker_base + 2 (n % marker_sizes), freed; what it marks (a kind
 // and an index of the probe's) is kept beside the list, in order.
 
+inline int64_t marker_address(int64_t n) { return 2 * n + 1; }
+inline int64_t marker_bytes(int64_t n) { return marker_base + 2 * (n % marker_sizes); }
+
 // Write the next marker if this thread records; false (nothing written) if it does not.
 bool write_marker(int64_t kind, int64_t index) {
   if (!this_thread_records()) {
@@ -205,7 +208,7 @@ bool write_marker(int64_t kind, int64_t index) {
   const auto n = static_cast<int64_t>(markers.size() / 2);
   markers.push_back(kind);
   markers.push_back(index);
-  record(reinterpret_cast<void*>(2 * n + 1), -(marker_base + 2 * (n % marker_sizes)));
+  record(reinterpret_cast<void*>(marker_address(n)), -marker_bytes(n));
   return true;
 }
 
@@ -370,9 +373,8 @@ pybind11::list written_markers() {
   const size_t n = markers.size() / 2;
   pybind11::list out(n);
   for (size_t i = 0; i < n; ++i) {
-    const auto number = static_cast<int64_t>(i);
-    out[i] = pybind11::make_tuple(2 * number + 1, marker_base + 2 * (number % marker_sizes), markers[2 * i],
-                                  markers[2 * i + 1]);
+    const auto n_i = static_cast<int64_t>(i);
+    out[i] = pybind11::make_tuple(marker_address(n_i), marker_bytes(n_i), markers[2 * i], markers[2 * i + 1]);
   }
   return out;
 }
