@@ -457,13 +457,13 @@ class _MemoryOffWithStream:
             self.profile.__exit__(*exc)
 
 
-class _DefaultWhile:
-    """tpkit's default profile started with ``setting`` (a context manager) in force: what the
-    slice reads when it makes its probes. Set against "tpkit default" it is what the default's
-    own choice saves (docs/OVERHEAD.md)."""
+class _ProfileWhile:
+    """A tpkit profile (the default, or ``profile_kw``) started with ``setting`` (a context
+    manager) in force: what the slice reads when it makes its probes. Set against the same
+    profile without it, it is what tpkit's own choice saves (docs/OVERHEAD.md)."""
 
-    def __init__(self, steps: int, warmup: int, setting: Callable[[], Any]) -> None:
-        self.profile = _tpkit()(steps, warmup)
+    def __init__(self, steps: int, warmup: int, setting: Callable[[], Any], **profile_kw: Any) -> None:
+        self.profile = _tpkit(**profile_kw)(steps, warmup)
         self.setting = setting
 
     @property
@@ -495,6 +495,14 @@ def _python_boundaries() -> Any:
     return mock.patch.object(memory, "BOUNDARIES_IN_COUNTER", False)
 
 
+def _python_module_calls() -> Any:
+    """``nn.Module.__call__`` routed in Python (``_module_call``, as before session 33) instead of
+    C: against the same profile, what the C route saves (docs/OVERHEAD.md, "Module calls in C")."""
+    from tpkit.capture.probes import module_calls
+
+    return mock.patch.object(module_calls, "C_ROUTE", False)
+
+
 #: Modes that take the default apart, run only when named in --modes.
 #: The communication pair matters under DDP (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0
 #: MASTER_ADDR=127.0.0.1 MASTER_PORT=...): at one rank a slice leaves collectives untimed by
@@ -502,8 +510,11 @@ def _python_boundaries() -> Any:
 COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit memory off + stream": _MemoryOffWithStream,
     "tpkit memory off + counter": lambda steps, warmup: _MemoryOffWithStream(steps, warmup, counter=True),
-    "tpkit default (stream)": lambda steps, warmup: _DefaultWhile(steps, warmup, _on_stream),
-    "tpkit default (Python boundaries)": lambda steps, warmup: _DefaultWhile(steps, warmup, _python_boundaries),
+    "tpkit default (stream)": lambda steps, warmup: _ProfileWhile(steps, warmup, _on_stream),
+    "tpkit default (Python boundaries)": lambda steps, warmup: _ProfileWhile(steps, warmup, _python_boundaries),
+    "tpkit default (Python module calls)": lambda steps, warmup: _ProfileWhile(steps, warmup, _python_module_calls),
+    "tpkit phases only (Python module calls)": lambda steps, warmup: _ProfileWhile(
+        steps, warmup, _python_module_calls, memory=False, clock_hz=0),
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
     "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
@@ -517,6 +528,10 @@ COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memo
                         "tpkit memory off + stream"),
                        ("the default with its boundaries noted in C over the same in Python", "tpkit default",
                         "tpkit default (Python boundaries)"),
+                       ("the default with module calls routed in C over the same in Python", "tpkit default",
+                        "tpkit default (Python module calls)"),
+                       ("phases only with module calls routed in C over the same in Python", "tpkit phases only",
+                        "tpkit phases only (Python module calls)"),
                        ("the communication probe (under DDP)", "tpkit phases only with comm probe",
                         "tpkit phases only without comm probe"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",

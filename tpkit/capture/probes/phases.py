@@ -1,11 +1,9 @@
 """Phase probes: find data_wait, h2d, forward, backward and optimizer in an unchanged loop.
 
 What is hooked, and why this way:
-- forward: ``nn.Module.__call__`` goes through ``_module_call`` (every module's call, a model
+- forward: ``nn.Module.__call__`` is replaced (``module_calls.py``: every module's call, a model
   compiled in place included); only the outermost call of the loop's thread opens a span, and
-  an exception inside forward still closes it. Not torch's global module hooks: those take
-  every module call off ``_call_impl``'s fast path (2.2 us a call, the wrapper 0.3;
-  docs/OVERHEAD.md).
+  an exception inside forward still closes it.
 - backward: ``torch.autograd.backward`` is wrapped (``Tensor.backward`` looks it up at call
   time, so one wrapper covers both).
 - optimizer: torch's global optimizer step pre/post hooks, plus ``Optimizer.zero_grad`` and
@@ -49,6 +47,7 @@ import torch.utils.data.dataloader as _dl
 from ...errors import StopSlice
 from ..frameworks import find_trainer
 from ..recorder import Recorder
+from . import module_calls
 from .patching import Patches
 
 #: Collections shorter than this are not recorded as ``gc`` spans (a young-generation pass
@@ -72,52 +71,6 @@ def has_accelerator() -> bool:
     if acc is not None and hasattr(acc, "is_available"):
         return bool(acc.is_available())
     return torch.cuda.is_available()
-
-
-# -- module calls -------------------------------------------------------------------------------
-#: ``nn.Module.__call__`` as it was when the phase probe took it over (torch's own, unless
-#: something else had replaced it): every module call ends up there. Kept after the slice: a
-#: model first compiled inside a slice keeps calling ``_module_call``, which then only passes on.
-_torch_call: Any = torch.nn.Module.__call__
-#: The installed phase probe (one slice at a time), or None.
-_loop_probe: "PhaseProbe | None" = None
-
-
-def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``nn.Module.__call__`` while a phase probe is installed. Only an outermost call of the
-    loop's thread goes to the probe; every other call (the modules inside it, compiled code,
-    other threads' modules inside theirs) is passed on at once: 0.3 us a call where torch's
-    global module hooks cost 2.2 (every module call leaves ``_call_impl``'s fast path).
-
-    Under torch.compile this returns torch's call before anything else (``_compiling`` folds to
-    a constant there), so dynamo traces torch's own call, with no graph break and no guard on
-    tpkit's state. ``__tracebackhide__``: IPython and pytest leave this frame out of tracebacks."""
-    __tracebackhide__ = True  # noqa: F841 - read by IPython's and pytest's traceback formatters
-    if _compiling():
-        return _torch_call(self, *args, **kwargs)
-    probe = _loop_probe
-    if probe is None or probe._inside == threading.get_ident():
-        return _torch_call(self, *args, **kwargs)
-    return probe._outer_call(self, args, kwargs)
-
-
-def _take_module_calls(probe: "PhaseProbe", patches: Patches) -> None:
-    """Route ``nn.Module.__call__`` through ``_module_call`` for ``probe`` (undone by ``patches``
-    and ``_release_module_calls``)."""
-    global _torch_call, _loop_probe
-    if _loop_probe is not None and _loop_probe.installed:
-        raise RuntimeError("another tpkit phase probe is installed: one slice at a time")
-    current = torch.nn.Module.__dict__["__call__"]
-    if current is not _module_call:  # (a probe's patch left behind cannot become the inner call)
-        _torch_call = current
-    patches.set(torch.nn.Module, "__call__", _module_call)
-    _loop_probe = probe
-
-
-def _release_module_calls(probe: "PhaseProbe") -> None:
-    global _loop_probe
-    if _loop_probe is probe:
-        _loop_probe = None
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -237,7 +190,6 @@ class PhaseProbe:
         self.rec = rec
         self._handles: list[Any] = []
         self._patched = Patches()
-        self._inside: int | None = None  # the loop's thread while an outermost module call of it runs
         self._fwd_gen = 0  # bumped when an early adoption is taken back: that thread's call no longer counts
         self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
         self._closure_depth = 0  # > 0 while an optimizer's closure runs
@@ -274,7 +226,10 @@ class PhaseProbe:
             return self
         self.installed = True
         try:
-            _take_module_calls(self, self._patched)
+            why = module_calls.take(self, self._outer_call, self._patched)
+            if why is not None:
+                self.rec.note(f"module calls went through tpkit's Python route, ~0.5 us a module call more "
+                              f"than its C route (docs/OVERHEAD.md, \"Module calls in C\"): {why}")
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._opt_pre))
             self._handles.append(_optim.register_optimizer_step_post_hook(self._opt_post))
             self._patched.set(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
@@ -308,7 +263,7 @@ class PhaseProbe:
             self._gc_installed = False
         while self._handles:
             self._handles.pop().remove()
-        _release_module_calls(self)
+        module_calls.release(self)
         self._patched.restore()
         self._scaled = None
         self.installed = False
@@ -379,7 +334,7 @@ class PhaseProbe:
         rec.meta.pop("loop_thread", None)
         if text in rec.notes:
             rec.notes.remove(text)
-        self._inside = None
+        module_calls.set_inside(None)
         self._fwd_gen += 1
 
     # -- garbage collection -------------------------------------------------------------------
@@ -400,13 +355,14 @@ class PhaseProbe:
             self._gc_start = 0
 
     # -- forward ----------------------------------------------------------------------------
-    def _outer_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _outer_call(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """An outermost module call (none of the loop thread's is running): a forward span
         unless it runs inside a phase that is not the forward pass. The module calls inside it
-        go straight to torch (``_module_call``)."""
+        go straight to torch (``module_calls.py``)."""
+        __tracebackhide__ = True  # noqa: F841 - read by IPython's and pytest's traceback formatters
         tid = threading.get_ident()
         if tid != self.rec.thread_id and not self._adopt(tid, at_step=False):
-            return _torch_call(module, *args, **kwargs)
+            return module_calls._torch_call(module, *args, **kwargs)
         rec = self.rec
         token = None
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
@@ -415,12 +371,12 @@ class PhaseProbe:
             if id(module) not in self.models:
                 self.models[id(module)] = module
         gen = self._fwd_gen
-        self._inside = tid
+        module_calls.set_inside(tid)
         try:
-            return _torch_call(module, *args, **kwargs)
+            return module_calls._torch_call(module, *args, **kwargs)
         finally:
             if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
-                self._inside = None
+                module_calls.set_inside(None)
                 if token is not None:
                     rec.exit(token)
 
