@@ -136,27 +136,34 @@ def per_call_us(n: int = 200_000, repeats: int = 7) -> dict[str, float]:
     """What one module call costs (an ``nn.Identity``; each mode's best loop of ``n`` calls, the
     modes taking turns ``repeats`` times, since this host's speed drifts by 10-40% within
     minutes): alone, under global no-op hooks, through a pass-through ``__call__``, and as an
-    inner call under tpkit's phase probe (an outermost call of the loop's thread running)."""
+    inner call under tpkit's phase probe (an outermost call of the loop's thread running), on its
+    C route (the default) and on its Python route (``module_calls.py``)."""
     import threading
 
+    from tpkit.capture.probes import module_calls
     from tpkit.capture.probes.phases import PhaseProbe
     from tpkit.capture.recorder import Recorder
 
     m, x = torch.nn.Identity(), torch.zeros(1)
 
-    @contextlib.contextmanager
-    def inner_call_under_tpkit() -> Iterator[None]:
-        probe = PhaseProbe(Recorder("floors")).install()
-        try:
-            probe._inside = threading.get_ident()  # as inside the model's outermost call
-            yield
-        finally:
-            probe._inside = None
-            probe.remove()
+    def inner_call_under_tpkit(c_route: bool) -> Callable[[], Any]:
+        @contextlib.contextmanager
+        def ctx() -> Iterator[None]:
+            module_calls.C_ROUTE = c_route
+            probe = PhaseProbe(Recorder("floors")).install()
+            try:
+                module_calls.set_inside(threading.get_ident())  # as inside the model's outermost call
+                yield
+            finally:
+                module_calls.set_inside(None)
+                probe.remove()
+                module_calls.C_ROUTE = True
+        return ctx
 
     modes: dict[str, Callable[[], Any]] = {
         "none": contextlib.nullcontext, "global hooks (before)": global_hooks,
-        "floor: call wrapper": call_wrapper, "tpkit, an inner module call": inner_call_under_tpkit}
+        "floor: call wrapper": call_wrapper, "tpkit, an inner module call": inner_call_under_tpkit(True),
+        "tpkit, an inner module call, Python route": inner_call_under_tpkit(False)}
     best = dict.fromkeys(modes, float("inf"))
     for _ in range(repeats):
         for name, ctx in modes.items():
@@ -222,6 +229,9 @@ def main() -> None:
     print("one module call (nn.Identity, each mode's best of 7 turns x 200,000 calls): " + ", ".join(
         f"{k} {v:.2f} us" for k, v in calls_us.items()))
     rows += [{"layers": 0, "module_calls_per_step": 1, "mode": k, "per_call_us": v} for k, v in calls_us.items()]
+    c_us, py_us = calls_us["tpkit, an inner module call"], calls_us["tpkit, an inner module call, Python route"]
+    print(f"an inner module call under tpkit over none: C route {c_us - calls_us['none']:+.2f} us, Python route "
+          f"{py_us - calls_us['none']:+.2f} us; C route / Python route per call {c_us / py_us:.3f}x")
     table: dict[int, dict[str, float]] = {}  # CPU-time ratios
     walls: dict[int, dict[str, float]] = {}
     for layers in (int(x) for x in args.layers.split(",")):

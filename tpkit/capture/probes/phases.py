@@ -371,8 +371,8 @@ class PhaseProbe:
             if id(module) not in self.models:
                 self.models[id(module)] = module
         gen = self._fwd_gen
-        module_calls.set_inside(tid)
         try:
+            module_calls.set_inside(tid)  # (inside the try: a Ctrl-C right after it still resets it)
             return module_calls._torch_call(module, *args, **kwargs)
         finally:
             if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
