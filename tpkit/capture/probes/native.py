@@ -94,8 +94,9 @@ def _built(name: str, source: Path) -> tuple[Path, bool]:
         done = subprocess.run(compile_command(source, tmp), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
-            lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
-            raise RuntimeError(f"the compiler failed ({lines[0] if lines else f'exit {done.returncode}'})")
+            lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+            first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else None)
+            raise RuntimeError(f"the compiler failed ({first or f'exit {done.returncode}'})")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
