@@ -266,6 +266,20 @@ def test_a_source_that_does_not_compile_fails_once_with_the_compilers_words(tmp_
     assert native.load("tpkit_bad", bad)[1] == why
 
 
+def test_without_the_compiler_the_failure_names_it(tmp_path, monkeypatch):
+    import sysconfig
+
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var",
+                        lambda name: "tpkit-no-such-cc -shared" if name == "LDSHARED" else real(name))
+    monkeypatch.setenv("TPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    module, why, _ = native.load(module_calls.EXTENSION_NAME, module_calls.SOURCE)
+    assert module is None
+    assert why == "RuntimeError: no C compiler: 'tpkit-no-such-cc', the one this Python was built with, is not installed"
+    assert not list(tmp_path.iterdir())  # no half-written file left
+
+
 def test_a_build_is_cached_across_processes(tmp_path):
     """The first process compiles (its build time is reported), the next loads the cached file."""
     import subprocess

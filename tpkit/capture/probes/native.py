@@ -90,9 +90,13 @@ def _built(name: str, source: Path) -> tuple[Path, bool]:
         return path, False
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{name}-{os.getpid()}-{time.monotonic_ns()}{suffix}"
+    cmd = compile_command(source, tmp)
     try:
-        done = subprocess.run(compile_command(source, tmp), capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S, check=False)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        except FileNotFoundError:
+            raise RuntimeError(f"no C compiler: {cmd[0]!r}, the one this Python was built with, is not "
+                               f"installed") from None
         if done.returncode != 0:
             lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
             first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else None)

@@ -229,7 +229,8 @@ class PhaseProbe:
             why = module_calls.take(self, self._outer_call, self._patched)
             if why is not None:
                 self.rec.note(f"module calls went through tpkit's Python route, ~0.5 us a module call more "
-                              f"than its C route (docs/OVERHEAD.md, \"Module calls in C\"): {why}")
+                              f"than its C route, which needs a C compiler (docs/OVERHEAD.md, \"Module calls "
+                              f"in C\"): {why}")
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._opt_pre))
             self._handles.append(_optim.register_optimizer_step_post_hook(self._opt_post))
             self._patched.set(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
