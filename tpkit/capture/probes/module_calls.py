@@ -11,9 +11,9 @@ Two routes, one behaviour:
 
 - **C** (``module_calls.c``, the default): ``nn.Module``'s dict holds a ``Route`` object, a
   method descriptor written in C. A call ``module(x)`` reaches it with the module first and is
-  passed on without a Python frame of tpkit's: ~0.05 us a call over torch's own (0.6 us in
-  Python, 31 calls a step in a 2-layer GPT-2, 151 in a 12-layer one; docs/OVERHEAD.md,
-  "Module calls in C").
+  passed on without a Python frame of tpkit's: +0.03 us a call over torch's own, where the
+  Python route adds 0.53 warm and ~4 inside a real step (31 calls a step in a 2-layer GPT-2,
+  151 in a 12-layer one; docs/OVERHEAD.md, "Module calls in C").
 - **Python** (``_module_call``): where the C route cannot be built (no C compiler), and as the
   benchmark's peer (``C_ROUTE = False``). The run says which route ran and why.
 
