@@ -62,6 +62,7 @@ import torch
 from torch.autograd import profiler as _autograd_profiler
 from torch.autograd import profiler_legacy as _autograd_profiler_legacy
 
+from .native import failure_text
 from .patching import Patches
 
 #: The extension's name in torch's extension cache (``TORCH_EXTENSIONS_DIR``).
@@ -115,8 +116,7 @@ def load() -> tuple[Any | None, str | None, float]:
 
             _module = load_extension(EXTENSION_NAME, [str(SOURCE)], extra_cflags=["-O2"], verbose=False)
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no headers: the stream instead
-            first = str(e).strip().splitlines()[:1]
-            _failure = f"{type(e).__name__}: {first[0] if first else ''}".strip()
+            _failure = failure_text(e)
             return None, _failure, 0.0
         return _module, None, time.perf_counter() - t0
 

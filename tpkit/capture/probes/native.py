@@ -71,12 +71,18 @@ def load(name: str, source: Path) -> tuple[ModuleType | None, str | None, float]
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         except Exception as e:  # noqa: BLE001 - no compiler, no headers, a read-only cache: say why
-            first = str(e).strip().splitlines()[:1]
-            why = f"{type(e).__name__}: {first[0] if first else ''}".strip()
+            why = failure_text(e)
             _loaded[name] = (None, why)
             return None, why, 0.0
         _loaded[name] = (module, None)
         return module, None, (time.perf_counter() - t0) if built else 0.0
+
+
+def failure_text(e: BaseException) -> str:
+    """Why a build or load failed, in one line: the exception's type and its first line (the
+    run's notes quote it)."""
+    first = str(e).strip().splitlines()[:1]
+    return f"{type(e).__name__}: {first[0] if first else ''}".strip()
 
 
 def _built(name: str, source: Path) -> tuple[Path, bool]:
