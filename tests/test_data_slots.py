@@ -80,3 +80,86 @@ def test_a_skeleton_of_builtin_containers_pickles_without_a_single_global(ring):
     # a user's own container type is kept, by reference
     skel, _, _ = ring.write(0, Point(torch.ones(1), 2))
     assert "STACK_GLOBAL" in {op.name for op, _, _ in pickletools.genops(pickle.dumps(skel, 5))}
+
+
+# -- a slot's layout kept for its next batch ----------------------------------------------------
+_counter = iter(range(10**9))
+
+
+def _t(*shape, dtype=torch.float32):
+    """A tensor of fresh values (a stale copy from an earlier batch would not equal it)."""
+    return (torch.arange(int(np.prod(shape)), dtype=torch.float64) + next(_counter)).reshape(shape).to(dtype)
+
+
+VARIANTS = [  # batches whose layouts differ from one another in one thing each
+    lambda: (_t(4, 3), True),
+    lambda: (_t(4, 3), 1),  # == True, and == 1.0: must come back an int
+    lambda: (_t(4, 3), 1.0),
+    lambda: (_t(4, 3), -0.0),
+    lambda: (_t(4, 3), 0.0),
+    lambda: {"x": _t(4, 3), "name": "a"},
+    lambda: {"x": _t(4, 3), "name": "b"},
+    lambda: {"name": "a", "x": _t(4, 3)},  # the same keys in another order
+    lambda: {"x": _t(2, 3), "name": "a"},  # another shape
+    lambda: {"x": _t(4, 3, dtype=torch.float64), "name": "a"},  # another dtype
+    lambda: {"x": _t(4, 3), "name": "a", "ids": np.arange(3, dtype=np.int16) + next(_counter) % 100},
+    lambda: [_t(4, 3), _t(0)],  # an empty tensor: nothing to copy
+    lambda: Point(_t(4, 3), b"k"),
+]
+
+
+def _samples() -> list:
+    k = next(_counter)
+    return [(torch.full((8,), float(k + i)), k + i) for i in range(5)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq=st.lists(st.tuples(st.integers(0, len(VARIANTS)), st.integers(0, 1)), min_size=2, max_size=14))
+def test_every_batch_reads_back_right_whether_its_slot_held_the_same_layout_or_another(ring, seq):
+    """A slot keeps the layout of its last batch, and the next batch of that layout (same
+    skeleton, leaf types, dtypes and shapes) is copied straight into place. A value that only
+    compares equal (``True == 1 == 1.0``, ``-0.0 == 0.0``) is another layout: without that rule
+    ``1`` came back ``True``. The last variant is what a worker writes: a deferred collate."""
+    from tpkit.data.collate import deferred_collate
+
+    for k, slot in seq:
+        if k == len(VARIANTS):
+            samples = _samples()
+            batch, want = deferred_collate(samples), torch.utils.data.default_collate(samples)
+        else:
+            batch = want = VARIANTS[k]()
+        skel, gen, slot_bytes = ring.write(slot, batch)
+        wire = pickle.loads(pickle.dumps(skel, pickle.HIGHEST_PROTOCOL))
+        got = read_slot(ring._mm, slot, slot_bytes, wire, copy=True, on_release=None)
+        assert same(got, want), (k, got, want)
+
+
+def test_a_slots_next_batch_of_the_same_layout_is_written_without_laying_it_out_again(monkeypatch):
+    from tpkit.data.collate import deferred_collate
+
+    prefix = segment_prefix(os.getpid(), 990_002)
+    ring = WorkerRing(prefix, 0, 0, 2)
+    plans = []
+    real = WorkerRing._plan
+    monkeypatch.setattr(WorkerRing, "_plan", lambda self, *a: plans.append(a[0]) or real(self, *a))
+    for _ in range(5):
+        ring.write(0, deferred_collate(_samples()))
+        ring.write(1, deferred_collate(_samples()))
+    ring.write(0, {"x": _t(4, 3), "name": "a"})
+    ring.write(0, {"x": _t(4, 3), "name": "a"})
+    ring.write(0, {"x": _t(4, 3), "flag": 1})  # a plain number: laid out every time
+    ring.write(0, {"x": _t(4, 3), "flag": 1})
+    ring.close()
+    remove_segments(prefix)
+    assert plans == [0, 1, 0, 0, 0]
+
+
+def test_an_unsupported_object_deep_in_a_batch_is_named_by_its_place():
+    from tpkit.data.errors import UnsupportedBatchError
+    from tpkit.data.slots import flatten
+
+    class Box:
+        pass
+
+    with pytest.raises(UnsupportedBatchError, match=r"^batch\['a'\]\[1\]\.y is a .*Box that cannot be pickled"):
+        flatten({"a": [1, Point(torch.zeros(1), Box())]}, [])

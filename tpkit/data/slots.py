@@ -33,7 +33,7 @@ import os
 import pickle
 import tempfile
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -92,10 +92,10 @@ def _round_up(n: int, to: int) -> int:
 # A plain value is never a tuple (tuples are SEQ nodes), so a tuple is always a node.
 LEAF, PICKLED, MAP, NAMEDTUPLE, SEQ = 0, 1, 2, 3, 4
 _BUILTIN_TYPES = (list, tuple, dict)
-_BUILTIN_CODES = {t: i for i, t in enumerate(_BUILTIN_TYPES)}
+_BUILTIN_CODES: dict[type, int] = {t: i for i, t in enumerate(_BUILTIN_TYPES)}
 
 
-def _pickled(obj: Any, where: str) -> tuple:
+def _pickled(obj: Any, where: Any) -> tuple:
     """``obj`` as a PICKLED node: plain ``pickle``, not the pipe's ForkingPickler, so a tensor
     inside is copied as bytes, never handed over as a shared-memory file descriptor (what
     torch's DataLoader does with every batch)."""
@@ -103,7 +103,7 @@ def _pickled(obj: Any, where: str) -> tuple:
         return (PICKLED, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as e:
         raise UnsupportedBatchError(
-            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__} that cannot be pickled "
+            f"{place(where)} is a {type(obj).__module__}.{type(obj).__qualname__} that cannot be pickled "
             f"({type(e).__name__}: {e}); process workers hand over tensors and numpy arrays through "
             f"shared memory and pickle everything else. Make it picklable (e.g. a module-level "
             f"class), convert it in collate_fn (e.g. torch.as_tensor(...) or a dict of tensors), "
@@ -113,19 +113,36 @@ def _pickled(obj: Any, where: str) -> tuple:
 _SCALARS = (int, float, bool, complex, str, bytes, type(None))
 
 
-def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
+def place(where: Any) -> str:
+    """A place in a batch as text (``batch['x'][0]``) from ``flatten``'s lazy path: the text
+    is made only for an error message, never for every node of every batch."""
+    if type(where) is str:
+        return where
+    parent, kind, key = where
+    return f"{place(parent)}.{key}" if kind == "." else f"{place(parent)}[{key!r}]"
+
+
+def flatten(obj: Any, leaves: list, where: Any = "batch") -> Any:
     """Replace tensors/arrays (and deferred ``Stack``s) in ``obj`` by (LEAF, index into
     ``leaves``) nodes; returns the skeleton. Other objects stay in the skeleton (PICKLED when
     not a plain number or string). Raises UnsupportedBatchError naming the place of a device
-    tensor or of an object that cannot be pickled.
+    tensor or of an object that cannot be pickled (``where``: that place, as ``place`` reads it).
     """
+    t = type(obj)  # the usual nodes first, by exact type (an ABC's isinstance costs ~0.3 us)
+    if t is Stack:
+        leaves.append(obj)
+        return (LEAF, len(leaves) - 1)
+    if t is tuple or t is list:
+        return (SEQ, _BUILTIN_CODES[t], [flatten(v, leaves, (where, "[]", i)) for i, v in enumerate(obj)])
+    if t is dict:
+        return (MAP, _BUILTIN_CODES[t], [(k, flatten(v, leaves, (where, "[]", k))) for k, v in obj.items()])
     if isinstance(obj, Stack):
         leaves.append(obj)
         return (LEAF, len(leaves) - 1)
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             raise UnsupportedBatchError(
-                f"{where} is a {obj.device.type} tensor; workers can only hand over CPU tensors. "
+                f"{place(where)} is a {obj.device.type} tensor; workers can only hand over CPU tensors. "
                 f"Build CPU tensors in collate_fn and move them to the device in the training loop "
                 f"(or pass device= / pin_memory=True to the Loader).")
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
@@ -141,12 +158,12 @@ def flatten(obj: Any, leaves: list, where: str = "batch") -> Any:
         return obj
     if isinstance(obj, Mapping):
         return (MAP, _BUILTIN_CODES.get(type(obj), type(obj)),
-                [(k, flatten(v, leaves, f"{where}[{k!r}]")) for k, v in obj.items()])
+                [(k, flatten(v, leaves, (where, "[]", k))) for k, v in obj.items()])
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return (NAMEDTUPLE, type(obj), [flatten(v, leaves, f"{where}.{f}") for f, v in zip(obj._fields, obj)])
+        return (NAMEDTUPLE, type(obj), [flatten(v, leaves, (where, ".", f)) for f, v in zip(obj._fields, obj)])
     if isinstance(obj, (list, tuple)):
         return (SEQ, _BUILTIN_CODES.get(type(obj), type(obj)),
-                [flatten(v, leaves, f"{where}[{i}]") for i, v in enumerate(obj)])
+                [flatten(v, leaves, (where, "[]", i)) for i, v in enumerate(obj)])
     return _pickled(obj, where)
 
 
@@ -188,6 +205,29 @@ def leaf_nbytes(leaves: list) -> int:
 
 # -- the worker side ------------------------------------------------------------------------
 
+class _Plan(NamedTuple):
+    """A slot's layout for batches like the one it was made from (``WorkerRing._plan``)."""
+
+    layout: list  # (type, dtype, shape) of each leaf
+    skel: Any  # the skeleton with (LEAF, index) nodes, as flatten made it
+    targets: list  # per leaf: the tensor or array in the slot it is copied to (None: empty)
+    wire_skel: Any  # the skeleton the main process gets, each leaf's place in the slot filled in
+
+
+def _reusable(skel: Any) -> bool:
+    """Whether a later skeleton equal to ``skel`` (``==``) can be sent as ``skel``'s: true
+    unless a plain value in it equals one of another type or value (``1 == True == 1.0``,
+    ``0.0 == -0.0``), so only strings, bytes and None may be in it as plain values."""
+    if type(skel) is not tuple:
+        return skel is None or type(skel) in (str, bytes)
+    tag = skel[0]
+    if tag in (LEAF, PICKLED):
+        return True
+    if tag == MAP:
+        return all(_reusable(k) and _reusable(v) for k, v in skel[2])
+    return all(_reusable(v) for v in skel[2])
+
+
 class WorkerRing:
     """A worker's ring: created lazily on the first batch, regrown if a batch does not fit."""
 
@@ -200,6 +240,10 @@ class WorkerRing:
         # (slot, offset, dtype, shape) -> the slot's bytes viewed as that tensor: a batch of
         # the same layout as an earlier one in that slot reuses it (three torch calls saved)
         self._views: dict[tuple, torch.Tensor] = {}
+        # slot -> how its last batch was laid out: the next batch of the same layout and
+        # skeleton is copied straight to the same places (no offsets, views or skeleton to
+        # make again: a third of a tiny batch's write, benchmarks/loader_write.py)
+        self._plans: dict[int, _Plan] = {}
 
     def _view(self, slot: int, off: int, n: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         key = (slot, off, dtype, shape)
@@ -236,35 +280,56 @@ class WorkerRing:
         skel = flatten(batch, leaves)
         if not leaves:
             return skel, -1, 0
+        layout = [(type(x), x.dtype, x.shape) for x in leaves]
+        plan = self._plans.get(slot)
+        if plan is None or plan.layout != layout or plan.skel != skel:
+            plan = self._plan(slot, skel, leaves, layout)
+        # samples that require grad still copy into plain memory; torch's own switch, not the
+        # no_grad context (2.2 against 0.2 us, a tenth of a tiny batch's write)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for x, out in zip(leaves, plan.targets):
+                if out is None:  # an empty tensor: nothing to copy
+                    continue
+                if type(x) is Stack:
+                    x.into(out)  # collate straight into the slot
+                elif isinstance(x, torch.Tensor):
+                    out.copy_(x)
+                else:
+                    out[...] = x
+        finally:
+            torch._C._set_grad_enabled(grad)
+        return plan.wire_skel, self.gen, self.slot_bytes
+
+    def _plan(self, slot: int, skel: Any, leaves: list, layout: list) -> "_Plan":
+        """Where each leaf goes in ``slot`` and the skeleton the main process reads it by;
+        kept for the slot's next batch of the same layout when ``_reusable(skel)``."""
         need = leaf_nbytes(leaves)
         if need > self.slot_bytes:
             self._grow(need)
         assert self._u8 is not None
         base = slot * self.slot_bytes
         off = 0
+        targets: list = []
         specs = []
         for x in leaves:
             off = _round_up(off, ALIGN_BYTES)
-            if isinstance(x, Stack):
-                n = x.nbytes
-                if n:
-                    x.into(self._view(slot, off, n, x.dtype, x.shape))  # collate straight into the slot
-                specs.append((LEAF, "torch", off, n, str(x.dtype)[6:], x.shape))
-            elif isinstance(x, torch.Tensor):
-                n = x.numel() * x.element_size()
+            if isinstance(x, (Stack, torch.Tensor)):
+                n = x.nbytes if isinstance(x, Stack) else x.numel() * x.element_size()
                 shape = tuple(x.shape)
-                if n:
-                    self._view(slot, off, n, x.dtype, shape).copy_(x.detach())
+                targets.append(self._view(slot, off, n, x.dtype, shape) if n else None)
                 specs.append((LEAF, "torch", off, n, str(x.dtype)[6:], shape))
             else:
                 n = x.nbytes
                 arr = self._u8[base + off: base + off + n].numpy()
-                if n:
-                    arr.view(x.dtype).reshape(x.shape)[...] = x
+                targets.append(arr.view(x.dtype).reshape(x.shape) if n else None)
                 specs.append((LEAF, "numpy", off, n, x.dtype.str, tuple(x.shape)))
             off += n
-        skel = _respec(skel, specs)
-        return skel, self.gen, self.slot_bytes
+        plan = _Plan(layout, skel, targets, _respec(skel, specs))
+        if _reusable(skel):
+            self._plans[slot] = plan
+        return plan
 
     def unlink(self) -> None:
         """Remove this ring's current file (the main process died before mapping it)."""
@@ -276,6 +341,7 @@ class WorkerRing:
 
     def close(self) -> None:
         self._views = {}
+        self._plans = {}
         self._u8 = None
         if self._mm is not None:
             try:
