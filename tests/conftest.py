@@ -54,14 +54,8 @@ def fresh_store(tmp_path, monkeypatch):
     store.reset_store()
 
 
-@pytest.fixture(autouse=True)
-def deepspeed_shm_cleanup():
-    """DeepSpeed's CPU accelerator leaves a ~64 MiB /dev/shm/deepspeed_allreduce_buffer_* per
-    engine (its shm_comm op never unlinks it); remove the ones a test created, or every run of
-    the suite would keep ~400 MiB of RAM-backed files."""
+def _remove_new_deepspeed_shm(before: set[str]) -> None:
     shm = "/dev/shm"
-    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
-    yield
     if os.path.isdir(shm):
         for name in set(os.listdir(shm)) - before:
             if name.startswith("deepspeed_"):
@@ -69,6 +63,29 @@ def deepspeed_shm_cleanup():
                     os.unlink(os.path.join(shm, name))
                 except OSError:
                     pass
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(autouse=True)
+def deepspeed_shm_cleanup():
+    """DeepSpeed's CPU accelerator leaves a ~64 MiB /dev/shm/deepspeed_allreduce_buffer_* per
+    engine (its shm_comm op never unlinks it); remove the ones a test created, or every run of
+    the suite would keep ~400 MiB of RAM-backed files."""
+    before = _shm_names()
+    yield
+    _remove_new_deepspeed_shm(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_shm_cleanup_at_the_end():
+    """The same for the session: a buffer made while a module's fixture set DeepSpeed up comes
+    before any one test's look (each full run left one ~66 MiB file in /dev/shm)."""
+    before = _shm_names()
+    yield
+    _remove_new_deepspeed_shm(before)
 
 
 @pytest.fixture(autouse=True)
