@@ -410,19 +410,25 @@ def read_slot(mm: mmap.mmap | None, slot: int, slot_bytes: int, skel: Any, copy:
     None for a batch without tensors (nothing in the slot; ``copy`` must be True)."""
     if mm is None:
         return unflatten(skel, _no_leaf)
-    lease = np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=slot * slot_bytes)
+    # Views read the slot through one array (the lease) that all of them keep alive; a copy
+    # reads the mapping itself. Each leaf is one numpy array made straight over that buffer
+    # (a slice, a dtype view and a reshape cost three times as much: benchmarks/loader_read.py).
+    if copy:
+        lease, start = None, slot * slot_bytes
+    else:
+        lease, start = np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=slot * slot_bytes), 0
+    buf = mm if lease is None else lease
 
     def make(node: tuple) -> Any:
         _, kind, off, n, dtype, shape = node
-        raw = lease[off: off + n]
         if kind == "torch":
             twin = _numpy_twin(dtype)
             if twin is not None:
-                t = torch.from_numpy(raw.view(twin).reshape(shape))
-            else:
-                t = torch.from_numpy(raw).view(_torch_dtype(dtype)).view(shape)
+                t = torch.from_numpy(np.ndarray(shape, twin, buf, start + off))
+            else:  # no numpy dtype of its bytes (bfloat16...): raw bytes, viewed in torch
+                t = torch.from_numpy(np.ndarray((n,), np.uint8, buf, start + off)).view(_torch_dtype(dtype)).view(shape)
             return t.clone() if copy else t
-        a = raw.view(np.dtype(dtype)).reshape(shape)
+        a = np.ndarray(shape, np.dtype(dtype), buf, start + off)
         return a.copy() if copy else a
 
     batch = unflatten(skel, make)
