@@ -412,7 +412,8 @@ def read_slot(mm: mmap.mmap | None, slot: int, slot_bytes: int, skel: Any, copy:
         return unflatten(skel, _no_leaf)
     # Views read the slot through one array (the lease) that all of them keep alive; a copy
     # reads the mapping itself. Each leaf is one numpy array made straight over that buffer
-    # (a slice, a dtype view and a reshape cost three times as much: benchmarks/loader_read.py).
+    # (not a slice, a dtype view and a reshape: a tiny batch copied out in 8.2 us against 11.2,
+    # benchmarks/loader_read.py).
     if copy:
         lease, start = None, slot * slot_bytes
     else:
