@@ -759,6 +759,29 @@ def test_an_answer_crosses_the_pipe_as_a_plain_tuple_and_each_layout_is_unpickle
     assert done_from_wire(StreamEnded(5), seen) == StreamEnded(5)
 
 
+def test_a_worker_pickles_a_skeleton_object_once_and_keeps_only_small_ones(monkeypatch):
+    """A slot that kept its layout sends the same skeleton object with every batch: the worker
+    pickles it once, found again by identity (an equal skeleton that is another object is
+    pickled afresh: ``1 == True``, so equality would not do), and keeps only small ones."""
+    import copy
+    import pickle
+
+    from tpkit.data import worker_loop
+    from tpkit.data.worker_loop import BatchDone, done_from_wire, done_to_wire
+
+    pickled = []
+    real = pickle.dumps
+    monkeypatch.setattr(pickle, "dumps", lambda obj, *a: pickled.append(obj) or real(obj, *a))
+    monkeypatch.setattr(worker_loop, "_PICKLED_SKELETONS", {})
+    skel = (4, 0, [(0, "torch", 0, 2048, "float32", (64, 8)), True])
+    twin = copy.deepcopy(skel)
+    big = (1, b"x" * 2000)  # a PICKLED node of a large object
+    for k, s in enumerate([skel, skel, twin, skel, big, big]):
+        answer = BatchDone(k, k % 2, 0, 4096, s, 0.1, 0.2, 0.3, 99, 64)
+        assert done_from_wire(pickle.loads(done_to_wire(answer)), {}) == answer
+    assert [sum(obj is s for obj in pickled) for s in (skel, twin, big)] == [1, 1, 2]
+
+
 class _FakePoller:
     """A ``select.poll`` stand-in whose answer is there from the ``ready_at``-th look on."""
 

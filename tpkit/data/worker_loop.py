@@ -128,14 +128,32 @@ class BatchDone(NamedTuple):
     n_samples: int
 
 
+#: A worker's skeletons already pickled, by identity: id -> (skeleton, its pickle bytes). A slot
+#: that kept its layout (``slots.WorkerRing._plan``) sends the same skeleton object again.
+_PICKLED_SKELETONS: dict[int, tuple[Any, bytes]] = {}
+#: Skeletons kept at most (then the cache starts again), and the largest pickle kept (a skeleton
+#: with large pickled objects in it is not worth holding on to).
+PICKLED_SKELETONS_KEPT, PICKLED_SKELETON_MAX_BYTES = 64, 1024
+
+
 def done_to_wire(done: BatchDone) -> bytes:
     """A finished batch's answer as the worker writes it: a plain tuple (no class to look up
     when it is read) whose skeleton is pickle bytes of its own, which the main process reads
     once per distinct layout (``done_from_wire``): a batch of fixed layout has the same
     skeleton every time, and unpickling it cost ~4 us of the ~6 us an answer took to read
-    (when its placeholders were objects; slots.py's skeletons are plain tuples since)."""
-    return pickle.dumps((*done[:4], pickle.dumps(done.skeleton, pickle.HIGHEST_PROTOCOL), *done[5:]),
-                        pickle.HIGHEST_PROTOCOL)
+    (when its placeholders were objects; slots.py's skeletons are plain tuples since). The
+    worker pickles a skeleton object once (``_PICKLED_SKELETONS``)."""
+    skel = done.skeleton
+    kept = _PICKLED_SKELETONS.get(id(skel))  # each is held here: no other object has its id
+    if kept is not None:
+        raw = kept[1]
+    else:
+        raw = pickle.dumps(skel, pickle.HIGHEST_PROTOCOL)
+        if len(raw) <= PICKLED_SKELETON_MAX_BYTES:
+            if len(_PICKLED_SKELETONS) >= PICKLED_SKELETONS_KEPT:
+                _PICKLED_SKELETONS.clear()
+            _PICKLED_SKELETONS[id(skel)] = (skel, raw)
+    return pickle.dumps((*done[:4], raw, *done[5:]), pickle.HIGHEST_PROTOCOL)
 
 
 #: Distinct skeletons the main process keeps per pool (``done_from_wire``).
