@@ -17,7 +17,6 @@ which one to run from a flag in shared memory, inherited when the loader forks i
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import pickle
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loader_blocks import compare  # noqa: E402
+from loader_blocks import compare, worker_switch  # noqa: E402
 
 from tpkit.data import worker_loop  # noqa: E402
 
@@ -41,19 +40,13 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=300)
     ap.add_argument("--block", type=int, default=150, help="timed batches a block")
     args = ap.parse_args()
-    peer_on = multiprocessing.RawValue("b", 0)  # set before the loader forks its workers
+    peer_on, peer, current = worker_switch()
     now = worker_loop.done_to_wire
 
     def done_to_wire(done: Any) -> bytes:
         return (before_done_to_wire if peer_on.value else now)(done)
 
     worker_loop.done_to_wire = done_to_wire
-
-    def peer() -> None:
-        peer_on.value = 1
-
-    def current() -> None:
-        peer_on.value = 0
 
     compare("loader_answer", "a worker's skeleton pickled once (current) against for every batch (peer)",
             args.cycles, args.block, peer=peer, current=current)

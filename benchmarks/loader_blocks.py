@@ -8,8 +8,9 @@ over the current version's (> 1: the current one is faster). Used by ``loader_re
 
 from __future__ import annotations
 
+import multiprocessing
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from common import load_avg, machine, versions, write_rows
 from interleave import estimate
@@ -18,6 +19,21 @@ SETTLE_BATCHES = 20
 #: a version is switched on by calling its function (module globals or class attributes are
 #: read at every call, so one loader runs both)
 Switch = Callable[[], None]
+
+
+def worker_switch() -> tuple[Any, Switch, Switch]:
+    """A flag in shared memory for a version that runs in the workers: made before the loader
+    forks them, read by them at every batch (so one loader runs both, in turns), and the
+    (peer, current) switches that set it from the main process."""
+    flag = multiprocessing.RawValue("b", 0)
+
+    def peer() -> None:
+        flag.value = 1
+
+    def current() -> None:
+        flag.value = 0
+
+    return flag, peer, current
 
 
 def time_blocks(main_helps: bool | str, cycles: int, block: int, peer: Switch, current: Switch) -> tuple[list[float], list[float]]:

@@ -28,7 +28,6 @@ interval, with the main process helping (the default) and waiting. A warm loop i
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from loader_blocks import compare  # noqa: E402
+from loader_blocks import compare, worker_switch  # noqa: E402
 
 from tpkit.data import collate, slots  # noqa: E402
 from tpkit.data.collate import Stack  # noqa: E402
@@ -159,8 +158,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=150, help="timed batches a block")
     args = ap.parse_args()
     warm_writes()
-    # set before the loader forks its workers, read by them at every batch
-    peer_on = multiprocessing.RawValue("b", 0)
+    peer_on, peer, current = worker_switch()
     now_write, now_ints, now_floats = slots.WorkerRing.write, collate._slot_ints, collate._slot_floats
 
     def write(self: Any, slot: int, batch: Any) -> Any:
@@ -174,12 +172,6 @@ def main() -> None:
 
     slots.WorkerRing.write = write  # type: ignore[method-assign]
     collate.SLOT_COLLATE_MAP[int], collate.SLOT_COLLATE_MAP[float] = ints, floats
-
-    def peer() -> None:
-        peer_on.value = 1
-
-    def current() -> None:
-        peer_on.value = 0
 
     compare("loader_write", "a worker's slot write as now (current) against as after session 33 (peer)",
             args.cycles, args.block, peer=peer, current=current)
