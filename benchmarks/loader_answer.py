@@ -16,7 +16,6 @@ which one to run from a flag in shared memory, inherited when the loader forks i
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loader_blocks import compare, worker_switch  # noqa: E402
+from loader_blocks import block_args, compare, worker_switch  # noqa: E402
 
 from tpkit.data import worker_loop  # noqa: E402
 
@@ -36,10 +35,7 @@ def before_done_to_wire(done: Any) -> bytes:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
-    args = ap.parse_args()
+    args = block_args(__doc__)
     peer_on, peer, current = worker_switch()
     now = worker_loop.done_to_wire
 

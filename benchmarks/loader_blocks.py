@@ -8,6 +8,7 @@ over the current version's (> 1: the current one is faster). Used by ``loader_re
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import time
 from typing import Any, Callable
@@ -19,6 +20,25 @@ SETTLE_BATCHES = 20
 #: a version is switched on by calling its function (module globals or class attributes are
 #: read at every call, so one loader runs both)
 Switch = Callable[[], None]
+
+
+def block_args(doc: str | None) -> argparse.Namespace:
+    """The command line every block-by-block script takes: ``--cycles`` and ``--block``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cycles", type=int, default=300)
+    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
+    return ap.parse_args()
+
+
+def best_us(fn: Callable[[], object], n: int) -> float:
+    """``fn``'s time a call in microseconds in a warm loop of ``n`` calls, the best of 7."""
+    runs = []
+    for _ in range(7):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return min(runs)
 
 
 def worker_switch() -> tuple[Any, Switch, Switch]:

@@ -21,7 +21,6 @@ waiting.
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import select
 import sys
@@ -30,7 +29,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loader_blocks import compare  # noqa: E402
+from loader_blocks import block_args, compare  # noqa: E402
 
 CHANGED = ("_pick", "_send", "_help_ahead", "_poller")
 
@@ -87,10 +86,7 @@ class Before:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
-    args = ap.parse_args()
+    args = block_args(__doc__)
     from tpkit.data.process_pool import ProcessPool
 
     now = {name: ProcessPool.__dict__[name] for name in CHANGED}

@@ -16,10 +16,8 @@ alone, as a view and as a copy.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from loader_blocks import compare  # noqa: E402
+from loader_blocks import best_us, block_args, compare  # noqa: E402
 
 from tpkit.data import process_pool, slots  # noqa: E402
 
@@ -69,14 +67,8 @@ def warm_reads() -> None:
         skel, _, slot_bytes = ring.write(1, deferred_collate([ds[i] for i in range(64)]))
         mm = ring._mm
 
-        def best(read: Any, copy: bool, n: int = 5000) -> float:
-            runs = []
-            for _ in range(7):
-                t0 = time.perf_counter_ns()
-                for _ in range(n):
-                    read(mm, 1, slot_bytes, skel, copy, None)
-                runs.append((time.perf_counter_ns() - t0) / n / 1e3)
-            return min(runs)
+        def best(read: Any, copy: bool) -> float:
+            return best_us(lambda: read(mm, 1, slot_bytes, skel, copy, None), 5000)
 
         for label, copy in (("view", False), ("copy", True)):
             now, before = best(slots.read_slot, copy), best(before_read_slot, copy)
@@ -88,10 +80,7 @@ def warm_reads() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
-    args = ap.parse_args()
+    args = block_args(__doc__)
     warm_reads()
     now = process_pool.read_slot
 

@@ -13,20 +13,16 @@ waiting.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loader_blocks import compare  # noqa: E402
+from loader_blocks import block_args, compare  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
-    args = ap.parse_args()
+    args = block_args(__doc__)
     import tpkit.data.process_pool as pool
 
     refill = pool.REFILL_TASKS

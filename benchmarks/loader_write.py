@@ -27,10 +27,8 @@ interval, with the main process helping (the default) and waiting. A warm loop i
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from loader_blocks import compare, worker_switch  # noqa: E402
+from loader_blocks import best_us, block_args, compare, worker_switch  # noqa: E402
 
 from tpkit.data import collate, slots  # noqa: E402
 from tpkit.data.collate import Stack  # noqa: E402
@@ -131,20 +129,11 @@ def warm_writes() -> None:
     ring = slots.WorkerRing(prefix, 0, 0, 2)
     before_map = {**collate.SLOT_COLLATE_MAP, int: Before.ints, float: Before.floats}
 
-    def best(fn: Any, n: int = 3000) -> float:
-        runs = []
-        for _ in range(7):
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                fn()
-            runs.append((time.perf_counter_ns() - t0) / n / 1e3)
-        return min(runs)
-
     try:
         ring.write(1, collate.deferred_collate(samples))
-        now = best(lambda: ring.write(1, collate.deferred_collate(samples)))
-        before = best(lambda: Before.write(ring, 1, collate.collate(samples, collate_fn_map=before_map)))
-        stack = best(lambda: torch.stack([s[0] for s in samples]))
+        now = best_us(lambda: ring.write(1, collate.deferred_collate(samples)), 3000)
+        before = best_us(lambda: Before.write(ring, 1, collate.collate(samples, collate_fn_map=before_map)), 3000)
+        stack = best_us(lambda: torch.stack([s[0] for s in samples]), 3000)
     finally:
         ring.close()
         slots.remove_segments(prefix)
@@ -153,10 +142,7 @@ def warm_writes() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--block", type=int, default=150, help="timed batches a block")
-    args = ap.parse_args()
+    args = block_args(__doc__)
     warm_writes()
     peer_on, peer, current = worker_switch()
     now_write, now_ints, now_floats = slots.WorkerRing.write, collate._slot_ints, collate._slot_floats
