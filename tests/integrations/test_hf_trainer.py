@@ -74,6 +74,7 @@ def test_trainer_runs_and_hooks_are_removed(sliced):
     run = sliced["run"]
     assert len(run.steps) == STEPS + WARMUP and run.steps["warmup"].sum() == WARMUP
     assert (run.steps["samples"] == BATCH * sliced["ga"]).all()  # accelerate's one-batch lookahead not counted
+    assert not any("inside backward" in note for note in run.meta["notes"])  # no checkpointing here
 
 
 def test_trainer_ends_normally_after_exactly_the_slice(sliced):

@@ -26,6 +26,9 @@ Under ``torch.compile`` every hook returns at once (no graph break, no recompile
   unscaled one, and a step whose update the scaler skipped (inf/NaN) still ends the step,
   marked ``skipped``.
 - loss: the sum of the one-element tensors backpropagated in the step (see ``LossSums``).
+- activation checkpointing: a checkpointed block runs its forward again inside ``backward()``;
+  a module call while backward is open opens no span (its time stays the backward's), and the
+  run's notes say how many such calls there were.
 
 ``remove`` restores every registry and attribute exactly and is safe to call twice.
 """
@@ -205,6 +208,8 @@ class PhaseProbe:
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
+        # outermost module calls inside backward: activation checkpointing recomputing its forward
+        self.recomputed_calls = 0
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
         self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
@@ -285,6 +290,11 @@ class PhaseProbe:
             out.append("backward ran but no module's forward was seen: the model is not called as an "
                        "nn.Module (a functional model, or model.forward(...) "
                        "called directly); mark its forward with tp.phase('forward')")
+        if self.recomputed_calls:
+            out.append(f"modules ran inside backward ({self.recomputed_calls} outermost call(s)): activation "
+                       "checkpointing recomputing the forward. That time is the backward's (backward_s), not "
+                       "the forward's, and the memory it allocates there counts as temporaries, not "
+                       "activations")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
@@ -372,6 +382,8 @@ class PhaseProbe:
             self._worked = self._ever_worked = True
             if id(module) not in self.models:
                 self.models[id(module)] = module
+        elif rec.is_open("backward"):
+            self.recomputed_calls += 1
         gen = self._fwd_gen
         try:
             module_calls.set_inside(tid)  # (inside the try: a Ctrl-C right after it still resets it)
