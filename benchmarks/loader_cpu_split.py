@@ -42,10 +42,10 @@ def _cpu_by_process(me) -> dict[int, float]:
 
 def measure(workload: str, peer: str, workers: int) -> dict:
     """In the child: the timed batches of one loader (or plain loop), with each process's CPU."""
+    import loader as lb
     import psutil
     import torch
 
-    import loader as lb
     import tpkit.datasets as tds
 
     torch.set_num_threads(1)
