@@ -133,6 +133,6 @@ def test_trainer_with_gradient_checkpointing(trainer_run):
     assert known.seconds["backward"] >= (STEPS + WARMUP) * (truth.BACKWARD_S + RECOMPUTE_S)
     truth.assert_phases(run, known)
     assert (run.spans["phase"] == "forward").sum() == STEPS + WARMUP
-    assert any("activation checkpointing recomputing the forward" in note for note in run.meta["notes"])
+    assert any("activation checkpointing recomputes the forward" in note for note in run.meta["notes"])
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     truth.assert_losses(run.steps["loss"].tolist(), logged)

@@ -27,8 +27,8 @@ Under ``torch.compile`` every hook returns at once (no graph break, no recompile
   marked ``skipped``.
 - loss: the sum of the one-element tensors backpropagated in the step (see ``LossSums``).
 - activation checkpointing: a checkpointed block runs its forward again inside ``backward()``;
-  a module call while backward is open opens no span (its time stays the backward's), and the
-  run's notes say how many such calls there were.
+  a module call while backward is open (that, or a backward hook calling a module) opens no
+  span (its time stays the backward's), and the run's notes say how many such calls there were.
 
 ``remove`` restores every registry and attribute exactly and is safe to call twice.
 """
@@ -291,10 +291,10 @@ class PhaseProbe:
                        "nn.Module (a functional model, or model.forward(...) "
                        "called directly); mark its forward with tp.phase('forward')")
         if self.recomputed_calls:
-            out.append(f"modules ran inside backward ({self.recomputed_calls} outermost call(s)): activation "
-                       "checkpointing recomputing the forward. That time is the backward's (backward_s), not "
-                       "the forward's, and the memory it allocates there counts as temporaries, not "
-                       "activations")
+            out.append(f"modules ran inside backward ({self.recomputed_calls} outermost call(s)), as when "
+                       "activation checkpointing recomputes the forward: that time is the backward's "
+                       "(backward_s), not the forward's, and on the CPU the memory allocated there counts "
+                       "as temporaries, not activations")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
