@@ -17,9 +17,11 @@ import pandas as pd
 #: Phases with a fixed column in ``run.steps``; every other phase name is a user phase.
 #: ``tpkit`` is tpkit's own probe work, shown so that what tpkit costs is measured in every
 #: run instead of hiding in ``other``. ``comm`` is time the rank was blocked in collectives
-#: (capture/probes/comm.py): it is taken out of the phase it happened in.
+#: (capture/probes/comm.py): it is taken out of the phase it happened in. ``eval`` is evaluation
+#: run inside the slice: the trained model called without grad in eval mode, and the batches read
+#: for it (capture/evaluation.py); its samples are not the step's.
 BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "comm",
-                                   "tpkit")
+                                   "eval", "tpkit")
 #: Time no built-in phase covered.
 OTHER = "other"
 #: Every phase in the order a step usually runs, ``other`` last.
@@ -36,7 +38,7 @@ UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.
 PHASE_NAMES: dict[str, str] = {
     "data_wait": "waiting for data", "h2d": "copy to device", "forward": "forward", "backward": "backward",
-    "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "tpkit": "tpkit's own work",
+    "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation", "tpkit": "tpkit's own work",
     "other": "other (no phase)", "gc": "garbage collection",
 }
 
@@ -122,7 +124,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "duration_s": "float64", "samples": "int64", "data_wait_s": "float64", "h2d_s": "float64",
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
         "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
-        "skipped": "bool", "comm_s": "float64",
+        "skipped": "bool", "comm_s": "float64", "eval_s": "float64",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
@@ -150,7 +152,7 @@ ADDED_TABLES: tuple[str, ...] = ("ops",)
 #: Columns added after the first layout, with the value they take where a frame (a saved run,
 #: rows built by hand) has none. They come last in their table, so positional rows of the
 #: older layout still line up.
-DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0}}
+DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0, "eval_s": 0.0}}
 #: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
 FORMAT_VERSION = 1
 

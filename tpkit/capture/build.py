@@ -14,6 +14,7 @@ import pandas as pd
 
 from ..run import Run
 from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
+from . import evaluation
 from .recorder import Recorder
 
 
@@ -96,9 +97,13 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # Past a full slice (a framework asked to stop, and ends its step and its run before the
     # slice closes) nothing belongs to the slice any more.
     past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends) + 1
+    raw_spans = rec.spans
+    # evaluation inside the slice: its calls and waits are ``eval``, its samples not the steps'
+    ev = evaluation.split(raw_spans, rec.handouts, rec.no_grad_calls, rec.trained_modules, past)
+    relabel = evaluation.relabel_span if ev else (lambda _ev, phase, _s, _e: phase)
     spans = frame("spans", [
-        (step - warmup_steps, phase, at(s, sev), at(e, eev), 0.0, depth, source)
-        for phase, s, e, depth, source, step, sev, eev in rec.spans if step < past
+        (step - warmup_steps, relabel(ev, phase, s, e), at(s, sev), at(e, eev), 0.0, depth, source)
+        for phase, s, e, depth, source, step, sev, eev in raw_spans if step < past
     ])
     spans["duration_s"] = spans["end_s"] - spans["start_s"]
     spans = spans.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True)
@@ -119,15 +124,17 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         "warmup": np.arange(len(ends)) < warmup_steps,
         "start_s": [0.0, *ends[:-1]] if ends else [],
         "end_s": ends,
-        "samples": np.array([n for _, n in rec.step_ends], dtype="int64"),
+        "samples": np.array([n if rec.samples_per_step is not None else n - ev.samples_by_step.get(i, 0)
+                             for i, (_, n) in enumerate(rec.step_ends)], dtype="int64"),
         "loss": [losses.get(i, float("nan")) for i in range(len(ends))],
         "skipped": [i in rec.skipped for i in range(len(ends))],
     })
     steps = frame("steps", step_breakdown(spans, bounds)[list(SCHEMAS["steps"])])
 
+    memory_rows = evaluation.relabel_memory(ev, rec.memory, [(s[1], s[2]) for s in raw_spans if s[0] == "data_wait"])
     memory = frame("memory", [
         (step - warmup_steps, phase, event, (t - t0) / 1e9, device, category, nbytes)
-        for step, phase, event, t, device, category, nbytes in rec.memory if step < past
+        for step, phase, event, t, device, category, nbytes in memory_rows if step < past
     ])
     clocks = frame("clocks", [((t - t0) / 1e9, d, m, v) for t, d, m, v in rec.clocks])
     loader = frame("loader", rec.loader)
@@ -135,6 +142,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta.setdefault("name", rec.name)
     full_meta["warmup_steps"] = warmup_steps
     full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
+    if ev:
+        full_meta["evaluation"] = evaluation.describe(ev)
+        full_meta["notes"].append(evaluation.note(ev, float(steps["eval_s"].sum())))
     return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
 
 

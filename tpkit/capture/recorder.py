@@ -67,6 +67,13 @@ class Recorder:
         self.clocks: list[tuple] = []  # (t_ns, device, metric, value)
         self.loader: list[tuple] = []  # (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
         self.losses: list[tuple[int, Any]] = []  # (raw_step, scalar tensor or float), resolved at build
+        # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a
+        # loader handed to the loop (t_ns, samples, raw_step), every outermost call made without
+        # grad in eval mode (start_ns, end_ns, id(module), raw_step), and the modules called with grad in
+        # train mode (the trained ones)
+        self.handouts: list[int] = []
+        self.no_grad_calls: list[int] = []
+        self.trained_modules: set[int] = set()
         self.skipped: set[int] = set()  # raw steps whose update a GradScaler skipped (inf/NaN grads)
         self.framework: Any = None  # the HF / Lightning trainer running the loop (capture.frameworks)
         self.slice_steps: int | None = None  # once the slice is full: steps past it are not the slice's
@@ -107,7 +114,8 @@ class Recorder:
         while this one keeps recording (each record is one list append or extend, atomic in
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
-        for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes"):
+        for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
+                     "no_grad_calls"):
             setattr(snap, name, list(getattr(self, name)))
         return snap
 
@@ -170,6 +178,12 @@ class Recorder:
     # -- steps ----------------------------------------------------------------------------
     def add_samples(self, n: int) -> None:
         self.samples += n
+
+    def handed_out(self, n: int) -> None:
+        """A loader handed the loop a batch of ``n`` samples (0: not known): counted in the step,
+        and noted with its time (a batch read for evaluation is taken out when the Run is built)."""
+        self.samples += n
+        self.handouts += (perf_counter_ns(), n, self.step_index)
 
     def end_step(self, end_ns: int | None = None) -> None:
         """Record the end of the current step, then tell the step listeners (which may raise)."""

@@ -101,9 +101,7 @@ def batch_size_of(batch: Any) -> int | None:
 
 def handed_out(rec: Recorder, batch: Any) -> None:
     """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners."""
-    n = batch_size_of(batch)
-    if n:
-        rec.add_samples(n)
+    rec.handed_out(batch_size_of(batch) or 0)
     if rec.batch_listeners:
         rec.yielded(batch)
 
@@ -377,7 +375,13 @@ class PhaseProbe:
             return module_calls._torch_call(module, *args, **kwargs)
         rec = self.rec
         token = None
+        no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
+            if torch.is_grad_enabled():
+                if module.training:
+                    rec.trained_modules.add(id(module))
+            elif not module.training:
+                no_grad_from = perf_counter_ns()
             token = rec.enter("forward", type(module).__name__)
             self._worked = self._ever_worked = True
             if id(module) not in self.models:
@@ -393,6 +397,8 @@ class PhaseProbe:
                 module_calls.set_inside(None)
                 if token is not None:
                     rec.exit(token)
+                    if no_grad_from:
+                        rec.no_grad_calls += (no_grad_from, perf_counter_ns(), id(module), rec.step_index)
 
     # -- optimizer --------------------------------------------------------------------------
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:

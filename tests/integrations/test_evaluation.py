@@ -1,0 +1,225 @@
+"""Evaluation inside the slice: a loop, a Hugging Face Trainer (``eval_strategy="steps"``) and
+Lightning (``val_check_interval``) that evaluate every few steps. The evaluation's model calls
+and the waits for its batches are ``eval``, not ``forward`` / ``data_wait``, and its batches are
+not the steps' samples; a model only ever called without grad (a teacher) and the trained
+model called without grad in train mode (targets for itself) stay ``forward``.
+
+Truth: the loop's own clocks; for the frameworks, forward hooks on the model that time each
+outermost call by its grad mode, the known sleeps of ``truth``'s parts, and the framework's own
+logged losses and step counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+import truth
+from truth import STEPS, TOLERANCE, WARMUP
+
+import tpkit as tp
+
+BATCH, EVAL_BATCH, EVERY = 8, 16, 3
+N = STEPS + WARMUP
+
+
+def close(got: float, want: float, what: str) -> None:
+    assert abs(got - want) <= TOLERANCE * want, f"{what}: tpkit {got * 1e3:.1f} ms, truth {want * 1e3:.1f} ms"
+
+
+class CallClock:
+    """Times each outermost call of ``model`` by its grad mode (forward hooks: inside the call)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._t = 0.0
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, *_: object) -> None:
+        self._t = time.perf_counter()
+
+    def _post(self, *_: object) -> None:
+        kind = "train" if torch.is_grad_enabled() else "eval"
+        self.seconds[kind] += time.perf_counter() - self._t
+        self.calls[kind] += 1
+
+
+# -- a plain loop -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain():
+    torch.manual_seed(0)
+    model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+    evals = 0
+    before = truth.hook_state()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="evaluating", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            t = time.perf_counter()
+            x, y = next(it)
+            clock["data_wait"] += time.perf_counter() - t
+            with torch.no_grad():  # a teacher: never trained here, its calls are the step's forward
+                t = time.perf_counter()
+                target = teacher(x)
+                clock["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss = F.mse_loss(model(x), y) + 0.0 * target.sum()
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:  # evaluate: model.eval(), no grad, two val batches
+                model.eval()
+                with torch.no_grad():
+                    t = time.perf_counter()
+                    for k, (vx, vy) in enumerate(val):
+                        F.mse_loss(model(vx), vy)
+                        if k == 1:
+                            break
+                    clock["eval"] += time.perf_counter() - t
+                model.train()
+                evals += 2
+    return dict(run=prof.run, before=before, clock=clock, evals=evals)
+
+
+def test_evaluation_is_its_own_phase(plain):
+    run, clock = plain["run"], plain["clock"]
+    truth.assert_hooks_removed(plain["before"])
+    assert len(run.steps) == N
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (training and teacher)")
+    close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
+    assert run.meta["evaluation"] == {"calls": plain["evals"], "batches": plain["evals"],
+                                      "samples": plain["evals"] * EVAL_BATCH}
+    assert any(note.startswith(f"evaluation ran inside the slice: {plain['evals']} call(s)")
+               for note in run.meta["notes"]), run.meta["notes"]
+
+
+def test_evaluation_batches_are_not_training_samples(plain):
+    run = plain["run"]
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    m = run.steps[~run.steps["warmup"]]
+    assert tp.last_run() is run
+    assert run.summary().throughput == pytest.approx(BATCH * len(m) / m["duration_s"].sum())
+
+
+def test_memory_at_evaluation_is_labelled_eval(plain):
+    mem = plain["run"].memory
+    at_eval = mem[mem["phase"] == "eval"]
+    assert len(at_eval), "no memory row at an evaluation boundary"
+    # every evaluation step has its eval rows; the other steps none
+    eval_steps = set(plain["run"].steps.loc[plain["run"].steps["eval_s"] > 0, "step"])
+    assert set(at_eval["step"]) == eval_steps
+
+
+@pytest.mark.parametrize("eval_mode", [False, True], ids=["train-mode", "eval-mode"])
+def test_targets_the_model_makes_for_itself(eval_mode):
+    """The trained model called without grad on the batch it then trains on (pseudo-labels for
+    itself). In train mode it is training; in eval mode its call is counted as eval (the run says
+    so), but the batch also fed a training forward: its samples and its wait stay the step's."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="self-targets", progress=False, clock_hz=0) as prof:
+        for x, _ in loader:
+            model.train(not eval_mode)
+            with torch.no_grad():
+                target = model(x)
+            model.train()
+            F.mse_loss(model(x), target + 1.0).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert (run.steps["samples"] == BATCH).all()
+    assert float(run.steps["data_wait_s"].sum()) >= N * truth.DATA_S
+    if eval_mode:
+        assert run.meta["evaluation"] == {"calls": N, "batches": 0, "samples": 0}
+        assert float(run.steps["forward_s"].sum()) >= N * truth.FORWARD_S
+    else:
+        assert float(run.steps["eval_s"].sum()) == 0.0 and "evaluation" not in run.meta
+        assert float(run.steps["forward_s"].sum()) >= 2 * N * truth.FORWARD_S
+
+
+# -- Hugging Face Trainer -------------------------------------------------------------------
+transformers = truth.import_transformers()
+
+
+def test_trainer_evaluating_every_few_steps(tmp_path):
+    pytest.importorskip("accelerate")
+    model = truth.tiny_gpt2()
+    calls = CallClock(model)
+    opt = truth.SleepyAdamW(model.parameters(), lr=1e-3)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=40,
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+        dataloader_num_workers=0, seed=0, max_grad_norm=0.0, eval_strategy="steps", eval_steps=EVERY)
+    eval_set = torch.utils.data.Subset(truth.Tokens(), range(8))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=truth.Tokens(), eval_dataset=eval_set,
+                                   data_collator=truth.sleepy_collate, optimizers=(opt, None))
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-eval", progress=False, clock_hz=0) as prof:
+        trainer.train()
+    run = prof.run
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == N // EVERY and calls.calls["eval"] == 2 * len(evals)  # 8 samples, batches of 4
+    assert trainer.state.global_step == N == len(run.steps)
+    assert (run.steps["samples"] == 4).all(), run.steps["samples"].tolist()
+    close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
+    # eval: its calls and the waits for its batches (each collate sleeps DATA_S)
+    assert float(run.steps["eval_s"].sum()) >= calls.seconds["eval"] + calls.calls["eval"] * truth.DATA_S
+    assert run.meta["evaluation"]["calls"] == calls.calls["eval"]
+    truth.assert_losses(run.steps["loss"].tolist(), [h["loss"] for h in trainer.state.log_history if "loss" in h])
+
+
+# -- Lightning ----------------------------------------------------------------------------------
+def test_lightning_validating_every_few_steps():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = truth.SleepyNet()
+            self.losses: list[float] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch, _):  # noqa: ANN001, ANN201
+            loss = F.mse_loss(self(batch[0]), batch[1])
+            self.losses.append(float(loss))
+            return loss
+
+        def validation_step(self, batch, _):  # noqa: ANN001, ANN201
+            return F.mse_loss(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    module = Module()
+    calls = CallClock(module)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
+                                      batch_size=EVAL_BATCH)
+    trainer = pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=EVERY,
+                         num_sanity_val_steps=0)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-eval", progress=False, clock_hz=0) as prof:
+        trainer.fit(module, train, val)
+    run = prof.run
+    assert trainer.global_step == N == len(run.steps)
+    # validations after steps 3 and 6, two batches each (Lightning validates once more as the
+    # fit ends, after the slice: not the slice's)
+    assert run.meta["evaluation"] == {"calls": 2 * (N // EVERY), "batches": 2 * (N // EVERY),
+                                      "samples": 2 * (N // EVERY) * EVAL_BATCH}
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
+    assert float(run.steps["eval_s"].sum()) >= 2 * (N // EVERY) * truth.FORWARD_S
+    truth.assert_losses(run.steps["loss"].tolist(), module.losses[:N])
