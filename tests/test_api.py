@@ -571,3 +571,23 @@ def test_the_loader_alone_imports_no_dataframe_library_and_the_api_is_whole():
         assert getattr(tp, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         tp.nope  # noqa: B018
+
+
+def test_the_first_step_starts_once_the_probes_are_in(one_thread):
+    """Installing the probes (tens of milliseconds with memory tracking) is no part of the loop's
+    first step: with no warmup, that step would have read it as the loop's own 'other' time."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=3, warmup=0, progress=False, clock_hz=0) as prof:
+        for _ in range(3):
+            time.sleep(0.005)  # the loop's own work outside any phase: 'other', 5 ms a step
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    install_s = run.meta["probes_install_s"]
+    assert run.steps["start_s"].iloc[0] == pytest.approx(install_s, abs=1e-6) and install_s > 0
+    other = run.steps["other_s"]
+    assert other.iloc[0] < 0.005 + install_s / 2, (install_s, other.tolist())
+    assert other.iloc[0] >= 0.005

@@ -108,8 +108,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     spans["duration_s"] = spans["end_s"] - spans["start_s"]
     spans = spans.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True)
 
-    # Step bounds: a step runs from the end of the previous one (slice start for the
-    # first) to the end of its optimizer step. On a GPU, the end is the GPU's.
+    # Step bounds: a step runs from the end of the previous one (for the first: the slice's
+    # start once its probes were in) to the end of its optimizer step. On a GPU, the end is the GPU's.
     ends = [(e - t0) / 1e9 for e, _ in rec.step_ends]
     if timer is not None:
         gpu_ends = [at(e, rec.step_events.get(i)) for i, (e, _) in enumerate(rec.step_ends)]
@@ -122,7 +122,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
-        "start_s": [0.0, *ends[:-1]] if ends else [],
+        "start_s": [(rec.first_step_ns - t0) / 1e9, *ends[:-1]] if ends else [],
         "end_s": ends,
         "samples": np.array([n if rec.samples_per_step is not None else n - ev.samples_by_step.get(i, 0)
                              for i, (_, n) in enumerate(rec.step_ends)], dtype="int64"),

@@ -57,6 +57,9 @@ class Recorder:
         self.name = name
         self.thread_id = threading.get_ident()
         self.t0_ns = perf_counter_ns()
+        # when the first step starts: once every probe is in (the slice sets it), so installing
+        # them (~80 ms with memory tracking) is no part of the loop's first step
+        self.first_step_ns = self.t0_ns
         # Spans, flat: SPAN_FIELDS values each. Recording one appends plain values and allocates
         # nothing the garbage collector tracks (a tuple per span made tpkit's ~12 spans a step
         # trigger young collections inside the loop's steps twice as often); ``spans`` builds

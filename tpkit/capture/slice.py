@@ -144,6 +144,8 @@ class Profile:
                         probe.follow(lambda: self.warmup_steps)
                 if cfg.progress:
                     self._bar = _progress_bar(cfg, self.warmup_steps)
+                rec.first_step_ns = self._last_end_ns = time.perf_counter_ns()
+                rec.meta["probes_install_s"] = (rec.first_step_ns - rec.t0_ns) / 1e9
                 _rec.set_active(rec)
         except BaseException:
             with held_sigint():
@@ -431,7 +433,9 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     """Model and optimizer facts the phase probe saw."""
     out: dict[str, Any] = {"optimizers": sorted(set(probe.optimizers.values()))}
     if len(probe.optimizers) > 1:
-        rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step()")
+        rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step(), and a "
+                 "step's loss is everything backpropagated since the previous one (with the first optimizer "
+                 "stepping before the others' backward, a step holds their losses of the iteration before)")
     for text in probe.notes():
         rec.note(text)
     if probe.skipped_steps:
