@@ -149,6 +149,28 @@ def test_targets_the_model_makes_for_itself(eval_mode):
         assert float(run.steps["forward_s"].sum()) >= 2 * N * truth.FORWARD_S
 
 
+def test_evaluating_the_model_inside_its_wrapper():
+    """Trained through a wrapper (DataParallel here; DDP and torch.compile's wrapper alike),
+    evaluated by calling the model inside it."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    wrapped = torch.nn.DataParallel(model)  # no GPU: it calls the model in this thread
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 1)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="wrapped", progress=False, clock_hz=0) as prof:
+        for _ in range(N):
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+    # each after its step: the last one comes after the slice's last step, not the slice's
+    assert prof.run.meta["evaluation"]["calls"] == N - 1
+    assert float(prof.run.steps["eval_s"].sum()) >= (N - 1) * truth.FORWARD_S
+
+
 # -- Hugging Face Trainer -------------------------------------------------------------------
 transformers = truth.import_transformers()
 

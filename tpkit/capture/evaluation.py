@@ -12,8 +12,10 @@ What is evaluation here:
 
 - an outermost model call made without grad (``torch.no_grad``, ``inference_mode``) with the
   module in eval mode (``model.eval()``), of a module that the slice also called with grad in
-  train mode (the model being trained). A model only ever called without grad (a teacher, a
-  reference or target model) is part of the step: its calls stay ``forward``;
+  train mode (the model being trained), or that such a module wraps (DDP's ``.module``,
+  torch.compile's ``_orig_mod``: trained through the wrapper, evaluated inside it). A model
+  only ever called without grad (a teacher, a reference or target model) is part of the step:
+  its calls stay ``forward``;
 - a batch handed to the loop whose stretch (until the next batch) holds such calls and no
   other forward: the wait for it is ``eval``, and its samples are not the step's. A batch that
   also feeds a training forward (targets made by the same model before its own forward) keeps

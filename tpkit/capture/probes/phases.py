@@ -65,6 +65,22 @@ _NOT_FORWARD = ("data_wait", "backward", "optimizer", "offload")
 _compiling = torch.compiler.is_compiling
 
 
+def _same_model(module: torch.nn.Module) -> list[int]:
+    """Ids of ``module`` and of the models it wraps (DDP's and DataParallel's ``.module``,
+    torch.compile's ``_orig_mod``): a loop may train through the wrapper and evaluate the model
+    inside it."""
+    ids = []
+    for _ in range(4):  # wrappers of wrappers, a few deep
+        ids.append(id(module))
+        inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        module = inner
+    return ids
+
+
 def has_accelerator() -> bool:
     """Whether this process can see a device other than the host (CUDA, MPS, XPU...). Without
     one no ``Tensor.to`` can be a host-to-device copy, so the h2d wrappers are not installed:
@@ -378,8 +394,8 @@ class PhaseProbe:
         no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
             if torch.is_grad_enabled():
-                if module.training:
-                    rec.trained_modules.add(id(module))
+                if module.training and id(module) not in rec.trained_modules:
+                    rec.trained_modules.update(_same_model(module))
             elif not module.training:
                 no_grad_from = perf_counter_ns()
             token = rec.enter("forward", type(module).__name__)
