@@ -183,9 +183,10 @@ def _tpkit_frames_during(fn) -> list[str]:
 
 
 def test_on_the_c_route_only_the_outermost_call_runs_tpkit_python(route):
-    """Seven module calls: on the C route the outermost goes to the probe (its handler and the
-    two calls marking the thread inside), the six inside it reach torch with no Python of
-    tpkit's; on the Python route each of the seven runs ``_module_call`` first."""
+    """Seven module calls: on the C route the outermost goes to the probe (its handler, the two
+    calls marking the thread inside, and, the first time a model trains, the one noting it and
+    the models it wraps), the six inside it reach torch with no Python of tpkit's; on the
+    Python route each of the seven runs ``_module_call`` first."""
     model = Node([Node([Node([]), Node([])]), Node([Node([]), Node([])])])
     p = PhaseProbe(Recorder("calls")).install()
     try:
@@ -193,7 +194,7 @@ def test_on_the_c_route_only_the_outermost_call_runs_tpkit_python(route):
     finally:
         p.remove()
     assert len(forward_spans(p.rec)) == 1
-    outer = {"_outer_call": 1, "set_inside": 2}
+    outer = {"_outer_call": 1, "set_inside": 2, "_same_model": 1}
     assert Counter(frames) == (outer if route == "C" else {**outer, "_module_call": 7})
 
 
