@@ -201,8 +201,8 @@ def test_trainer_evaluating_every_few_steps(tmp_path):
 
 
 # -- Lightning ----------------------------------------------------------------------------------
-def test_lightning_validating_every_few_steps():
-    pl = pytest.importorskip("lightning.pytorch")
+def lightning_module(pl):  # noqa: ANN001, ANN201 - Lightning is imported by the tests that use it
+    """A LightningModule around ``truth.SleepyNet`` that keeps its training losses."""
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -224,7 +224,12 @@ def test_lightning_validating_every_few_steps():
         def configure_optimizers(self):  # noqa: ANN201
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    module = Module()
+    return Module()
+
+
+def test_lightning_validating_every_few_steps():
+    pl = pytest.importorskip("lightning.pytorch")
+    module = lightning_module(pl)
     calls = CallClock(module)
     train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
     val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
@@ -244,3 +249,23 @@ def test_lightning_validating_every_few_steps():
     close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
     assert float(run.steps["eval_s"].sum()) >= 2 * (N // EVERY) * truth.FORWARD_S
     truth.assert_losses(run.steps["loss"].tolist(), module.losses[:N])
+
+
+def test_lightning_sanity_check_before_training_is_evaluation():
+    """Lightning validates a few batches before the model's first training call: decided after
+    the slice, those calls are evaluation too, and their batches are not the first step's."""
+    pl = pytest.importorskip("lightning.pytorch")
+    module = lightning_module(pl)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
+                                      batch_size=EVAL_BATCH)
+    trainer = pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=2,
+                         val_check_interval=100)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-sanity", progress=False, clock_hz=0) as prof:
+        trainer.fit(module, train, val)
+    run = prof.run
+    assert run.meta["evaluation"] == {"calls": 2, "batches": 2, "samples": 2 * EVAL_BATCH}
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    first = run.steps.iloc[0]
+    assert first["eval_s"] >= 2 * truth.FORWARD_S and first["forward_s"] < 2 * truth.FORWARD_S
