@@ -29,9 +29,12 @@ PEERS = ("torch", "tpkit", "tpkit main waits", "plain x1", "plain parallel")
 
 
 def _cpu_by_process(me) -> dict[int, float]:
-    """User + system CPU seconds of this process and each live child, by pid."""
+    """User + system CPU seconds of this process and each live child, by pid (loader.py's
+    ``_cpu_tree_s`` is their sum)."""
+    import loader as lb
+
     out = {}
-    for p in [me, *me.children(recursive=True)]:
+    for p in lb._tree(me):
         try:
             t = p.cpu_times()
             out[p.pid] = t.user + t.system

@@ -131,7 +131,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     })
     steps = frame("steps", step_breakdown(spans, bounds)[list(SCHEMAS["steps"])])
 
-    memory_rows = evaluation.relabel_memory(ev, rec.memory, [(s[1], s[2]) for s in raw_spans if s[0] == "data_wait"])
+    memory_rows = evaluation.relabel_memory(ev, rec.memory, raw_spans)
     memory = frame("memory", [
         (step - warmup_steps, phase, event, (t - t0) / 1e9, device, category, nbytes)
         for step, phase, event, t, device, category, nbytes in memory_rows if step < past

@@ -99,13 +99,14 @@ def relabel_span(split_: EvalSplit, phase: str, start_ns: int, end_ns: int) -> s
     return phase
 
 
-def relabel_memory(split_: EvalSplit, rows: list[tuple], wait_spans: list[tuple[int, int]]) -> list[tuple]:
+def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> list[tuple]:
     """Memory rows ``(raw_step, phase, event, t_ns, ...)`` with the phase of an evaluation call
-    or wait made ``eval``. A wait's rows are stamped just outside its span (the probe runs before
-    the span opens and after it closes): each goes with the nearest ``data_wait`` span."""
+    or wait made ``eval`` (``spans`` as for ``split``). A wait's rows are stamped just outside its
+    span (the probe runs before the span opens and after it closes): each goes with the nearest
+    ``data_wait`` span."""
     if not split_:
         return rows
-    waits = sorted(wait_spans)
+    waits = sorted((s[1], s[2]) for s in spans if s[0] == "data_wait")
     starts = [a for a, _ in waits]
 
     def nearest_wait(t: int) -> tuple[int, int] | None:
