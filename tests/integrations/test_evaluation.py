@@ -97,7 +97,7 @@ def test_evaluation_is_its_own_phase(plain):
     close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (training and teacher)")
     close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
     close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
-    assert run.meta["evaluation"] == {"calls": plain["evals"], "batches": plain["evals"],
+    assert run.meta["evaluation"] == {"calls": plain["evals"], "helper_calls": 0, "batches": plain["evals"],
                                       "samples": plain["evals"] * EVAL_BATCH}
     assert any(note.startswith(f"evaluation ran inside the slice: {plain['evals']} call(s)")
                for note in run.meta["notes"]), run.meta["notes"]
@@ -141,7 +141,7 @@ def test_targets_the_model_makes_for_itself(eval_mode):
     assert (run.steps["samples"] == BATCH).all()
     assert float(run.steps["data_wait_s"].sum()) >= N * truth.DATA_S
     if eval_mode:
-        assert run.meta["evaluation"] == {"calls": N, "batches": 0, "samples": 0}
+        assert run.meta["evaluation"] == {"calls": N, "helper_calls": 0, "batches": 0, "samples": 0}
         assert float(run.steps["forward_s"].sum()) >= N * truth.FORWARD_S
     else:
         assert float(run.steps["eval_s"].sum()) == 0.0 and "evaluation" not in run.meta
@@ -168,6 +168,71 @@ def test_evaluating_the_model_inside_its_wrapper():
     # each after its step: the last one comes after the slice's last step, not the slice's
     assert prof.run.meta["evaluation"]["calls"] == N - 1
     assert float(prof.run.steps["eval_s"].sum()) >= (N - 1) * truth.FORWARD_S
+
+
+class SleepyMetric(torch.nn.Module):
+    """A metric as a module without parameters (a running sum in a buffer, as torchmetrics
+    keeps its state), sleeping ``SLEEP_S`` a call: known time that is the evaluation's."""
+
+    SLEEP_S = 0.005
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(()))
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.SLEEP_S)
+        err = F.mse_loss(out, y)
+        self.total += err
+        return err
+
+
+def test_loss_and_metric_modules_of_an_evaluation():
+    """The loop's loss is a module (``nn.MSELoss()``, never put in eval mode) that training and
+    evaluation share, and evaluation also calls a metric module. Called without grad right after
+    an evaluation call, both are the evaluation's: its batches are still not the steps' samples
+    (they were: 40 samples a step instead of 8) and their time is eval. The same loss called
+    without grad in a training step (a figure for the log) stays the step's forward."""
+    torch.manual_seed(0)
+    model, loss_fn, metric = truth.SleepyNet(), torch.nn.MSELoss(), SleepyMetric()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+    evals = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="loss-modules", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            x, y = next(it)
+            t = time.perf_counter()
+            out = model(x)
+            loss = loss_fn(out, y)
+            with torch.no_grad():  # a figure for the log: part of the step
+                metric(out, y)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                model.eval()
+                with torch.no_grad():
+                    t = time.perf_counter()
+                    for k, (vx, vy) in enumerate(val):
+                        vout = model(vx)
+                        loss_fn(vout, vy)
+                        metric(vout, vy)
+                        if k == 1:
+                            break
+                    clock["eval"] += time.perf_counter() - t
+                model.train()
+                evals += 2
+    run = prof.run
+    assert run.meta["evaluation"] == {"calls": evals, "helper_calls": 2 * evals, "batches": evals,
+                                      "samples": evals * EVAL_BATCH}
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (model, loss and metric calls, batches)")
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (with the logged metric)")
+    assert any(f"{2 * evals} call(s) of a loss or metric" in n for n in run.meta["notes"]), run.meta["notes"]
 
 
 # -- Hugging Face Trainer -------------------------------------------------------------------
@@ -243,7 +308,7 @@ def test_lightning_validating_every_few_steps():
     assert trainer.global_step == N == len(run.steps)
     # validations after steps 3 and 6, two batches each (Lightning validates once more as the
     # fit ends, after the slice: not the slice's)
-    assert run.meta["evaluation"] == {"calls": 2 * (N // EVERY), "batches": 2 * (N // EVERY),
+    assert run.meta["evaluation"] == {"calls": 2 * (N // EVERY), "helper_calls": 0, "batches": 2 * (N // EVERY),
                                       "samples": 2 * (N // EVERY) * EVAL_BATCH}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
@@ -265,7 +330,38 @@ def test_lightning_sanity_check_before_training_is_evaluation():
     with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-sanity", progress=False, clock_hz=0) as prof:
         trainer.fit(module, train, val)
     run = prof.run
-    assert run.meta["evaluation"] == {"calls": 2, "batches": 2, "samples": 2 * EVAL_BATCH}
+    assert run.meta["evaluation"] == {"calls": 2, "helper_calls": 0, "batches": 2, "samples": 2 * EVAL_BATCH}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     first = run.steps.iloc[0]
     assert first["eval_s"] >= 2 * truth.FORWARD_S and first["forward_s"] < 2 * truth.FORWARD_S
+
+
+def test_lightning_validation_with_a_torchmetrics_metric():
+    """``validation_step`` updates a torchmetrics metric, a child module of the LightningModule
+    (put in eval mode with it, never trained): its calls are the validation's, and the
+    validation batches still are not the steps' samples."""
+    pl = pytest.importorskip("lightning.pytorch")
+    torchmetrics = pytest.importorskip("torchmetrics")
+    module = lightning_module(pl)
+    module.val_mse = torchmetrics.MeanSquaredError()
+    plain_validation = module.validation_step
+
+    def validation_step(batch, batch_idx):  # noqa: ANN001, ANN202 - Lightning passes batch_idx by name
+        module.val_mse(module(batch[0]), batch[1])
+        return plain_validation(batch, batch_idx)
+
+    module.validation_step = validation_step
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
+                                      batch_size=EVAL_BATCH)
+    trainer = pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=EVERY,
+                         num_sanity_val_steps=0)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-metric", progress=False, clock_hz=0) as prof:
+        trainer.fit(module, train, val)
+    run = prof.run
+    validations = 2 * (N // EVERY)  # batches, each with two model calls and one metric call
+    assert run.meta["evaluation"] == {"calls": 2 * validations, "helper_calls": validations,
+                                      "batches": validations, "samples": validations * EVAL_BATCH}
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    truth.assert_losses(run.steps["loss"].tolist(), module.losses[:N])

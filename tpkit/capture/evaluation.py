@@ -16,13 +16,20 @@ What is evaluation here:
   torch.compile's ``_orig_mod``: trained through the wrapper, evaluated inside it). A model
   only ever called without grad (a teacher, a reference or target model) is part of the step:
   its calls stay ``forward``;
+- an outermost call without grad of a module without parameters (a loss such as
+  ``nn.MSELoss()``, a metric such as torchmetrics'), in whatever mode, when the last model call
+  before it was an evaluation call: a loop shares its loss module between training and
+  evaluation and never puts it in eval mode, and Lightning puts a metric child in eval mode
+  though it never trained. Such a call never makes a batch training's (it did: a loop whose
+  evaluation called its loss module had its evaluation batches counted as the steps' samples);
+  after a training forward (a figure for the log) it stays ``forward``;
 - a batch handed to the loop whose stretch (until the next batch) holds such calls and no
   other forward: the wait for it is ``eval``, and its samples are not the step's. A batch that
   also feeds a training forward (targets made by the same model before its own forward) keeps
   its samples and its ``data_wait``.
 
 The phase probe records what it takes (``Recorder.handouts``, ``no_grad_calls``,
-``trained_modules``: a few integers a call or a batch); everything is decided here, after the
+``trained_modules``, ``param_free_modules``: a few integers a call or a batch); everything is decided here, after the
 slice, so that an evaluation at the slice's start (Lightning's sanity check, before the model's
 first training call) is seen too. Memory rows at those calls and waits are relabelled the same
 way, and the run's notes say what was counted as evaluation.
@@ -46,6 +53,7 @@ class EvalSplit:
     waits: set[tuple[int, int]] = field(default_factory=set)  # (start, end) of data_wait spans it read
     samples_by_step: dict[int, int] = field(default_factory=dict)  # raw step -> samples taken out
     batches: int = 0
+    model_calls: int = 0  # of ``calls``, the trained model's (the rest: a loss, a metric)
 
     def __bool__(self) -> bool:
         return bool(self.calls)
@@ -57,17 +65,28 @@ class EvalSplit:
 
 
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
-          past: int) -> EvalSplit:
-    """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and set of
+          param_free: set[int], past: int) -> EvalSplit:
+    """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and sets of
     the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's."""
     out = EvalSplit()
-    calls = sorted((no_grad_calls[i], no_grad_calls[i + 1]) for i in range(0, len(no_grad_calls), 4)
-                   if no_grad_calls[i + 2] in trained and no_grad_calls[i + 3] < past)
+    recorded = [no_grad_calls[i:i + 4] for i in range(0, len(no_grad_calls), 4) if no_grad_calls[i + 3] < past]
+    calls = sorted((a, b) for a, b, m, _ in recorded if m in trained and m not in param_free)
     if not calls:
         return out
+    helpers = sorted((a, b) for a, b, m, _ in recorded if m in param_free)
     out.calls = calls
-    # every other forward span (training, a teacher's) by its start
-    others = sorted(s[1] for s in spans if s[0] == "forward" and not out.in_call(s[1]))
+    out.model_calls = len(calls)
+    in_helper = EvalSplit(calls=helpers).in_call
+    # every other forward span (training, a teacher's) by its start; a loss or a metric is neither
+    others = sorted(s[1] for s in spans if s[0] == "forward" and not out.in_call(s[1]) and not in_helper(s[1]))
+    # a loss or a metric called without grad is evaluation when the last model call before it was
+    starts = [a for a, _ in calls]
+    joined = []
+    for a, b in helpers:
+        i, j = bisect.bisect_left(starts, a), bisect.bisect_left(others, a)
+        if i and (j == 0 or others[j - 1] < starts[i - 1]):
+            joined.append((a, b))
+    out.calls = calls = sorted(calls + joined)
     times = handouts[0::3]
     eval_batch = []
     for k, t in enumerate(times):
@@ -134,13 +153,16 @@ def note(split_: EvalSplit, eval_s: float) -> str:
     """The run's note on what was counted as evaluation."""
     samples = sum(split_.samples_by_step.values())
     read = (f", and the {split_.batches} batch(es) read for them ({samples} samples)," if split_.batches else ",")
-    return (f"evaluation ran inside the slice: {len(split_.calls)} call(s) of the trained model without grad "
-            f"in eval mode{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not forward or data_wait, "
+    helpers = len(split_.calls) - split_.model_calls
+    with_helpers = f" and {helpers} call(s) of a loss or metric (a module without parameters) after them" if helpers else ""
+    return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model without grad "
+            f"in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not forward or data_wait, "
             f"and their samples are not the steps' (samples/s is training's). A call of the trained model without grad in "
             f"eval mode that is part of training (targets it makes for itself) is counted as eval too")
 
 
 def describe(split_: EvalSplit) -> dict[str, Any]:
     """``run.meta["evaluation"]``."""
-    return {"calls": len(split_.calls), "batches": split_.batches,
+    return {"calls": split_.model_calls, "helper_calls": len(split_.calls) - split_.model_calls,
+            "batches": split_.batches,
             "samples": sum(split_.samples_by_step.values())}

@@ -72,11 +72,13 @@ class Recorder:
         self.losses: list[tuple[int, Any]] = []  # (raw_step, scalar tensor or float), resolved at build
         # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a
         # loader handed to the loop (t_ns, samples, raw_step), every outermost call made without
-        # grad in eval mode (start_ns, end_ns, id(module), raw_step), and the modules called with grad in
-        # train mode (the trained ones)
+        # grad in eval mode or of a module without parameters (start_ns, end_ns, id(module), raw_step),
+        # the modules called with grad in train mode (the trained ones) and the modules without
+        # parameters called without grad (a loss, a metric)
         self.handouts: list[int] = []
         self.no_grad_calls: list[int] = []
         self.trained_modules: set[int] = set()
+        self.param_free_modules: set[int] = set()
         self.skipped: set[int] = set()  # raw steps whose update a GradScaler skipped (inf/NaN grads)
         self.framework: Any = None  # the HF / Lightning trainer running the loop (capture.frameworks)
         self.slice_steps: int | None = None  # once the slice is full: steps past it are not the slice's

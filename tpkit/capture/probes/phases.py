@@ -224,6 +224,7 @@ class PhaseProbe:
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
+        self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
         self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
@@ -396,7 +397,7 @@ class PhaseProbe:
             if torch.is_grad_enabled():
                 if module.training and id(module) not in rec.trained_modules:
                     rec.trained_modules.update(_same_model(module))
-            elif not module.training:
+            elif self._param_free(module) or not module.training:
                 no_grad_from = perf_counter_ns()
             token = rec.enter("forward", type(module).__name__)
             self._worked = self._ever_worked = True
@@ -415,6 +416,18 @@ class PhaseProbe:
                     rec.exit(token)
                     if no_grad_from:
                         rec.no_grad_calls += (no_grad_from, perf_counter_ns(), id(module), rec.step_index)
+
+    def _param_free(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` has no parameters (a loss, a metric): called without grad, it is
+        evaluation when it follows an evaluation call, whatever its mode (capture/evaluation.py).
+        Asked once a module, and only for calls made without grad."""
+        key = id(module)
+        free = self._free.get(key)
+        if free is None:
+            free = self._free[key] = next(module.parameters(), None) is None
+            if free:
+                self.rec.param_free_modules.add(key)
+        return free
 
     # -- optimizer --------------------------------------------------------------------------
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
