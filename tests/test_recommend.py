@@ -19,7 +19,7 @@ def make_run(n: int = 4, warmup: int = 1, samples: int = 32, devices=("cpu: test
     the step (to ``durations``, default the sum of phases) is ``other_s``."""
     rows = warmup + n
     cols = {c: np.full(rows, phase_s.get(c[:-2], 0.0)) for c in ("data_wait_s", "h2d_s", "forward_s", "backward_s",
-                                                                   "optimizer_s", "offload_s")}
+                                                                   "optimizer_s", "offload_s", "eval_s")}
     covered = sum(cols.values())
     d = np.asarray(durations, dtype="float64") if durations is not None else covered + phase_s.get("other", 0.0)
     d = np.broadcast_to(d, (rows,)).astype("float64")
@@ -36,6 +36,24 @@ def make_run(n: int = 4, warmup: int = 1, samples: int = 32, devices=("cpu: test
 
 def kinds(recs):
     return [(r.kind, r.knob) for r in recs]
+
+
+# -- evaluation inside the slice -------------------------------------------------------------------
+
+def test_evaluation_share_names_the_trainers_interval_with_amdahl_gain():
+    run = make_run(eval=0.04, forward=0.04, backward=0.02)
+    run.meta["evaluation"] = {"calls": 8, "helper_calls": 0, "batches": 8, "samples": 128}
+    (r,) = rc.evaluation(run)
+    assert (r.kind, r.knob, r.action) == ("evaluation", "eval_interval", {})  # the trainer's knob: named, not turned
+    assert r.gain == pytest.approx(0.1 / 0.06)
+    assert r.evidence == ("evaluation takes 40% of step time (40.00 ms per step) "
+                          "(8 call(s) of the trained model and 8 batch(es) in the slice)")
+    assert "1.67x" in r.expected_gain
+
+
+def test_evaluation_quiet_below_a_tenth():
+    assert rc.evaluation(make_run(eval=0.0099, forward=0.0901)) == []
+    assert rc.evaluation(make_run(eval=0.01, forward=0.09))  # exactly 10% fires
 
 
 # -- data stalls ---------------------------------------------------------------------------------

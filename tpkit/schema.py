@@ -217,6 +217,7 @@ def fmt_mib(n: float) -> str:
 #: The bottleneck verdicts of a run, kind -> the headline every view shows (summary, report,
 #: tuner, compare). ``analysis.steps.verdict`` picks one; nothing else names a verdict.
 VERDICTS: dict[str, str] = {
+    "eval-bound": "EVAL-BOUND",
     "input-bound": "INPUT-BOUND",
     "input-limited": "INPUT-LIMITED",
     "copy-bound": "COPY-BOUND",

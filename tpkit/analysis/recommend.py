@@ -4,7 +4,8 @@ Every rule reads only measured steps (warmup excluded), states the numbers it sa
 ``evidence``, estimates what turning the knob could win in ``expected_gain`` (text) and
 ``gain`` (a number in ``gain_unit``: ``"x"`` for a speedup of samples/s, ``"bytes"`` for memory
 freed), and proposes ``action``: knob -> new value, which the tuner applies and reruns. An
-empty ``action`` means the fix lies outside the training script (power or cooling).
+empty ``action`` means the fix lies outside what the tuner turns (power or cooling, a
+trainer's evaluation interval).
 
 Knob names (the tuner's ``train_fn(**knobs)`` receives them; a user's own knobs of the same
 name are changed in place): ``num_workers``, ``loader`` ("tpkit"), ``pin_memory``,
@@ -39,6 +40,8 @@ DATA_STALL_SHARE = INPUT_LIMITED
 COPY_SHARE = 0.10
 #: Optimizer or offload step above this share of step time.
 HOST_STEP_SHARE = OPTIMIZER_BOUND
+#: Evaluation inside the slice above this share of step time.
+EVAL_SHARE = 0.10
 #: Peak memory at or above this share of the device's capacity.
 MEMORY_NEAR = 0.85
 #: A memory category worth freeing holds at least this share of the peak.
@@ -179,6 +182,24 @@ def data_stall(run: "Run") -> list[Recommendation]:
             "data-loader", "loader", "Load batches with tp.data.Loader (shared-memory slots, threads or processes)",
             evidence, gain, speedup, "x", {"loader": "tpkit", "num_workers": workers}))
     return out
+
+
+def evaluation(run: "Run") -> list[Recommendation]:
+    """Evaluation inside the slice takes a visible share: training waits for it. Its knob is the
+    trainer's (``eval_steps``, ``val_check_interval``, ``limit_val_batches``): named, not turned."""
+    t = _totals(run.steps)
+    share = t.share("eval_s")
+    if t.steps == 0 or share < EVAL_SHARE:
+        return []
+    speedup = amdahl(t.total_s, t.phase_s["eval_s"])
+    seen = run.meta.get("evaluation") or {}
+    what = (f" ({seen['calls']} call(s) of the trained model and {seen['batches']} batch(es) in the slice)"
+            if seen else "")
+    return [Recommendation(
+        "evaluation", "eval_interval", "Evaluate less often, or on fewer batches",
+        f"evaluation takes {share:.0%} of step time ({t.per_step_ms('eval_s')} per step){what}",
+        f"up to {speedup:.2f}x training samples/s in the steps that evaluate now, if they did not "
+        "(the trainer's eval_steps / val_check_interval / limit_val_batches)", speedup, "x", {})]
 
 
 def copies(run: "Run") -> list[Recommendation]:
@@ -370,7 +391,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
 
 
 #: Every rule, in the order their advice usually pays off.
-RULES = (data_stall, copies, host_step, memory_pressure, throttled_clocks, launch_bound)
+RULES = (data_stall, copies, host_step, evaluation, memory_pressure, throttled_clocks, launch_bound)
 
 
 def recommendations(run: "Run") -> list[Recommendation]:

@@ -24,6 +24,8 @@ OFFLOAD_BOUND = 0.30
 #: Time blocked in collectives (``comm_s``): waiting for a slower rank or for the network.
 COMM_BOUND = 0.30
 OVERHEAD_BOUND = 0.30
+#: Evaluation run inside the slice (``eval_s``): training waits for it.
+EVAL_BOUND = 0.30
 
 
 @dataclass
@@ -121,9 +123,31 @@ def phase_shares(steps: pd.DataFrame) -> dict[str, float]:
 
 def verdict(shares: dict[str, float]) -> Verdict:
     """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
-    Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only."""
+    Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only.
+
+    Evaluation inside the slice (``eval_s``) is judged first; below ``EVAL_BOUND`` the other
+    rules judge training alone: its shares with the evaluation's time left out (a loader that
+    starves training 25% of its time is input-bound whether or not an evaluation ran too)."""
     if not shares or sum(shares.values()) == 0:
         return _verdict("no-steps", "no steps were measured: nothing to judge")
+    evaluation = shares.get("eval_s", 0.0)
+    if evaluation >= EVAL_BOUND:
+        return _verdict("eval-bound", f"{evaluation:.0%} of step time is evaluation run inside the slice",
+                        f"training alone would run up to {1 / (1 - evaluation):.2f}x faster: evaluate less often "
+                        "(eval_steps, val_check_interval) or on fewer batches (limit_val_batches, a Subset); "
+                        "the other shares are of training and evaluation together")
+    if evaluation <= 0.0:
+        return _training_verdict(shares)
+    training = {c: v / (1 - evaluation) for c, v in shares.items() if c != "eval_s"}
+    v = _training_verdict(training)
+    if v.kind == "no-steps":
+        return v
+    evidence = v.evidence.replace("of step time", "of training time")
+    return _verdict(v.kind, f"{evidence} (evaluation, {evaluation:.0%} of the step, left out)", v.advice)
+
+
+def _training_verdict(shares: dict[str, float]) -> Verdict:
+    """The verdict's rules for training time."""
     data = shares.get("data_wait_s", 0.0)
     compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
     if data >= INPUT_BOUND:
