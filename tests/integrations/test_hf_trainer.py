@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import truth
 from IPython.utils.capture import capture_output
 from truth import STEPS, WARMUP
@@ -90,6 +91,20 @@ def test_loss_matches_log_history(sliced, request):
     logged = logged_losses(sliced["trainer"])
     got = sliced["run"].steps["loss"].tolist()[: len(logged)]
     truth.assert_losses(got, logged)
+
+
+def test_loss_of_an_epochs_last_partial_accumulation_window(tmp_path):
+    """Five batches an epoch with ``gradient_accumulation_steps=2``: the Trainer divides a
+    window's losses by the window's own count, so the sum backpropagated in a one-batch step is
+    its loss as logged, and tpkit leaves it as it is (Lightning's case: ``test_lightning.py``)."""
+    trainer, _ = make_trainer(tmp_path, ga=2)
+    trainer.train_dataset = torch.utils.data.Subset(truth.Tokens(), range(5 * BATCH))
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-partial", progress=False, clock_hz=0) as prof:
+        trainer.train()
+    run = prof.run
+    assert run.steps["samples"].tolist() == [2 * BATCH, 2 * BATCH, BATCH] * 2 + [2 * BATCH]
+    truth.assert_losses(run.steps["loss"].tolist(), logged_losses(trainer)[:STEPS + WARMUP])
+    assert not any("micro-batches" in n for n in run.meta["notes"])
 
 
 def test_phases_match_the_truth(sliced):

@@ -98,6 +98,34 @@ def sliced(request):
                 error=error, truth=truth.snapshot(), step_losses=step_losses)
 
 
+def test_loss_of_an_epochs_last_partial_accumulation_window():
+    """Five batches an epoch with ``accumulate_grad_batches=2``: every third step is one
+    micro-batch, which Lightning still divides by 2 before its backward. The step's loss is the
+    window's mean loss (what Lightning logs), not half of it, and the run says why."""
+    trainer, model, loader, record = make(ga=2)
+    windows: list[int] = []  # the optimizer step each micro-batch belongs to
+
+    class Window(L.Callback):
+        def on_train_batch_start(self, trainer, *_):  # noqa: ANN001
+            windows.append(trainer.global_step)
+
+    trainer.callbacks.append(Window())
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(5 * BATCH)),
+                                         batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-partial", progress=False, clock_hz=0) as prof:
+        trainer.fit(model, loader)
+    run = prof.run
+    by_step: dict[int, list[float]] = {}
+    for step, loss in zip(windows, record.losses):
+        by_step.setdefault(step, []).append(loss)
+    means = [sum(v) / len(v) for _, v in sorted(by_step.items())]
+    assert [len(v) for _, v in sorted(by_step.items())][:6] == [2, 2, 1, 2, 2, 1]  # the partial windows
+    truth.assert_losses(run.steps["loss"].tolist(), means[:STEPS + WARMUP])
+    assert (run.steps["samples"] == [2 * BATCH, 2 * BATCH, BATCH] * 2 + [2 * BATCH]).all()
+    assert any(n.startswith("2 step(s) had fewer micro-batches than accumulate_grad_batches=2")
+               for n in run.meta["notes"]), run.meta["notes"]
+
+
 def test_fit_runs_and_hooks_are_removed(sliced):
     assert sliced["error"] is None, sliced["error"]
     truth.assert_hooks_removed(sliced["before"])

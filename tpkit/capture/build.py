@@ -116,10 +116,23 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         gpu_ends = [at(e, rec.step_events.get(i)) for i, (e, _) in enumerate(rec.step_ends)]
         ends = _gpu_step_ends(spans, gpu_ends, warmup_steps)
     # The step's loss is the sum of the losses backpropagated in it: what the framework logs
-    # when it accumulates (each micro-batch's loss is divided by the accumulation count).
+    # when it accumulates (each micro-batch's loss is divided by the accumulation count), except
+    # where a trainer divides by more micro-batches than the step had (frameworks.loss_divisor).
     losses: dict[int, float] = {}
     for raw, value in rec.losses:
         losses[raw] = losses.get(raw, 0.0) + float(value)  # a tensor: one sync, after the slice
+    micro = rec.loss_counts
+    divisor = rec.framework.loss_divisor() if rec.framework is not None else 1
+    partial = sorted(raw for raw, k in micro.items() if k < divisor and raw < min(past, len(ends)) and raw in losses)
+    for raw in partial:  # a window shorter than the trainer divides by: its mean loss, as logged
+        losses[raw] *= divisor / micro[raw]
+    loss_note = ""
+    if partial:
+        loss_note = (
+            f"{len(partial)} step(s) had fewer micro-batches than accumulate_grad_batches={divisor} (an epoch's "
+            f"last window); Lightning still divided each micro-batch's loss by {divisor} before backward, so "
+            "their loss is the window's mean loss (as Lightning logs it), not the smaller sum that went through "
+            "backward (their gradients are that much smaller too)")
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
@@ -143,6 +156,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta.setdefault("name", rec.name)
     full_meta["warmup_steps"] = warmup_steps
     full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
+    if loss_note:
+        full_meta["notes"].append(loss_note)
     if ev:
         full_meta["evaluation"] = evaluation.describe(ev)
         full_meta["notes"].append(evaluation.note(ev, float(steps["eval_s"].sum())))

@@ -66,6 +66,26 @@ class FrameworkTrainer:
         return getattr(trainer, "lightning_module", None)
 
 
+    def loss_divisor(self) -> int:
+        """What the trainer divides every micro-batch's loss by before its backward, whatever
+        the number of micro-batches in the step (1: nothing, or the true count).
+
+        Lightning's automatic optimization divides by ``accumulate_grad_batches`` even in an
+        epoch's last, partial window, so there the losses backpropagated sum to less than the
+        window's mean loss (which Lightning logs). Hugging Face's Trainer divides by the
+        window's own count: its sums are the mean already. Only for one optimizer: with
+        several, a step's micro-batches cannot be told from its optimizers' losses."""
+        trainer = self.trainer
+        if trainer is None or self.name == "transformers.Trainer":
+            return 1
+        module = getattr(trainer, "lightning_module", None)
+        n = getattr(trainer, "accumulate_grad_batches", 1)
+        if (not isinstance(n, int) or n <= 1 or module is None
+                or not getattr(module, "automatic_optimization", False) or len(getattr(trainer, "optimizers", ())) != 1):
+            return 1
+        return n
+
+
 def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
     """The HF or Lightning trainer whose method is on the stack above ``frame``, or None."""
     classes = [(name, getattr(sys.modules[mod], cls, None)) for name, mod, cls in _KNOWN if mod in sys.modules]

@@ -70,6 +70,7 @@ class Recorder:
         self.clocks: list[tuple] = []  # (t_ns, device, metric, value)
         self.loader: list[tuple] = []  # (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
         self.losses: list[tuple[int, Any]] = []  # (raw_step, scalar tensor or float), resolved at build
+        self.loss_counts: dict[int, int] = {}  # raw step -> losses backpropagated in it (micro-batches)
         # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a
         # loader handed to the loop (t_ns, samples, raw_step), every outermost call made without
         # grad in eval mode or of a module without parameters (start_ns, end_ns, id(module), raw_step),
@@ -122,6 +123,7 @@ class Recorder:
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
                      "no_grad_calls"):
             setattr(snap, name, list(getattr(self, name)))
+        snap.loss_counts = dict(self.loss_counts)
         return snap
 
     # -- phases -------------------------------------------------------------------------

@@ -158,6 +158,8 @@ class LossSums:
 
     def add(self, raw_step: int, loss: torch.Tensor) -> None:
         """Add a one-element loss tensor to step ``raw_step``'s sum."""
+        counts = self.rec.loss_counts
+        counts[raw_step] = counts.get(raw_step, 0) + 1
         value = loss.detach()
         if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
             value = value.reshape(())
