@@ -40,6 +40,7 @@ import gc
 import sys
 import threading
 import weakref
+from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -93,13 +94,19 @@ def has_accelerator() -> bool:
 
 
 def batch_size_of(batch: Any) -> int | None:
-    """Leading dimension of the first tensor-like in a (nested) batch; None if none."""
+    """Samples in a (nested) batch; None if it cannot tell.
+
+    The leading dimension of the first tensor-like, found through mappings (a dict, HF's
+    ``BatchEncoding``, a ``UserDict``) and sequences, except where a sequence holds one record
+    per sample: strings or numbers, or mappings with the same keys (per-sample targets as a
+    detection loader's ``tuple(zip(*batch))`` gives them, next to a tuple of images whose first
+    dimension is their channels)."""
     for _ in range(8):  # bounded descent into nested containers
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() > 0 else 1
         if hasattr(batch, "shape") and hasattr(batch, "dtype"):  # numpy and friends
             return int(batch.shape[0]) if len(batch.shape) > 0 else 1
-        if isinstance(batch, dict):
+        if isinstance(batch, (dict, Mapping)):
             if not batch:
                 return None
             batch = next(iter(batch.values()))
@@ -109,10 +116,21 @@ def batch_size_of(batch: Any) -> int | None:
             first = batch[0]
             if isinstance(first, (str, bytes, int, float)):
                 return len(batch)
+            for part in (batch, *(p for p in batch if isinstance(p, (list, tuple)))):
+                if _records(part):
+                    return len(part)
             batch = first
         else:
             return None
     return None
+
+
+def _records(seq: list | tuple) -> bool:
+    """Whether ``seq`` is one mapping per sample: two or more, all with the same keys."""
+    if len(seq) < 2 or not all(isinstance(e, (dict, Mapping)) for e in seq):
+        return False
+    keys = set(seq[0])
+    return all(set(e) == keys for e in seq)
 
 
 def handed_out(rec: Recorder, batch: Any) -> None:
