@@ -133,12 +133,15 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
             f"last window); Lightning still divided each micro-batch's loss by {divisor} before backward, so "
             "their loss is the window's mean loss (as Lightning logs it), not the smaller sum that went through "
             "backward (their gradients are that much smaller too)")
+    extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
+        read_ahead(rec.handouts, ev.handouts, min(past, len(ends)))
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
         "start_s": [(rec.first_step_ns - t0) / 1e9, *ends[:-1]] if ends else [],
         "end_s": ends,
-        "samples": np.array([n if rec.samples_per_step is not None else n - ev.samples_by_step.get(i, 0)
+        "samples": np.array([n if rec.samples_per_step is not None else
+                             n - ev.samples_by_step.get(i, 0) - (extra_samples if i == 0 else 0)
                              for i, (_, n) in enumerate(rec.step_ends)], dtype="int64"),
         "loss": [losses.get(i, float("nan")) for i in range(len(ends))],
         "skipped": [i in rec.skipped for i in range(len(ends))],
@@ -158,10 +161,36 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
     if loss_note:
         full_meta["notes"].append(loss_note)
+    if extra_batches:
+        full_meta["notes"].append(
+            f"the first step was handed {extra_batches} batch(es) more than each later step: a loader that reads "
+            f"ahead of the loop (a prefetcher) or a batch taken before it; their {extra_samples} samples are not "
+            "counted as the first step's")
     if ev:
         full_meta["evaluation"] = evaluation.describe(ev)
         full_meta["notes"].append(evaluation.note(ev, float(steps["eval_s"].sum())))
     return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
+
+
+def read_ahead(handouts: list[int], eval_batches: set[int], steps: int) -> tuple[int, int]:
+    """Batches (and their samples) the first step was handed beyond what every later step was:
+    a loop that reads ahead (a prefetcher keeping the next batch while the model trains on this
+    one, as timm's does) takes two batches in its first step and one in each after, and the
+    second is the next step's. ``handouts`` flat as ``Recorder.handouts``; ``eval_batches``
+    their indexes read for evaluation (not counted); ``steps``: the slice's raw steps. (0, 0)
+    unless at least two later steps were each handed the same number of batches."""
+    per_step: list[list[int]] = [[] for _ in range(steps)]
+    for k in range(len(handouts) // 3):
+        step = handouts[3 * k + 2]
+        if step < steps and k not in eval_batches:
+            per_step[step].append(handouts[3 * k + 1])
+    if steps < 3:
+        return 0, 0
+    each = len(per_step[1])
+    extra = len(per_step[0]) - each
+    if each == 0 or extra <= 0 or any(len(p) != each for p in per_step[2:]):
+        return 0, 0
+    return extra, sum(per_step[0][:extra])
 
 
 def _gpu_step_ends(spans: pd.DataFrame, host_ends: list[float], warmup_steps: int) -> list[float]:

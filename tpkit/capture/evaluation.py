@@ -53,6 +53,7 @@ class EvalSplit:
     waits: set[tuple[int, int]] = field(default_factory=set)  # (start, end) of data_wait spans it read
     samples_by_step: dict[int, int] = field(default_factory=dict)  # raw step -> samples taken out
     batches: int = 0
+    handouts: set[int] = field(default_factory=set)  # indexes (in Recorder.handouts) of the batches read for it
     model_calls: int = 0  # of ``calls``, the trained model's (the rest: a loss, a metric)
 
     def __bool__(self) -> bool:
@@ -98,6 +99,7 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             step, n = handouts[3 * k + 2], handouts[3 * k + 1]
             out.samples_by_step[step] = out.samples_by_step.get(step, 0) + n
             out.batches += 1
+            out.handouts.add(k)
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
     # ahead, as accelerate's does, hands the previous batch right after each read)
     for s in spans:
