@@ -24,7 +24,7 @@ from tpkit.capture.probes import allocator_counter
 #: later): every attribute's identity is compared.
 PATCHED_PLACES: list[Any] = [torch.Tensor, torch.optim.Optimizer, torch.nn.Module, torch.autograd,
                              torch.autograd.profiler, torch.autograd.profiler_legacy,
-                             dl._BaseDataLoaderIter, torch.amp.GradScaler, torch.distributed,
+                             dl._BaseDataLoaderIter, dl.DataLoader, torch.amp.GradScaler, torch.distributed,
                              torch.UntypedStorage]
 
 

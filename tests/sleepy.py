@@ -76,4 +76,5 @@ def registries() -> dict:
         "opt_zero": torch.optim.Optimizer.__dict__["zero_grad"],
         "mod_zero": torch.nn.Module.__dict__["zero_grad"],
         "next": dl._BaseDataLoaderIter.__dict__["__next__"],
+        "iter": dl.DataLoader.__dict__["__iter__"],
     }
