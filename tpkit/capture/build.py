@@ -119,8 +119,13 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # when it accumulates (each micro-batch's loss is divided by the accumulation count), except
     # where a trainer divides by more micro-batches than the step had (frameworks.loss_divisor).
     losses: dict[int, float] = {}
-    for raw, value in rec.losses:
+    # Backpropagated after zero_grad() threw the step's gradients away (Recorder.losses_after_reset):
+    # with one optimizer that is SAM's second pass, not the step's loss; with several, one
+    # optimizer's zero_grad() discards nothing of the others' (a GAN): they count.
+    several = rec.optimizer_count > 1
+    for raw, value in (rec.losses + rec.losses_after_reset) if several else rec.losses:
         losses[raw] = losses.get(raw, 0.0) + float(value)  # a tensor: one sync, after the slice
+    second_passes = 0 if several else len({raw for raw, _ in rec.losses_after_reset if raw < min(past, len(ends))})
     micro = rec.loss_counts
     divisor = rec.framework.loss_divisor() if rec.framework is not None else 1
     partial = sorted(raw for raw, k in micro.items() if k < divisor and raw < min(past, len(ends)) and raw in losses)
@@ -161,6 +166,11 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
     if loss_note:
         full_meta["notes"].append(loss_note)
+    if second_passes:
+        full_meta["notes"].append(
+            f"{second_passes} step(s) backpropagated again after zero_grad() had thrown the step's gradients away "
+            "(SAM-style: a second forward and backward on the same batch): a step's loss is what went through "
+            "backward before the gradients were zeroed, the first pass's")
     if extra_batches:
         full_meta["notes"].append(
             f"the first step was handed {extra_batches} batch(es) more than each later step: a loader that reads "

@@ -71,6 +71,10 @@ class Recorder:
         self.loader: list[tuple] = []  # (batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s)
         self.losses: list[tuple[int, Any]] = []  # (raw_step, scalar tensor or float), resolved at build
         self.loss_counts: dict[int, int] = {}  # raw step -> losses backpropagated in it (micro-batches)
+        # losses backpropagated after zero_grad() in a step that had backpropagated already (SAM's
+        # second pass), as ``losses``; kept apart for the build (capture/build.py)
+        self.losses_after_reset: list[tuple[int, Any]] = []
+        self.optimizer_count = 0  # distinct optimizers that stepped
         # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a
         # loader handed to the loop (t_ns, samples, raw_step), every outermost call made without
         # grad in eval mode or of a module without parameters (start_ns, end_ns, id(module), raw_step),
@@ -121,7 +125,7 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls"):
+                     "no_grad_calls", "losses_after_reset"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
         return snap

@@ -174,16 +174,22 @@ class LossSums:
         self._slots: dict[torch.device, "_Slot"] = {}  # the current step's slot per device
         self._slots_step = -1
         self._host: dict[int, list[float]] = {}
+        self._reset_step = -1  # the step whose gradients were zeroed after its first loss
 
     def add(self, raw_step: int, loss: torch.Tensor) -> None:
-        """Add a one-element loss tensor to step ``raw_step``'s sum."""
-        counts = self.rec.loss_counts
-        counts[raw_step] = counts.get(raw_step, 0) + 1
+        """Add a one-element loss tensor to step ``raw_step``'s sum (or, after the step's
+        gradients were zeroed, to ``rec.losses_after_reset``: see ``reset``)."""
+        rec = self.rec
+        after_reset = raw_step == self._reset_step
+        if not after_reset:
+            counts = rec.loss_counts
+            counts[raw_step] = counts.get(raw_step, 0) + 1
         value = loss.detach()
         if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
             value = value.reshape(())
+        target = rec.losses_after_reset if after_reset else rec.losses
         if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
-            self.rec.losses.append((raw_step, value.clone()))
+            target.append((raw_step, value.clone()))
             return
         if raw_step != self._slots_step:  # a new step: earlier steps' slots are never added to again
             self._slots, self._slots_step = {}, raw_step
@@ -191,8 +197,18 @@ class LossSums:
         slot = self._slots.get(device)
         if slot is None:
             slot = self._slots[device] = self._new_slot(device)
-            self.rec.losses.append((raw_step, slot))
+            target.append((raw_step, slot))
         self._chunks[slot.chunk][slot.index].add_(value)
+
+    def reset(self, raw_step: int) -> None:
+        """``zero_grad()`` in step ``raw_step``: after a loss of the step went through backward,
+        the gradients it made are thrown away (SAM's two passes on one batch: the first pass's
+        gradients only find where to perturb the weights). What is backpropagated after it in
+        the step is kept apart; the build decides what to do with it."""
+        if self._reset_step != raw_step and self.rec.loss_counts.get(raw_step, 0):
+            self._reset_step = raw_step
+            if raw_step == self._slots_step:
+                self._slots = {}
 
     def _new_slot(self, device: torch.device) -> "_Slot":
         chunk, index = self._free.get(device, (-1, self.CHUNK))
@@ -464,6 +480,7 @@ class PhaseProbe:
         key = id(opt)
         if key not in self.optimizers:
             self.optimizers[key] = type(opt).__name__
+            self.rec.optimizer_count = len(self.optimizers)
             if self.lead_optimizer is None:
                 self.lead_optimizer = key
         if not self._opt_tokens:
@@ -581,11 +598,14 @@ class PhaseProbe:
     # -- wrappers ---------------------------------------------------------------------------
     def _wrap_phase(self, fn: Any, phase: str, source: str) -> Any:
         rec, probe = self.rec, self
+        reset = source == "zero_grad"
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(*args, **kwargs)
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
+            if reset:
+                probe.losses.reset(rec.step_index)
             token = rec.enter(phase, source)
             try:
                 return fn(*args, **kwargs)
