@@ -79,3 +79,35 @@ def test_bf16_mixed_precision_loss_and_phases():
     truth.assert_hooks_removed(out["before"])
     truth.assert_losses(out["run"].steps["loss"].tolist(), out["step_losses"])
     truth.assert_phases(out["run"], out["truth"])
+
+
+def test_loss_of_an_epochs_last_partial_accumulation_window():
+    """Three batches an epoch with ``gradient_accumulation_steps=2``: every second step is one
+    micro-batch, which ``accelerator.backward`` still divides by 2. The step's loss is the
+    window's mean loss (what the loop logs), not half of it, and the run says why."""
+    torch.manual_seed(0)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(3 * BATCH)),
+                                         batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    windows: list[list[float]] = [[]]
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="accelerate-partial", progress=False, clock_hz=0) as prof:
+        for _ in range(STEPS + WARMUP):  # epochs
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    loss = F.mse_loss(model(x).float(), y)
+                    windows[-1].append(loss.item())
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        windows.append([])
+                    opt.step()  # the slice ends inside the last update
+                    opt.zero_grad()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    run = prof.run
+    assert [len(w) for w in windows[:STEPS + WARMUP]] == [2, 1, 2, 1, 2, 1, 2]
+    truth.assert_losses(run.steps["loss"].tolist(), [sum(w) / len(w) for w in windows[:STEPS + WARMUP]])
+    assert any(n.startswith("3 step(s) had fewer micro-batches than the 2 that accelerator.backward") for n in
+               run.meta["notes"]), run.meta["notes"]

@@ -122,7 +122,7 @@ def test_loss_of_an_epochs_last_partial_accumulation_window():
     assert [len(v) for _, v in sorted(by_step.items())][:6] == [2, 2, 1, 2, 2, 1]  # the partial windows
     truth.assert_losses(run.steps["loss"].tolist(), means[:STEPS + WARMUP])
     assert (run.steps["samples"] == [2 * BATCH, 2 * BATCH, BATCH] * 2 + [2 * BATCH]).all()
-    assert any(n.startswith("2 step(s) had fewer micro-batches than accumulate_grad_batches=2")
+    assert any(n.startswith("2 step(s) had fewer micro-batches than the 2 that Lightning (accumulate_grad_batches=2)")
                for n in run.meta["notes"]), run.meta["notes"]
 
 

@@ -15,6 +15,7 @@ import pandas as pd
 from ..run import Run
 from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
 from . import evaluation
+from .frameworks import accelerate_loss_divisor
 from .recorder import Recorder
 
 
@@ -126,18 +127,25 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     for raw, value in (rec.losses + rec.losses_after_reset) if several else rec.losses:
         losses[raw] = losses.get(raw, 0.0) + float(value)  # a tensor: one sync, after the slice
     second_passes = 0 if several else len({raw for raw, _ in rec.losses_after_reset if raw < min(past, len(ends))})
-    micro = rec.loss_counts
-    divisor = rec.framework.loss_divisor() if rec.framework is not None else 1
-    partial = sorted(raw for raw, k in micro.items() if k < divisor and raw < min(past, len(ends)) and raw in losses)
+    micro = {raw: k for raw, k in rec.loss_counts.items() if raw < min(past, len(ends)) and raw in losses}
+    if rec.framework is not None:
+        divisor, who = rec.framework.loss_divisor(), "Lightning (accumulate_grad_batches"
+    else:  # a loop of its own around accelerate (its prepared loader was read): its divisor
+        divisor = accelerate_loss_divisor() if rec.accelerate_loader else 1
+        who = "accelerator.backward (gradient_accumulation_steps"
+    # only where the loop does accumulate that many: some step has as many micro-batches, none more
+    if divisor > 1 and (divisor not in micro.values() or max(micro.values()) > divisor):
+        divisor = 1
+    partial = sorted(raw for raw, k in micro.items() if k < divisor)
     for raw in partial:  # a window shorter than the trainer divides by: its mean loss, as logged
         losses[raw] *= divisor / micro[raw]
     loss_note = ""
     if partial:
         loss_note = (
-            f"{len(partial)} step(s) had fewer micro-batches than accumulate_grad_batches={divisor} (an epoch's "
-            f"last window); Lightning still divided each micro-batch's loss by {divisor} before backward, so "
-            "their loss is the window's mean loss (as Lightning logs it), not the smaller sum that went through "
-            "backward (their gradients are that much smaller too)")
+            f"{len(partial)} step(s) had fewer micro-batches than the {divisor} that {who}={divisor}) divided "
+            "each micro-batch's loss by before backward (an epoch's last window): their loss is the window's mean "
+            "loss, as the loop logs it, not the smaller sum that went through backward (their gradients are that "
+            "much smaller too)")
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
         read_ahead(rec.handouts, ev.handouts, min(past, len(ends)))
     bounds = pd.DataFrame({

@@ -86,6 +86,23 @@ class FrameworkTrainer:
         return n
 
 
+def accelerate_loss_divisor() -> int:
+    """What ``accelerator.backward`` divides every loss by in a loop of its own (not a
+    trainer's): the ``gradient_accumulation_steps`` of accelerate's gradient state, even in
+    an epoch's last, partial window; 1 where accelerate was not imported or does not
+    accumulate (a Hugging Face Trainer gives it 1 and divides by itself), and under DeepSpeed
+    (its engine scales the loss). Read from accelerate's shared state, never created here."""
+    state = sys.modules.get("accelerate.state")
+    gradient_state = getattr(state, "GradientState", None)
+    shared = getattr(gradient_state, "_shared_state", None)
+    if not shared:
+        return 1
+    n = (shared.get("plugin_kwargs") or {}).get("num_steps", 1)
+    partial = getattr(state, "PartialState", None)
+    distributed = str((getattr(partial, "_shared_state", None) or {}).get("distributed_type", ""))
+    return n if isinstance(n, int) and n > 1 and "DEEPSPEED" not in distributed else 1
+
+
 def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
     """The HF or Lightning trainer whose method is on the stack above ``frame``, or None."""
     classes = [(name, getattr(sys.modules[mod], cls, None)) for name, mod, cls in _KNOWN if mod in sys.modules]

@@ -75,6 +75,7 @@ class Recorder:
         # second pass), as ``losses``; kept apart for the build (capture/build.py)
         self.losses_after_reset: list[tuple[int, Any]] = []
         self.optimizer_count = 0  # distinct optimizers that stepped
+        self.accelerate_loader = False  # the loop read batches from a loader accelerate prepared
         # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a
         # loader handed to the loop (t_ns, samples, raw_step), every outermost call made without
         # grad in eval mode or of a module without parameters (start_ns, end_ns, id(module), raw_step),

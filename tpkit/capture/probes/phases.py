@@ -661,6 +661,8 @@ class PhaseProbe:
 
         def __iter__(loader: Any) -> Any:
             inner = fn(loader)
+            if probe.installed and threading.get_ident() == probe.rec.thread_id:
+                probe.rec.accelerate_loader = True  # the loop is accelerate's (capture/build.py: its losses)
             while True:
                 mine = probe.installed and threading.get_ident() == probe.rec.thread_id
                 probe._read_ahead += mine
