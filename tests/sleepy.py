@@ -77,4 +77,5 @@ def registries() -> dict:
         "mod_zero": torch.nn.Module.__dict__["zero_grad"],
         "next": dl._BaseDataLoaderIter.__dict__["__next__"],
         "iter": dl.DataLoader.__dict__["__iter__"],
+        "save": torch.save,
     }

@@ -62,10 +62,13 @@ def shares(**kw):
     (dict(), "no-steps"),
     (dict(data_wait=0.25, h2d=0.25, forward=0.5), "input-bound"),  # data stalls come first
     (dict(eval=0.30, data_wait=0.3, forward=0.4), "eval-bound"),  # evaluation comes first
-    # below EVAL_BOUND the rules judge training alone: 0.17 of the step is 0.2125 of training
+    (dict(save=0.30, data_wait=0.3, forward=0.4), "save-bound"),
+    (dict(eval=0.30, save=0.35, forward=0.35), "save-bound"),  # the larger interruption first
+    # below INTERRUPTION_BOUND the rules judge training alone: 0.17 of the step is 0.2125 of training
     (dict(eval=0.20, data_wait=0.17, forward=0.63), "input-bound"),
     (dict(eval=0.20, other=0.23, forward=0.57), "compute-bound"),  # 0.2875 of training
     (dict(eval=0.20, other=0.25, forward=0.55), "overhead-bound"),  # 0.3125 of training
+    (dict(save=0.20, other=0.23, forward=0.57), "compute-bound"),  # a save counted as other made this overhead
 ])
 def test_verdict_rules(kw, kind):
     assert analysis.verdict(shares(**kw)).kind == kind
@@ -73,11 +76,17 @@ def test_verdict_rules(kw, kind):
 
 def test_verdict_on_training_says_what_evaluation_took():
     v = analysis.verdict(shares(eval=0.20, data_wait=0.17, forward=0.63))
-    assert v.text == ("INPUT-BOUND: 21% of training time waits for data (evaluation, 20% of the step, left out); "
+    assert v.text == ("INPUT-BOUND: 21% of training time waits for data (evaluation 20% of the step left out); "
                       "the model idles while the loader works (more workers, tp.data.Loader)")
     v = analysis.verdict(shares(eval=0.5, forward=0.5))
-    assert v.text.startswith("EVAL-BOUND: 50% of step time is evaluation run inside the slice; training alone "
+    assert v.text.startswith("EVAL-BOUND: 50% of step time is evaluation inside the slice; training alone "
                              "would run up to 2.00x faster")
+    v = analysis.verdict(shares(eval=0.1, save=0.1, data_wait=0.17, forward=0.63))  # 0.2125 of training
+    assert v.text.startswith("INPUT-BOUND: 21% of training time waits for data (evaluation 10% and checkpoint "
+                             "saving 10% of the step left out)")
+    v = analysis.verdict(shares(save=0.4, forward=0.6))
+    assert v.text.startswith("SAVE-BOUND: 40% of step time is checkpoint saving inside the slice; training alone "
+                             "would run up to 1.67x faster: save less often")
 
 
 def test_summary_figures():

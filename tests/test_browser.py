@@ -93,7 +93,7 @@ def test_quickstart_summary_shows_a_chart_and_the_top_recommendation(lab):
         assert dash.locator("text=Top recommendation").count() == 1 or dash.locator(
             "text=No recommendation: no rule fired").count() == 1
         assert dash.locator(".tp-verdict").first.inner_text().split(":")[0] in (
-            "EVAL-BOUND", "INPUT-BOUND", "INPUT-LIMITED", "COPY-BOUND", "OFFLOAD-BOUND", "OPTIMIZER-BOUND", "OVERHEAD-BOUND",
+            "EVAL-BOUND", "SAVE-BOUND", "INPUT-BOUND", "INPUT-LIMITED", "COPY-BOUND", "OFFLOAD-BOUND", "OPTIMIZER-BOUND", "OVERHEAD-BOUND",
             "COMPUTE-BOUND")
         figures = dash.locator(".tp-figures").inner_text()
         assert "cpu_freq_mhz" not in figures and not re.search(r"\d\.0{4,}", figures)  # names and units

@@ -19,7 +19,8 @@ def make_run(n: int = 4, warmup: int = 1, samples: int = 32, devices=("cpu: test
     the step (to ``durations``, default the sum of phases) is ``other_s``."""
     rows = warmup + n
     cols = {c: np.full(rows, phase_s.get(c[:-2], 0.0)) for c in ("data_wait_s", "h2d_s", "forward_s", "backward_s",
-                                                                   "optimizer_s", "offload_s", "eval_s")}
+                                                                   "optimizer_s", "offload_s", "eval_s",
+                                                                   "save_s")}
     covered = sum(cols.values())
     d = np.asarray(durations, dtype="float64") if durations is not None else covered + phase_s.get("other", 0.0)
     d = np.broadcast_to(d, (rows,)).astype("float64")
@@ -49,6 +50,14 @@ def test_evaluation_share_names_the_trainers_interval_with_amdahl_gain():
     assert r.evidence == ("evaluation takes 40% of step time (40.00 ms per step) "
                           "(8 call(s) of the trained model and 8 batch(es) in the slice)")
     assert "1.67x" in r.expected_gain
+
+
+def test_checkpoint_saving_names_the_trainers_interval():
+    (r,) = rc.saving(make_run(save=0.02, forward=0.06, backward=0.02))
+    assert (r.kind, r.knob, r.action) == ("saving", "save_interval", {})
+    assert r.evidence == "checkpoint saving takes 20% of step time (20.00 ms per step)"
+    assert r.gain == pytest.approx(0.1 / 0.08) and "save_steps" in r.expected_gain
+    assert rc.saving(make_run(save=0.0099, forward=0.0901)) == []
 
 
 def test_evaluation_quiet_below_a_tenth():

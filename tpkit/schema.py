@@ -21,7 +21,7 @@ import pandas as pd
 #: run inside the slice: the trained model called without grad in eval mode, and the batches read
 #: for it (capture/evaluation.py); its samples are not the step's.
 BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "comm",
-                                   "eval", "tpkit")
+                                   "eval", "save", "tpkit")
 #: Time no built-in phase covered.
 OTHER = "other"
 #: Every phase in the order a step usually runs, ``other`` last.
@@ -38,8 +38,8 @@ UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.
 PHASE_NAMES: dict[str, str] = {
     "data_wait": "waiting for data", "h2d": "copy to device", "forward": "forward", "backward": "backward",
-    "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation", "tpkit": "tpkit's own work",
-    "other": "other (no phase)", "gc": "garbage collection",
+    "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation",
+    "save": "saving checkpoints", "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
 }
 
 # -- memory ---------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "duration_s": "float64", "samples": "int64", "data_wait_s": "float64", "h2d_s": "float64",
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
         "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
-        "skipped": "bool", "comm_s": "float64", "eval_s": "float64",
+        "skipped": "bool", "comm_s": "float64", "eval_s": "float64", "save_s": "float64",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
@@ -152,7 +152,7 @@ ADDED_TABLES: tuple[str, ...] = ("ops",)
 #: Columns added after the first layout, with the value they take where a frame (a saved run,
 #: rows built by hand) has none. They come last in their table, so positional rows of the
 #: older layout still line up.
-DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0, "eval_s": 0.0}}
+DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0, "eval_s": 0.0, "save_s": 0.0}}
 #: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
 FORMAT_VERSION = 1
 
@@ -218,6 +218,7 @@ def fmt_mib(n: float) -> str:
 #: tuner, compare). ``analysis.steps.verdict`` picks one; nothing else names a verdict.
 VERDICTS: dict[str, str] = {
     "eval-bound": "EVAL-BOUND",
+    "save-bound": "SAVE-BOUND",
     "input-bound": "INPUT-BOUND",
     "input-limited": "INPUT-LIMITED",
     "copy-bound": "COPY-BOUND",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -284,6 +285,8 @@ def hook_state() -> dict[str, Any]:
                                             mm._global_forward_hooks_always_called)],
         "optimizer hooks": (tuple(oo._global_optimizer_pre_hooks), tuple(oo._global_optimizer_post_hooks)),
         "autograd.backward": torch.autograd.backward,
+        "torch.save": torch.save,
+        "safetensors": {k: getattr(sys.modules.get("safetensors.torch"), k, None) for k in ("save_file", "save_model")},
         "gc.callbacks": tuple(gc.callbacks),
         "torch profiler on": torch._C._autograd._profiler_enabled(),
         "compiling": torch.compiler.is_compiling(),

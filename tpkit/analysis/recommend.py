@@ -5,7 +5,7 @@ Every rule reads only measured steps (warmup excluded), states the numbers it sa
 ``gain`` (a number in ``gain_unit``: ``"x"`` for a speedup of samples/s, ``"bytes"`` for memory
 freed), and proposes ``action``: knob -> new value, which the tuner applies and reruns. An
 empty ``action`` means the fix lies outside what the tuner turns (power or cooling, a
-trainer's evaluation interval).
+trainer's evaluation or checkpoint interval).
 
 Knob names (the tuner's ``train_fn(**knobs)`` receives them; a user's own knobs of the same
 name are changed in place): ``num_workers``, ``loader`` ("tpkit"), ``pin_memory``,
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from ..schema import MIB, PHASE_COLUMNS
-from .steps import INPUT_LIMITED, OPTIMIZER_BOUND, OVERHEAD_BOUND, measured
+from .steps import INPUT_LIMITED, INTERRUPTIONS, OPTIMIZER_BOUND, OVERHEAD_BOUND, measured
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -40,8 +40,8 @@ DATA_STALL_SHARE = INPUT_LIMITED
 COPY_SHARE = 0.10
 #: Optimizer or offload step above this share of step time.
 HOST_STEP_SHARE = OPTIMIZER_BOUND
-#: Evaluation inside the slice above this share of step time.
-EVAL_SHARE = 0.10
+#: Evaluation or checkpoint saving inside the slice above this share of step time.
+INTERRUPTION_SHARE = 0.10
 #: Peak memory at or above this share of the device's capacity.
 MEMORY_NEAR = 0.85
 #: A memory category worth freeing holds at least this share of the peak.
@@ -184,22 +184,34 @@ def data_stall(run: "Run") -> list[Recommendation]:
     return out
 
 
-def evaluation(run: "Run") -> list[Recommendation]:
-    """Evaluation inside the slice takes a visible share: training waits for it. Its knob is the
-    trainer's (``eval_steps``, ``val_check_interval``, ``limit_val_batches``): named, not turned."""
+def _interruption(run: "Run", col: str, kind: str, knob: str, title: str, extra: str = "") -> list[Recommendation]:
+    """Something that interrupts training inside the slice (``steps.INTERRUPTIONS``) takes a
+    visible share: training waits for it. Its knob is the trainer's: named, not turned."""
     t = _totals(run.steps)
-    share = t.share("eval_s")
-    if t.steps == 0 or share < EVAL_SHARE:
+    share = t.share(col)
+    if t.steps == 0 or share < INTERRUPTION_SHARE:
         return []
-    speedup = amdahl(t.total_s, t.phase_s["eval_s"])
-    seen = run.meta.get("evaluation") or {}
-    what = (f" ({seen['calls']} call(s) of the trained model and {seen['batches']} batch(es) in the slice)"
-            if seen else "")
+    speedup = amdahl(t.total_s, t.phase_s[col])
+    _, what, knobs = INTERRUPTIONS[col]
     return [Recommendation(
-        "evaluation", "eval_interval", "Evaluate less often, or on fewer batches",
-        f"evaluation takes {share:.0%} of step time ({t.per_step_ms('eval_s')} per step){what}",
-        f"up to {speedup:.2f}x training samples/s in the steps that evaluate now, if they did not "
-        "(the trainer's eval_steps / val_check_interval / limit_val_batches)", speedup, "x", {})]
+        kind, knob, title, f"{what} takes {share:.0%} of step time ({t.per_step_ms(col)} per step){extra}",
+        f"up to {speedup:.2f}x training samples/s in the steps that have it now, if they did not ({knobs})",
+        speedup, "x", {})]
+
+
+def evaluation(run: "Run") -> list[Recommendation]:
+    """Evaluation inside the slice (``eval_steps``, ``val_check_interval``, ``limit_val_batches``)."""
+    seen = run.meta.get("evaluation") or {}
+    extra = (f" ({seen['calls']} call(s) of the trained model and {seen['batches']} batch(es) in the slice)"
+             if seen else "")
+    return _interruption(run, "eval_s", "evaluation", "eval_interval", "Evaluate less often, or on fewer batches",
+                         extra)
+
+
+def saving(run: "Run") -> list[Recommendation]:
+    """Checkpoints written inside the slice (``save_steps``, ``every_n_train_steps``)."""
+    return _interruption(run, "save_s", "saving", "save_interval",
+                         "Save checkpoints less often, or in the background")
 
 
 def copies(run: "Run") -> list[Recommendation]:
@@ -391,7 +403,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
 
 
 #: Every rule, in the order their advice usually pays off.
-RULES = (data_stall, copies, host_step, evaluation, memory_pressure, throttled_clocks, launch_bound)
+RULES = (data_stall, copies, host_step, evaluation, saving, memory_pressure, throttled_clocks, launch_bound)
 
 
 def recommendations(run: "Run") -> list[Recommendation]:

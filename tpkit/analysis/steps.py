@@ -24,8 +24,16 @@ OFFLOAD_BOUND = 0.30
 #: Time blocked in collectives (``comm_s``): waiting for a slower rank or for the network.
 COMM_BOUND = 0.30
 OVERHEAD_BOUND = 0.30
-#: Evaluation run inside the slice (``eval_s``): training waits for it.
-EVAL_BOUND = 0.30
+#: What interrupts training inside the slice, judged before the rest: its share of step time
+#: from which it is the verdict. Column -> (verdict, what it is, what to turn).
+INTERRUPTION_BOUND = 0.30
+INTERRUPTIONS: dict[str, tuple[str, str, str]] = {
+    "eval_s": ("eval-bound", "evaluation",
+               "evaluate less often (eval_steps, val_check_interval) or on fewer batches (limit_val_batches, a Subset)"),
+    "save_s": ("save-bound", "checkpoint saving",
+               "save less often (save_steps, every_n_train_steps), or in the background "
+               "(torch.distributed.checkpoint.async_save)"),
+}
 
 
 @dataclass
@@ -125,25 +133,30 @@ def verdict(shares: dict[str, float]) -> Verdict:
     """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
     Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only.
 
-    Evaluation inside the slice (``eval_s``) is judged first; below ``EVAL_BOUND`` the other
-    rules judge training alone: its shares with the evaluation's time left out (a loader that
-    starves training 25% of its time is input-bound whether or not an evaluation ran too)."""
+    What interrupts training inside the slice (evaluation, ``eval_s``; checkpoints written,
+    ``save_s``) is judged first, the larger first; below its bound the other rules judge
+    training alone: its shares with those left out (a loader that starves training 25% of its
+    time is input-bound whether or not an evaluation or a save ran too)."""
     if not shares or sum(shares.values()) == 0:
         return _verdict("no-steps", "no steps were measured: nothing to judge")
-    evaluation = shares.get("eval_s", 0.0)
-    if evaluation >= EVAL_BOUND:
-        return _verdict("eval-bound", f"{evaluation:.0%} of step time is evaluation run inside the slice",
-                        f"training alone would run up to {1 / (1 - evaluation):.2f}x faster: evaluate less often "
-                        "(eval_steps, val_check_interval) or on fewer batches (limit_val_batches, a Subset); "
-                        "the other shares are of training and evaluation together")
-    if evaluation <= 0.0:
+    breaks = sorted(((shares.get(c, 0.0), c) for c in INTERRUPTIONS), reverse=True)
+    for share, col in breaks:
+        kind, what, knobs = INTERRUPTIONS[col]
+        if share >= INTERRUPTION_BOUND:
+            others = " and ".join(INTERRUPTIONS[c][1] for c in INTERRUPTIONS)
+            return _verdict(kind, f"{share:.0%} of step time is {what} inside the slice",
+                            f"training alone would run up to {1 / (1 - share):.2f}x faster: {knobs}; "
+                            f"the other shares are of training and {others} together")
+    away = sum(share for share, _ in breaks)
+    if away <= 0.0:
         return _training_verdict(shares)
-    training = {c: v / (1 - evaluation) for c, v in shares.items() if c != "eval_s"}
+    training = {c: v / (1 - away) for c, v in shares.items() if c not in INTERRUPTIONS}
     v = _training_verdict(training)
     if v.kind == "no-steps":
         return v
     evidence = v.evidence.replace("of step time", "of training time")
-    return _verdict(v.kind, f"{evidence} (evaluation, {evaluation:.0%} of the step, left out)", v.advice)
+    left = " and ".join(f"{what} {shares[c]:.0%}" for c, (_, what, _) in INTERRUPTIONS.items() if shares.get(c, 0.0) > 0)
+    return _verdict(v.kind, f"{evidence} ({left} of the step left out)", v.advice)
 
 
 def _training_verdict(shares: dict[str, float]) -> Verdict:
@@ -297,12 +310,16 @@ def _unattributed(spans: pd.DataFrame, steps: pd.DataFrame | None) -> pd.DataFra
     return out.astype({c: spans[c].dtype for c in cols if c in spans.columns}) if len(spans.columns) else out
 
 
-def breakdown_long(steps: pd.DataFrame, max_bars: int = 500) -> pd.DataFrame:
+def breakdown_long(steps: pd.DataFrame, max_bars: int = 500, max_rows: int = 4000) -> pd.DataFrame:
     """``run.steps`` melted to one row per (step, phase) with seconds, for stacked bars.
 
-    A run of more than ``max_bars`` steps is averaged over runs of consecutive steps (a bar is
-    then labelled with its first step), so a 10,000-step run still draws quickly."""
+    A run of more than ``max_bars`` steps (fewer where many phases took time: at most
+    ``max_rows`` rows) is averaged over runs of consecutive steps (a bar is then labelled with
+    its first step), so a 10,000-step run still draws quickly. Phases that took no time in any
+    step are left out (they draw nothing, and the legend names what happened)."""
     cols = [c for c in PHASE_COLUMNS if c in steps.columns]
+    cols = [c for c in cols if (steps[c] != 0).any()] or cols
+    max_bars = max(1, min(max_bars, max_rows // len(cols)))
     if len(steps) > max_bars:
         group = np.arange(len(steps)) * max_bars // len(steps)
         agg = steps.groupby(group).agg({"step": "first", "warmup": "all", **{c: "mean" for c in cols}})

@@ -16,6 +16,7 @@ PHASE_COLORS: dict[str, str] = {
     "offload": "#8c564b",
     "comm": "#393b79",  # blocked in collectives (waiting for other ranks)
     "eval": "#aec7e8",  # evaluation inside the slice: a paler forward
+    "save": "#637939",  # checkpoints written inside the slice
     "tpkit": "#e7ba52",  # tpkit's own probe work
     "other": "#b0b0b0",
 }

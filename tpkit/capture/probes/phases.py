@@ -13,6 +13,7 @@ What is hooked, and why this way:
   workers start); tpkit's loader and ``tp.watch`` report themselves. The batch's leading
   dimension counts the step's samples (``batch_size_of``).
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
+- save: ``torch.save`` and the frameworks' checkpoint writers (``_SAVERS``).
 
 Every hook ignores calls from threads other than the loop's (a loader thread running a
 transform module is not the model's forward): the loop's thread is the one that started the
@@ -81,6 +82,21 @@ def _same_model(module: torch.nn.Module) -> list[int]:
             break
         module = inner
     return ids
+
+
+#: Where checkpoints are written, besides ``torch.save``: (module, class or "" for the module
+#: itself, attribute). Each is a ``save`` span, the nested ones inside it part of it; a class is
+#: patched only if its module was imported before the slice.
+_SAVERS: tuple[tuple[str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "_save_checkpoint"),
+    ("lightning.pytorch.trainer.trainer", "Trainer", "save_checkpoint"),
+    ("pytorch_lightning.trainer.trainer", "Trainer", "save_checkpoint"),
+    ("accelerate.accelerator", "Accelerator", "save_state"),
+    ("accelerate.accelerator", "Accelerator", "save_model"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint"),
+    ("safetensors.torch", "", "save_file"),
+    ("safetensors.torch", "", "save_model"),
+)
 
 
 def has_accelerator() -> bool:
@@ -305,6 +321,12 @@ class PhaseProbe:
             shard = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderShard", None)
             if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
                 self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
+            self._patched.set(torch, "save", self._wrap_save(torch.save, "torch.save"))
+            for module, owner, attr in _SAVERS:  # only those the loop imported: nothing is imported here
+                target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
+                fn = (target.__dict__ if isinstance(target, type) else vars(target)).get(attr) if target else None
+                if callable(fn):
+                    self._patched.set(target, attr, self._wrap_save(fn, f"{owner or module}.{attr}"))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -699,6 +721,26 @@ class PhaseProbe:
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
         return __next__
+
+    def _wrap_save(self, fn: Any, source: str) -> Any:
+        """A checkpoint written in the loop's thread (``torch.save``, a trainer's save): the
+        ``save`` phase. Counted as ``other`` it had made a Trainer saving every few steps read
+        OVERHEAD-BOUND, with advice about Python and logging."""
+        rec = self.rec
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            if _compiling() or threading.get_ident() != rec.thread_id or rec.is_open("save"):
+                return fn(*args, **kwargs)
+            token = rec.enter("save", source)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.exit(token)
+
+        save.__wrapped__ = fn  # type: ignore[attr-defined]
+        save.__name__ = getattr(fn, "__name__", "save")
+        save.__doc__ = getattr(fn, "__doc__", None)
+        return save
 
     def _wrap_iter(self, fn: Any, source: str) -> Any:
         """``iter(loader)``: a DataLoader with workers starts them here (forks them, or resets

@@ -1,0 +1,114 @@
+"""Checkpoints written inside the slice are the ``save`` phase (``run.steps.save_s``): a loop's
+own ``torch.save``, a Hugging Face Trainer's ``save_steps`` and Lightning's ``ModelCheckpoint``.
+Counted as ``other`` they had made a Trainer saving every two steps read OVERHEAD-BOUND with
+advice about Python and logging, where 135 of its 158 ms of ``other`` were the saves.
+
+Truth: the loop's own clock around each save (for the frameworks, around their save method,
+wrapped inside the slice so that it times what the loop calls).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+import truth
+from truth import STEPS, TOLERANCE, WARMUP
+
+import tpkit as tp
+
+N = STEPS + WARMUP
+EVERY = 3
+
+
+def close(got: float, want: float, what: str) -> None:
+    assert abs(got - want) <= TOLERANCE * want + 0.002, f"{what}: tpkit {got * 1e3:.1f} ms, truth {want * 1e3:.1f} ms"
+
+
+class Timed:
+    """Wraps ``owner.name`` (looked up now: inside a slice, what the loop would call) with a clock."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.seconds: list[float] = []
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - t)
+
+        setattr(owner, name, timed)
+
+
+def test_a_loops_torch_save_is_save(tmp_path):
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    ballast = torch.zeros(4_000_000)  # 16 MB: a save of some milliseconds
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8, collate_fn=truth.sleepy_collate)
+    saves: dict[int, float] = {}
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="torch-save", progress=False, clock_hz=0) as prof:
+        for i, (x, y) in enumerate(loader):
+            if i % EVERY == EVERY - 1:  # before this iteration's step: it is step i's
+                t = time.perf_counter()
+                torch.save({"model": model.state_dict(), "ballast": ballast}, tmp_path / "ckpt.pt")
+                saves[i] = time.perf_counter() - t
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    save_s = prof.run.steps["save_s"].tolist()
+    assert [i for i, s in enumerate(save_s) if s > 0] == sorted(saves)
+    for i, want in saves.items():
+        close(save_s[i], want, f"step {i}'s save")
+    assert (prof.run.steps["other_s"] < 0.005).all()  # no longer other
+
+
+transformers = truth.import_transformers()
+
+
+def test_trainer_save_steps(tmp_path):
+    model = truth.tiny_gpt2()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=40, logging_steps=1, report_to=[],
+        save_strategy="steps", save_steps=EVERY, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=truth.Tokens(),
+                                   data_collator=truth.sleepy_collate)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-save", progress=False, clock_hz=0) as prof:
+        clock = Timed(trainer, "_save_checkpoint")
+        trainer.train()
+    run = prof.run
+    assert len(clock.seconds) == N // EVERY  # after steps 3 and 6 (the 7th's falls past the slice)
+    close(float(run.steps["save_s"].sum()), sum(clock.seconds), "the Trainer's saves")
+    assert (run.steps["save_s"] > 0).sum() == len(clock.seconds)
+
+
+def test_lightning_model_checkpoint(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = truth.SleepyNet()
+            self.register_buffer("ballast", torch.zeros(4_000_000))  # a checkpoint of 16 MB
+
+        def training_step(self, batch, _):  # noqa: ANN001, ANN201
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=EVERY, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=40, accelerator="cpu", logger=False, callbacks=[checkpoint],
+                         enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-save", progress=False, clock_hz=0) as prof:
+        clock = Timed(trainer, "save_checkpoint")
+        trainer.fit(Module(), loader)
+    run = prof.run
+    inside = clock.seconds[: N // EVERY]  # Lightning saves once more as the fit ends, after the slice
+    close(float(run.steps["save_s"].sum()), sum(inside), "ModelCheckpoint's saves")
+    assert (run.steps["save_s"] > 0).sum() == len(inside) == N // EVERY
