@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import truth
 
 import tpkit as tp
-from tpkit.capture.build import read_ahead
+from tpkit.capture.read_ahead import read_ahead
 
 BATCH = 8
 

@@ -14,8 +14,8 @@ import pandas as pd
 
 from ..run import Run
 from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
-from . import evaluation
-from .frameworks import accelerate_loss_divisor
+from . import evaluation, read_ahead
+from .losses import step_losses
 from .recorder import Recorder
 
 
@@ -116,38 +116,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     if timer is not None:
         gpu_ends = [at(e, rec.step_events.get(i)) for i, (e, _) in enumerate(rec.step_ends)]
         ends = _gpu_step_ends(spans, gpu_ends, warmup_steps)
-    # The step's loss is the sum of the losses backpropagated in it: what the framework logs
-    # when it accumulates (each micro-batch's loss is divided by the accumulation count), except
-    # where a trainer divides by more micro-batches than the step had (frameworks.loss_divisor).
-    losses: dict[int, float] = {}
-    # Backpropagated after zero_grad() threw the step's gradients away (Recorder.losses_after_reset):
-    # with one optimizer that is SAM's second pass, not the step's loss; with several, one
-    # optimizer's zero_grad() discards nothing of the others' (a GAN): they count.
-    several = rec.optimizer_count > 1
-    for raw, value in (rec.losses + rec.losses_after_reset) if several else rec.losses:
-        losses[raw] = losses.get(raw, 0.0) + float(value)  # a tensor: one sync, after the slice
-    second_passes = 0 if several else len({raw for raw, _ in rec.losses_after_reset if raw < min(past, len(ends))})
-    micro = {raw: k for raw, k in rec.loss_counts.items() if raw < min(past, len(ends)) and raw in losses}
-    if rec.framework is not None:
-        divisor, who = rec.framework.loss_divisor(), "Lightning (accumulate_grad_batches"
-    else:  # a loop of its own around accelerate (its prepared loader was read): its divisor
-        divisor = accelerate_loss_divisor() if rec.accelerate_loader else 1
-        who = "accelerator.backward (gradient_accumulation_steps"
-    # only where the loop does accumulate that many: some step has as many micro-batches, none more
-    if divisor > 1 and (divisor not in micro.values() or max(micro.values()) > divisor):
-        divisor = 1
-    partial = sorted(raw for raw, k in micro.items() if k < divisor)
-    for raw in partial:  # a window shorter than the trainer divides by: its mean loss, as logged
-        losses[raw] *= divisor / micro[raw]
-    loss_note = ""
-    if partial:
-        loss_note = (
-            f"{len(partial)} step(s) had fewer micro-batches than the {divisor} that {who}={divisor}) divided "
-            "each micro-batch's loss by before backward (an epoch's last window): their loss is the window's mean "
-            "loss, as the loop logs it, not the smaller sum that went through backward (their gradients are that "
-            "much smaller too)")
+    # the step's loss, and the first step's batches read ahead (losses.py, read_ahead.py)
+    losses, loss_notes = step_losses(rec, min(past, len(ends)))
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
-        read_ahead(rec.handouts, ev.handouts, min(past, len(ends)))
+        read_ahead.read_ahead(rec.handouts, ev.handouts, min(past, len(ends)))
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
@@ -172,43 +144,13 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta.setdefault("name", rec.name)
     full_meta["warmup_steps"] = warmup_steps
     full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
-    if loss_note:
-        full_meta["notes"].append(loss_note)
-    if second_passes:
-        full_meta["notes"].append(
-            f"{second_passes} step(s) backpropagated again after zero_grad() had thrown the step's gradients away "
-            "(SAM-style: a second forward and backward on the same batch): a step's loss is what went through "
-            "backward before the gradients were zeroed, the first pass's")
+    full_meta["notes"] += loss_notes
     if extra_batches:
-        full_meta["notes"].append(
-            f"the first step was handed {extra_batches} batch(es) more than each later step: a loader that reads "
-            f"ahead of the loop (a prefetcher) or a batch taken before it; their {extra_samples} samples are not "
-            "counted as the first step's")
+        full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
     if ev:
         full_meta["evaluation"] = evaluation.describe(ev)
         full_meta["notes"].append(evaluation.note(ev, float(steps["eval_s"].sum())))
     return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
-
-
-def read_ahead(handouts: list[int], eval_batches: set[int], steps: int) -> tuple[int, int]:
-    """Batches (and their samples) the first step was handed beyond what every later step was:
-    a loop that reads ahead (a prefetcher keeping the next batch while the model trains on this
-    one, as timm's does) takes two batches in its first step and one in each after, and the
-    second is the next step's. ``handouts`` flat as ``Recorder.handouts``; ``eval_batches``
-    their indexes read for evaluation (not counted); ``steps``: the slice's raw steps. (0, 0)
-    unless at least two later steps were each handed the same number of batches."""
-    per_step: list[list[int]] = [[] for _ in range(steps)]
-    for k in range(len(handouts) // 3):
-        step = handouts[3 * k + 2]
-        if step < steps and k not in eval_batches:
-            per_step[step].append(handouts[3 * k + 1])
-    if steps < 3:
-        return 0, 0
-    each = len(per_step[1])
-    extra = len(per_step[0]) - each
-    if each == 0 or extra <= 0 or any(len(p) != each for p in per_step[2:]):
-        return 0, 0
-    return extra, sum(per_step[0][:extra])
 
 
 def _gpu_step_ends(spans: pd.DataFrame, host_ends: list[float], warmup_steps: int) -> list[float]:

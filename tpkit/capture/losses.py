@@ -1,0 +1,60 @@
+"""A step's loss, from the losses the phase probe saw go through backward.
+
+The step's loss is the sum of the losses backpropagated in it: what a loop logs when it
+accumulates, each micro-batch's loss divided by the accumulation count. Two kinds of loop
+backpropagate something else, and the build says so in the run's notes:
+
+- SAM-style steps (backward again after ``zero_grad()`` threw the step's gradients away: the
+  first pass only finds where to perturb the weights) report the first pass's loss, as such
+  loops log it; with several optimizers (a GAN), one optimizer's ``zero_grad()`` throws away
+  nothing of another's, and every loss counts.
+- A trainer that divides by more micro-batches than the step had (Lightning's automatic
+  optimization, and ``accelerator.backward`` in a loop of its own, divide by the accumulation
+  count even in an epoch's last, partial window) has that step's sum scaled to the window's
+  mean loss, as the loop logs it. Hugging Face's Trainer divides by the window's own count.
+"""
+
+from __future__ import annotations
+
+from .frameworks import accelerate_loss_divisor
+from .recorder import Recorder
+
+
+def step_losses(rec: Recorder, steps: int) -> tuple[dict[int, float], list[str]]:
+    """Raw step -> its loss, for the first ``steps`` raw steps, and the notes on how it was found."""
+    several = rec.optimizer_count > 1
+    losses: dict[int, float] = {}
+    for raw, value in (rec.losses + rec.losses_after_reset) if several else rec.losses:
+        losses[raw] = losses.get(raw, 0.0) + float(value)  # a tensor: one sync, after the slice
+    notes = []
+    second_passes = 0 if several else len({raw for raw, _ in rec.losses_after_reset if raw < steps})
+    if second_passes:
+        notes.append(f"{second_passes} step(s) backpropagated again after zero_grad() had thrown the step's "
+                     "gradients away (SAM-style: a second forward and backward on the same batch): a step's loss "
+                     "is what went through backward before the gradients were zeroed, the first pass's")
+    micro = {raw: k for raw, k in rec.loss_counts.items() if raw < steps and raw in losses}
+    divisor, who = _divisor(rec)
+    # only where the loop does accumulate that many: some step has as many micro-batches, none more
+    if divisor > 1 and (divisor not in micro.values() or max(micro.values()) > divisor):
+        divisor = 1
+    partial = sorted(raw for raw, k in micro.items() if k < divisor)
+    for raw in partial:  # a window shorter than the trainer divides by: its mean loss, as logged
+        losses[raw] *= divisor / micro[raw]
+    if partial:
+        notes.append(f"{len(partial)} step(s) had fewer micro-batches than the {divisor} that {who} divided each "
+                     "micro-batch's loss by before backward (an epoch's last window): their loss is the window's "
+                     "mean loss, as the loop logs it, not the smaller sum that went through backward (their "
+                     "gradients are that much smaller too)")
+    return losses, notes
+
+
+def _divisor(rec: Recorder) -> tuple[int, str]:
+    """What the loop's trainer divides every micro-batch's loss by (1: nothing to correct), and
+    who does."""
+    if rec.framework is not None:
+        n = rec.framework.loss_divisor()
+        return n, f"Lightning (accumulate_grad_batches={n})"
+    if rec.accelerate_loader:  # a loop of its own around accelerate: its prepared loader was read
+        n = accelerate_loss_divisor()
+        return n, f"accelerator.backward (gradient_accumulation_steps={n})"
+    return 1, ""

@@ -1,0 +1,35 @@
+"""Batches a loop read ahead of the ones it trained on, told from the batches handed to it.
+
+A loop that reads one batch ahead (timm's ``PrefetchLoader``, the CUDA-prefetcher recipes keep
+the next batch while the model trains on this one) takes two batches in its first step and one
+in each after: the second is the next step's. Counted as the first step's samples, a slice with
+no warmup read 20% more samples/s than the loop trained.
+"""
+
+from __future__ import annotations
+
+
+def read_ahead(handouts: list[int], eval_batches: set[int], steps: int) -> tuple[int, int]:
+    """Batches (and their samples) the first step was handed beyond what every later step was.
+    ``handouts`` flat as ``Recorder.handouts``; ``eval_batches`` their indexes read for
+    evaluation (not counted); ``steps``: the slice's raw steps. (0, 0) unless at least two later
+    steps were each handed the same number of batches."""
+    per_step: list[list[int]] = [[] for _ in range(steps)]
+    for k in range(len(handouts) // 3):
+        step = handouts[3 * k + 2]
+        if step < steps and k not in eval_batches:
+            per_step[step].append(handouts[3 * k + 1])
+    if steps < 3:
+        return 0, 0
+    each = len(per_step[1])
+    extra = len(per_step[0]) - each
+    if each == 0 or extra <= 0 or any(len(p) != each for p in per_step[2:]):
+        return 0, 0
+    return extra, sum(per_step[0][:extra])
+
+
+def note(batches: int, samples: int) -> str:
+    """The run's note on the batches left out of the first step."""
+    return (f"the first step was handed {batches} batch(es) more than each later step: a loader that reads ahead "
+            f"of the loop (a prefetcher) or a batch taken before it; their {samples} samples are not counted as "
+            "the first step's")
