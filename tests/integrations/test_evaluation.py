@@ -292,19 +292,25 @@ def lightning_module(pl):  # noqa: ANN001, ANN201 - Lightning is imported by the
     return Module()
 
 
-def test_lightning_validating_every_few_steps():
-    pl = pytest.importorskip("lightning.pytorch")
-    module = lightning_module(pl)
-    calls = CallClock(module)
+def fit_validating(pl, module, name: str):  # noqa: ANN001, ANN201
+    """``trainer.fit`` under a slice, validating two batches every ``EVERY`` steps (no sanity
+    check); returns the trainer and the run."""
     train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
     val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
                                       batch_size=EVAL_BATCH)
     trainer = pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, val_check_interval=EVERY,
                          num_sanity_val_steps=0)
-    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-eval", progress=False, clock_hz=0) as prof:
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=name, progress=False, clock_hz=0) as prof:
         trainer.fit(module, train, val)
-    run = prof.run
+    return trainer, prof.run
+
+
+def test_lightning_validating_every_few_steps():
+    pl = pytest.importorskip("lightning.pytorch")
+    module = lightning_module(pl)
+    calls = CallClock(module)
+    trainer, run = fit_validating(pl, module, "pl-eval")
     assert trainer.global_step == N == len(run.steps)
     # validations after steps 3 and 6, two batches each (Lightning validates once more as the
     # fit ends, after the slice: not the slice's)
@@ -351,15 +357,7 @@ def test_lightning_validation_with_a_torchmetrics_metric():
         return plain_validation(batch, batch_idx)
 
     module.validation_step = validation_step
-    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
-    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
-                                      batch_size=EVAL_BATCH)
-    trainer = pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=EVERY,
-                         num_sanity_val_steps=0)
-    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-metric", progress=False, clock_hz=0) as prof:
-        trainer.fit(module, train, val)
-    run = prof.run
+    _, run = fit_validating(pl, module, "pl-metric")
     validations = 2 * (N // EVERY)  # batches, each with two model calls and one metric call
     assert run.meta["evaluation"] == {"calls": 2 * validations, "helper_calls": validations,
                                       "batches": validations, "samples": validations * EVAL_BATCH}

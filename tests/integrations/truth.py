@@ -286,7 +286,9 @@ def hook_state() -> dict[str, Any]:
         "optimizer hooks": (tuple(oo._global_optimizer_pre_hooks), tuple(oo._global_optimizer_post_hooks)),
         "autograd.backward": torch.autograd.backward,
         "torch.save": torch.save,
-        "safetensors": {k: getattr(sys.modules.get("safetensors.torch"), k, None) for k in ("save_file", "save_model")},
+        # wrapped or not (the module may first be imported inside the slice: identity would change)
+        "safetensors": {k: hasattr(getattr(sys.modules.get("safetensors.torch"), k, None), "__wrapped__")
+                        for k in ("save_file", "save_model")},
         "gc.callbacks": tuple(gc.callbacks),
         "torch profiler on": torch._C._autograd._profiler_enabled(),
         "compiling": torch.compiler.is_compiling(),

@@ -38,6 +38,7 @@ Under ``torch.compile`` every hook returns at once (no graph break, no recompile
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import threading
@@ -634,10 +635,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-        wrapper.__name__ = getattr(fn, "__name__", phase)
-        wrapper.__doc__ = getattr(fn, "__doc__", None)
-        return wrapper
+        return functools.update_wrapper(wrapper, fn)
 
     def _wrap_backward(self, fn: Any) -> Any:
         """backward phase; a one-element tensor being backpropagated is (part of) the step's
@@ -737,10 +735,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        save.__wrapped__ = fn  # type: ignore[attr-defined]
-        save.__name__ = getattr(fn, "__name__", "save")
-        save.__doc__ = getattr(fn, "__doc__", None)
-        return save
+        return functools.update_wrapper(save, fn)
 
     def _wrap_iter(self, fn: Any, source: str) -> Any:
         """``iter(loader)``: a DataLoader with workers starts them here (forks them, or resets
@@ -759,9 +754,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
-        __iter__.__doc__ = getattr(fn, "__doc__", None)
-        return __iter__
+        return functools.update_wrapper(__iter__, fn)
 
     def _wrap_h2d(self, fn: Any, source: str, always: bool) -> Any:
         rec = self.rec
@@ -776,10 +769,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        move.__wrapped__ = fn  # type: ignore[attr-defined]
-        move.__name__ = getattr(fn, "__name__", "to")
-        move.__doc__ = getattr(fn, "__doc__", None)
-        return move
+        return functools.update_wrapper(move, fn)
 
 
 def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:
