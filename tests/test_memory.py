@@ -136,6 +136,42 @@ def test_activations_match_the_saved_tensors_within_10_percent():
     assert (rows(run, "forward", "peak", "activations") >= want - 8).all()
 
 
+def test_tensors_made_outside_the_forward_are_other_not_activations():
+    """An EMA copy of the weights made inside the slice, after the optimizer step (under no_grad,
+    outside every phase), is alive at every forward and backward boundary but saved nothing for
+    backward: it is ``other``, to the byte, and the activations are the forward's alone (it had
+    read as activations, backward exit included). The loss made between forward and backward
+    stays an activation."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(B, D)
+    ema: list[torch.Tensor] = []
+
+    def step():
+        out = model(x)
+        (out.pow(2).mean() if ema else out).backward()  # the loss: made after the forward's exit
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            if not ema:
+                ema.extend(p.detach().clone() for p in model.parameters())
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.99).add_(p, alpha=0.01)
+
+    run = tp.profile_fn(step, steps=3, warmup=1, progress=False, clocks=False)
+    copy = 4 * sum(p.numel() for p in model.parameters())  # made at the end of the warmup step
+    assert rows(run, "forward", "enter", "other").tolist() == [0, copy, copy, copy]
+    assert rows(run, "backward", "exit", "other").tolist() == [0, copy, copy, copy]
+    assert rows(run, "backward", "enter", "other").tolist() == [0, copy, copy, copy]  # the loss is no 'other'
+    assert (rows(run, "backward", "exit", "activations") < 64).all()
+    act = rows(run, "forward", "exit", "activations")
+    want = saved_bytes()
+    assert ((act - want).abs() <= 0.10 * want).all(), (act.tolist(), want)
+    # the loss's saved input (out, [B, 1]) and its result count with the activations at backward's enter
+    assert (rows(run, "backward", "enter", "activations") >= act).all()
+
+
 def test_second_slice_with_leftover_grads_counts_the_same():
     """Blocks allocated before the slice (or in an earlier one) must not shift the rest."""
     run1, model, opt = train_mlp()

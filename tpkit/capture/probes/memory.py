@@ -3,11 +3,14 @@ peak with the category mix at the peak's instant.
 
 Categories (DESIGN.md, ``schema.MEMORY_CATEGORIES``): ``parameters, gradients, optimizer_state,
 data`` are the *known sets*, identified from the tensors themselves (unique storages, so tied
-weights and views count once); what the allocator holds beyond them is ``activations`` (blocks
-allocated outside backward, at a forward/backward boundary: what forward saved), ``temporaries``
-(blocks allocated inside backward: autograd buffers, gradients in flight before they reach
-``.grad``) or, at any other boundary, ``other``. Model buffers count with that rest; tpkit's own
-tensors (``Recorder.own_tensors``) count nowhere.
+weights and views count once); what the allocator holds beyond them is, at a forward/backward
+boundary, ``activations`` (blocks allocated inside a forward, or between a forward and its
+backward where the loss is made: what forward saved), ``temporaries`` (blocks allocated inside
+backward: autograd buffers, gradients in flight before they reach ``.grad``) and ``other``
+(blocks allocated anywhere else: an EMA copy of the weights, a state_dict copied for a
+checkpoint, SAM's perturbation; and model buffers), and at any other boundary ``other``. On a
+CUDA device, where blocks are not followed one by one, ``other`` is what was held when the
+forward began. tpkit's own tensors (``Recorder.own_tensors``) count nowhere.
 
 Off the hot path (issue 14). A phase boundary costs a timestamp and, on the CPU, one marker
 that cuts the allocation stream there. With tpkit's counter it is an event written into the
@@ -106,6 +109,9 @@ from .phases import has_accelerator
 
 #: Phases during which what the allocator holds beyond the known sets is called activations.
 ACTIVATION_PHASES: frozenset[str] = frozenset({"forward", "backward"})
+#: Phases whose start ends the stretch after a forward in which the loss is made (on the CPU, a
+#: block allocated in a forward or in that stretch is an activation; anywhere else, ``other``).
+_ENDS_LOSS_GAP: frozenset[str] = frozenset({"backward", "optimizer", "data_wait", "save", "offload"})
 
 #: Marker allocations are storages of an odd size in [MARKER_BASE_BYTES, +2 * (MARKER_SIZES - 1)]:
 #: no float, half or int64 tensor has an odd byte size, and the marker's address and order are
@@ -456,16 +462,19 @@ def _batch_tensors(batch: Any) -> list[torch.Tensor]:
 
 @dataclass
 class _Levels:
-    """Bytes at one instant: known sets by category, the rest allocated outside backward, and
-    the rest allocated inside backward (autograd temporaries)."""
+    """Bytes at one instant: known sets by category, the rest allocated outside backward (on the
+    CPU: inside a forward, or between a forward and its backward, where the loss is made), the
+    rest allocated inside backward (autograd temporaries), and on the CPU the rest allocated
+    anywhere else (an EMA copy of the weights, a state_dict copied for a checkpoint: ``other``)."""
 
     known: dict[str, int]
     rest: int | None
     rest_backward: int = 0
+    rest_elsewhere: int = 0
 
     @property
     def total(self) -> int:
-        return sum(self.known.values()) + (self.rest or 0) + self.rest_backward
+        return sum(self.known.values()) + (self.rest or 0) + self.rest_backward + self.rest_elsewhere
 
 
 class MemoryProbe:
@@ -1134,7 +1143,7 @@ class MemoryProbe:
         pk = 0  # marker storages whose allocation was passed
         live: dict[int, int] = {}
         size: list[int] = []
-        in_backward: list[bool] = []
+        made_in: list[int] = []  # where each block was allocated: 4 forward side, 5 backward, 6 elsewhere
         tag: list[str | None] = []
         alloc_at: list[int] = []
         known_at: list[int] = []
@@ -1159,13 +1168,19 @@ class MemoryProbe:
             return pos[h] if h < len(pos) else after
 
         j = 0
-        bwd_depth = 0
+        bwd_depth = fwd_depth = 0
+        loss_gap = False  # from a forward's exit to the next backward (or another phase): the loss is made
         for i, (ptr, sz) in enumerate(events):
             if j < n_marks and sz < 0 and ptr == marks[j][0] and -sz == marks[j][1] and marks[j][4] < pk:
                 _, _, kind, idx, _ = marks[j]
                 j += 1
                 if kind == _BOUND:
                     phase, event = bounds[idx][0], bounds[idx][1]
+                    if phase == "forward":
+                        fwd_depth += 1 if event == "enter" else -1
+                        loss_gap = event == "exit" and fwd_depth == 0
+                    elif event == "enter" and phase in _ENDS_LOSS_GAP:
+                        loss_gap = False
                     if phase == "backward":
                         bwd_depth += 1 if event == "enter" else -1
                         if event == "enter" and bwd_depth == 1:
@@ -1205,7 +1220,7 @@ class MemoryProbe:
                             a = len(size)
                             live[optr] = a
                             size.append(onb)
-                            in_backward.append(False)
+                            made_in.append(4)
                             tag.append(cat)
                             alloc_at.append(-1)
                             known_at.append(i if cat == "data" else -1)
@@ -1231,7 +1246,7 @@ class MemoryProbe:
                 a = len(size)
                 live[ptr] = a
                 size.append(sz)
-                in_backward.append(bwd_depth > 0)
+                made_in.append(5 if bwd_depth > 0 else 4 if (fwd_depth > 0 or loss_gap) else 6)
                 tag.append(None)
                 alloc_at.append(i)
                 known_at.append(i)
@@ -1245,9 +1260,10 @@ class MemoryProbe:
                     freed_at[a] = i
         self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
 
-        # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest, rest in backward]
-        index = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "data": 3, _BUFFER: 4, _OWN: -2}
-        c = [0] * 6
+        # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest of the forward
+        # side, rest made in backward, rest made elsewhere]
+        index = {"parameters": 0, "gradients": 1, "optimizer_state": 2, "data": 3, _BUFFER: 6, _OWN: -2}
+        c = [0] * 7
         where = [-1] * len(size)  # the counter each block is in now
         moves: dict[int, list[int]] = {}
         for a, t in enumerate(tag):
@@ -1263,7 +1279,7 @@ class MemoryProbe:
 
         def snap() -> _Levels:
             return _Levels({"parameters": c[0], "gradients": c[1], "optimizer_state": c[2], "data": c[3]},
-                           c[4], c[5])
+                           c[4], c[5], c[6])
 
         levels: dict[int, _Levels] = {}
         seg: dict[int, _Levels] = {}
@@ -1296,7 +1312,7 @@ class MemoryProbe:
                 continue
             if events[i][1] > 0:
                 t = tag[a]
-                w = where[a] = index[t] if (t is not None and known_at[a] == i) else (5 if in_backward[a] else 4)
+                w = where[a] = index[t] if (t is not None and known_at[a] == i) else made_in[a]
                 if w < 0:
                     continue
                 c[w] += size[a]
@@ -1439,9 +1455,10 @@ class MemoryProbe:
             if lv.rest is not None:
                 if phase in ACTIVATION_PHASES:
                     base = min(held.get(dev, 0), lv.rest)
-                    rest = {"activations": lv.rest - base, "temporaries": lv.rest_backward, "other": base}
+                    rest = {"activations": lv.rest - base, "temporaries": lv.rest_backward,
+                            "other": base + lv.rest_elsewhere}
                 else:
-                    rest = {"activations": 0, "temporaries": 0, "other": lv.rest + lv.rest_backward}
+                    rest = {"activations": 0, "temporaries": 0, "other": lv.rest + lv.rest_backward + lv.rest_elsewhere}
             for c in MEMORY_CATEGORIES:
                 if c in lv.known:
                     add(phase, event, dev, c, int(lv.known[c]), t_ns=t_ns, raw_step=raw_step)
