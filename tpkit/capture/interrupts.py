@@ -8,10 +8,18 @@ user's Ctrl-C still stops their cell.
 
 Only the main thread can install a signal handler; elsewhere (a loop run in a thread) the
 block runs as is, and Python delivers SIGINT to the main thread anyway.
+
+SIGTERM, while a slice runs and is taken down (``TermGuard``): torchrun stops every surviving
+rank with it the moment one rank fails, and a rank stopped inside tpkit's teardown lost its run
+(3 of 3 launches: the healthy rank's run was the one missing). Where SIGTERM has Python's
+default action, a slice holds it: in the loop it ends the slice through the error path
+(``SystemExit``), in the teardown it waits for the end; once the probes are out and the run is
+kept, the process gets its SIGTERM again and ends as it would have.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
@@ -53,3 +61,46 @@ def held_sigint() -> Iterator[Held]:
             previous(signal.SIGINT, frames[0])
         elif previous == signal.SIG_DFL:
             raise KeyboardInterrupt("interrupted while tpkit was removing its probes (they are all removed)")
+
+
+class TermGuard:
+    """SIGTERM held for a slice (see the module's docstring). ``install`` once the probes are in,
+    ``tearing_down`` before they come out, ``release`` after the run is kept."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._tearing_down = False
+        self._installed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return  # the loop's own handler (Lightning's on a cluster, a user's) stays in charge
+            signal.signal(signal.SIGTERM, self._on_term)
+        except (ValueError, OSError, TypeError, AttributeError):  # no SIGTERM here, or not the main interpreter
+            return
+        self._installed = True
+
+    def tearing_down(self) -> None:
+        self._tearing_down = True
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        self.pending = True
+        if not self._tearing_down:
+            raise SystemExit("tpkit: SIGTERM: the slice was ended and its run kept; the process now ends "
+                             "as SIGTERM ends it")
+
+    def release(self) -> None:
+        """Put the default action back; a SIGTERM that came meanwhile is delivered again now."""
+        if not self._installed:
+            return
+        self._installed = False
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_term:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError, TypeError):
+            return
+        if self.pending:
+            os.kill(os.getpid(), signal.SIGTERM)

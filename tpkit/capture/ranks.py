@@ -10,7 +10,8 @@ Each rank's slice is an ordinary slice; what is added here:
   ends. With ``tp.profile(..., save_dir=DIR)`` or ``TPKIT_SAVE_DIR=DIR`` in the launch
   environment, the Run goes to ``DIR/rank<k>`` (``DIR/<name>`` for a single process). A rank
   whose slice ended by an error (a peer died and the collective timed out) is saved the same
-  way, marked ``complete: false`` with the error, so the survivors' runs are never lost.
+  way, marked ``complete: false`` with the error, so the survivors' runs are never lost (a
+  launcher's SIGTERM to the survivors waits for the run to be kept: ``interrupts.TermGuard``).
 - ``rank_watchdog``: a thread that saves a rank's partial Run while a collective hangs.
 
 Loading and merging the ranks' runs is ``tpkit.ranks``; the arithmetic is ``tpkit.analysis.ranks``.

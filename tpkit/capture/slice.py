@@ -27,7 +27,7 @@ from ..run import Run
 from . import recorder as _rec
 from .build import build_run
 from .host import cpu_name, usable_cores
-from .interrupts import held_sigint
+from .interrupts import TermGuard, held_sigint
 from .probes.cuda_timing import maybe_cuda_timer
 from .probes.phases import PhaseProbe
 
@@ -99,6 +99,7 @@ class Profile:
         self.rec: _rec.Recorder | None = None
         self._probes: list[Any] = []
         self._removed: list[Any] = []
+        self._term = TermGuard()  # SIGTERM held while the slice runs and is taken down (interrupts.py)
         self._bar: Any = None
         self._durations: list[float] = []
         self._last_end_ns = 0
@@ -147,6 +148,7 @@ class Profile:
                 rec.first_step_ns = self._last_end_ns = time.perf_counter_ns()
                 rec.meta["probes_install_s"] = (rec.first_step_ns - rec.t0_ns) / 1e9
                 _rec.set_active(rec)
+                self._term.install()
         except BaseException:
             with held_sigint():
                 self._teardown()
@@ -156,11 +158,15 @@ class Profile:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         # A Ctrl-C here would leave hooks installed and lose the run: it is held until every
         # probe is out and the run is kept, then raised (tpkit/capture/interrupts.py).
-        with held_sigint():
-            try:
-                self._teardown()
-            finally:
-                self._finish(exc)
+        self._term.tearing_down()
+        try:
+            with held_sigint():
+                try:
+                    self._teardown()
+                finally:
+                    self._finish(exc)
+        finally:
+            self._term.release()  # a SIGTERM held meanwhile ends the process now, the run kept
         return exc_type is not None and issubclass(exc_type, StopSlice)
 
     def _teardown(self) -> None:
@@ -259,8 +265,9 @@ class Profile:
                 rec.note(f"the loop ended after {done} steps, before the slice was full "
                          f"({warmup} warmup + {cfg.steps} steps): the Run holds the steps that happened")
         elif not isinstance(exc, StopSlice):
-            meta.update(complete=False, stopped_by="interrupt" if isinstance(exc, KeyboardInterrupt) else "error",
-                        error=f"{type(exc).__name__}: {exc}")
+            how = ("terminated" if self._term.pending else "interrupt" if isinstance(exc, KeyboardInterrupt)
+                   else "error")  # terminated: SIGTERM (a launcher stopping the ranks that survived one)
+            meta.update(complete=False, stopped_by=how, error=f"{type(exc).__name__}: {exc}")
             rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
                      "the Run holds what was recorded")
         if done == 0 and not any(getattr(p, "foreign_steps", None) for p in self._removed):  # else the probe says why
