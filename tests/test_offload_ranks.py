@@ -124,6 +124,8 @@ def test_hung_peer_watchdog_saves_the_survivor_before_the_collective_gives_up(tm
     assert "stalled" in " ".join(early.meta["notes"])
     final = load_ranks(tmp_path).runs[0]  # the slice's own save afterwards keeps the mark
     assert final.meta["stopped_by"] == "stalled" and final.meta["rank_status"] == "failed"
+    # what ended it is the stall, not the KeyboardInterrupt the watchdog used to end the slice
+    assert final.meta["error"].startswith("no step ended for 2 s"), final.meta["error"]
     assert procs[0].returncode == 2, outs
     # the hung rank's own watchdog fired as well: it saved and interrupted its long step
     assert procs[1].returncode == 2 and load_ranks(tmp_path).runs[1].meta["stopped_by"] == "stalled", outs

@@ -69,6 +69,9 @@ def finish_rank_run(run: Run, save_dir: str | os.PathLike | None = None) -> Path
             run.meta["rank_status"] = "failed"
             if run.meta.get("rank_watchdog_fired"):
                 run.meta["stopped_by"] = "stalled"
+                # the watchdog's KeyboardInterrupt is how the stall ended the slice, not a Ctrl-C
+                if str(run.meta.get("error", "")).startswith("KeyboardInterrupt"):
+                    run.meta["error"] = run.meta.get("rank_watchdog_error") or run.meta["error"]
         target = save_dir if save_dir is not None else os.environ.get(ENV_SAVE_DIR) or None
         if target is None:
             return None
@@ -98,6 +101,7 @@ class RankWatchdog:
         self.rec, self.save_dir, self.timeout_s, self.poll_s = rec, save_dir, float(timeout_s), poll_s
         self.warmup_steps = warmup_steps
         self.fired = False
+        self.message = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tpkit-rank-watchdog", daemon=True)
 
@@ -111,7 +115,7 @@ class RankWatchdog:
             self._thread.join(5.0)
 
     def meta(self) -> dict[str, Any]:
-        return {"rank_watchdog_fired": True} if self.fired else {}
+        return {"rank_watchdog_fired": True, "rank_watchdog_error": self.message} if self.fired else {}
 
     def _loop(self) -> None:
         from time import perf_counter_ns
@@ -139,8 +143,8 @@ class RankWatchdog:
                 snap.notes.append(f"{len(snap.losses) - len(on_host)} losses were on the GPU, which is stalled: "
                                   "left out of the stalled rank's run")
             snap.losses = on_host
-            msg = (f"no step ended for {self.timeout_s:g} s: this rank stalled (a peer died or hangs); "
-                   "the Run holds the steps before the stall")
+            msg = self.message = (f"no step ended for {self.timeout_s:g} s: this rank stalled (a peer died or "
+                                  "hangs); the Run holds the steps before the stall")
             snap.notes.append(msg)
             warmup = min(self.warmup_steps, len(snap.step_ends))
             run = build_run(snap, warmup, {"complete": False, "stopped_by": "stalled", "error": msg})
