@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,33 @@ def test_sigterm_keeps_the_run_then_ends_the_process_as_sigterm_does(where, step
     assert "not reached" not in out.stdout
     run = tp.load(str(tmp_path / f"sigterm-{where}"))
     assert len(run.steps) == steps and run.meta["stopped_by"] == stopped_by
+
+
+def test_a_process_forked_during_a_slice_ends_by_sigterm_at_once():
+    """A loader's worker forked while the slice holds SIGTERM gets the default action back: its
+    parent ends it with SIGTERM, and it has no run to keep."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=2, warmup=0, progress=False, clock_hz=0, memory=False):
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # held in this process
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: say it is ready, then wait to be ended
+                os.write(write, b"1" if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else b"0")
+                time.sleep(30)
+                os._exit(0)
+            default = os.read(read, 1) == b"1"
+            os.kill(pid, signal.SIGTERM)
+            _, status = os.waitpid(pid, 0)
+            os.close(read)
+            os.close(write)
+            assert default and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
 
 
 def test_real_sigints_at_random_instants_over_many_slices_leave_nothing_behind():

@@ -14,7 +14,9 @@ rank with it the moment one rank fails, and a rank stopped inside tpkit's teardo
 (3 of 3 launches: the healthy rank's run was the one missing). Where SIGTERM has Python's
 default action, a slice holds it: in the loop it ends the slice through the error path
 (``SystemExit``), in the teardown it waits for the end; once the probes are out and the run is
-kept, the process gets its SIGTERM again and ends as it would have.
+kept, the process gets its SIGTERM again and ends as it would have. A process forked meanwhile
+(a loader's worker) gets the default action back as it starts; one signalled in the
+microseconds before that loses the signal, as with any Python handler.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class TermGuard:
         self.pending = False
         self._tearing_down = False
         self._installed = False
+        self._pid = os.getpid()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -87,6 +90,10 @@ class TermGuard:
         self._tearing_down = True
 
     def _on_term(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a process forked during the slice (a loader's worker): SIGTERM ends it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.pending = True
         if not self._tearing_down:
             raise SystemExit("tpkit: SIGTERM: the slice was ended and its run kept; the process now ends "
@@ -104,3 +111,18 @@ class TermGuard:
             return
         if self.pending:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _default_term_in_child() -> None:
+    """A process forked while a slice holds SIGTERM (a loader's worker) gets SIGTERM's default
+    action back at once: its parent ends it with SIGTERM, and it has no slice to keep."""
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        if isinstance(getattr(handler, "__self__", None), TermGuard):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError, TypeError):
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_default_term_in_child)
