@@ -11,6 +11,10 @@ collation), the loss each ``training_step`` returned (recorded by a callback), t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import nbformat
 import pytest
 import torch
@@ -198,3 +202,18 @@ def test_fit_under_the_magic_in_a_real_kernel():
              and "tpkit run 'pl-kernel'" in o["data"].get("text/plain", "")]
     assert len(shown) == 1 and "text/plain" in shown[0]["data"]
     assert nb.cells[2].outputs[0]["text"].strip() == f"{STEPS + WARMUP} True {STEPS + WARMUP} FINISHED ['train_end']"
+
+
+def test_sigterm_mid_fit_ends_as_lightning_ends_it_and_the_run_is_kept(tmp_path):
+    """Lightning puts its own SIGTERM handler over tpkit's at fit and ends the fit its own way;
+    under a slice it ends the same (the same exit code, nothing after fit runs), and the run of
+    the steps before is kept."""
+    child = Path(__file__).with_name("lightning_sigterm_child.py")
+    ends = {}
+    for mode in ("plain", "tpkit"):
+        out = subprocess.run([sys.executable, str(child), mode, str(tmp_path / mode)], capture_output=True,
+                             text=True, timeout=180, cwd=tmp_path)
+        ends[mode] = (out.returncode, "after fit" in out.stdout)
+    assert ends["tpkit"] == ends["plain"], ends
+    run = tp.load(str(tmp_path / "tpkit" / "pl-sigterm"))
+    assert len(run.steps) == 4 and not run.complete

@@ -14,7 +14,9 @@ rank with it the moment one rank fails, and a rank stopped inside tpkit's teardo
 (3 of 3 launches: the healthy rank's run was the one missing). Where SIGTERM has Python's
 default action, a slice holds it: in the loop it ends the slice through the error path
 (``SystemExit``), in the teardown it waits for the end; once the probes are out and the run is
-kept, the process gets its SIGTERM again and ends as it would have. A process forked meanwhile
+kept, the process gets its SIGTERM again and ends as it would have. A handler installed over
+tpkit's meanwhile (Lightning's, at fit) decides: called by it as the handler it replaced, tpkit's
+does what the default action would have there, nothing. A process forked meanwhile
 (a loader's worker) gets the default action back as it starts; one signalled in the
 microseconds before that loses the signal, as with any Python handler.
 """
@@ -93,6 +95,10 @@ class TermGuard:
         if os.getpid() != self._pid:  # a process forked during the slice (a loader's worker): SIGTERM ends it
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if signal.getsignal(signal.SIGTERM) != self._on_term:
+            # a handler installed over this one (Lightning's, at fit) is calling it as the one it
+            # replaced: where that was the default action, it would have called nothing
             return
         self.pending = True
         if not self._tearing_down:
