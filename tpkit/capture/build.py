@@ -117,9 +117,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         gpu_ends = [at(e, rec.step_events.get(i)) for i, (e, _) in enumerate(rec.step_ends)]
         ends = _gpu_step_ends(spans, gpu_ends, warmup_steps)
     # the step's loss, and the first step's batches read ahead (losses.py, read_ahead.py)
-    losses, loss_notes = step_losses(rec, min(past, len(ends)))
+    slice_steps = min(past, len(ends))
+    losses, loss_notes = step_losses(rec, slice_steps)
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
-        read_ahead.read_ahead(rec.handouts, ev.handouts, min(past, len(ends)))
+        read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps)
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,

@@ -65,7 +65,6 @@ class FrameworkTrainer:
             return getattr(trainer, "model", None)
         return getattr(trainer, "lightning_module", None)
 
-
     def loss_divisor(self) -> int:
         """What the trainer divides every micro-batch's loss by before its backward, whatever
         the number of micro-batches in the step (1: nothing, or the true count).

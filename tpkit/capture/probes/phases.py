@@ -325,7 +325,7 @@ class PhaseProbe:
             self._patched.set(torch, "save", self._wrap_save(torch.save, "torch.save"))
             for module, owner, attr in _SAVERS:  # only those the loop imported: nothing is imported here
                 target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
-                fn = (target.__dict__ if isinstance(target, type) else vars(target)).get(attr) if target else None
+                fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
                 if callable(fn):
                     self._patched.set(target, attr, self._wrap_save(fn, f"{owner or module}.{attr}"))
             scaler = torch.amp.GradScaler
