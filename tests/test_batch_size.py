@@ -5,7 +5,9 @@ Truth: the batch size each batch was built with.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import UserDict
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -14,6 +16,27 @@ import torch
 from tpkit.capture.probes.phases import batch_size_of
 
 B = 4
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch class of the loop's own, as a custom ``collate_fn`` returns it."""
+
+    ids: torch.Tensor | None
+    labels: torch.Tensor
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Holder:
+    """Any object with its tensors as attributes."""
+
+    def __init__(self) -> None:
+        self.name = "batch"
+        self.inputs = torch.zeros(B, 8)
 
 
 @pytest.mark.parametrize("batch", [
@@ -29,7 +52,12 @@ B = 4
     (tuple(torch.zeros(3, 10, 10) for _ in range(B)), tuple({"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)}
                                                             for _ in range(B))),
     [{"x": torch.zeros(8), "y": 1.0} for _ in range(B)],  # records, not collated
-], ids=["tensor", "tuple", "list", "dict", "mapping", "texts", "nested", "numpy", "detection", "records"])
+    [(torch.zeros(8), torch.zeros(1)) for _ in range(B)],  # collate_fn=lambda b: b (it read 8)
+    Batch(None, torch.zeros(B)),  # its first field that is set (it read 0)
+    Pair(torch.zeros(B, 8), torch.zeros(B)),
+    Holder(),
+], ids=["tensor", "tuple", "list", "dict", "mapping", "texts", "nested", "numpy", "detection", "records",
+        "uncollated", "dataclass", "namedtuple", "attributes"])
 def test_samples_in_a_batch(batch):
     assert batch_size_of(batch) == B
 
@@ -46,6 +74,38 @@ def test_hugging_face_batch_encoding():
 @pytest.mark.parametrize("batch", [[], {}, (), object(), [None]], ids=["list", "dict", "tuple", "object", "none"])
 def test_what_it_cannot_tell_is_none(batch):
     assert batch_size_of(batch) is None
+
+
+def test_a_batch_it_cannot_count_is_said_with_its_type():
+    """A graph library's batch keeps its tensors deeper than tpkit looks: samples/s is unknown,
+    and the run says why (it had said "no batch seen" of batches it had seen) and what to do."""
+    import tpkit as tp
+
+    class GraphBatch:
+        def __init__(self) -> None:
+            self._store = {"x": torch.zeros(B, 8)}
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(range(40), batch_size=B, collate_fn=lambda _: GraphBatch())
+
+    def train(prof_kwargs: dict) -> tp.Run:
+        with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0, memory=False, **prof_kwargs) as prof:
+            for batch in loader:
+                model(batch._store["x"]).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.run
+
+    run = train({})
+    assert run.steps["samples"].tolist() == [0, 0, 0, 0]
+    assert any(n.startswith("4 batch(es) read in the slice held samples tpkit could not count (a "
+                            "test_a_batch_it_cannot_count_is_said_with_its_type.<locals>.GraphBatch")
+               and "samples_per_step=N" in n for n in run.meta["notes"])
+    assert "samples/s unknown (no samples counted" in run.summary().to_text()
+    given = train({"samples_per_step": B})
+    assert given.steps["samples"].tolist() == [B] * 4
+    assert not any("could not count" in n for n in given.meta["notes"])
 
 
 def test_two_different_mappings_are_not_records():

@@ -110,9 +110,15 @@ class Summary:
         return "\n".join(lines)
 
 
+#: Why samples/s is unknown when steps were timed: no batch was seen, or none whose samples
+#: could be counted (the run's notes then name the batch's type).
+RATE_UNKNOWN = ("no samples counted: read batches through a DataLoader or tp.watch, or give samples_per_step; "
+                "the notes say more")
+
+
 def _rate(throughput: float) -> str:
-    if throughput != throughput:  # NaN: no loader batch was seen
-        return "samples/s unknown (no batch seen: use a DataLoader, tp.watch, or samples_per_step)"
+    if throughput != throughput:  # NaN
+        return f"samples/s unknown ({RATE_UNKNOWN})"
     return f"{throughput:,.1f} samples/s"
 
 

@@ -82,6 +82,7 @@ class Recorder:
         # the modules called with grad in train mode (the trained ones) and the modules without
         # parameters called without grad (a loss, a metric)
         self.handouts: list[int] = []
+        self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
         self.trained_modules: set[int] = set()
         self.param_free_modules: set[int] = set()

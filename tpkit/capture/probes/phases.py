@@ -5,7 +5,10 @@ What is hooked, and why this way:
   compiled in place included); only the outermost call of the loop's thread opens a span, and
   an exception inside forward still closes it.
 - backward: ``torch.autograd.backward`` is wrapped (``Tensor.backward`` looks it up at call
-  time, so one wrapper covers both).
+  time, so one wrapper covers both), and so is ``torch.autograd.grad`` where it runs outside
+  the forward, backward and optimizer (a gradient penalty, a meta-learning inner step): it is a
+  backward pass too, though its result is no loss. Inside those phases it stays theirs (a
+  physics-informed model differentiating its output in its forward, a second-order optimizer).
 - optimizer: torch's global optimizer step pre/post hooks, plus ``Optimizer.zero_grad`` and
   ``Module.zero_grad``. The post hook of the *lead* optimizer (the first one that steps)
   ends a step, unless the user marks steps with ``tp.step()``.
@@ -38,6 +41,7 @@ Under ``torch.compile`` every hook returns at once (no graph break, no recompile
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import sys
@@ -115,10 +119,12 @@ def batch_size_of(batch: Any) -> int | None:
     """Samples in a (nested) batch; None if it cannot tell.
 
     The leading dimension of the first tensor-like, found through mappings (a dict, HF's
-    ``BatchEncoding``, a ``UserDict``) and sequences, except where a sequence holds one record
-    per sample: strings or numbers, or mappings with the same keys (per-sample targets as a
-    detection loader's ``tuple(zip(*batch))`` gives them, next to a tuple of images whose first
-    dimension is their channels)."""
+    ``BatchEncoding``, a ``UserDict``), sequences and dataclasses (a ``Batch`` class of the
+    loop's own; other objects: the first tensor among their attributes), except where a
+    sequence holds one record per sample: strings or numbers, mappings with the same keys
+    (per-sample targets as a detection loader's ``tuple(zip(*batch))`` gives them, next to a
+    tuple of images whose first dimension is their channels), or a list of tuples (the
+    samples as a dataset returns them, with ``collate_fn=lambda b: b``)."""
     for _ in range(8):  # bounded descent into nested containers
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() > 0 else 1
@@ -134,12 +140,19 @@ def batch_size_of(batch: Any) -> int | None:
             first = batch[0]
             if isinstance(first, (str, bytes, int, float)):
                 return len(batch)
+            if type(batch) is list and all(type(e) is tuple for e in batch):  # uncollated samples
+                return len(batch)
             for part in (batch, *(p for p in batch if isinstance(p, (list, tuple)))):
                 if _records(part):
                     return len(part)
             batch = first
+        elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+            fields = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+            batch = next((v for v in fields if v is not None), None)
         else:
-            return None
+            attrs = getattr(batch, "__dict__", None)
+            return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
+                if isinstance(attrs, dict) else None
     return None
 
 
@@ -153,7 +166,10 @@ def _records(seq: list | tuple) -> bool:
 
 def handed_out(rec: Recorder, batch: Any) -> None:
     """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners."""
-    rec.handed_out(batch_size_of(batch) or 0)
+    n = batch_size_of(batch)
+    if n is None and rec.uncounted is None:
+        rec.uncounted = type(batch).__qualname__
+    rec.handed_out(n or 0)
     if rec.batch_listeners:
         rec.yielded(batch)
 
@@ -278,6 +294,7 @@ class PhaseProbe:
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
+        self.grad_calls = 0  # torch.autograd.grad calls timed as backward
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
@@ -309,6 +326,7 @@ class PhaseProbe:
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._opt_pre))
             self._handles.append(_optim.register_optimizer_step_post_hook(self._opt_post))
             self._patched.set(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+            self._patched.set(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad))
             self._patched.set(torch.optim.Optimizer, "zero_grad",
                         self._wrap_phase(torch.optim.Optimizer.zero_grad, "optimizer", "zero_grad"))
             self._patched.set(torch.nn.Module, "zero_grad",
@@ -366,6 +384,10 @@ class PhaseProbe:
             out.append("backward ran but no module's forward was seen: the model is not called as an "
                        "nn.Module (a functional model, or model.forward(...) "
                        "called directly); mark its forward with tp.phase('forward')")
+        if self.grad_calls:
+            out.append(f"torch.autograd.grad ran {self.grad_calls} time(s) outside the forward (a gradient "
+                       "penalty, a meta-learning inner step): its passes are backward time (backward_s); "
+                       "the loss is still only what went through backward()")
         if self.recomputed_calls:
             out.append(f"modules ran inside backward ({self.recomputed_calls} outermost call(s)), as when "
                        "activation checkpointing recomputes the forward: that time is the backward's "
@@ -661,6 +683,24 @@ class PhaseProbe:
         backward.__wrapped__ = fn  # type: ignore[attr-defined]
         backward.__doc__ = fn.__doc__
         return backward
+
+    def _wrap_grad(self, fn: Any) -> Any:
+        """``torch.autograd.grad`` outside forward, backward and optimizer is backward time (a
+        gradient penalty's pass); its outputs are gradients, never the step's loss."""
+        rec, probe = self.rec, self
+
+        def grad(*args: Any, **kwargs: Any) -> Any:
+            if (_compiling() or threading.get_ident() != rec.thread_id or rec.is_open("forward")
+                    or rec.is_open("backward") or rec.is_open("optimizer")):
+                return fn(*args, **kwargs)
+            probe.grad_calls += 1
+            token = rec.enter("backward", "autograd.grad")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.exit(token)
+
+        return functools.update_wrapper(grad, fn)
 
     def _loss_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The loss behind a tensor being backpropagated: the unscaled loss when it came out

@@ -1,0 +1,96 @@
+"""``torch.autograd.grad`` in a training step.
+
+A WGAN-GP critic differentiates its output with respect to its input (``create_graph=True``)
+to build a gradient penalty, then backpropagates the loss. That first pass is a backward pass
+too: it had fallen to ``other`` (the verdict then read OVERHEAD-BOUND, "Python between
+phases"). Called inside a module's forward (a physics-informed model differentiating its
+output), it stays the forward's time.
+
+Truth: the loop's own clocks around each part, and the losses it computed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import truth
+from truth import STEPS, TOLERANCE, WARMUP
+
+import tpkit as tp
+
+N = STEPS + WARMUP
+
+
+def test_a_gradient_penalty_pass_is_backward_time():
+    torch.manual_seed(0)
+    critic = truth.SleepyNet()
+    opt = truth.SleepySGD(critic.parameters(), lr=0.01)
+    clock: dict[str, float] = defaultdict(float)
+    losses = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="wgan-gp", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 1):
+            real, fake = torch.randn(8, 8), torch.randn(8, 8)
+            alpha = torch.rand(8, 1)
+            mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            t = time.perf_counter()
+            score = critic(fake).mean() - critic(real).mean()
+            out = critic(mixed)
+            clock["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            grad, = torch.autograd.grad(out.sum(), mixed, create_graph=True)  # through the sleepy node
+            clock["penalty"] += time.perf_counter() - t
+            loss = score + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+            t = time.perf_counter()
+            loss.backward()
+            clock["backward"] += time.perf_counter() - t
+            losses.append(loss.item())
+            opt.step()  # the slice ends inside the last
+            opt.zero_grad()
+    run = prof.run
+    assert len(run.steps) == N
+    truth.assert_losses(run.steps["loss"].tolist(), losses[:N])  # the penalty's pass adds no loss
+    backward = float(run.steps["backward_s"].sum())
+    want = clock["penalty"] + clock["backward"]
+    assert abs(backward - want) <= TOLERANCE * want
+    assert float(run.steps["other_s"].sum()) < 0.2 * clock["penalty"]
+    assert any(n.startswith(f"torch.autograd.grad ran {N} time(s) outside the forward") for n in run.meta["notes"])
+
+
+class Differentiating(torch.nn.Module):
+    """A physics-informed model: its output's derivative with respect to its input is part of
+    its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = truth.SleepyNet()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        u = self.net(x)
+        du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return u + du.sum(dim=1, keepdim=True)
+
+
+def test_autograd_grad_inside_a_forward_stays_the_forward():
+    torch.manual_seed(0)
+    model = Differentiating()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pinn", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 1):
+            x, y = torch.randn(8, 8), torch.randn(8, 1)
+            t = time.perf_counter()
+            loss = ((model(x) - y) ** 2).mean()
+            clock["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss.backward()
+            clock["backward"] += time.perf_counter() - t
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    for phase in ("forward", "backward"):
+        got = float(run.steps[f"{phase}_s"].sum())
+        assert abs(got - clock[phase]) <= TOLERANCE * clock[phase], (phase, got, clock[phase])
+    assert not any("torch.autograd.grad" in n for n in run.meta["notes"])
