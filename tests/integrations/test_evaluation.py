@@ -98,7 +98,7 @@ def test_evaluation_is_its_own_phase(plain):
     close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
     close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
     assert run.meta["evaluation"] == {"calls": plain["evals"], "helper_calls": 0, "batches": plain["evals"],
-                                      "samples": plain["evals"] * EVAL_BATCH}
+                                      "samples": plain["evals"] * EVAL_BATCH, "runs": {}}
     assert any(note.startswith(f"evaluation ran inside the slice: {plain['evals']} call(s)")
                for note in run.meta["notes"]), run.meta["notes"]
 
@@ -141,7 +141,7 @@ def test_targets_the_model_makes_for_itself(eval_mode):
     assert (run.steps["samples"] == BATCH).all()
     assert float(run.steps["data_wait_s"].sum()) >= N * truth.DATA_S
     if eval_mode:
-        assert run.meta["evaluation"] == {"calls": N, "helper_calls": 0, "batches": 0, "samples": 0}
+        assert run.meta["evaluation"] == {"calls": N, "helper_calls": 0, "batches": 0, "samples": 0, "runs": {}}
         assert float(run.steps["forward_s"].sum()) >= N * truth.FORWARD_S
     else:
         assert float(run.steps["eval_s"].sum()) == 0.0 and "evaluation" not in run.meta
@@ -168,6 +168,47 @@ def test_evaluating_the_model_inside_its_wrapper():
     # each after its step: the last one comes after the slice's last step, not the slice's
     assert prof.run.meta["evaluation"]["calls"] == N - 1
     assert float(prof.run.steps["eval_s"].sum()) >= (N - 1) * truth.FORWARD_S
+
+
+
+class EncoderDecoder(torch.nn.Module):
+    """Trained whole; evaluated part by part, as ``generate()`` runs an encoder once and its
+    decoder token by token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = truth.SleepyNet(), torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def test_evaluating_the_parts_of_the_trained_model():
+    """Calls of the trained model's parts on their own, without grad in eval mode, are its
+    evaluation: the batch read for them is not the step's (it was: 24 samples a step for 8)."""
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="parts", progress=False, clock_hz=0) as prof:
+        for x, y in train:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                vx, _ = next(iter(val))
+                h = model.encoder(vx)
+                for _ in range(3):  # token by token
+                    h = model.decoder(h)
+            model.train()
+    run = prof.run
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    # each after its step: the last one comes after the slice's last step, not the slice's
+    assert run.meta["evaluation"]["calls"] == 4 * (N - 1)
+    assert float(run.steps["eval_s"].sum()) >= (N - 1) * truth.FORWARD_S
+    assert float(run.steps["forward_s"].sum()) < (N + 1) * truth.FORWARD_S * (1 + TOLERANCE)
 
 
 class SleepyMetric(torch.nn.Module):
@@ -228,7 +269,7 @@ def test_loss_and_metric_modules_of_an_evaluation():
                 evals += 2
     run = prof.run
     assert run.meta["evaluation"] == {"calls": evals, "helper_calls": 2 * evals, "batches": evals,
-                                      "samples": evals * EVAL_BATCH}
+                                      "samples": evals * EVAL_BATCH, "runs": {}}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (model, loss and metric calls, batches)")
     close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (with the logged metric)")
@@ -262,6 +303,101 @@ def test_trainer_evaluating_every_few_steps(tmp_path):
     # eval: its calls and the waits for its batches (each collate sleeps DATA_S)
     assert float(run.steps["eval_s"].sum()) >= calls.seconds["eval"] + calls.calls["eval"] * truth.DATA_S
     assert run.meta["evaluation"]["calls"] == calls.calls["eval"]
+    truth.assert_losses(run.steps["loss"].tolist(), [h["loss"] for h in trainer.state.log_history if "loss" in h])
+
+
+
+class TimedEvaluate:
+    """A Trainer subclass's ``evaluate()`` timed by its caller's clock: what a user would call
+    the evaluation's time (the Trainer's ``eval_runtime`` starts later, after the loader is made)."""
+
+    seconds: list[float]
+
+    def evaluate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        t = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.seconds.append(time.perf_counter() - t)
+
+
+METRIC_S = 0.1
+
+
+def test_trainer_evaluation_with_metrics_is_eval_whole(tmp_path):
+    """``compute_metrics`` (and the gathering of predictions for it) runs inside ``evaluate()``
+    but in no model call: it had been ``other`` (a 0.5 s metric read OVERHEAD-BOUND 57%). The
+    Trainer's evaluation is now eval as a whole."""
+    pytest.importorskip("accelerate")
+
+    class Trainer(TimedEvaluate, transformers.Trainer):
+        seconds: list[float] = []
+
+    def metrics(_prediction) -> dict:  # noqa: ANN001
+        time.sleep(METRIC_S)
+        return {"n": 1}
+
+    model = truth.tiny_gpt2()
+    opt = truth.SleepyAdamW(model.parameters(), lr=1e-3)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=40,
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+        dataloader_num_workers=0, seed=0, max_grad_norm=0.0, eval_strategy="steps", eval_steps=EVERY)
+    trainer = Trainer(model=model, args=args, train_dataset=truth.Tokens(),
+                      eval_dataset=torch.utils.data.Subset(truth.Tokens(), range(8)),
+                      data_collator=truth.sleepy_collate, optimizers=(opt, None), compute_metrics=metrics)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-metrics", progress=False, clock_hz=0) as prof:
+        trainer.train()
+    run = prof.run
+    assert len(Trainer.seconds) == N // EVERY
+    close(float(run.steps["eval_s"].sum()), sum(Trainer.seconds), "eval (the whole evaluate())")
+    assert float(run.steps["other_s"].iloc[1:].sum()) < METRIC_S  # the first step holds the Trainer's start
+    assert run.meta["evaluation"]["runs"] == {"Trainer.evaluate": N // EVERY}
+    assert (run.steps["samples"] == 4).all(), run.steps["samples"].tolist()
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Sequence-to-sequence pairs: a source of 12 tokens, a target of 8."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> dict:
+        x = torch.randint(2, truth.VOCAB, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.flip(0)[:8].clone()}
+
+
+def test_seq2seq_evaluation_that_generates(tmp_path):
+    """``predict_with_generate``: ``generate()`` calls the model's encoder on its own, a part of the
+    trained model that training never calls outermost. Its calls had made each evaluation batch
+    a training batch (12 samples a step for 4, the batch's wait data_wait) and its time forward."""
+    pytest.importorskip("accelerate")
+
+    class Trainer(TimedEvaluate, transformers.Seq2SeqTrainer):
+        seconds: list[float] = []
+
+    cfg = transformers.T5Config(vocab_size=truth.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                num_decoder_layers=2, num_heads=2, decoder_start_token_id=0, pad_token_id=0,
+                                eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    calls = CallClock(model)
+    opt = truth.SleepyAdamW(model.parameters(), lr=1e-3)
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "s2s"), per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=40,
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
+        seed=0, max_grad_norm=0.0, eval_strategy="steps", eval_steps=EVERY, predict_with_generate=True,
+        generation_max_length=8)
+    trainer = Trainer(model=model, args=args, train_dataset=Pairs(), eval_dataset=torch.utils.data.Subset(Pairs(), range(8)),
+                      data_collator=truth.sleepy_collate, optimizers=(opt, None))
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="s2s", progress=False, clock_hz=0) as prof:
+        trainer.train()
+    run = prof.run
+    assert trainer.state.global_step == N == len(run.steps)
+    assert (run.steps["samples"] == 4).all(), run.steps["samples"].tolist()
+    close(float(run.steps["eval_s"].sum()), sum(Trainer.seconds), "eval (evaluate(), generate() included)")
+    close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
+    assert float(run.steps["data_wait_s"].sum()) < (N + 1) * truth.DATA_S * (1 + TOLERANCE)  # training's batches
     truth.assert_losses(run.steps["loss"].tolist(), [h["loss"] for h in trainer.state.log_history if "loss" in h])
 
 
@@ -312,10 +448,10 @@ def test_lightning_validating_every_few_steps():
     calls = CallClock(module)
     trainer, run = fit_validating(pl, module, "pl-eval")
     assert trainer.global_step == N == len(run.steps)
-    # validations after steps 3 and 6, two batches each (Lightning validates once more as the
-    # fit ends, after the slice: not the slice's)
+    # validations after steps 3 and 6, two batches each; none more as the fit ends (as at max_steps)
     assert run.meta["evaluation"] == {"calls": 2 * (N // EVERY), "helper_calls": 0, "batches": 2 * (N // EVERY),
-                                      "samples": 2 * (N // EVERY) * EVAL_BATCH}
+                                      "samples": 2 * (N // EVERY) * EVAL_BATCH,
+                                      "runs": {"_EvaluationLoop.run": N // EVERY}}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
     assert float(run.steps["eval_s"].sum()) >= 2 * (N // EVERY) * truth.FORWARD_S
@@ -336,7 +472,8 @@ def test_lightning_sanity_check_before_training_is_evaluation():
     with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-sanity", progress=False, clock_hz=0) as prof:
         trainer.fit(module, train, val)
     run = prof.run
-    assert run.meta["evaluation"] == {"calls": 2, "helper_calls": 0, "batches": 2, "samples": 2 * EVAL_BATCH}
+    assert run.meta["evaluation"] == {"calls": 2, "helper_calls": 0, "batches": 2, "samples": 2 * EVAL_BATCH,
+                                      "runs": {"_EvaluationLoop.run": 1}}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     first = run.steps.iloc[0]
     assert first["eval_s"] >= 2 * truth.FORWARD_S and first["forward_s"] < 2 * truth.FORWARD_S
@@ -360,6 +497,7 @@ def test_lightning_validation_with_a_torchmetrics_metric():
     _, run = fit_validating(pl, module, "pl-metric")
     validations = 2 * (N // EVERY)  # batches, each with two model calls and one metric call
     assert run.meta["evaluation"] == {"calls": 2 * validations, "helper_calls": validations,
-                                      "batches": validations, "samples": validations * EVAL_BATCH}
+                                      "batches": validations, "samples": validations * EVAL_BATCH,
+                                      "runs": {"_EvaluationLoop.run": N // EVERY}}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     truth.assert_losses(run.steps["loss"].tolist(), module.losses[:N])

@@ -217,3 +217,83 @@ def test_sigterm_mid_fit_ends_as_lightning_ends_it_and_the_run_is_kept(tmp_path)
     assert ends["tpkit"] == ends["plain"], ends
     run = tp.load(str(tmp_path / "tpkit" / "pl-sigterm"))
     assert len(run.steps) == 4 and not run.complete
+
+
+class Validations(L.Callback):
+    """How many validation loops ran, and at which global step."""
+
+    def __init__(self) -> None:
+        self.at: list[int] = []
+
+    def on_validation_start(self, trainer, pl_module):  # noqa: ANN001
+        self.at.append(trainer.global_step)
+
+
+class Validating(Model):
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.log("val_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("limit", ["min_epochs", "min_steps", "validation"])
+def test_the_slice_ends_the_fit_as_its_max_steps_would(limit):
+    """The slice full, the fit ends as at ``max_steps`` = the slice's steps, without tpkit:
+    - with ``min_epochs`` / ``min_steps`` not yet met, Lightning refuses ``should_stop`` (its early
+      stop): tpkit's StopSlice had then ended the fit INTERRUPTED, with ``on_exception``;
+    - with a validation set, an early stop first runs one more whole validation (minutes on a real
+      one); a fit that reaches its ``max_steps`` between validations runs none.
+    The trainer's own ``max_steps`` is back once the slice is over."""
+    limits = {"min_epochs": dict(min_epochs=1), "min_steps": dict(min_steps=20), "validation": {}}[limit]
+    N = STEPS + WARMUP
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(8)), batch_size=BATCH)
+
+    def fit(max_steps: int, profiled: bool) -> tuple:
+        torch.manual_seed(0)
+        model, record, validations = Validating(), Record(), Validations()
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[record, validations], num_sanity_val_steps=0, val_check_interval=100,
+                            **limits)
+        loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+        if not profiled:
+            trainer.fit(model, loader, val)
+            return trainer, record, validations, None
+        with tp.profile(steps=STEPS, warmup=WARMUP, name=f"pl-{limit}", progress=False, clock_hz=0) as prof:
+            trainer.fit(model, loader, val)
+        return trainer, record, validations, prof.run
+
+    plain, plain_record, plain_validations, _ = fit(N, profiled=False)
+    trainer, record, validations, run = fit(40, profiled=True)
+    assert plain.state.status.value == "finished" and plain.global_step == N
+    assert trainer.state.status.value == "finished", record.events
+    assert record.events == plain_record.events == ["train_end"]
+    assert trainer.global_step == N == len(run.steps)
+    assert validations.at == plain_validations.at == []
+    assert run.meta["stopped_through"] == "lightning.Trainer"
+    assert trainer.fit_loop.max_steps == 40
+
+
+def test_validate_with_steps_marked_runs_to_its_end():
+    """``trainer.validate`` with ``tp.step()`` at each batch's end: outside ``fit`` Lightning has
+    no switch that ends it early, so the slice ends and the validation runs on, unprofiled, to
+    its own end and results (StopSlice had ended it INTERRUPTED, returning nothing)."""
+    class Step(L.Callback):
+        def on_validation_batch_end(self, *_):  # noqa: ANN002
+            tp.step()
+
+    def validate() -> tuple:
+        torch.manual_seed(0)
+        model, record = Validating(), Record()
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[record, Step()])
+        val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(40)), batch_size=BATCH)
+        return trainer, record, trainer.validate(model, val)
+
+    _, _, plain = validate()
+    with tp.profile(steps=3, warmup=1, name="pl-validate", progress=False, clock_hz=0) as prof:
+        trainer, record, results = validate()
+    assert trainer.state.status.value == "finished" and record.events == []
+    assert results == plain and "val_loss" in results[0]
+    assert len(prof.run.steps) == 4
+    assert any(n.startswith("the slice ended after 4 steps; lightning.Trainer runs on") for n in prof.run.meta["notes"])

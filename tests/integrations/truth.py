@@ -267,7 +267,8 @@ def _class_attrs() -> list[type]:
     names = [("transformers", "Trainer"), ("transformers.trainer_callback", "CallbackHandler"),
              ("accelerate", "Accelerator"), ("accelerate.optimizer", "AcceleratedOptimizer"),
              ("lightning.pytorch", "Trainer"), ("lightning.pytorch", "LightningModule"),
-             ("deepspeed.runtime.engine", "DeepSpeedEngine")]
+             ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+             ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop")]
     for mod, name in names:
         if mod in sys.modules:
             classes.append(getattr(sys.modules[mod], name))
@@ -285,6 +286,7 @@ def hook_state() -> dict[str, Any]:
                                             mm._global_forward_hooks_always_called)],
         "optimizer hooks": (tuple(oo._global_optimizer_pre_hooks), tuple(oo._global_optimizer_post_hooks)),
         "autograd.backward": torch.autograd.backward,
+        "autograd.grad": torch.autograd.grad,
         "torch.save": torch.save,
         # wrapped or not (the module may first be imported inside the slice: identity would change)
         "safetensors": {k: hasattr(getattr(sys.modules.get("safetensors.torch"), k, None), "__wrapped__")

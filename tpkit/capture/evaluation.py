@@ -50,43 +50,74 @@ class EvalSplit:
     """What the Run counts as evaluation, in the Recorder's clock (ns)."""
 
     calls: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of each evaluation call
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # a trainer's whole evaluations (merged)
     waits: set[tuple[int, int]] = field(default_factory=set)  # (start, end) of data_wait spans it read
     samples_by_step: dict[int, int] = field(default_factory=dict)  # raw step -> samples taken out
     batches: int = 0
     handouts: set[int] = field(default_factory=set)  # indexes (in Recorder.handouts) of the batches read for it
-    model_calls: int = 0  # of ``calls``, the trained model's (the rest: a loss, a metric)
+    model_calls: int = 0  # evaluation calls of the trained model in the rows' steps
+    helper_calls: int = 0  # and of a loss or a metric after them
+    runs: dict[str, int] = field(default_factory=dict)  # a trainer's evaluations in the rows' steps, by who ran them
+    rows: int = 0  # raw steps below this have a row in run.steps: what the note and describe count
 
     def __bool__(self) -> bool:
-        return bool(self.calls)
+        return bool(self.calls or self.ranges)
 
     def in_call(self, t_ns: int) -> bool:
-        """Whether ``t_ns`` falls inside an evaluation call."""
-        i = bisect.bisect_right(self.calls, (t_ns, 1 << 62)) - 1
-        return i >= 0 and self.calls[i][0] <= t_ns <= self.calls[i][1]
+        """Whether ``t_ns`` falls inside an evaluation call or a trainer's evaluation."""
+        return _inside(self.calls, t_ns) or _inside(self.ranges, t_ns)
+
+
+def _inside(intervals: list[tuple[int, int]], t_ns: int) -> bool:
+    i = bisect.bisect_right(intervals, (t_ns, 1 << 62)) - 1
+    return i >= 0 and intervals[i][0] <= t_ns <= intervals[i][1]
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
-          param_free: set[int], past: int) -> EvalSplit:
+          param_free: set[int], past: int, rows: int | None = None) -> EvalSplit:
     """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and sets of
-    the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's."""
-    out = EvalSplit()
+    the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's, and
+    what is counted (``describe``) stops at ``rows`` (the steps that have a row: a loop that ended
+    early evaluates after its last step too, and that is in no step)."""
+    rows = past if rows is None else min(rows, past)
+    out = EvalSplit(rows=rows)
+    whole = [s for s in spans if s[0] == EVAL and s[5] < past]  # a trainer's evaluate(), as one span
+    out.ranges = _merged([(s[1], s[2]) for s in whole])
+    last_end = -1
+    for s in sorted(whole, key=lambda w: (w[1], -w[2])):
+        if s[1] > last_end:  # not inside another: one evaluation
+            last_end = s[2]
+            if s[5] < rows:
+                out.runs[s[4]] = out.runs.get(s[4], 0) + 1
     recorded = [no_grad_calls[i:i + 4] for i in range(0, len(no_grad_calls), 4) if no_grad_calls[i + 3] < past]
     calls = sorted((a, b) for a, b, m, _ in recorded if m in trained and m not in param_free)
-    if not calls:
+    if not calls and not out.ranges:
         return out
-    helpers = sorted((a, b) for a, b, m, _ in recorded if m in param_free)
-    out.calls = calls
-    out.model_calls = len(calls)
-    in_helper = EvalSplit(calls=helpers).in_call
+    in_range = EvalSplit(calls=out.ranges).in_call
+    out.model_calls = sum(1 for _, _, m, step in recorded if m in trained and m not in param_free and step < rows)
+    helpers = sorted((a, b, step) for a, b, m, step in recorded if m in param_free)
+    in_helper = EvalSplit(calls=[(a, b) for a, b, _ in helpers]).in_call
     # every other forward span (training, a teacher's) by its start; a loss or a metric is neither
-    others = sorted(s[1] for s in spans if s[0] == "forward" and not out.in_call(s[1]) and not in_helper(s[1]))
+    others = sorted(s[1] for s in spans if s[0] == "forward" and not _inside(calls, s[1]) and not in_helper(s[1])
+                    and not in_range(s[1]))
     # a loss or a metric called without grad is evaluation when the last model call before it was
     starts = [a for a, _ in calls]
     joined = []
-    for a, b in helpers:
+    for a, b, step in helpers:
         i, j = bisect.bisect_left(starts, a), bisect.bisect_left(others, a)
         if i and (j == 0 or others[j - 1] < starts[i - 1]):
             joined.append((a, b))
+            out.helper_calls += step < rows
     out.calls = calls = sorted(calls + joined)
     times = handouts[0::3]
     eval_batch = []
@@ -94,11 +125,12 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
         end = times[k + 1] if k + 1 < len(times) else 1 << 62
         has_eval = bisect.bisect_left(calls, (t, -1)) < bisect.bisect_left(calls, (end, -1))
         has_other = bisect.bisect_left(others, t) < bisect.bisect_left(others, end)
-        eval_batch.append(has_eval and not has_other)
-        if has_eval and not has_other and handouts[3 * k + 2] < past:
+        is_eval = in_range(t) or (has_eval and not has_other)
+        eval_batch.append(is_eval)
+        if is_eval and handouts[3 * k + 2] < past:
             step, n = handouts[3 * k + 2], handouts[3 * k + 1]
             out.samples_by_step[step] = out.samples_by_step.get(step, 0) + n
-            out.batches += 1
+            out.batches += step < rows
             out.handouts.add(k)
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
     # ahead, as accelerate's does, hands the previous batch right after each read)
@@ -106,7 +138,7 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
         if s[0] != "data_wait":
             continue
         k = bisect.bisect_left(times, s[2])
-        if k < len(times) and eval_batch[k]:
+        if in_range(s[1]) or (k < len(times) and eval_batch[k]):
             out.waits.add((s[1], s[2]))
     return out
 
@@ -153,18 +185,26 @@ def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> 
 
 def note(split_: EvalSplit, eval_s: float) -> str:
     """The run's note on what was counted as evaluation."""
-    samples = sum(split_.samples_by_step.values())
+    samples = _counted_samples(split_)
     read = (f", and the {split_.batches} batch(es) read for them ({samples} samples)," if split_.batches else ",")
-    helpers = len(split_.calls) - split_.model_calls
+    helpers = split_.helper_calls
     with_helpers = f" and {helpers} call(s) of a loss or metric (a module without parameters) after them" if helpers else ""
-    return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model without grad "
-            f"in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not forward or data_wait, "
-            f"and their samples are not the steps' (samples/s is training's). A call of the trained model without grad in "
-            f"eval mode that is part of training (targets it makes for itself) is counted as eval too")
+    runs = ", ".join(f"{n} by {who}" for who, n in split_.runs.items())
+    whole = (f"; {sum(split_.runs.values())} evaluation(s) ran by a trainer ({runs}), all of their time is eval, "
+             "metrics and the gathering of predictions included" if runs else "")
+    return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it) "
+            f"without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
+            f"forward or data_wait, and their samples are not the steps' (samples/s is training's){whole}. A call of "
+            "the trained model without grad in eval mode that is part of training (targets it makes for itself) is "
+            "counted as eval too")
 
 
 def describe(split_: EvalSplit) -> dict[str, Any]:
-    """``run.meta["evaluation"]``."""
-    return {"calls": split_.model_calls, "helper_calls": len(split_.calls) - split_.model_calls,
-            "batches": split_.batches,
-            "samples": sum(split_.samples_by_step.values())}
+    """``run.meta["evaluation"]``: what the rows' steps hold."""
+    return {"calls": split_.model_calls, "helper_calls": split_.helper_calls,
+            "batches": split_.batches, "samples": _counted_samples(split_),
+            "runs": dict(split_.runs)}
+
+
+def _counted_samples(split_: EvalSplit) -> int:
+    return sum(n for step, n in split_.samples_by_step.items() if step < split_.rows)

@@ -1,9 +1,15 @@
 """Training frameworks seen running the slice: Hugging Face ``Trainer`` and Lightning ``Trainer``.
 
 A slice inside ``trainer.train()`` / ``trainer.fit()`` ends through the framework's own stop
-(HF: ``control.should_training_stop``; Lightning: ``trainer.should_stop``) instead of tpkit's
-``StopSlice`` exception, so the trainer finishes as after ``max_steps``: its last step is
-logged, its end hooks run, Lightning's status is FINISHED. The trainer is found once, at the
+instead of tpkit's ``StopSlice`` exception, so the trainer finishes as after ``max_steps``: its
+last step is logged, its end hooks run, Lightning's status is FINISHED. HF: its
+``control.should_training_stop``. Lightning: its fit loop's ``max_steps``, lowered to the step
+now finishing and put back when the slice ends. (``trainer.should_stop``, its early-stopping
+switch, is refused while ``min_epochs`` / ``min_steps`` are not met, and then tpkit's
+``StopSlice`` interrupted the fit; where it is obeyed, Lightning first runs a whole extra
+validation, as early stopping wants: 2 s after a 0.6 s slice with a 40-batch validation set.)
+In Lightning's ``validate`` / ``test`` / ``predict`` (``tp.step()`` in a callback) no switch
+ends the loop: the slice ends and the trainer runs on, unprofiled. The trainer is found once, at the
 first step's end, by walking the frames of the loop for a ``self`` that is one of these
 trainers; nothing is imported (a framework that was never imported cannot be running) and
 nothing is patched.
@@ -35,6 +41,7 @@ class FrameworkTrainer:
         self.name = name
         self._ref = weakref.ref(trainer)
         self.stop_requested = False
+        self._lowered: tuple[Any, Any] | None = None  # (Lightning's epoch loop, its own max_steps)
 
     @property
     def trainer(self) -> Any:
@@ -52,9 +59,34 @@ class FrameworkTrainer:
                 return False
             control.should_training_stop = True  # read after on_step_end and the step's logging
         else:
-            trainer.should_stop = True  # read by the epoch loop after on_train_batch_end
+            loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+            if not self.fitting() or not isinstance(getattr(loop, "max_steps", None), int):
+                return False
+            if self._lowered is None:
+                self._lowered = (loop, loop.max_steps)
+            # the step finishing now is counted once this optimizer step returns
+            loop.max_steps = int(loop.global_step) + 1
         self.stop_requested = True
         return True
+
+    def fitting(self) -> bool:
+        """Whether a Lightning trainer is in ``fit`` (not ``validate``, ``test``, ``predict``)."""
+        trainer = self.trainer
+        fn = getattr(getattr(trainer, "state", None), "fn", None)
+        return trainer is not None and str(getattr(fn, "value", fn)) == "fit"
+
+    def runs_on(self) -> bool:
+        """Whether the trainer is in a stage that no switch ends (Lightning's ``validate``,
+        ``test``, ``predict``): the slice ends and leaves it running, unprofiled."""
+        return self.name != "transformers.Trainer" and self.trainer is not None and not self.fitting()
+
+    def restore(self) -> None:
+        """Put back what ``request_stop`` changed (Lightning's ``max_steps``): a later ``fit``
+        of the same trainer runs to its own end. Idempotent."""
+        if self._lowered is not None:
+            loop, max_steps = self._lowered
+            self._lowered = None
+            loop.max_steps = max_steps
 
     def model(self) -> Any:
         """The model the trainer trains (Lightning: the LightningModule), or None."""

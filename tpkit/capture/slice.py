@@ -26,6 +26,7 @@ from ..errors import ProfileActiveError, StopSlice, TpkitError
 from ..run import Run
 from . import recorder as _rec
 from .build import build_run
+from .frameworks import find_trainer
 from .host import cpu_name, usable_cores
 from .interrupts import TermGuard, held_sigint
 from .probes.cuda_timing import maybe_cuda_timer
@@ -176,6 +177,8 @@ class Profile:
         if self.rec is not None and _rec.active() is self.rec:
             _rec.set_active(None)
         rec = self.rec
+        if rec is not None and rec.framework is not None:
+            rec.framework.restore()  # the trainer's own limits, as before the slice
         if rec is not None and rec.cuda_timer is not None and self._probes:
             try:  # the GPU ends the slice's steps while the clock sampler still runs
                 rec.cuda_timer.drain()
@@ -236,6 +239,12 @@ class Profile:
         if rec.slice_steps is None:
             rec.slice_steps = raw_step + 1
             if fw is not None and fw.request_stop():
+                return
+            if fw is not None and fw.runs_on():
+                rec.thread_id = 0  # every probe now ignores the loop: nothing is raised into the trainer
+                rec.note(f"the slice ended after {raw_step + 1} steps; {fw.name} runs on, no longer profiled "
+                         "(outside fit it has no switch that ends it early; profile it whole with stop=False, "
+                         "--no-stop)")
                 return
             if "loop_thread" in rec.meta:
                 rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
@@ -443,6 +452,7 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
         rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step(), and a "
                  "step's loss is everything backpropagated since the previous one (with the first optimizer "
                  "stepping before the others' backward, a step holds their losses of the iteration before)")
+    probe.claim_parts()
     for text in probe.notes():
         rec.note(text)
     if probe.skipped_steps:
@@ -558,6 +568,9 @@ def step() -> None:
     rec = _rec.active()
     if rec is not None and threading.get_ident() == rec.thread_id:
         rec.explicit_steps = True
+        if not rec.framework_looked:  # tp.step() in a trainer's callback: the slice ends through it
+            rec.framework_looked = True
+            rec.framework = find_trainer(sys._getframe(1))
         rec.end_step()
 
 

@@ -16,7 +16,8 @@ What is hooked, and why this way:
   workers start); tpkit's loader and ``tp.watch`` report themselves. The batch's leading
   dimension counts the step's samples (``batch_size_of``).
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
-- save: ``torch.save`` and the frameworks' checkpoint writers (``_SAVERS``).
+- save: ``torch.save`` and the frameworks' checkpoint writers (``_SAVERS``); eval: a trainer's whole
+  evaluation (``_EVALUATORS``), besides the evaluation calls told apart after the slice.
 
 Every hook ignores calls from threads other than the loop's (a loader thread running a
 transform module is not the model's forward): the loop's thread is the one that started the
@@ -101,6 +102,15 @@ _SAVERS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint"),
     ("safetensors.torch", "", "save_file"),
     ("safetensors.torch", "", "save_model"),
+)
+
+#: Where a trainer evaluates, as ``_SAVERS``: each call is an ``eval`` span, whole (metrics,
+#: gathering predictions, a Seq2Seq ``generate()``), and the batches read inside it are not
+#: the step's (capture/evaluation.py).
+_EVALUATORS: tuple[tuple[str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "evaluate"),
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", "run"),
+    ("pytorch_lightning.loops.evaluation_loop", "_EvaluationLoop", "run"),
 )
 
 
@@ -288,7 +298,6 @@ class PhaseProbe:
         self._read_ahead = 0  # > 0 while a read-ahead loader (accelerate) fetches its next batch
         self._scaled: tuple[Any, torch.Tensor] | None = None  # (weakref to scaler.scale()'s output, its input)
         self.losses = LossSums(rec)
-        self._framework_checked = False
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
@@ -340,12 +349,13 @@ class PhaseProbe:
             shard = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderShard", None)
             if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
                 self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
-            self._patched.set(torch, "save", self._wrap_save(torch.save, "torch.save"))
-            for module, owner, attr in _SAVERS:  # only those the loop imported: nothing is imported here
-                target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
-                fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
-                if callable(fn):
-                    self._patched.set(target, attr, self._wrap_save(fn, f"{owner or module}.{attr}"))
+            self._patched.set(torch, "save", self._wrap_whole(torch.save, "save", "torch.save"))
+            for phase, places in (("save", _SAVERS), ("eval", _EVALUATORS)):
+                for module, owner, attr in places:  # only those the loop imported: nothing is imported here
+                    target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
+                    fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
+                    if callable(fn):
+                        self._patched.set(target, attr, self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -368,6 +378,19 @@ class PhaseProbe:
         self._patched.restore()
         self._scaled = None
         self.installed = False
+
+    def claim_parts(self) -> None:
+        """After the slice: a part of a trained model called on its own without grad is the trained
+        model's (``generate()`` calls a sequence-to-sequence model's encoder directly), so that its
+        calls count as evaluation. It had made every evaluation batch of a ``Seq2SeqTrainer`` with
+        ``predict_with_generate`` the step's: 3x the samples, and its waits data_wait."""
+        rec = self.rec
+        alone = set(rec.no_grad_calls[2::4]) - rec.trained_modules
+        if not alone:
+            return
+        for key, model in self.models.items():
+            if key in rec.trained_modules:
+                rec.trained_modules.update(id(m) for m in model.modules() if id(m) in alone)
 
     def notes(self) -> list[str]:
         """What the loop did that changes how its numbers read (for ``run.meta["notes"]``)."""
@@ -578,8 +601,8 @@ class PhaseProbe:
     def _end_step(self, opt: torch.optim.Optimizer) -> None:
         rec = self.rec
         self._worked = False
-        if not self._framework_checked:
-            self._framework_checked = True
+        if not rec.framework_looked:
+            rec.framework_looked = True
             rec.framework = find_trainer(sys._getframe(1))
         try:
             rec.end_step()  # may raise StopSlice: the step is complete, parameters updated
@@ -760,22 +783,23 @@ class PhaseProbe:
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
         return __next__
 
-    def _wrap_save(self, fn: Any, source: str) -> Any:
-        """A checkpoint written in the loop's thread (``torch.save``, a trainer's save): the
-        ``save`` phase. Counted as ``other`` it had made a Trainer saving every few steps read
-        OVERHEAD-BOUND, with advice about Python and logging."""
+    def _wrap_whole(self, fn: Any, phase: str, source: str) -> Any:
+        """A call in the loop's thread that is ``phase`` as a whole: a checkpoint written
+        (``torch.save``, a trainer's save: counted as ``other`` it had made a Trainer saving every
+        few steps read OVERHEAD-BOUND, with advice about Python and logging), or a trainer's
+        evaluation (its metrics had been ``other`` too)."""
         rec = self.rec
 
-        def save(*args: Any, **kwargs: Any) -> Any:
-            if _compiling() or threading.get_ident() != rec.thread_id or rec.is_open("save"):
+        def whole(*args: Any, **kwargs: Any) -> Any:
+            if _compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase):
                 return fn(*args, **kwargs)
-            token = rec.enter("save", source)
+            token = rec.enter(phase, source)
             try:
                 return fn(*args, **kwargs)
             finally:
                 rec.exit(token)
 
-        return functools.update_wrapper(save, fn)
+        return functools.update_wrapper(whole, fn)
 
     def _wrap_iter(self, fn: Any, source: str) -> Any:
         """``iter(loader)``: a DataLoader with workers starts them here (forks them, or resets
