@@ -59,8 +59,8 @@ class FrameworkTrainer:
                 return False
             control.should_training_stop = True  # read after on_step_end and the step's logging
         else:
-            loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-            if not self.fitting() or not isinstance(getattr(loop, "max_steps", None), int):
+            loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+            if loop is None or not self.fitting() or not isinstance(getattr(loop, "max_steps", None), int):
                 return False
             if self._lowered is None:
                 self._lowered = (loop, loop.max_steps)
