@@ -25,6 +25,7 @@ from tpkit.capture.probes import allocator_counter
 PATCHED_PLACES: list[Any] = [torch.Tensor, torch.optim.Optimizer, torch.nn.Module, torch.autograd,
                              torch.autograd.profiler, torch.autograd.profiler_legacy,
                              dl._BaseDataLoaderIter, dl.DataLoader, torch.amp.GradScaler, torch.distributed,
+                             torch.distributed.distributed_c10d,
                              torch.UntypedStorage]
 
 

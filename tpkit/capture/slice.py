@@ -378,14 +378,23 @@ ONE_RANK_NOTE = ("one rank in the process group: its collectives have no peer, s
 
 def _comm_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     """Collectives, where a process group of more than one rank is up (``cfg.comm`` None), or of
-    any size (True). At one rank a collective has no peer: nothing is communicated or waited for,
+    any size (True); where none is up yet, from the moment one comes up inside the slice. At one rank a collective has no peer: nothing is communicated or waited for,
     and timing it cost a DDP step 1-2% (docs/OVERHEAD.md), so the run says it was not."""
     import torch.distributed as dist
 
-    if cfg.comm is False or not (dist.is_available() and dist.is_initialized()):
+    if cfg.comm is False or not dist.is_available():
         return None
-    if cfg.comm is None and dist.get_world_size() == 1:
-        rec.note(ONE_RANK_NOTE)
+
+    def one_rank() -> bool:
+        if cfg.comm is None:
+            rec.note(ONE_RANK_NOTE)
+        return bool(cfg.comm)
+
+    if not dist.is_initialized():  # a trainer may create it inside the slice (Lightning's fit)
+        from .probes.comm import LateCommProbe
+
+        return LateCommProbe(rec, one_rank)
+    if dist.get_world_size() == 1 and not one_rank():
         return None
     from .probes.comm import SliceCommProbe
 

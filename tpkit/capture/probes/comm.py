@@ -638,3 +638,80 @@ class SliceCommProbe:
         self.probe.ops.clear()  # reported once: a second meta() adds nothing
         self.probe.exposed.clear()
         return out
+
+
+class LateCommProbe:
+    """For a slice that starts before its process group exists (Lightning, accelerate and
+    DeepSpeed create it inside ``fit()`` / ``prepare()``): ``torch.distributed.init_process_group``
+    is wrapped, and the moment it returns a ``SliceCommProbe`` goes in, subject to the same rule
+    as at the slice's start (``one_rank``: what to do at one rank). A loop that holds
+    ``init_process_group`` under a name of its own is caught at the next step's end instead, and
+    the run says from which step collectives were timed. Without it, a Lightning DDP run read
+    ``comm_s`` 0 and charged rank 0's wait for its peer to backward."""
+
+    def __init__(self, rec: Any, one_rank: Callable[[], bool]) -> None:
+        self.rec = rec
+        self._one_rank = one_rank  # returns True to time collectives at one rank too
+        self.inner: SliceCommProbe | None = None
+        self._orig: list[tuple[Any, Any]] = []  # (module, its own init_process_group)
+        self._listening = False
+
+    def install(self) -> "LateCommProbe":
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for module in (dist, c10d):
+            orig = module.__dict__.get("init_process_group")
+            if orig is not None:
+                self._orig.append((module, orig))
+                module.init_process_group = self._wrap(orig)  # type: ignore[attr-defined]
+        self.rec.step_listeners.append(self._on_step)
+        self._listening = True
+        return self
+
+    def _wrap(self, fn: Any) -> Any:
+        import functools
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            self._start(None)
+            return out
+
+        return functools.update_wrapper(init_process_group, fn)
+
+    def _on_step(self, raw_step: int, _end_ns: int) -> None:
+        if self.inner is None and torch.distributed.is_initialized():
+            self._start(raw_step + 1)
+
+    def _start(self, from_step: int | None) -> None:
+        import torch.distributed as dist
+
+        if self.inner is not None or not dist.is_initialized():
+            return
+        self._stop_listening()
+        if dist.get_world_size() == 1 and not self._one_rank():
+            return
+        self.inner = SliceCommProbe(self.rec).install()
+        if from_step is not None:
+            self.rec.note(f"the process group came up inside the slice, through a name tpkit does not wrap: "
+                          f"collectives are timed only after its first {from_step} step(s), warmup included "
+                          "(comm_s is 0 before)")
+
+    def _stop_listening(self) -> None:
+        if self._listening:
+            self._listening = False
+            try:
+                self.rec.step_listeners.remove(self._on_step)
+            except ValueError:
+                pass
+
+    def remove(self) -> None:
+        while self._orig:
+            module, orig = self._orig.pop()
+            module.init_process_group = orig
+        self._stop_listening()
+        if self.inner is not None:
+            self.inner.remove()
+
+    def meta(self) -> dict[str, Any]:
+        return self.inner.meta() if self.inner is not None else {}

@@ -1,0 +1,37 @@
+"""A process group created inside the slice (Lightning's ``fit()`` creates its own): collectives
+are timed from the moment it comes up. tpkit had looked for a process group only as the slice
+started: a Lightning DDP run read ``comm_s`` 0, charged rank 0's wait for its late peer to
+backward, and its straggler table named rank 0's backward.
+
+Truth: rank 1 sleeps DELAY_S in every forward (late_group_worker.py); rank 0 waits that long in
+DDP's gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ranks_launch import torchrun
+
+import tpkit as tp
+
+DELAY_S, TOL = 0.1, 0.3
+
+
+@pytest.mark.parametrize("mode", ["wrapped", "lightning", "alias"])
+def test_collectives_are_timed_once_the_group_is_up(mode, tmp_path):
+    if mode == "lightning":
+        pytest.importorskip("lightning")
+    torchrun("late_group_worker.py", 2, str(tmp_path), mode, timeout_s=300)
+    ranks = tp.load_ranks(tmp_path)
+    assert ranks.world_size == 2 and ranks.missing == []
+    early = 1 if mode == "alias" else 0  # caught at the first step's end: from the second step on
+    for k, run in ranks.runs.items():
+        assert run.meta["comm"]["ops"] > 0, k
+        noted = any("the process group came up inside the slice" in n for n in run.meta["notes"])
+        assert noted == (mode == "alias"), run.meta["notes"]
+    rank0 = ranks.runs[0].steps.iloc[early + 1:]  # (the first timed step also holds DDP's setup)
+    assert rank0["comm_s"].median() == pytest.approx(DELAY_S, rel=TOL), rank0["comm_s"].tolist()
+    assert rank0["backward_s"].median() < DELAY_S / 2
+    st = ranks.stragglers()
+    named = st[st["step"] >= 0]
+    assert (named["rank"] == 1).all() and (named["phase"] == "forward").all(), named.to_dict("records")
