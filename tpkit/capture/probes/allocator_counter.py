@@ -53,6 +53,7 @@ where it has more to do; the probe reads the notes back when the slice ends.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from pathlib import Path
 from threading import Lock
@@ -65,9 +66,12 @@ from torch.autograd import profiler_legacy as _autograd_profiler_legacy
 from .native import failure_text
 from .patching import Patches
 
-#: The extension's name in torch's extension cache (``TORCH_EXTENSIONS_DIR``).
-EXTENSION_NAME = "tpkit_cpu_allocation_counter"
 SOURCE = Path(__file__).with_name("allocator_counter.cpp")
+#: The extension's name in torch's extension cache (``TORCH_EXTENSIONS_DIR``), with its source's
+#: hash: two tpkit versions on one machine (two environments, or checkouts) each keep their own
+#: build. Under one name each rebuilt the other's in turn, 6-16 s at every first slice of a
+#: process, and a process could load the other's build.
+EXTENSION_NAME = "tpkit_cpu_allocation_counter_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 #: A load slower than this compiled the extension (a cached load takes ~10 ms): the run says so.
 BUILT_AFTER_S = 1.0
 

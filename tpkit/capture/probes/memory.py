@@ -1235,8 +1235,10 @@ class MemoryProbe:
                 continue
             if sz > 0:
                 old = live.get(ptr)
-                if old is not None and alloc_at[old] < 0:
-                    # a storage from before the slice ended before its address came back
+                if old is not None:
+                    # the block at this address ended before the address came back: one from
+                    # before the slice, or one whose free no event shows (freed in a thread the
+                    # stream does not follow)
                     del live[ptr]
                     ends.setdefault(i, []).append(old)
                     outside_data.pop(old, None)
