@@ -150,11 +150,22 @@ class RankRuns:
                          "memory_peaks": [[int(r), str(d), int(b)] for r, d, b in
                                           peaks[["rank", "device", "peak_bytes"]].itertuples(index=False)]}
         notes = meta.setdefault("notes", [])
+        steps = base.steps.copy()
+        st = st[st["rank"].isin([k for k in self.runs if k not in self.incomplete] or list(self.runs))]
+        mean = st.groupby("step")["loss"].mean() if "loss" in st else pd.Series(dtype="float64")
+        if mean.notna().any():  # what a data-parallel trainer logs
+            steps["loss"] = steps["step"].map(mean).astype("float64")
+        rates = {k: self.runs[k].summary().throughput for k in sorted(set(st["rank"]))}
+        total = sum(r for r in rates.values() if r == r)
+        notes.append(f"merged view of {len(rates)} rank(s): step times, phases and memory are rank {pick}'s, the loss "
+                     f"is the mean over those ranks (what a data-parallel trainer logs), samples/s rank {pick}'s own"
+                     + (f"; the {len(rates)} ranks together read {total:,.1f} samples/s, each on batches of its own "
+                        "(DDP, FSDP; with tensor or pipeline parallelism ranks share batches)" if total > 0 else ""))
         for k in self.missing:
             notes.append(f"rank {k} of {self.world_size} left no run (it died before its slice ended?)")
         for k in self.incomplete:
             notes.append(f"rank {k}'s slice ended early: {self.runs[k].meta.get('error', 'incomplete')}")
-        return Run(base.steps, base.spans, base.memory, base.clocks, base.loader, meta)
+        return Run(steps, base.spans, base.memory, base.clocks, base.loader, meta)
 
     def to_html(self, path: str | os.PathLike) -> Path:
         """Write the merged dashboard (the "Ranks" section first among the rank views)."""

@@ -88,3 +88,53 @@ def test_two_optimizers_keep_every_loss_since_the_previous_step():
     truth.assert_losses(run.steps["loss"].tolist(), want)
     assert not any("zero_grad()" in n for n in run.meta["notes"])
     assert any(n.startswith("2 optimizers stepped") for n in run.meta["notes"])
+
+
+def test_an_update_the_loop_skips_on_a_non_finite_loss():
+    """The loop backpropagates, finds the loss is not finite, zeroes the gradients and goes on to
+    the next batch without stepping (LLM loops guard so). That step holds two iterations; its
+    loss is the one its update used (it read NaN, and a note called it SAM-style), and the run
+    says which step holds a skipped iteration."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8, collate_fn=truth.sleepy_collate)
+    used, iterations = [], 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="skip-nan", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            iterations += 1
+            loss = F.mse_loss(model(x), y) * (float("nan") if iterations == 3 else 1.0)
+            loss.backward()
+            if not torch.isfinite(loss):
+                opt.zero_grad()
+                continue
+            used.append(loss.item())
+            opt.step()  # the slice ends inside the last
+            opt.zero_grad()
+    run = prof.run
+    assert len(run.steps) == N and iterations == N + 1
+    truth.assert_losses(run.steps["loss"].tolist(), used[:N])
+    assert run.steps["samples"].tolist() == [8, 8, 16, 8, 8, 8, 8]  # the skipped batch was read in step 2
+    assert not any("SAM-style" in n for n in run.meta["notes"])
+    assert any(n.startswith("1 step(s) held 1 iteration(s) whose update the loop skipped") for n in run.meta["notes"])
+
+
+def test_the_slice_leaves_no_gradient_of_any_optimizer_behind():
+    """Muon for the matrices, AdamW for the rest, both stepped each iteration: the slice stops
+    the loop inside the first's last step. Every optimizer's gradients are dropped, as the
+    loop's own zero_grad() would have (AdamW's were left in place, and a loop or slice going on
+    would have added onto them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    muon, adamw = torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="muon", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 3):
+            F.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1)).backward()
+            muon.step()  # the lead: the slice ends inside its last
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+    assert len(prof.run.steps) == N
+    assert all(p.grad is None for p in model.parameters()), [n for n, p in model.named_parameters() if p.grad is not None]

@@ -250,7 +250,8 @@ def assert_phases(run: Any, truth: Truth, phases: tuple[str, ...] = ("forward", 
 def assert_losses(got: list[float], truth: list[float], rel: float = 0.002) -> None:
     """Loss per step against the framework's (or the loop's) own, within 0.2%."""
     assert len(got) == len(truth), (got, truth)
-    bad = [(i, g, t) for i, (g, t) in enumerate(zip(got, truth)) if abs(g - t) > rel * abs(t) + 1e-7]
+    # "not <=": a NaN on either side is a mismatch (it passed "abs(g - t) > tol" unseen)
+    bad = [(i, g, t) for i, (g, t) in enumerate(zip(got, truth)) if not abs(g - t) <= rel * abs(t) + 1e-7]
     assert not bad, f"loss per step (step, tpkit, truth): {bad}"
 
 

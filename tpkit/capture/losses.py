@@ -7,7 +7,9 @@ backpropagate something else, and the build says so in the run's notes:
 - SAM-style steps (backward again after ``zero_grad()`` threw the step's gradients away: the
   first pass only finds where to perturb the weights) report the first pass's loss, as such
   loops log it; with several optimizers (a GAN), one optimizer's ``zero_grad()`` throws away
-  nothing of another's, and every loss counts.
+  nothing of another's, and every loss counts. Where a new batch comes between the
+  ``zero_grad()`` and the next backward, the loop skipped an update (a non-finite loss): the
+  step's loss is the next iteration's, what its update used (``phases.LossSums``).
 - A trainer that divides by more micro-batches than the step had (Lightning's automatic
   optimization, and ``accelerator.backward`` in a loop of its own, divide by the accumulation
   count even in an epoch's last, partial window) has that step's sum scaled to the window's
@@ -32,6 +34,12 @@ def step_losses(rec: Recorder, steps: int) -> tuple[dict[int, float], list[str]]
         notes.append(f"{second_passes} step(s) backpropagated again after zero_grad() had thrown the step's "
                      "gradients away (SAM-style: a second forward and backward on the same batch): a step's loss "
                      "is what went through backward before the gradients were zeroed, the first pass's")
+    skipped = {raw: k for raw, k in rec.skipped_iterations.items() if raw < steps}
+    if skipped:
+        notes.append(f"{len(skipped)} step(s) held {sum(skipped.values())} iteration(s) whose update the loop skipped "
+                     "(backward, then zero_grad() and a new batch with no optimizer.step() between, as on a "
+                     "non-finite loss): such a step's time and samples are both iterations', its loss is what its "
+                     "update used")
     micro = {raw: k for raw, k in rec.loss_counts.items() if raw < steps and raw in losses}
     divisor, who = _divisor(rec)
     # only where the loop does accumulate that many: some step has as many micro-batches, none more

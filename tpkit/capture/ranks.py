@@ -65,6 +65,10 @@ def finish_rank_run(run: Run, save_dir: str | os.PathLike | None = None) -> Path
     try:
         info = rank_meta()
         run.meta.update(info)
+        if info.get("world_size", 0) > 1 and run.steps["loss"].notna().any():
+            run.meta.setdefault("notes", []).append(
+                f"the loss is rank {info['rank']}'s own, on its own batches; a data-parallel trainer logs the "
+                f"mean over its {info['world_size']} ranks (python -m tpkit ranks DIR shows that mean)")
         if info and not run.complete:
             run.meta["rank_status"] = "failed"
             if run.meta.get("rank_watchdog_fired"):

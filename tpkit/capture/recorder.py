@@ -74,6 +74,10 @@ class Recorder:
         # losses backpropagated after zero_grad() in a step that had backpropagated already (SAM's
         # second pass), as ``losses``; kept apart for the build (capture/build.py)
         self.losses_after_reset: list[tuple[int, Any]] = []
+        # set while such a reset waits: a batch handed out first makes it a new iteration whose
+        # update the loop skipped, not a second pass (phases.LossSums.reset)
+        self.batch_after_reset: Any = None
+        self.skipped_iterations: dict[int, int] = {}  # raw step -> iterations in it with no update
         self.optimizer_count = 0  # distinct optimizers that stepped
         self.accelerate_loader = False  # the loop read batches from a loader accelerate prepared
         # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a
@@ -131,6 +135,7 @@ class Recorder:
                      "no_grad_calls", "losses_after_reset"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
+        snap.skipped_iterations = dict(self.skipped_iterations)
         return snap
 
     # -- phases -------------------------------------------------------------------------
@@ -198,6 +203,8 @@ class Recorder:
         and noted with its time (a batch read for evaluation is taken out when the Run is built)."""
         self.samples += n
         self.handouts += (perf_counter_ns(), n, self.step_index)
+        if self.batch_after_reset is not None:
+            self.batch_after_reset()
 
     def end_step(self, end_ns: int | None = None) -> None:
         """Record the end of the current step, then tell the step listeners (which may raise)."""

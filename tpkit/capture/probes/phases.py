@@ -252,6 +252,27 @@ class LossSums:
             self._reset_step = raw_step
             if raw_step == self._slots_step:
                 self._slots = {}
+            self.rec.batch_after_reset = self._new_iteration
+
+    def _new_iteration(self) -> None:
+        """A batch handed out after the reset, before any optimizer step: not a second pass on
+        the same batch but the loop's next iteration, the update of the one before skipped (a
+        loop that calls ``zero_grad()`` and ``continue`` on a non-finite loss). The losses
+        backpropagated so far in the step are thrown away with their gradients: the step's loss
+        is what its update used (it had read the skipped NaN, and a note called it SAM). With
+        several optimizers one's ``zero_grad()`` throws nothing of another's away: nothing changes."""
+        rec = self.rec
+        rec.batch_after_reset = None
+        step = self._reset_step
+        if step != rec.step_index or rec.optimizer_count > 1:
+            return
+        rec.losses[:] = [e for e in rec.losses if e[0] != step]
+        rec.losses_after_reset[:] = [e for e in rec.losses_after_reset if e[0] != step]
+        rec.loss_counts[step] = 0
+        rec.skipped_iterations[step] = rec.skipped_iterations.get(step, 0) + 1
+        self._reset_step = -1
+        if step == self._slots_step:
+            self._slots = {}
 
     def _new_slot(self, device: torch.device) -> "_Slot":
         chunk, index = self._free.get(device, (-1, self.CHUNK))
@@ -300,6 +321,7 @@ class PhaseProbe:
         self.losses = LossSums(rec)
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
+        self._optimizer_refs: list[weakref.ref] = []  # the loop's optimizers, in the order they first stepped
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
@@ -548,6 +570,7 @@ class PhaseProbe:
         key = id(opt)
         if key not in self.optimizers:
             self.optimizers[key] = type(opt).__name__
+            self._optimizer_refs.append(weakref.ref(opt))
             self.rec.optimizer_count = len(self.optimizers)
             if self.lead_optimizer is None:
                 self.lead_optimizer = key
@@ -609,9 +632,14 @@ class PhaseProbe:
         except StopSlice:
             # The loop stops right after optimizer.step(), before its own zero_grad():
             # the update has consumed the gradients, so drop them as the loop would have,
-            # or the next slice's first backward would add onto stale ones.
-            zero_grad = type(opt).zero_grad
-            getattr(zero_grad, "__wrapped__", zero_grad)(opt, set_to_none=True)
+            # or the next slice's first backward would add onto stale ones. So for every
+            # optimizer the loop steps (Muon's and AdamW's pair: the second had not stepped yet,
+            # and its gradients were left in place).
+            for ref in self._optimizer_refs:
+                each = ref()
+                if each is not None:
+                    zero_grad = type(each).zero_grad
+                    getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=True)
             raise
 
     # -- AMP ----------------------------------------------------------------------------------
