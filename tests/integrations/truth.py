@@ -269,7 +269,8 @@ def _class_attrs() -> list[type]:
              ("accelerate", "Accelerator"), ("accelerate.optimizer", "AcceleratedOptimizer"),
              ("lightning.pytorch", "Trainer"), ("lightning.pytorch", "LightningModule"),
              ("deepspeed.runtime.engine", "DeepSpeedEngine"),
-             ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop")]
+             ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop"),
+             ("torch.optim.swa_utils", "AveragedModel")]
     for mod, name in names:
         if mod in sys.modules:
             classes.append(getattr(sys.modules[mod], name))

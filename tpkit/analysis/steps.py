@@ -187,7 +187,8 @@ def _training_verdict(shares: dict[str, float]) -> Verdict:
                         "otherwise overlap communication (DDP bucket_cap_mb, FSDP2 prefetching) or send fewer bytes")
     if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
         return _verdict("optimizer-bound", f"{shares['optimizer_s']:.0%} of step time is the optimizer",
-                        "fused/foreach kernels, fewer parameter tensors")
+                        "fused/foreach kernels, fewer parameter tensors (weight averaging counts here: an "
+                        "AveragedModel averages with foreach kernels given multi_avg_fn=get_ema_multi_avg_fn())")
     if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
         return _verdict("overhead-bound", f"{shares['other_s']:.0%} of step time is outside every known phase",
                         "Python between phases, logging, .item() syncs")

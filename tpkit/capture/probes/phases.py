@@ -17,7 +17,8 @@ What is hooked, and why this way:
   dimension counts the step's samples (``batch_size_of``).
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
 - save: ``torch.save`` and the frameworks' checkpoint writers (``_SAVERS``); eval: a trainer's whole
-  evaluation (``_EVALUATORS``), besides the evaluation calls told apart after the slice.
+  evaluation (``_EVALUATORS``), besides the evaluation calls told apart after the slice; weight
+  averaging (``AveragedModel.update_parameters``, ``_AVERAGERS``) is optimizer time.
 
 Every hook ignores calls from threads other than the loop's (a loader thread running a
 transform module is not the model's forward): the loop's thread is the one that started the
@@ -102,6 +103,14 @@ _SAVERS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint"),
     ("safetensors.torch", "", "save_file"),
     ("safetensors.torch", "", "save_model"),
+)
+
+#: Weight averaging after the optimizer's step, as ``_SAVERS``: ``optimizer`` time, the update's
+#: (an EMA or SWA copy of the weights updated each step had been ``other``, and a loop averaging
+#: every step read OVERHEAD-BOUND 45%, "Python between phases"). Inside a step's post hook it is
+#: the optimizer's already.
+_AVERAGERS: tuple[tuple[str, str, str], ...] = (
+    ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
 )
 
 #: Where a trainer evaluates, as ``_SAVERS``: each call is an ``eval`` span, whole (metrics,
@@ -372,7 +381,7 @@ class PhaseProbe:
             if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
                 self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
             self._patched.set(torch, "save", self._wrap_whole(torch.save, "save", "torch.save"))
-            for phase, places in (("save", _SAVERS), ("eval", _EVALUATORS)):
+            for phase, places in (("save", _SAVERS), ("eval", _EVALUATORS), ("optimizer", _AVERAGERS)):
                 for module, owner, attr in places:  # only those the loop imported: nothing is imported here
                     target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
                     fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
