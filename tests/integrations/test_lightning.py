@@ -297,3 +297,20 @@ def test_validate_with_steps_marked_runs_to_its_end():
     assert results == plain and "val_loss" in results[0]
     assert len(prof.run.steps) == 4
     assert any(n.startswith("the slice ended after 4 steps; lightning.Trainer runs on") for n in prof.run.meta["notes"])
+
+
+def test_a_training_step_that_returns_none_is_said():
+    """Lightning skips the backward and the update of a batch whose ``training_step`` returns None
+    (and, with automatic optimization, still steps: the closure returns no loss). That step's loss
+    reads NaN, and the run says why."""
+    class Skipping(Model):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001
+            return None if batch_idx == 3 else super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    trainer, _, loader, record = make()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-none", progress=False, clock_hz=0) as prof:
+        trainer.fit(Skipping(), loader)
+    losses = prof.run.steps["loss"]
+    assert losses.isna().sum() == 1, losses.tolist()
+    assert any(n.startswith("1 step(s) had no loss go through backward") for n in prof.run.meta["notes"])

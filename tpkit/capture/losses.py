@@ -34,6 +34,10 @@ def step_losses(rec: Recorder, steps: int) -> tuple[dict[int, float], list[str]]
         notes.append(f"{second_passes} step(s) backpropagated again after zero_grad() had thrown the step's "
                      "gradients away (SAM-style: a second forward and backward on the same batch): a step's loss "
                      "is what went through backward before the gradients were zeroed, the first pass's")
+    lossless = [raw for raw in range(steps) if raw not in losses]
+    if losses and lossless:
+        notes.append(f"{len(lossless)} step(s) had no loss go through backward (its loss reads NaN): the loop "
+                     "stepped without a backward there (Lightning's training_step returned None, a guard skipped it)")
     skipped = {raw: k for raw, k in rec.skipped_iterations.items() if raw < steps}
     if skipped:
         notes.append(f"{len(skipped)} step(s) held {sum(skipped.values())} iteration(s) whose update the loop skipped "

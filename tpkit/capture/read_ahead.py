@@ -31,5 +31,6 @@ def read_ahead(handouts: list[int], eval_batches: set[int], steps: int) -> tuple
 def note(batches: int, samples: int) -> str:
     """The run's note on the batches left out of the first step."""
     return (f"the first step was handed {batches} batch(es) more than each later step: a loader that reads ahead "
-            f"of the loop (a prefetcher) or a batch taken before it; their {samples} samples are not counted as "
-            "the first step's")
+            f"of the loop (a prefetcher), a batch taken before it, or batches read and skipped to resume (a Trainer "
+            f"resuming from a checkpoint over an IterableDataset); their {samples} samples are not counted as the "
+            "first step's (the time spent reading them stays its data_wait)")
