@@ -68,6 +68,17 @@ def test_unattributed_time_is_a_lane_split_at_step_boundaries():
     assert alone[alone["phase"] == "other"][["start_s", "end_s"]].round(9).values.tolist() == [[0.0, 0.4]]
 
 
+def test_the_stretch_before_the_first_step_is_tpkits_probes_going_in():
+    """The first step starts once the probes are in (``probes_install_s``; seconds in a
+    process's first slice): before it the timeline draws tpkit's own work, not the loop's other
+    (4.3 s of "other" had filled 80% of a timeline whose steps held 1 s)."""
+    steps = table("steps", step=[0, 1], warmup=[False, False], start_s=[0.3, 1.0], end_s=[1.0, 2.0],
+                  duration_s=[0.7, 1.0])
+    f = analysis.timeline_frame(gap_spans(), steps=steps)
+    lanes = f[f["phase"].isin(["tpkit", "other"])].sort_values("start_s")
+    assert lanes[["step", "phase", "start_s", "end_s"]].round(9).values.tolist() == [
+        [0, "tpkit", 0.0, 0.3], [0, "other", 0.3, 0.4], [1, "other", 1.8, 2.0]]
+
 def test_timeline_legend_has_other_and_numbered_step_boundaries():
     spec = charts.stall_timeline(analysis.timeline_frame(gap_spans(), steps=two_steps()), steps=two_steps()).to_dict()
     bars = [u for u in units(spec) if u["mark"]["type"] == "bar" and "y" in u["encoding"]]

@@ -79,6 +79,42 @@ def test_data_stall_fires_with_amdahl_gain_and_doubles_workers():
     assert recs[1].action == {"loader": "tpkit", "num_workers": 4}
 
 
+def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
+    """The training batches' DataLoader had 4 workers: the advice is 8, "now 4" (it said "Use 2
+    loader workers (now 0)": a torch DataLoader's workers were never read). A 0-worker evaluation
+    loader read more often does not count."""
+    import time
+
+    import torch
+
+    import tpkit as tp
+
+    def slow(items: list) -> torch.Tensor:
+        time.sleep(0.05)
+        return torch.stack([torch.as_tensor(i, dtype=torch.float32) for i in items]).unsqueeze(1)
+
+    train = torch.utils.data.DataLoader(range(400), batch_size=4, num_workers=4, collate_fn=slow)
+    val = torch.utils.data.DataLoader(range(400), batch_size=4)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        for x in train:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                for k, v in enumerate(val):
+                    model(v.float().unsqueeze(1))
+                    if k == 2:
+                        break
+            model.train()
+    run = prof.run
+    assert run.meta["torch_loader"] == {"num_workers": 4, "batches": 5}
+    (r, *_) = rc.data_stall(run)
+    assert r.title == "Use 8 loader workers (now 4)" and r.action == {"num_workers": 8}
+
+
 def test_data_stall_from_zero_workers_asks_for_two():
     run = make_run(data_wait=0.02, forward=0.08)
     assert rc.data_stall(run)[0].action == {"num_workers": 2}

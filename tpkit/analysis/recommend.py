@@ -132,8 +132,11 @@ def _totals(steps: pd.DataFrame) -> _Totals:
 
 def current_workers(meta: dict) -> int | None:
     """The loader workers the run used: its ``num_workers`` knob, else what tpkit's loader
-    recorded (``meta["loader"]``); None where neither says."""
-    for cur in (_knobs(meta).get("num_workers"), (meta.get("loader") or {}).get("num_workers")):
+    recorded (``meta["loader"]``), else the ``num_workers`` of the torch DataLoader the training
+    batches came from (``meta["torch_loader"]``; "now 0" had been said of a 4-worker loader);
+    None where none says."""
+    for cur in (_knobs(meta).get("num_workers"), (meta.get("loader") or {}).get("num_workers"),
+                (meta.get("torch_loader") or {}).get("num_workers")):
         if isinstance(cur, (int, float)) and not isinstance(cur, bool):
             return int(cur)
     return None
@@ -161,7 +164,8 @@ def data_stall(run: "Run") -> list[Recommendation]:
     wait = t.phase_s["data_wait_s"]
     speedup = amdahl(t.total_s, wait)
     knobs = _knobs(run.meta)
-    cur_n = current_workers(run.meta) or 0
+    known = current_workers(run.meta)
+    cur_n = known or 0
     workers = cur_n * 2 if cur_n else 2
     evidence = (f"data wait is {share:.0%} of step time ({t.per_step_ms('data_wait_s')} per step of "
                 f"{_ms(t.total_s / t.steps)}) over {t.steps} measured steps")
@@ -175,7 +179,8 @@ def data_stall(run: "Run") -> list[Recommendation]:
             return [Recommendation("data-loader", "loader", f"Loader {v.verdict}: {v.reason}", evidence,
                                    "more workers would not help; the gain depends on the fix", float("nan"), "x", {})]
         workers = v.workers
-    out = [Recommendation("data-stall", "num_workers", f"Use {workers} loader workers (now {cur_n})",
+    now = f"now {cur_n}" if known is not None else "the loader's own count not known"
+    out = [Recommendation("data-stall", "num_workers", f"Use {workers} loader workers ({now})",
                           evidence, gain, speedup, "x", {"num_workers": workers})]
     if v is None and knobs.get("loader") != "tpkit":
         out.append(Recommendation(
@@ -195,7 +200,7 @@ def _interruption(run: "Run", col: str, kind: str, knob: str, title: str, extra:
     _, what, knobs = INTERRUPTIONS[col]
     return [Recommendation(
         kind, knob, title, f"{what} takes {share:.0%} of step time ({t.per_step_ms(col)} per step){extra}",
-        f"up to {speedup:.2f}x training samples/s in the steps that have it now, if they did not ({knobs})",
+        f"up to {speedup:.2f}x training samples/s over the slice, were none of its time spent so ({knobs})",
         speedup, "x", {})]
 
 

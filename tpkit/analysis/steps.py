@@ -258,7 +258,9 @@ def timeline_frame(spans: pd.DataFrame, max_rows: int = 4000, steps: pd.DataFram
     Time that no span covered, from the slice's start (0 s) to the end of the last step (or
     span), is added as ``other`` rows (``source`` "unattributed"): the timeline draws every
     second of the slice, the stretch before the first span included. With ``steps``
-    (``run.steps``) such a stretch is split at step boundaries and numbered by its step."""
+    (``run.steps``) such a stretch is split at step boundaries and numbered by its step, and
+    the stretch before the first step is ``tpkit``'s (its probes going in: seconds in a process's
+    first slice, which had been drawn as the loop's ``other`` though no step holds it)."""
     s = spans.sort_values("start_s", kind="stable") if not spans.empty else spans
     s = pd.concat([s, _unattributed(s, steps)], ignore_index=True) if not s.empty or steps is not None else s
     s = s.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True) if not s.empty else s
@@ -296,13 +298,13 @@ def _unattributed(spans: pd.DataFrame, steps: pd.DataFrame | None) -> pd.DataFra
         s_step, s0, s1 = st["step"].to_numpy(), st["start_s"].to_numpy(dtype="float64"), st["end_s"].to_numpy(dtype="float64")
         cut = []
         for a, b in gaps:
-            if a < s0[0] and min(b, s0[0]) - a >= MIN_GAP_S:  # before the first step
-                cut.append((int(s_step[0]), a, min(b, float(s0[0]))))
+            if a < s0[0] and min(b, s0[0]) - a >= MIN_GAP_S:  # before the first step: tpkit's probes going in
+                cut.append((int(s_step[0]), a, min(b, float(s0[0])), "tpkit", "probes install (before the first step)"))
             i = int(np.searchsorted(s1, a, side="right"))  # the first step ending after the gap opens
             while i < len(s0) and s0[i] < b:
                 lo, hi = max(a, float(s0[i])), min(b, float(s1[i]))
                 if hi - lo >= MIN_GAP_S:
-                    cut.append((int(s_step[i]), lo, hi))
+                    cut.append((int(s_step[i]), lo, hi, "other", "unattributed"))
                 i += 1
         rows = cut
     else:
@@ -311,9 +313,9 @@ def _unattributed(spans: pd.DataFrame, steps: pd.DataFrame | None) -> pd.DataFra
         rows = []
         for a, b in gaps:  # the step of the next span (the stretch before the first: the first's)
             i = int(np.searchsorted(starts, a, side="left"))
-            rows.append((int(step_of[min(i, len(step_of) - 1)]) if len(step_of) else 0, a, b))
-    out = pd.DataFrame([{"step": st, "phase": "other", "start_s": a, "end_s": b, "duration_s": b - a,
-                         "depth": 0, "source": "unattributed"} for st, a, b in rows], columns=cols)
+            rows.append((int(step_of[min(i, len(step_of) - 1)]) if len(step_of) else 0, a, b, "other", "unattributed"))
+    out = pd.DataFrame([{"step": st, "phase": phase, "start_s": a, "end_s": b, "duration_s": b - a,
+                         "depth": 0, "source": source} for st, a, b, phase, source in rows], columns=cols)
     return out.astype({c: spans[c].dtype for c in cols if c in spans.columns}) if len(spans.columns) else out
 
 

@@ -7,6 +7,7 @@ phase covered.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,11 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta["notes"] += loss_notes
     if extra_batches:
         full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
+    trained = Counter(w for k, w in enumerate(rec.handout_workers)
+                      if w >= 0 and k not in ev.handouts and rec.handouts[3 * k + 2] < past)
+    if trained:  # the training batches' torch DataLoader (the one most of them came from)
+        workers, batches = trained.most_common(1)[0]
+        full_meta["torch_loader"] = {"num_workers": workers, "batches": batches}
     uncounted = sum(1 for i in range(0, len(rec.handouts), 3) if rec.handouts[i + 1] == 0 and rec.handouts[i + 2] < past)
     if uncounted and rec.samples_per_step is None and rec.uncounted is not None:
         full_meta["notes"].append(f"{uncounted} batch(es) read in the slice held samples tpkit could not count "

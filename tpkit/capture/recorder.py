@@ -86,6 +86,7 @@ class Recorder:
         # the modules called with grad in train mode (the trained ones) and the modules without
         # parameters called without grad (a loss, a metric)
         self.handouts: list[int] = []
+        self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
         self.trained_modules: set[int] = set()
@@ -132,7 +133,7 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls", "losses_after_reset"):
+                     "no_grad_calls", "losses_after_reset", "handout_workers"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
         snap.skipped_iterations = dict(self.skipped_iterations)
@@ -198,11 +199,13 @@ class Recorder:
     def add_samples(self, n: int) -> None:
         self.samples += n
 
-    def handed_out(self, n: int) -> None:
+    def handed_out(self, n: int, workers: int = -1) -> None:
         """A loader handed the loop a batch of ``n`` samples (0: not known): counted in the step,
-        and noted with its time (a batch read for evaluation is taken out when the Run is built)."""
+        and noted with its time (a batch read for evaluation is taken out when the Run is built)
+        and its torch DataLoader's ``num_workers`` (-1: another loader)."""
         self.samples += n
         self.handouts += (perf_counter_ns(), n, self.step_index)
+        self.handout_workers.append(workers)
         if self.batch_after_reset is not None:
             self.batch_after_reset()
 

@@ -21,6 +21,7 @@ import ipywidgets as w
 from ..analysis import tuning
 from ..capture.slice import profile
 from ..charts import tradeoff
+from ..schema import MIB, fmt_bytes
 from . import html as report
 from .dashboard import _styled, compare_html, html_output, shared_bundle
 
@@ -276,7 +277,7 @@ def results_html(df: Any) -> str:
     knobs = [c for c in df.columns if c not in NOT_KNOBS]
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in
                    ["setting", *knobs, "slices", "throughput (samples/s, 95% interval)", "step p50 (ms)",
-                    "data stall (%)", "peak memory (MiB)", "verdict", ""])
+                    "data stall (%)", "peak memory", "verdict", ""])
     rows = []
     for i, r in enumerate(df.itertuples(index=False), 1):
         d = r._asdict()
@@ -286,7 +287,7 @@ def results_html(df: Any) -> str:
         best = ("<b>best</b>" + ("" if d["clear"] else " (within noise of another)")) if d["best"] else ""
         cells = [f"{i}: {html.escape(str(d['run']))}", *[html.escape(str(d[k])) for k in knobs], str(d["replicates"]),
                  thr, f"{d['step_p50_ms']:,.2f}", f"{d['data_stall_pct']:.1f}",
-                 "n/a" if d["peak_mib"] != d["peak_mib"] else f"{d['peak_mib']:,.1f}",
+                 "n/a" if d["peak_mib"] != d["peak_mib"] else fmt_bytes(d["peak_mib"] * MIB),
                  html.escape(str(d["verdict"])) + ("" if d["complete"] else " (incomplete)"), best]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return (f'<table class="tp-grid tp-results"><thead><tr>{head}</tr></thead>'

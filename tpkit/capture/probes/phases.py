@@ -183,12 +183,13 @@ def _records(seq: list | tuple) -> bool:
     return all(set(e) == keys for e in seq)
 
 
-def handed_out(rec: Recorder, batch: Any) -> None:
-    """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners."""
+def handed_out(rec: Recorder, batch: Any, workers: int = -1) -> None:
+    """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
+    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader)."""
     n = batch_size_of(batch)
     if n is None and rec.uncounted is None:
         rec.uncounted = type(batch).__qualname__
-    rec.handed_out(n or 0)
+    rec.handed_out(n or 0, workers)
     if rec.batch_listeners:
         rec.yielded(batch)
 
@@ -793,7 +794,7 @@ class PhaseProbe:
                 finally:
                     probe._read_ahead -= mine
                 if mine:
-                    handed_out(probe.rec, batch)
+                    handed_out(probe.rec, batch, getattr(loader, "num_workers", -1))
                 yield batch
 
         __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -814,7 +815,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
             if not probe._read_ahead:  # else the reading-ahead loader hands it over later
-                handed_out(rec, batch)
+                handed_out(rec, batch, getattr(it, "_num_workers", -1))
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
