@@ -42,6 +42,10 @@ def test_kernels_ab_same_start_same_batches_loss_checked(ip):
     assert not ip.user_ns["patched"](ip.user_ns["model"])  # kernels taken out again
     assert not ip.user_ns["model"].embed.weight.detach().equal(w0)
     assert "loss matches" in cap.stdout
+    # A and B run one after the other: their step times' middle halves say whether they differ,
+    # and under Triton's interpreter B's speed is no GPU's (a bare 0.03x had been printed)
+    assert "ms (p25-p75): " in cap.stdout
+    assert "B's kernels ran in Triton's interpreter" in cap.stdout
 
 
 def test_kernels_flag_needs_a_model_and_a_valid_mode(ip):

@@ -100,11 +100,30 @@ class ABResult:
     def to_text(self) -> str:
         sa, sb = self.a.summary(), self.b.summary()
         speed = sb.throughput / sa.throughput if sa.throughput else float("nan")
+        (a25, a75), (b25, b75) = _quartiles_ms(self.a), _quartiles_ms(self.b)
+        apart = a75 < b25 or b75 < a25  # A's and B's middle halves of step times do not overlap
         lines = [f"kernels A/B: A '{self.a.name}' (off) vs B '{self.b.name}' (on: {len(self.swapped)} modules swapped)",
                  f"  throughput {sa.throughput:,.1f} -> {sb.throughput:,.1f} samples/s ({speed:.2f}x)",
-                 f"  step p50 {sa.step_p50_s * 1e3:.2f} -> {sb.step_p50_s * 1e3:.2f} ms",
+                 f"  step p50 {sa.step_p50_s * 1e3:.2f} [{a25:.2f}-{a75:.2f}] -> {sb.step_p50_s * 1e3:.2f} "
+                 f"[{b25:.2f}-{b75:.2f}] ms (p25-p75): "
+                 + ("apart" if apart else "they overlap: within the noise of A and B running one after the other"),
                  f"  loss: {self.verdict.message}"]
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+        notes = list(self.notes)
+        if self.swapped and _interpreted():
+            notes.append("B's kernels ran in Triton's interpreter (TRITON_INTERPRET=1, no GPU): its speed checks "
+                         "correctness only and says nothing of a GPU's")
+        return "\n".join(lines + [f"  note: {n}" for n in notes])
+
+
+def _quartiles_ms(run: "Run") -> tuple[float, float]:
+    d = run.measured_steps["duration_s"] * 1e3
+    return (float(d.quantile(0.25)), float(d.quantile(0.75))) if len(d) else (float("nan"), float("nan"))
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
 def run_ab(run_slice: Callable[[str, dict[str, Any]], "Run"], ns: dict[str, Any], name: str) -> ABResult:
