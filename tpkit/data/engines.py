@@ -13,13 +13,13 @@ import traceback
 from time import perf_counter_ns
 from typing import Any, Iterator
 
-from .errors import LoaderTimeoutError, WorkerError
+from .errors import LoaderTimeoutError, WorkerError, worker_error
 from .worker_loop import BatchMaker, LoadedBatch, WorkerSpec
 
 
 def _wrap_error(maker: BatchMaker, worker: int, batch: int, e: Exception) -> WorkerError:
-    return WorkerError(worker, batch, maker.current_index, type(e).__name__, str(e),
-                       traceback.format_exc())
+    return worker_error(worker, batch, maker.current_index, type(e).__name__, str(e), traceback.format_exc(),
+                        cls=type(e))
 
 
 class InlineEngine:
@@ -38,7 +38,7 @@ class InlineEngine:
             made = self.maker.make(idx)
         except Exception as e:
             self.batch += 1
-            raise _wrap_error(self.maker, 0, self.batch - 1, e) from e
+            raise _wrap_error(self.maker, -1, self.batch - 1, e) from e  # made in the loader's own process
         if made is None:
             raise StopIteration
         self.batch += 1

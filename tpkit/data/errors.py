@@ -7,6 +7,7 @@ TypeError, ValueError).
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from ..errors import TpkitError
@@ -34,11 +35,35 @@ class WorkerError(LoaderError):
         self.exc_type, self.worker_traceback = exc_type, worker_traceback
         where = ("while starting (worker_init_fn or the dataset's __iter__)" if batch < 0
                  else "in collate_fn" if index is None else f"on sample index {index!r}")
-        who = f"loader worker {worker}" if worker >= 0 else "the loader's main process (main_helps)"
+        who = f"loader worker {worker}" if worker >= 0 else "the loader's own process"
         super().__init__(
             f"{exc_type} in {who} {where}"
             f"{'' if batch < 0 else f' (batch {batch})'}: {message}\n"
             f"--- traceback in the worker ---\n{worker_traceback.rstrip()}")
+
+
+_AS: dict[type, type] = {}  # the exception's class -> WorkerError that is one too
+
+
+def worker_error(worker: int, batch: int, index: Any, exc_type: str, message: str, worker_traceback: str,
+                 cls: type | None = None) -> WorkerError:
+    """A ``WorkerError`` that is also an instance of the exception the dataset raised (``cls``, or
+    the builtin named ``exc_type`` when it crossed a process), as torch's DataLoader re-raises the
+    worker's own type: a loop's ``except KeyError`` keeps catching it (it stopped at tpkit's
+    loader). A class whose instances cannot share a layout with RuntimeError's (OSError's) gives
+    a plain ``WorkerError``."""
+    base = cls if cls is not None else getattr(builtins, exc_type, None)
+    kind: type = WorkerError
+    if isinstance(base, type) and issubclass(base, Exception) and not issubclass(WorkerError, base):
+        kind = _AS.get(base) or WorkerError
+        if base not in _AS:
+            try:  # the message as Exception says it (KeyError's own __str__ would quote it)
+                kind = type("WorkerError", (WorkerError, base), {"__module__": __name__, "__str__": Exception.__str__,
+                                                                 "__qualname__": f"WorkerError[{base.__name__}]"})
+            except TypeError:  # instance lay-out conflict
+                kind = WorkerError
+            _AS[base] = kind
+    return kind(worker, batch, index, exc_type, message, worker_traceback)
 
 
 class WorkerDiedError(LoaderError):
@@ -50,4 +75,4 @@ class LoaderTimeoutError(LoaderError, TimeoutError):
 
 
 __all__ = ["LoaderError", "LoaderArgumentError", "WorkerError", "WorkerDiedError", "LoaderTimeoutError",
-           "UnsupportedBatchError"]
+           "UnsupportedBatchError", "worker_error"]

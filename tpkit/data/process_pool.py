@@ -56,7 +56,7 @@ from typing import Any, Iterator, NamedTuple
 from ..capture.host import usable_cores
 from ..capture.interrupts import held_sigint
 from .collate import merge_parts
-from .errors import LoaderTimeoutError, WorkerDiedError, WorkerError
+from .errors import LoaderTimeoutError, WorkerDiedError, worker_error
 from .main_help import PARK_WINDOW, MainHelper, same_rng_states
 from .slots import flatten, map_segment, read_slot, remove_segments, segment_path, segment_prefix
 from .worker_loop import (
@@ -367,7 +367,7 @@ class ProcessPool:
             if fork_error:
                 raise
             err = failed(bid, maker.current_index, e)
-            raise WorkerError(0, bid - self.epoch_first_id, err.index, err.exc_type, err.message,
+            raise worker_error(0, bid - self.epoch_first_id, err.index, err.exc_type, err.message,
                               err.traceback) from None
         finally:
             self._rng0 = get_rng_states()
@@ -548,7 +548,7 @@ class ProcessPool:
         bid = msg.batch_id
         task = w.inflight.pop(bid, None)
         if isinstance(msg, BatchFailed) and bid == -1:
-            raise WorkerError(w.id, -1, None, msg.exc_type, msg.message, msg.traceback)
+            raise worker_error(w.id, -1, None, msg.exc_type, msg.message, msg.traceback)
         if isinstance(msg, BatchDone):
             w.slot_bytes = max(w.slot_bytes, msg.slot_bytes)
             if self.helper is not None:
@@ -690,7 +690,7 @@ class ProcessPool:
             write_s, done_ns, n = max(write_s, msg.write_s), max(done_ns, msg.done_ns), n + msg.n_samples
         if split.err is not None:
             wid, err = split.err
-            raise WorkerError(wid, bid - self.epoch_first_id, err.index, err.exc_type, err.message, err.traceback)
+            raise worker_error(wid, bid - self.epoch_first_id, err.index, err.exc_type, err.message, err.traceback)
         batch = merge_parts(parts)
         t1 = perf_counter_ns()
         return LoadedBatch(batch, 0, fetch_s, collate_s, max(0.0, (t0 - done_ns) / 1e9),
@@ -746,14 +746,14 @@ class ProcessPool:
                 return self._take_split(bid, msg)
             self._helped_waiting -= 1
             if isinstance(msg, BatchFailed):
-                raise WorkerError(-1, bid - self.epoch_first_id, msg.index, msg.exc_type, msg.message,
+                raise worker_error(-1, bid - self.epoch_first_id, msg.index, msg.exc_type, msg.message,
                                   msg.traceback)
             return msg
         w.buffered -= 1
         if isinstance(msg, StreamEnded):
             return None
         if isinstance(msg, BatchFailed):
-            raise WorkerError(w.id, bid - self.epoch_first_id, msg.index, msg.exc_type, msg.message,
+            raise worker_error(w.id, bid - self.epoch_first_id, msg.index, msg.exc_type, msg.message,
                               msg.traceback)
         t0 = perf_counter_ns()
         current = a.life == w.life
