@@ -165,7 +165,9 @@ def test_the_profile_records_how_the_loader_made_its_batches(tmp_path, workers, 
             model(b["i"].float()[:, None]).sum().backward()
             opt.step()
     meta = prof.run.meta["loader"]
-    assert meta == {"num_workers": workers, "mode": mode, "batch_size": 4, "prefetch": loader.prefetch}
+    assert 0.0 <= meta["make_cpu_share"] <= 1.0  # its making's time on a core (test_recommend.py)
+    assert {k: v for k, v in meta.items() if k != "make_cpu_share"} == {
+        "num_workers": workers, "mode": mode, "batch_size": 4, "prefetch": loader.prefetch}
     assert current_workers(prof.run.meta) == workers
     assert current_workers({"knobs": {"num_workers": 3}, "loader": meta}) == 3  # the user's knob first
     prof.run.save(tmp_path / "run")

@@ -71,7 +71,7 @@ def test_worker_exception_carries_traceback_and_sample_index(workers, mode):
     # the dataset's own type too, as torch's DataLoader re-raises it: a loop's except KeyError
     # still catches it (it did not); its message reads as written, not quoted as KeyError's
     assert isinstance(err, KeyError) and str(err).startswith("KeyError in ")
-    assert ("the loader's own process" in str(err)) == (workers == 0)
+    assert ("the loader's main process" in str(err)) == (workers == 0)
     assert next(it).tolist() == [[8], [9], [10], [11]]  # the loader goes on, like torch's
     loader.close()
     assert not live_children() and not shm_files()

@@ -180,6 +180,56 @@ def test_data_stall_asks_for_workers_only_where_a_core_is_free(busy_pct, verdict
     assert rc.loader_advice(run).verdict == "queue empty"
 
 
+def test_a_loader_whose_making_mostly_waits_asks_for_workers_on_busy_cores():
+    """The host's cores are busy (other tenants), but the loader's batches are made mostly by
+    waiting (storage, a network: 10% of the making on a core): more workers overlap the waits,
+    so the advice is workers, not "no free core" (which had withheld it from a loader that slept,
+    where 2 workers doubled its rate)."""
+    loader = _frame("loader", [(i, -1 if i % 3 == 0 else i % 2, 0.015, 0.005, 0.0, 0.0) for i in range(9)])
+    run = make_run(data_wait=0.01, forward=0.01, knobs={"num_workers": 2}, loader=loader, clocks=_host_util(97.0))
+    run.meta["host"] = {"cpu_count": 2, "usable_cores": 2}
+    run.meta["loader"] = {"make_cpu_share": 0.1}
+    v = rc.loader_advice(run)
+    assert (v.verdict, v.workers) == ("queue empty", 3)
+    assert "10% of that is on a core, the rest waiting" in v.reason
+    assert rc.data_stall(run)[0].action == {"num_workers": 3}
+    run.meta["loader"] = {"make_cpu_share": 0.9}  # busy making: no free core for another worker
+    assert rc.loader_advice(run).verdict == "no free core"
+
+
+@pytest.mark.parametrize("work", ["sleep", "compute"])
+def test_tpkits_loader_says_how_much_of_its_making_is_on_a_core(work):
+    import time
+
+    import torch
+
+    import tpkit as tp
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if work == "sleep":
+                time.sleep(0.004)
+            else:
+                end = time.thread_time() + 0.004
+                while time.thread_time() < end:
+                    pass
+            return torch.ones(1)
+
+    loader = tp.data.Loader(Items(), batch_size=2, num_workers=1, mode="thread")
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        for x in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    loader.close()
+    share = prof.run.meta["loader"]["make_cpu_share"]
+    assert share < 0.3 if work == "sleep" else share > 0.7, share
+
 def test_a_loader_that_keeps_up_says_what_the_loops_wait_is():
     # every batch waited 20 ms in the queue (ready), yet the loop waited 10 ms of its 20 ms steps
     loader = _frame("loader", [(i, i % 2, 0.001, 0.0, 0.02, 0.0001) for i in range(8)])

@@ -29,6 +29,9 @@ from .steps import measured
 HANDOVER_SHARE = 0.10
 #: Another worker needs about this much of an idle core (host utilisation over the slice).
 IDLE_CORES_MIN = 0.5
+#: Below this share of a batch's making spent on a core (the rest waiting: storage, a network,
+#: a sleep), more workers overlap the waits whether or not a core is free.
+CPU_BOUND_SHARE = 0.5
 
 VERDICTS = ("healthy", "queue empty", "workers starved", "transfer-bound", "no free core")
 COLUMNS = ("batch", "worker", "fetch_s", "collate_s", "queue_wait_s", "transfer_s")
@@ -94,7 +97,8 @@ def idle_cores(clocks: pd.DataFrame | None, meta: dict) -> tuple[float, str] | N
 def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
                    num_workers: int | None = None, ready_wait_s: float = 1e-3,
                    max_workers: int | None = None, steps: pd.DataFrame | None = None,
-                   idle_cores: tuple[float, str] | None = None) -> LoaderVerdict:
+                   idle_cores: tuple[float, str] | None = None,
+                   make_cpu_share: float | None = None) -> LoaderVerdict:
     """Judge one run's loader.
 
     loader: rows of ``run.loader``. step_s: the training loop's own time per batch, data wait
@@ -102,7 +106,9 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
     verdict relies on queue waits alone. num_workers: workers the run used (default: distinct
     ``worker`` values). ready_wait_s: a batch counts as "was ready" above this wait.
     idle_cores: ``idle_cores``'s (idle cores, words); without it more workers are assumed to
-    find a core.
+    find a core. make_cpu_share: the share of the making time its threads spent on a core
+    (``meta["loader"]["make_cpu_share"]``); a making that mostly waits needs no free core (the
+    verdict had said "no free core" of a loader that slept, and more workers doubled its rate).
     """
     if step_s is None and steps is not None:
         step_s = loop_step_s(steps)
@@ -142,7 +148,11 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
     helped = int((loader["worker"] < 0).sum())
     if helped:
         waited += f" (the main process made {helped} of {len(loader)} itself while it waited)"
-    if idle_cores is not None and idle_cores[0] < IDLE_CORES_MIN:
+    waiting = make_cpu_share is not None and make_cpu_share < CPU_BOUND_SHARE
+    if waiting:
+        waited += (f"; {make_cpu_share:.0%} of that is on a core, the rest waiting (storage, a network): more "
+                   "workers overlap the waits, busy cores or not")
+    if idle_cores is not None and idle_cores[0] < IDLE_CORES_MIN and not waiting:
         return LoaderVerdict("no free core", min(W, cap), f"{waited}, but {idle_cores[1]}: another "
                              f"worker would take CPU from the loop and the workers there; make batches "
                              f"cheaper (lighter transforms, samples stored decoded, uint8 sent to the "

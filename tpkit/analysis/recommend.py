@@ -150,8 +150,10 @@ def loader_advice(run: "Run") -> "LoaderVerdict | None":
         return None
     from .loader import idle_cores, loader_verdict
 
+    share = (run.meta.get("loader") or {}).get("make_cpu_share")
     return loader_verdict(run.loader, steps=run.steps, num_workers=current_workers(run.meta),
-                          idle_cores=idle_cores(run.clocks, run.meta))
+                          idle_cores=idle_cores(run.clocks, run.meta),
+                          make_cpu_share=share if isinstance(share, (int, float)) else None)
 
 
 def data_stall(run: "Run") -> list[Recommendation]:

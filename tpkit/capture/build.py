@@ -149,6 +149,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta["notes"] += loss_notes
     if extra_batches:
         full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
+    if rec.loader_make_s > 0 and isinstance(full_meta.get("loader"), dict):
+        full_meta["loader"]["make_cpu_share"] = min(1.0, rec.loader_cpu_s / rec.loader_make_s)
     trained = Counter(w for k, w in enumerate(rec.handout_workers)
                       if w >= 0 and k not in ev.handouts and rec.handouts[3 * k + 2] < past)
     if trained:  # the training batches' torch DataLoader (the one most of them came from)

@@ -86,6 +86,7 @@ class Recorder:
         # the modules called with grad in train mode (the trained ones) and the modules without
         # parameters called without grad (a loss, a metric)
         self.handouts: list[int] = []
+        self.loader_cpu_s = self.loader_make_s = 0.0  # tpkit's loader: CPU and wall time making batches
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
@@ -253,8 +254,13 @@ class Recorder:
         self.clocks.append((t_ns, device, metric, value))
 
     def add_loader_batch(self, batch: int, worker: int, fetch_s: float, collate_s: float,
-                         queue_wait_s: float, transfer_s: float) -> None:
+                         queue_wait_s: float, transfer_s: float, cpu_s: float = float("nan")) -> None:
+        """A batch of tpkit's loader; ``cpu_s``: the CPU time its making took (its share of the
+        making time goes to ``meta["loader"]["make_cpu_share"]``)."""
         self.loader.append((batch, worker, fetch_s, collate_s, queue_wait_s, transfer_s))
+        if cpu_s == cpu_s:
+            self.loader_cpu_s += cpu_s
+            self.loader_make_s += fetch_s + collate_s
 
     def loader_used(self, config: dict[str, Any]) -> None:
         """tpkit's loader says how it runs (``num_workers``, ``mode``...): ``meta["loader"]``,

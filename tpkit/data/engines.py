@@ -42,7 +42,7 @@ class InlineEngine:
         if made is None:
             raise StopIteration
         self.batch += 1
-        return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
+        return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples, made.cpu_s)
 
     def shutdown(self) -> None:
         pass
@@ -130,7 +130,8 @@ class ThreadEngine:
                 self.pending.clear()
                 raise StopIteration
             queue_wait_s = max(0.0, (perf_counter_ns() - done_ns) / 1e9)
-            return LoadedBatch(made.batch, w, made.fetch_s, made.collate_s, queue_wait_s, 0.0, made.n_samples)
+            return LoadedBatch(made.batch, w, made.fetch_s, made.collate_s, queue_wait_s, 0.0, made.n_samples,
+                               made.cpu_s)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=not self.hung, cancel_futures=True)

@@ -35,7 +35,7 @@ class WorkerError(LoaderError):
         self.exc_type, self.worker_traceback = exc_type, worker_traceback
         where = ("while starting (worker_init_fn or the dataset's __iter__)" if batch < 0
                  else "in collate_fn" if index is None else f"on sample index {index!r}")
-        who = f"loader worker {worker}" if worker >= 0 else "the loader's own process"
+        who = f"loader worker {worker}" if worker >= 0 else "the loader's main process"
         super().__init__(
             f"{exc_type} in {who} {where}"
             f"{'' if batch < 0 else f' (batch {batch})'}: {message}\n"

@@ -537,7 +537,7 @@ class _LoaderIter:
                 rec.loader_used(self._config())
             rec.handed_out(item.n_samples)
             rec.add_loader_batch(self.batches_done, item.worker, item.fetch_s, item.collate_s,
-                                 item.queue_wait_s, item.transfer_s)
+                                 item.queue_wait_s, item.transfer_s, item.cpu_s)
             if rec.batch_listeners and tok is not None:
                 rec.yielded(item.batch)  # the memory probe counts the batch's tensors as data
         self.batches_done += 1

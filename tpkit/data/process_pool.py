@@ -377,7 +377,7 @@ class ProcessPool:
             self.helper.note_make(made.fetch_s + made.collate_s)
         # the other workers (worker 0, which goes on from this batch's random state, and any
         # beyond worker 1) are forked by the next next(): this one is not kept waiting for them
-        return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples)
+        return LoadedBatch(made.batch, 0, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples, made.cpu_s)
 
     def _start_ahead(self) -> None:
         """While a slow first batch is made here: fork worker 1 (its batches do not depend on
@@ -675,7 +675,7 @@ class ProcessPool:
     def _take_split(self, bid: int, split: "_Split") -> LoadedBatch:
         """Join the parts of a split batch (private copies; their slots are freed at once)."""
         t0 = perf_counter_ns()
-        parts, fetch_s, collate_s, write_s, done_ns, n = [], 0.0, 0.0, 0.0, 0, 0
+        parts, fetch_s, collate_s, write_s, done_ns, n, cpu_s = [], 0.0, 0.0, 0.0, 0, 0, 0.0
         for k in sorted(split.got):
             got = split.got[k]
             if got is None:
@@ -688,13 +688,14 @@ class ProcessPool:
                 w.free.append(msg.slot)
             fetch_s, collate_s = max(fetch_s, msg.fetch_s), max(collate_s, msg.collate_s)
             write_s, done_ns, n = max(write_s, msg.write_s), max(done_ns, msg.done_ns), n + msg.n_samples
+            cpu_s = max(cpu_s, msg.cpu_s)  # the parts were made side by side: as fetch_s, the longest
         if split.err is not None:
             wid, err = split.err
             raise worker_error(wid, bid - self.epoch_first_id, err.index, err.exc_type, err.message, err.traceback)
         batch = merge_parts(parts)
         t1 = perf_counter_ns()
         return LoadedBatch(batch, 0, fetch_s, collate_s, max(0.0, (t0 - done_ns) / 1e9),
-                           write_s + (t1 - t0) / 1e9, n)
+                           write_s + (t1 - t0) / 1e9, n, cpu_s)
 
     def _may_help(self) -> bool:
         """Whether this process makes a batch now (the caller would wait otherwise)."""
@@ -734,7 +735,7 @@ class ProcessPool:
             self._pending.append((bid, idx))
             return
         self.results[bid] = _Answer(None, 0, None, LoadedBatch(
-            made.batch, -1, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples))
+            made.batch, -1, made.fetch_s, made.collate_s, 0.0, 0.0, made.n_samples, made.cpu_s))
         self._helped_waiting += 1
 
     def _take(self, bid: int) -> LoadedBatch | None:
@@ -773,7 +774,8 @@ class ProcessPool:
         t1 = perf_counter_ns()
         queue_wait_s = max(0.0, (t0 - msg.done_ns) / 1e9)
         transfer_s = msg.write_s + (t1 - t0) / 1e9
-        return LoadedBatch(batch, w.id, msg.fetch_s, msg.collate_s, queue_wait_s, transfer_s, msg.n_samples)
+        return LoadedBatch(batch, w.id, msg.fetch_s, msg.collate_s, queue_wait_s, transfer_s, msg.n_samples,
+                           msg.cpu_s)
 
     def next(self) -> LoadedBatch:
         """The next batch; raises StopIteration at the end of the epoch."""

@@ -9,7 +9,7 @@ main -> worker  ``Task(batch_id, indices, slot)``   make this batch (``indices``
                 ``Reset(skip_batches)``           new epoch of an iterable dataset
                 ``None``                          exit
 worker -> main  ``BatchDone(batch_id, slot, gen, slot_bytes, skeleton, fetch_s, collate_s,
-                  write_s, done_ns, n_samples)``  (``gen`` -1: the batch held no tensor, the
+                  write_s, done_ns, n_samples, cpu_s)``  (``gen`` -1: the batch held no tensor, the
                                                   skeleton is all of it, the slot is unused);
                                                   on the pipe a plain tuple with the skeleton
                                                   pickled (``done_to_wire`` / ``done_from_wire``)
@@ -30,7 +30,7 @@ import select
 import signal
 import traceback
 from dataclasses import dataclass
-from time import perf_counter, perf_counter_ns
+from time import perf_counter, perf_counter_ns, thread_time
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -84,6 +84,7 @@ class Made(NamedTuple):
     fetch_s: float
     collate_s: float
     n_samples: int
+    cpu_s: float = 0.0  # the making thread's CPU time for it (fetch and collate): waiting is not CPU
 
 
 class LoadedBatch(NamedTuple):
@@ -97,6 +98,7 @@ class LoadedBatch(NamedTuple):
     queue_wait_s: float
     transfer_s: float
     n_samples: int
+    cpu_s: float = 0.0  # CPU time the batch's making took (``Made.cpu_s``)
 
 
 class Task(NamedTuple):
@@ -126,6 +128,7 @@ class BatchDone(NamedTuple):
     write_s: float
     done_ns: int
     n_samples: int
+    cpu_s: float = 0.0
 
 
 #: A worker's skeletons already pickled, by identity: id -> (skeleton, its pickle bytes). A slot
@@ -172,7 +175,7 @@ def done_from_wire(msg: Any, skeletons: dict[bytes, Any]) -> Any:
         if len(skeletons) >= SKELETONS_KEPT:
             skeletons.clear()
         skel = skeletons[raw] = pickle.loads(raw)
-    return BatchDone(msg[0], msg[1], msg[2], msg[3], skel, msg[5], msg[6], msg[7], msg[8], msg[9])
+    return BatchDone(msg[0], msg[1], msg[2], msg[3], skel, msg[5], msg[6], msg[7], msg[8], msg[9], msg[10])
 
 
 class BatchFailed(NamedTuple):
@@ -315,7 +318,7 @@ class BatchMaker:
         once during a map-style batch: the time its second sample took (the first may pay
         one-off costs: a file opened, a cache filled; a batch of one: that sample's time) and
         how many samples the batch has. Its own time is not counted as fetching."""
-        t0 = perf_counter()
+        t0, cpu0 = perf_counter(), thread_time()
         if self.spec.iterable:
             samples = self._next_samples()
             if samples is None:
@@ -346,7 +349,7 @@ class BatchMaker:
             batch = self.collate(samples)
         else:
             batch = self.spec.collate_fn(samples[0])
-        return Made(batch, t1 - t0, perf_counter() - t1, len(samples))
+        return Made(batch, t1 - t0, perf_counter() - t1, len(samples), thread_time() - cpu0)
 
 
 def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batches: int,
@@ -415,7 +418,7 @@ def _do_task(task: tuple, maker: BatchMaker, ring: WorkerRing, conn: Any, exhaus
         skel, gen, slot_bytes = ring.write(slot, made.batch)
         write_s = perf_counter() - t0
         done = BatchDone(batch_id, slot, gen, slot_bytes, skel, made.fetch_s,
-                         made.collate_s, write_s, perf_counter_ns(), made.n_samples)
+                         made.collate_s, write_s, perf_counter_ns(), made.n_samples, made.cpu_s)
         del made  # the samples go now, not at the next batch
         # plain pickle (the skeleton holds plain values, tuples and type references): the
         # pipe's ForkingPickler costs ~5 us more per call
