@@ -124,7 +124,8 @@ def test_a_slice_sees_the_frees_other_threads_make(source, monkeypatch):
     """Each step hands a 1 MiB block to a thread that drops it before the step goes on. The
     counter sees the free: at the optimizer's exit the block is gone (it read 1 MiB more of
     other at every step). torch's profiler stream does not show it; a block ends there when its
-    address comes back, so the figure holds at most the block of the step before, and stays flat."""
+    address comes back, so the figure holds at most a block or two from the steps before, and
+    stays flat."""
     import queue
 
     monkeypatch.setenv(ENV_CPU_ALLOCATIONS, source)
@@ -159,7 +160,9 @@ def test_a_slice_sees_the_frees_other_threads_make(source, monkeypatch):
     if source == "counter":
         assert at_exit.max() < 2**10, at_exit.to_dict()
     else:
-        assert at_exit.max() <= 2**20 + 2**10 and at_exit.max() - at_exit.iloc[1:].min() < 2**10, at_exit.to_dict()
+        # the block of the step before, or the one before that where the allocator alternates
+        # two addresses: flat, never growing (it grew by 1 MiB a step)
+        assert at_exit.max() <= 2 * 2**20 + 2**10 and at_exit.iloc[-1] - at_exit.iloc[1] < 2**10, at_exit.to_dict()
 
 
 def test_a_process_forked_while_recording_records_nothing(ext):

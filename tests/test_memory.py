@@ -257,7 +257,7 @@ def test_walked_gradients_are_walked_again_whenever_one_changed():
     same."""
     model = MLP()
     rec = Recorder("walk")
-    rec.models[id(model)] = model
+    rec.models.add(model)
     probe = mem.MemoryProbe(rec)
     params = list(model.parameters())
     for p in params:
@@ -626,7 +626,7 @@ def test_cuda_rows_peaks_and_detail_through_a_stand_in():
     fake = FakeCuda([(1000, 1500), (2000, 2500), (3000, 2500), (4000, 4500), (5000, 5500)])
     rec = Recorder("fake")
     model = cuda_model()
-    rec.models[id(model)] = model
+    rec.models.add(model)
     probe = mem.MemoryProbe(rec, detail=True, cuda=fake).install()
     assert fake.history and fake.reads == [(1000, 1500)]
     rec.enter("forward", "test")
@@ -663,7 +663,7 @@ def test_cuda_stretch_without_a_new_high_gives_its_boundary_maximum():
     fake = FakeCuda([(1000, 8000), (2000, 8000), (3000, 8000), (2500, 8000)])
     rec = Recorder("fake")
     model = cuda_model()
-    rec.models[id(model)] = model
+    rec.models.add(model)
     probe = mem.MemoryProbe(rec, cuda=fake).install()
     rec.enter("forward", "test")
     tok = rec.enter("h2d", "test")
@@ -710,7 +710,7 @@ def heard_slice(reports: dict[int, list[int]], reads: list[tuple[int, int]]) -> 
     stream = HeardStream(reports)
     rec = Recorder("heard")
     model = cuda_model()
-    rec.models[id(model)] = model
+    rec.models.add(model)
     probe = stream.probe = mem.MemoryProbe(rec, cpu=stream, cuda=FakeCuda(reads)).install()
     rec.enter("forward", "test")
     tok = rec.enter("h2d", "test")
@@ -807,7 +807,7 @@ def test_cuda_first_seen_mid_slice_does_not_trust_the_old_peak():
     probe = mem.MemoryProbe(rec, cuda=fake).install()
     rec.enter("forward", "test")  # no model known yet: no CUDA device in use, nothing read
     model = cuda_model()
-    rec.models[id(model)] = model
+    rec.models.add(model)
     tok = rec.enter("h2d", "test")  # the model is found: first reading (1000, 1500), the baseline
     rec.exit(tok)  # (2000, 2500): a new high inside h2d
     rec.exit(0)
@@ -872,7 +872,7 @@ def cuda_slice(stand: CudaStandIn, detail: bool = False) -> Recorder:
     """A forward and a backward on a model on cuda:0, through the real ``CudaAllocator``."""
     rec = Recorder("stand-in")
     model = cuda_model("cuda:0")
-    rec.models[id(model)] = model
+    rec.models.add(model)
     probe = mem.MemoryProbe(rec, detail=detail).install()
     rec.enter("forward", "test")
     stand.alloc(3000)
@@ -1323,7 +1323,7 @@ def test_cuda_memory_held_across_steps_is_not_activations():
     fake = FakeCuda(reads)
     rec = Recorder("fake")
     model = cuda_model()
-    rec.models[id(model)] = model
+    rec.models.add(model)
     probe = mem.MemoryProbe(rec, cuda=fake).install()
     for _ in range(2):
         rec.exit(rec.enter("forward", "test"))
@@ -1356,3 +1356,38 @@ def test_cuda_reads_take_both_counters_from_one_stats_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", flattened)
     assert mem.CudaAllocator().read(0) == (4096, 8192)
     assert calls == [0]
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_what_the_loop_lets_go_tpkit_does_not_keep(memory):
+    """A copy of the model and an optimizer made anew every iteration (test-time adaptation,
+    meta-learning) go as the loop lets them go: tpkit had held every one to the slice's end (7
+    copies alive after 7 iterations, memory=False too), and counted them as a growing
+    optimizer_state and parameters, flagged as the loop's leak."""
+    import copy
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 64)
+    copies: list[weakref.ref] = []
+    with tp.profile(steps=5, warmup=2, progress=False, clock_hz=0, memory=memory) as prof:
+        for _ in range(20):
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            copies.append(weakref.ref(model))
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    del model, opt
+    gc.collect()
+    assert sum(r() is not None for r in copies) == 0
+    if memory:
+        m = prof.run.memory
+        exits = m[(m["event"] == "exit") & (m["phase"] == "optimizer")]
+        state = exits[exits["category"] == "optimizer_state"].groupby("step")["bytes"].max()
+        params = exits[exits["category"] == "parameters"].groupby("step")["bytes"].max()
+        one = sum(p.numel() * 4 for p in base.parameters())
+        assert (state.iloc[1:] <= 2 * one + 64).all(), state.to_dict()  # one AdamW's moments (+ step scalars)
+        assert (params.iloc[1:] <= one).all(), params.to_dict()
+        assert not any("grew by" in n for n in prof.run.meta["notes"]), prof.run.meta["notes"]

@@ -77,7 +77,7 @@ def test_one_span_per_outermost_call_named_after_it(probe):
     spans = forward_spans(probe.rec)
     assert [s[4] for s in spans] == ["Node", "Node"]  # source: the outermost module's class
     assert all(s[1] <= s[2] for s in spans) and spans[0][2] <= spans[1][1]
-    assert module_calls.inside() is None and list(probe.models.values()) == [model]
+    assert module_calls.inside() is None and probe.models.live() == [model]
 
 
 def test_an_exception_inside_forward_closes_the_span_and_the_next_call_is_outermost_again(probe):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from time import perf_counter_ns
 from typing import Any, Callable
 
@@ -43,6 +44,35 @@ def set_active(rec: "Recorder | None") -> None:
     """Make ``rec`` the Recorder that probes write to (None: no slice is running)."""
     global _ACTIVE
     _ACTIVE = rec
+
+
+class WeakRegistry:
+    """Objects a probe has seen (models, optimizers), held weakly: tpkit never keeps alive what
+    the loop let go (a model copied or an optimizer made anew every iteration had stayed alive
+    to the slice's end, and read as a leak of the loop's). ``entries`` is a plain dict with a
+    key per object seen, never reused, so its size only grows: the memory probe's C side
+    tells that something new came from its size alone."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, weakref.ref] = {}
+        self._keys: dict[int, int] = {}  # id(obj) -> its key in entries
+
+    def add(self, obj: Any) -> bool:
+        """Note ``obj``; True when it was not known (an id reused by a new object is new)."""
+        key = self._keys.get(id(obj))
+        if key is not None and self.entries[key]() is obj:
+            return False
+        key = self._keys[id(obj)] = len(self.entries)
+        self.entries[key] = weakref.ref(obj)
+        return True
+
+    def live(self) -> list[Any]:
+        """The objects seen that are still alive, in the order they were first seen."""
+        return [o for o in (r() for r in self.entries.values()) if o is not None]
+
+    def __len__(self) -> int:
+        """Objects ever noted (it only grows)."""
+        return len(self.entries)
 
 
 class Recorder:
@@ -103,7 +133,7 @@ class Recorder:
         self.phase_listeners: list[PhaseListener] = []
         self.step_listeners: list[StepListener] = []
         self.batch_listeners: list[Callable[[Any], None]] = []  # fn(batch) for each batch a loader yields
-        self.models: dict[int, Any] = {}  # outermost modules seen in forward (the phase probe fills it)
+        self.models = WeakRegistry()  # outermost modules seen in forward (the phase probe fills it)
         self.step_index = 0
         self.explicit_steps = False  # True once tp.step() was called: optimizers stop ending steps
         self.samples = 0  # samples seen in the current step

@@ -472,7 +472,7 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     trained = fw.model() if fw is not None else None
     if fw is not None:
         out["framework"] = fw.name
-    candidates = [trained] if isinstance(trained, torch.nn.Module) else list(probe.models.values())
+    candidates = [trained] if isinstance(trained, torch.nn.Module) else probe.models.live()
     if candidates:
         model = max(candidates, key=lambda m: sum(p.numel() for p in m.parameters()))
         model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model inside

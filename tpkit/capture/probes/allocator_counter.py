@@ -67,11 +67,12 @@ from .native import failure_text
 from .patching import Patches
 
 SOURCE = Path(__file__).with_name("allocator_counter.cpp")
-#: The extension's name in torch's extension cache (``TORCH_EXTENSIONS_DIR``), with its source's
-#: hash: two tpkit versions on one machine (two environments, or checkouts) each keep their own
-#: build. Under one name each rebuilt the other's in turn, 6-16 s at every first slice of a
-#: process, and a process could load the other's build.
-EXTENSION_NAME = "tpkit_cpu_allocation_counter_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+#: The extension's name in torch's extension cache (``TORCH_EXTENSIONS_DIR``), with a hash of its
+#: source and of where that lies: two tpkit versions or checkouts on one machine each keep their
+#: own build. Under one name each rebuilt the other's in turn (its build file names the source's
+#: path), 6-16 s at every first slice of a process, and a process could load the other's build.
+EXTENSION_NAME = "tpkit_cpu_allocation_counter_" + hashlib.sha256(
+    SOURCE.read_bytes() + str(SOURCE.resolve()).encode()).hexdigest()[:12]
 #: A load slower than this compiled the extension (a cached load takes ~10 ms): the run says so.
 BUILT_AFTER_S = 1.0
 

@@ -101,7 +101,7 @@ from ...schema import (
     MEMORY_CATEGORIES,
     MIB,
 )
-from ..recorder import Recorder
+from ..recorder import Recorder, WeakRegistry
 from . import allocator_counter
 from .allocator_counter import CpuAllocatorCounter
 from .patching import Patches
@@ -527,8 +527,9 @@ class MemoryProbe:
         self.cuda_reads: dict[int, dict[str, tuple[int, int, bool]]] = {}
         self._cuda_baseline: dict[str, tuple[int, int, bool]] = {}  # {device: read} at install
         self._bounded: dict[str, str] = {}  # devices whose stretch peaks are lower bounds (_emit)
-        # the optimizers that stepped (held for the slice only: dropped in remove())
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        # the optimizers that stepped, held weakly (one made anew each iteration goes as the loop
+        # lets it go: held here, it had read as a growing optimizer_state)
+        self.optimizers = WeakRegistry()
         self._batch: list[weakref.ref] = []
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
@@ -583,7 +584,7 @@ class MemoryProbe:
                                   f"was not measured: the allocator stream could not start ({e})")
             if self.cpu.active and isinstance(self.cpu, CpuAllocatorCounter):
                 # before any marker: the counter numbers them from here
-                self.cpu.listen(self.rec.models, self._cuda_in_use, self._at_boundary, _LOOK_AFTER,
+                self.cpu.listen(self.rec.models.entries, self._cuda_in_use, self._at_boundary, _LOOK_AFTER,
                                 _LOOK_AT, _BOUND, MARKER_BASE_BYTES, MARKER_SIZES)
                 self._listening = True
                 if BOUNDARIES_IN_COUNTER:
@@ -671,7 +672,7 @@ class MemoryProbe:
                 self.rec.note(self._cpu_note)
             self._emit(events)
             self._batch = []
-            self.optimizers = {}
+            self.optimizers = WeakRegistry()
             self._params, self._buffers = [], []
 
     _history_ours = False
@@ -725,8 +726,7 @@ class MemoryProbe:
 
     # -- hooks (the hot path) ---------------------------------------------------------------
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(opt) not in self.optimizers:
-            self.optimizers[id(opt)] = opt
+        self.optimizers.add(opt)
 
     def _streaming(self) -> bool:
         """Whether what happens now is in the CPU stream: it is on, no other profiler took it
@@ -888,17 +888,17 @@ class MemoryProbe:
 
     # -- the known sets ---------------------------------------------------------------------
     def _refresh_params(self, force: bool = False) -> bool:
-        opts = list(self.optimizers.values())
-        if not force and len(self.rec.models) == self._seen_key[0] and len(opts) == self._seen_opts:
+        if not force and len(self.rec.models) == self._seen_key[0] and len(self.optimizers) == self._seen_opts:
             return False  # the same model set and optimizers (checked at every look: keep it cheap)
-        self._seen_opts = len(opts)
+        self._seen_opts = len(self.optimizers)  # (ever seen: a new one in a dead one's place counts)
+        opts = self.optimizers.live()
         key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
         if key == self._seen_key:
             return False
         self._seen_key = key
         params: dict[int, torch.Tensor] = {}
         buffers: dict[int, torch.Tensor] = {}
-        for model in list(self.rec.models.values()):
+        for model in self.rec.models.live():
             for p in model.parameters():
                 params.setdefault(id(p), p)
             for b in model.buffers():
@@ -979,7 +979,7 @@ class MemoryProbe:
         the next look finds it (at most GRAD_LOOK_EVERY steps later). Checking every
         optimizer's state fingerprint at every step cost 15-30 us there (cold caches)."""
         states = 0
-        for opt in self.optimizers.values():
+        for opt in self.optimizers.live():
             states += len(opt.state)
         if states != self._opt_states_seen:
             self._opt_states_seen = states
@@ -989,7 +989,7 @@ class MemoryProbe:
 
     def _opt_state_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        for opt in list(self.optimizers.values()):
+        for opt in self.optimizers.live():
             for state in list(opt.state.values()):
                 for v in (state.values() if isinstance(state, dict) else (state,)):
                     if isinstance(v, torch.Tensor):
@@ -1002,7 +1002,7 @@ class MemoryProbe:
         """Cheap: how many states, and the storages of the first and last parameter's state
         (optimizers update their state in place; a new state object changes this)."""
         key: list[Any] = []
-        for opt in list(self.optimizers.values()):
+        for opt in self.optimizers.live():
             st = opt.state
             key.append((id(opt), len(st)))
             if st:

@@ -339,7 +339,7 @@ class PhaseProbe:
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
-        self.models: dict[int, torch.nn.Module] = rec.models  # shared: the memory probe reads it
+        self.models = rec.models  # shared: the memory probe reads it
         self.installed = False
         self._gc_installed = False
         self._gc_start = 0
@@ -420,8 +420,8 @@ class PhaseProbe:
         alone = set(rec.no_grad_calls[2::4]) - rec.trained_modules
         if not alone:
             return
-        for key, model in self.models.items():
-            if key in rec.trained_modules:
+        for model in self.models.live():
+            if id(model) in rec.trained_modules:
                 rec.trained_modules.update(id(m) for m in model.modules() if id(m) in alone)
 
     def notes(self) -> list[str]:
@@ -539,8 +539,7 @@ class PhaseProbe:
                 no_grad_from = perf_counter_ns()
             token = rec.enter("forward", type(module).__name__)
             self._worked = self._ever_worked = True
-            if id(module) not in self.models:
-                self.models[id(module)] = module
+            self.models.add(module)
         elif rec.is_open("backward"):
             self.recomputed_calls += 1
         gen = self._fwd_gen
