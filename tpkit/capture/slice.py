@@ -457,7 +457,10 @@ def _static_meta(cfg: SliceConfig) -> dict[str, Any]:
 def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     """Model and optimizer facts the phase probe saw."""
     out: dict[str, Any] = {"optimizers": sorted(set(probe.optimizers.values()))}
-    if len(probe.optimizers) > 1:
+    if len(probe.optimizers) > 1 and rec.explicit_steps:
+        rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at tp.step() (once it is called, no "
+                 "optimizer's step() ends one)")
+    elif len(probe.optimizers) > 1:
         rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step(), and a "
                  "step's loss is everything backpropagated since the previous one (with the first optimizer "
                  "stepping before the others' backward, a step holds their losses of the iteration before)")
