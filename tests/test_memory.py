@@ -1390,4 +1390,39 @@ def test_what_the_loop_lets_go_tpkit_does_not_keep(memory):
         one = sum(p.numel() * 4 for p in base.parameters())
         assert (state.iloc[1:] <= 2 * one + 64).all(), state.to_dict()  # one AdamW's moments (+ step scalars)
         assert (params.iloc[1:] <= one).all(), params.to_dict()
-        assert not any("grew by" in n for n in prof.run.meta["notes"]), prof.run.meta["notes"]
+        assert not any("grew by" in n for n in prof.run.summary().notes), prof.run.summary().notes
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_batches_from_worker_processes_are_data_while_the_loop_holds_them(keep):
+    """A DataLoader's workers hand over batches in shared memory, outside the allocation stream.
+    Such a batch is data from the loader's exit (beside the batch before, which the loop still
+    holds there: it read one batch there, and none for the first) until the loop lets it go. A
+    loop that keeps every batch (a real leak, 1 MiB a step) had read flat: the next batch's
+    arrival was taken to end the one before."""
+    B, D = 256, 1024
+    data = torch.utils.data.TensorDataset(torch.randn(40 * B, D), torch.randn(40 * B, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=B, num_workers=2)
+    model = torch.nn.Linear(D, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    with tp.profile(steps=5, warmup=2, progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if keep:
+                kept.append(x)
+    batch = B * D * 4 + B * 4
+    m = prof.run.memory
+    data_rows = m[(m["category"] == "data") & (m["device"] == "cpu")]
+    at_forward = data_rows[(data_rows["phase"] == "forward") & (data_rows["event"] == "enter")]["bytes"].tolist()
+    if keep:  # every x kept, the current y: one x more a step
+        assert at_forward == [k * B * D * 4 + batch for k in range(7)], at_forward
+        notes = prof.run.summary().notes
+        assert any("grew by" in n and "mostly data" in n for n in notes), notes
+    else:
+        assert at_forward == [batch] * 7, at_forward
+        exits = data_rows[(data_rows["phase"] == "data_wait") & (data_rows["event"] == "exit")]["bytes"].tolist()
+        # iter() starting the workers, then each next(): the first batch alone, then two
+        assert exits == [0, batch] + [2 * batch] * 6, exits

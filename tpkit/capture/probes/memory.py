@@ -545,6 +545,7 @@ class MemoryProbe:
         self._grads_seen_at: list[int] = []  # observations that looked at every gradient
         self._grads_watched: set[int] = set()  # parameter slots whose first gradient is watched
         self._finalizers: list[weakref.finalize] = []
+        self._watched: set[int] = set()  # addresses of the watched storages: their end comes from _GONE
         self.gone: list[tuple[int, int]] = []  # (ptr, bytes) of watched CPU tensors that died  # rec.own_tensors already observed
         self._grads_new = False  # a backward ended since the known sets were last observed
         self._dev_names: dict[torch.device, str] = {}
@@ -852,7 +853,7 @@ class MemoryProbe:
             except TypeError:
                 pass
         self._batch = refs
-        items = self._storages(tensors, "data")
+        items = self._storages(tensors, "data", watch_shared=True)
         if self._streaming():
             flat: list[Any] = []
             for dev, ptr, nb, c, slot in items:
@@ -937,11 +938,14 @@ class MemoryProbe:
         return name
 
     def _storages(self, tensors: Iterable[torch.Tensor], category: str,
-                  watch: bool = False) -> list[tuple[str, int, int, str, int]]:
+                  watch: bool = False, watch_shared: bool = False) -> list[tuple[str, int, int, str, int]]:
         """``(device, ptr, bytes, category, parameter slot)`` of the tensors' storages. With
         ``watch``, each CPU tensor's death cuts the stream too: the stream has no free event
         for a block allocated before the slice (or in another thread), so that is how the
-        replay learns when such a known storage ended."""
+        replay learns when such a known storage ended. ``watch_shared``: watch the tensors in
+        shared memory (a DataLoader worker's batch): a loop that keeps its batches keeps them
+        alive, which the next batch's arrival had been taken to end (a real leak of 1 MiB a step
+        read flat with 2 workers)."""
         out = []
         for t in tensors:
             if type(t) is not torch.Tensor:  # a subclass may be a DTensor
@@ -954,8 +958,9 @@ class MemoryProbe:
                 continue
             if nbytes:
                 out.append((dev, ptr, nbytes, category, -1))
-                if watch and dev == "cpu":
+                if dev == "cpu" and (watch or (watch_shared and t.is_shared())):
                     self._watch(t, ptr, nbytes)
+                    self._watched.add(ptr)
         return out
 
     def _watch(self, t: torch.Tensor, ptr: int, nbytes: int) -> None:
@@ -1170,12 +1175,16 @@ class MemoryProbe:
         j = 0
         bwd_depth = fwd_depth = 0
         loss_gap = False  # from a forward's exit to the next backward (or another phase): the loss is made
+        wait_exit = -1  # the stream index of a data_wait exit when it is the last boundary passed
         for i, (ptr, sz) in enumerate(events):
             if j < n_marks and sz < 0 and ptr == marks[j][0] and -sz == marks[j][1] and marks[j][4] < pk:
                 _, _, kind, idx, _ = marks[j]
                 j += 1
                 if kind == _BOUND:
                     phase, event = bounds[idx][0], bounds[idx][1]
+                    # the loaders report a batch right after their data_wait closes: one made
+                    # outside the stream is data at that exit already (beside the one before it)
+                    wait_exit = i if (phase == "data_wait" and event == "exit") else -1
                     if phase == "forward":
                         fwd_depth += 1 if event == "enter" else -1
                         loss_gap = event == "exit" and fwd_depth == 0
@@ -1203,7 +1212,8 @@ class MemoryProbe:
                     items = obs[idx]
                     if "data" in items:
                         # a batch made outside the stream (another thread) has no free event:
-                        # it counts until a batch that does not hold it is handed out
+                        # it counts until a batch that does not hold it is handed out (one in
+                        # shared memory, a worker process's, is watched instead: see _storages)
                         batch = {items[q] for q in range(0, len(items), 4) if items[q + 2] == "data"}
                         for a, dptr in list(outside_data.items()):
                             if dptr not in batch:
@@ -1223,8 +1233,8 @@ class MemoryProbe:
                             made_in.append(4)
                             tag.append(cat)
                             alloc_at.append(-1)
-                            known_at.append(i if cat == "data" else -1)
-                            if cat == "data":
+                            known_at.append((wait_exit if wait_exit >= 0 else i) if cat == "data" else -1)
+                            if cat == "data" and optr not in self._watched:
                                 outside_data[a] = optr
                         elif tag[a] is None and size[a] == onb:
                             tag[a] = cat
