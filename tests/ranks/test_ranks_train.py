@@ -148,6 +148,10 @@ def test_merged_view_names_the_straggler(launched, case, tmp_path):
     assert f"straggler: {line}" in ranks.summary_text()
     merged = ranks.run.meta["ranks"]
     assert merged["straggler_rank"] == late and merged["straggler_phase"] == phase
+    # the merged view shows the rank that held the others back: its own wait, and the advice on it
+    # (rank 0's showed its wait for that rank: COMM-BOUND, advice sized on its smaller data wait)
+    assert merged["shown_rank"] == late and ranks.run.meta["rank"] == late
+    assert any(f"are rank {late}'s (the rank that held the others back)" in n for n in ranks.run.meta["notes"])
     lanes = {r for r, *_ in merged["timeline"]}
     assert lanes == set(range(nproc))  # one lane per rank
     waits = [(r, b - a) for r, _, p, a, b in merged["timeline"] if p == "comm"]
