@@ -314,3 +314,13 @@ def test_a_training_step_that_returns_none_is_said():
     losses = prof.run.steps["loss"]
     assert losses.isna().sum() == 1, losses.tolist()
     assert any(n.startswith("1 step(s) had no loss go through backward") for n in prof.run.meta["notes"])
+
+
+def test_a_fit_that_ends_before_the_slice_is_full_is_said_to_have_stopped_by_itself():
+    trainer, model, loader, record = make(max_steps=4)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-short", progress=False, clock_hz=0) as prof:
+        trainer.fit(model, loader)
+    run = prof.run
+    assert len(run.steps) == trainer.global_step == 4 and run.meta["stopped_by"] == "loop_end"
+    assert any(n.startswith("lightning.Trainer stopped by itself (its max_steps, max_time, early stopping or a "
+                            "callback) after 4 steps, before the slice was full") for n in run.meta["notes"])

@@ -271,7 +271,9 @@ class Profile:
         elif exc is None:
             meta["stopped_by"] = "loop_end"
             if cfg.stop and done < warmup + cfg.steps:
-                rec.note(f"the loop ended after {done} steps, before the slice was full "
+                who = (f"{rec.framework.name} stopped by itself (its max_steps, max_time, early stopping or a "
+                       "callback)" if rec.framework is not None else "the loop ended")
+                rec.note(f"{who} after {done} steps, before the slice was full "
                          f"({warmup} warmup + {cfg.steps} steps): the Run holds the steps that happened")
         elif not isinstance(exc, StopSlice):
             how = ("terminated" if self._term.pending else "interrupt" if isinstance(exc, KeyboardInterrupt)
