@@ -85,6 +85,25 @@ def test_watch_times_any_iterable_and_counts_samples():
     assert list(tp.watch([1, 2, 3])) == [1, 2, 3]  # free and transparent outside a slice
 
 
+def test_tp_step_right_after_an_optimizer_step_marks_the_same_step():
+    """A loop that calls ``tp.step()`` after ``opt.step()``: the first optimizer step ends a step
+    before any tp.step() was seen; the first tp.step() right after it marks that same step (it
+    had made an empty one: the first measured step with 0 samples and no loss, and a note that
+    blamed the loop)."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.zeros(400, 3), batch_size=4)
+    with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0) as prof:
+        for x in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            tp.step()
+    run = prof.run
+    assert (run.steps["samples"] == 4).all(), run.steps["samples"].tolist()
+    assert run.steps["loss"].notna().all()
+    assert not any("no loss" in n for n in run.meta["notes"])
+
 def test_h2d_is_a_move_off_the_host(monkeypatch):
     from tpkit.capture.probes import phases
 

@@ -26,6 +26,15 @@ class Batch:
     labels: torch.Tensor
 
 
+@dataclasses.dataclass
+class Tagged:
+    """A name first, and a field set later (unset, reading it raises)."""
+
+    task: str
+    x: torch.Tensor
+    extra: torch.Tensor = dataclasses.field(init=False)
+
+
 class Pair(NamedTuple):
     x: torch.Tensor
     y: torch.Tensor
@@ -56,8 +65,11 @@ class Holder:
     Batch(None, torch.zeros(B)),  # its first field that is set (it read 0)
     Pair(torch.zeros(B, 8), torch.zeros(B)),
     Holder(),
+    Tagged("caption", torch.zeros(B, 8)),  # a name before the tensors, a field never set
+    # list(zip(*batch)): columns (images, per-sample targets), not samples
+    list(zip(*[(torch.zeros(3, 10, 10), {"boxes": torch.zeros(2, 4)}) for _ in range(B)])),
 ], ids=["tensor", "tuple", "list", "dict", "mapping", "texts", "nested", "numpy", "detection", "records",
-        "uncollated", "dataclass", "namedtuple", "attributes"])
+        "uncollated", "dataclass", "namedtuple", "attributes", "tagged", "detection-list"])
 def test_samples_in_a_batch(batch):
     assert batch_size_of(batch) == B
 

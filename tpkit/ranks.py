@@ -156,6 +156,7 @@ class RankRuns:
                          "memory_peaks": [[int(r), str(d), int(b)] for r, d, b in
                                           peaks[["rank", "device", "peak_bytes"]].itertuples(index=False)]}
         notes = meta.setdefault("notes", [])
+        notes[:] = [n for n in notes if not n.startswith(f"the loss is rank {pick}'s own")]  # the mean here
         steps = base.steps.copy()
         st = st[st["rank"].isin([k for k in self.runs if k not in self.incomplete] or list(self.runs))]
         mean = st.groupby("step")["loss"].mean() if "loss" in st else pd.Series(dtype="float64")

@@ -278,9 +278,14 @@ def test_validate_with_steps_marked_runs_to_its_end():
     """``trainer.validate`` with ``tp.step()`` at each batch's end: outside ``fit`` Lightning has
     no switch that ends it early, so the slice ends and the validation runs on, unprofiled, to
     its own end and results (StopSlice had ended it INTERRUPTED, returning nothing)."""
+    from tpkit.capture import recorder
+
+    active: list[bool] = []
+
     class Step(L.Callback):
         def on_validation_batch_end(self, *_):  # noqa: ANN002
             tp.step()
+            active.append(recorder.active() is not None)
 
     def validate() -> tuple:
         torch.manual_seed(0)
@@ -296,6 +301,8 @@ def test_validate_with_steps_marked_runs_to_its_end():
     assert trainer.state.status.value == "finished" and record.events == []
     assert results == plain and "val_loss" in results[0]
     assert len(prof.run.steps) == 4
+    # the probes came out as the slice ended: nothing recorded while validate ran on
+    assert active[-10:] == [True, True, True, False] + [False] * 6
     assert any(n.startswith("the slice ended after 4 steps; lightning.Trainer runs on") for n in prof.run.meta["notes"])
 
 
@@ -324,3 +331,19 @@ def test_a_fit_that_ends_before_the_slice_is_full_is_said_to_have_stopped_by_its
     assert len(run.steps) == trainer.global_step == 4 and run.meta["stopped_by"] == "loop_end"
     assert any(n.startswith("lightning.Trainer stopped by itself (its max_steps, max_time, early stopping or a "
                             "callback) after 4 steps, before the slice was full") for n in run.meta["notes"])
+
+
+def test_steps_marked_with_tp_step_in_a_callback_end_the_fit_as_max_steps_would():
+    """``tp.step()`` in ``on_train_batch_end``: Lightning has counted the step by then, so the fit
+    stops after exactly the slice's steps (one more had been trained, and StopSlice then
+    interrupted the fit)."""
+    class Step(L.Callback):
+        def on_train_batch_end(self, *_):  # noqa: ANN002
+            tp.step()
+
+    trainer, model, loader, record = make()
+    trainer.callbacks.append(Step())
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-tpstep", progress=False, clock_hz=0) as prof:
+        trainer.fit(model, loader)
+    assert trainer.state.status.value == "finished" and record.events == ["train_end"]
+    assert trainer.global_step == STEPS + WARMUP == len(prof.run.steps)

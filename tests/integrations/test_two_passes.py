@@ -138,3 +138,34 @@ def test_the_slice_leaves_no_gradient_of_any_optimizer_behind():
             adamw.zero_grad()
     assert len(prof.run.steps) == N
     assert all(p.grad is None for p in model.parameters()), [n for n, p in model.named_parameters() if p.grad is not None]
+
+
+def test_several_updates_in_a_step_marked_by_tp_step_are_no_skipped_iterations():
+    """PPO-style: each step (``tp.step()``) runs four minibatches, each with its own zero_grad,
+    backward and update. A zero_grad after an update throws no gradients away: no iteration was
+    skipped and none is a second pass; the step's loss is its minibatches' sum (it had kept the
+    last minibatch's alone and said 3 iterations a step were skipped)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8)
+    sums = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="ppo", progress=False, clock_hz=0) as prof:
+        batches = iter(loader)
+        for _ in range(N + 1):
+            total = 0.0
+            for _ in range(4):
+                x, y = next(batches)
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                total += loss.item()
+            sums.append(total)
+            tp.step()
+    run = prof.run
+    # until the first tp.step() each update ends a step (tpkit cannot know one is coming): the
+    # first iteration is 4 steps, every later one a step of its 4 minibatches
+    assert run.steps["samples"].tolist() == [8, 8, 8, 8, 32, 32, 32], run.steps["samples"].tolist()
+    truth.assert_losses(run.steps["loss"].tolist()[4:], sums[1:N - 3])
+    assert not any("skipped" in n or "SAM-style" in n or "no loss" in n for n in run.meta["notes"]), run.meta["notes"]

@@ -97,7 +97,7 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     for s in sorted(whole, key=lambda w: (w[1], -w[2])):
         if s[1] > last_end:  # not inside another: one evaluation
             last_end = s[2]
-            if s[5] < rows:
+            if s[5] < rows and s[4] != "tp.phase":  # a trainer's (the loop's own tp.phase("eval") is no run)
                 out.runs[s[4]] = out.runs.get(s[4], 0) + 1
     recorded = [no_grad_calls[i:i + 4] for i in range(0, len(no_grad_calls), 4) if no_grad_calls[i + 3] < past]
     calls = sorted((a, b) for a, b, m, _ in recorded if m in trained and m not in param_free)

@@ -47,9 +47,11 @@ class FrameworkTrainer:
     def trainer(self) -> Any:
         return self._ref()
 
-    def request_stop(self) -> bool:
+    def request_stop(self, counted: bool = False) -> bool:
         """Ask the trainer to end after the step now finishing, as its own early stop does.
-        Returns False when the trainer is gone or has no such switch."""
+        ``counted``: Lightning has counted that step already (``tp.step()`` in a callback, after
+        the optimizer's step returned); from inside the optimizer's step it has not. Returns
+        False when the trainer is gone or has no such switch."""
         trainer = self.trainer
         if trainer is None:
             return False
@@ -64,8 +66,9 @@ class FrameworkTrainer:
                 return False
             if self._lowered is None:
                 self._lowered = (loop, loop.max_steps)
-            # the step finishing now is counted once this optimizer step returns
-            loop.max_steps = int(loop.global_step) + 1
+            # the step finishing now is counted once this optimizer step returns (+1 made a fit
+            # whose steps tp.step() marks train one batch more, and StopSlice then interrupted it)
+            loop.max_steps = int(loop.global_step) + (0 if counted else 1)
         self.stop_requested = True
         return True
 

@@ -206,6 +206,19 @@ class Recorder:
                 # on a GPU it starts at the phase's own end event
                 self._own(t, ev, self.cuda_timer.mark() if ev is not None else None)
 
+    def idle_since_step(self) -> bool:
+        """Whether no training work was recorded since the last step ended: no batch handed out,
+        no span open, none closed after it but the optimizer's (its ``zero_grad()``) and tpkit's."""
+        if not self.step_ends or self._stack or self.samples:
+            return False
+        end, spans = self.step_ends[-1][0], self._spans
+        for i in range(len(spans) - SPAN_FIELDS, -1, -SPAN_FIELDS):
+            if spans[i + 2] <= end:
+                return True
+            if spans[i] not in ("optimizer", "tpkit", "gc"):
+                return False
+        return True
+
     def is_open(self, phase: str) -> bool:
         return self._open.get(phase, 0) > 0
 
@@ -250,7 +263,7 @@ class Recorder:
             self.step_events[step] = self.cuda_timer.mark()
         self.step_index += 1
         self.samples = 0
-        for fn in self.step_listeners:
+        for fn in list(self.step_listeners):  # (a listener may take itself out: the late comm probe)
             fn(step, end)
 
     # -- other tables ---------------------------------------------------------------------

@@ -238,13 +238,17 @@ class Profile:
         fw = rec.framework
         if rec.slice_steps is None:
             rec.slice_steps = raw_step + 1
-            if fw is not None and fw.request_stop():
+            if fw is not None and fw.request_stop(counted=rec.explicit_steps):
                 return
             if fw is not None and fw.runs_on():
                 rec.thread_id = 0  # every probe now ignores the loop: nothing is raised into the trainer
                 rec.note(f"the slice ended after {raw_step + 1} steps; {fw.name} runs on, no longer profiled "
                          "(outside fit it has no switch that ends it early; profile it whole with stop=False, "
                          "--no-stop)")
+                # and the probes come out now (here: tp.step(), no hook of theirs is running), so
+                # nothing records while the trainer runs on (the allocation counter, torch.profiler)
+                with held_sigint():
+                    self._teardown()
                 return
             if "loop_thread" in rec.meta:
                 rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
@@ -581,6 +585,11 @@ def step() -> None:
     """
     rec = _rec.active()
     if rec is not None and threading.get_ident() == rec.thread_id:
+        if not rec.explicit_steps and rec.idle_since_step():
+            # the first tp.step(), right after an optimizer step ended this iteration's step: the
+            # same step (it had made an empty one, the first measured step with 0 samples)
+            rec.explicit_steps = True
+            return
         rec.explicit_steps = True
         if not rec.framework_looked:  # tp.step() in a trainer's callback: the slice ends through it
             rec.framework_looked = True

@@ -30,7 +30,7 @@ import select
 import signal
 import traceback
 from dataclasses import dataclass
-from time import perf_counter, perf_counter_ns, thread_time
+from time import perf_counter, perf_counter_ns, process_time, thread_time
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -273,6 +273,9 @@ class BatchMaker:
 
     def __init__(self, spec: WorkerSpec, in_ring: bool = False) -> None:
         self.spec = spec
+        # the CPU a batch's making takes: a worker process's every thread (a transform's own thread
+        # pool: OpenCV, OpenMP), a thread's own elsewhere (the main process's other threads train)
+        self._cpu_clock = process_time if in_ring else thread_time
         self._it: Iterator[Any] | None = None
         self.current_index: Any = None
         self.drawn = 0  # samples taken from this worker's stream (iterable datasets)
@@ -318,7 +321,7 @@ class BatchMaker:
         once during a map-style batch: the time its second sample took (the first may pay
         one-off costs: a file opened, a cache filled; a batch of one: that sample's time) and
         how many samples the batch has. Its own time is not counted as fetching."""
-        t0, cpu0 = perf_counter(), thread_time()
+        t0, cpu0 = perf_counter(), self._cpu_clock()
         if self.spec.iterable:
             samples = self._next_samples()
             if samples is None:
@@ -349,7 +352,7 @@ class BatchMaker:
             batch = self.collate(samples)
         else:
             batch = self.spec.collate_fn(samples[0])
-        return Made(batch, t1 - t0, perf_counter() - t1, len(samples), thread_time() - cpu0)
+        return Made(batch, t1 - t0, perf_counter() - t1, len(samples), self._cpu_clock() - cpu0)
 
 
 def worker_main(worker: int, life: int, conn: Any, spec: WorkerSpec, skip_batches: int,

@@ -655,6 +655,7 @@ class LateCommProbe:
         self.inner: SliceCommProbe | None = None
         self._orig: list[tuple[Any, Any]] = []  # (module, its own init_process_group)
         self._listening = False
+        self._removed = False  # a wrapper someone kept past the slice must do nothing then
 
     def install(self) -> "LateCommProbe":
         import torch.distributed as dist
@@ -674,24 +675,31 @@ class LateCommProbe:
 
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
-            self._start(None)
+            try:
+                self._start(None)
+            except Exception as e:  # noqa: BLE001 - the loop's process group is up: never fail it for tpkit
+                self.rec.note(f"collectives not timed: the probe failed to go in ({e!r})")
             return out
 
         return functools.update_wrapper(init_process_group, fn)
 
     def _on_step(self, raw_step: int, _end_ns: int) -> None:
         if self.inner is None and torch.distributed.is_initialized():
-            self._start(raw_step + 1)
+            try:
+                self._start(raw_step + 1)
+            except Exception as e:  # noqa: BLE001 - a step listener's failure would reach the loop
+                self.rec.note(f"collectives not timed: the probe failed to go in ({e!r})")
 
     def _start(self, from_step: int | None) -> None:
         import torch.distributed as dist
 
-        if self.inner is not None or not dist.is_initialized():
+        if self._removed or self.inner is not None or not dist.is_initialized():
             return
         self._stop_listening()
         if dist.get_world_size() == 1 and not self._one_rank():
             return
-        self.inner = SliceCommProbe(self.rec).install()
+        self.inner = SliceCommProbe(self.rec)  # kept before it goes in: remove() takes out what did
+        self.inner.install()
         if from_step is not None:
             self.rec.note(f"the process group came up inside the slice, through a name tpkit does not wrap: "
                           f"collectives are timed only after its first {from_step} step(s), warmup included "
@@ -706,6 +714,7 @@ class LateCommProbe:
                 pass
 
     def remove(self) -> None:
+        self._removed = True
         while self._orig:
             module, orig = self._orig.pop()
             module.init_process_group = orig

@@ -958,7 +958,7 @@ class MemoryProbe:
                 continue
             if nbytes:
                 out.append((dev, ptr, nbytes, category, -1))
-                if dev == "cpu" and (watch or (watch_shared and t.is_shared())):
+                if dev == "cpu" and (watch or (watch_shared and s.is_shared())):  # (the tensor's: 3.6 us)
                     self._watch(t, ptr, nbytes)
                     self._watched.add(ptr)
         return out
@@ -972,6 +972,7 @@ class MemoryProbe:
         self._finalizers.append(f)
 
     def _gone(self, ptr: int, nbytes: int) -> None:
+        self._watched.discard(ptr)  # a later block at this address is no batch of a worker's
         if self._streaming():
             self.gone.append((ptr, nbytes))
             self._mark(_GONE, len(self.gone) - 1)

@@ -159,15 +159,16 @@ def batch_size_of(batch: Any) -> int | None:
             first = batch[0]
             if isinstance(first, (str, bytes, int, float)):
                 return len(batch)
+            for part in (batch, *(p for p in batch if isinstance(p, (list, tuple)))):
+                if _records(part):  # (before the next rule: list(zip(*batch)) with per-sample targets)
+                    return len(part)
             if type(batch) is list and all(type(e) is tuple for e in batch):  # uncollated samples
                 return len(batch)
-            for part in (batch, *(p for p in batch if isinstance(p, (list, tuple)))):
-                if _records(part):
-                    return len(part)
             batch = first
         elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-            fields = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-            batch = next((v for v in fields if v is not None), None)
+            fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
+            batch = next((v for v in fields if v is not None and not isinstance(v, (str, bytes, int, float, bool))),
+                         None)
         else:
             attrs = getattr(batch, "__dict__", None)
             return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
@@ -228,11 +229,13 @@ class LossSums:
         self._slots_step = -1
         self._host: dict[int, list[float]] = {}
         self._reset_step = -1  # the step whose gradients were zeroed after its first loss
+        self._updated = False  # an optimizer stepped since the last loss went through backward
 
     def add(self, raw_step: int, loss: torch.Tensor) -> None:
         """Add a one-element loss tensor to step ``raw_step``'s sum (or, after the step's
         gradients were zeroed, to ``rec.losses_after_reset``: see ``reset``)."""
         rec = self.rec
+        self._updated = False
         after_reset = raw_step == self._reset_step
         if not after_reset:
             counts = rec.loss_counts
@@ -253,12 +256,18 @@ class LossSums:
             target.append((raw_step, slot))
         self._chunks[slot.chunk][slot.index].add_(value)
 
+    def updated(self) -> None:
+        """An optimizer stepped: until the next backward, a ``zero_grad()`` is the loop's ordinary
+        one after its update (several updates in one step marked by ``tp.step()``, PPO's
+        minibatches), not a reset that throws a backward's gradients away."""
+        self._updated = True
+
     def reset(self, raw_step: int) -> None:
         """``zero_grad()`` in step ``raw_step``: after a loss of the step went through backward,
         the gradients it made are thrown away (SAM's two passes on one batch: the first pass's
         gradients only find where to perturb the weights). What is backpropagated after it in
         the step is kept apart; the build decides what to do with it."""
-        if self._reset_step != raw_step and self.rec.loss_counts.get(raw_step, 0):
+        if self._reset_step != raw_step and self.rec.loss_counts.get(raw_step, 0) and not self._updated:
             self._reset_step = raw_step
             if raw_step == self._slots_step:
                 self._slots = {}
@@ -621,6 +630,7 @@ class PhaseProbe:
             return
         self.rec.exit(self._opt_tokens.pop()[0])
         self._opt_posts += 1
+        self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
             # step() twice per iteration (nothing between: no batch, zero_grad, forward or
             # backward) is one step, not two; a step with only other work before it (a loop
@@ -644,11 +654,13 @@ class PhaseProbe:
             # or the next slice's first backward would add onto stale ones. So for every
             # optimizer the loop steps (Muon's and AdamW's pair: the second had not stepped yet,
             # and its gradients were left in place).
-            for ref in self._optimizer_refs:
-                each = ref()
-                if each is not None:
-                    zero_grad = type(each).zero_grad
+            alive = [r() for r in self._optimizer_refs]
+            for each in [opt, *(o for o in alive if o is not None and o is not opt)]:
+                zero_grad = type(each).zero_grad
+                try:
                     getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=True)
+                except Exception:  # noqa: BLE001 - an optimizer's own zero_grad must not replace the stop
+                    pass
             raise
 
     # -- AMP ----------------------------------------------------------------------------------
@@ -751,7 +763,8 @@ class PhaseProbe:
 
         def grad(*args: Any, **kwargs: Any) -> Any:
             if (_compiling() or threading.get_ident() != rec.thread_id or rec.is_open("forward")
-                    or rec.is_open("backward") or rec.is_open("optimizer")):
+                    or rec.is_open("backward") or rec.is_open("optimizer") or rec.is_open("eval")
+                    or rec.is_open("save")):
                 return fn(*args, **kwargs)
             probe.grad_calls += 1
             token = rec.enter("backward", "autograd.grad")
