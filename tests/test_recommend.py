@@ -79,6 +79,24 @@ def test_data_stall_fires_with_amdahl_gain_and_doubles_workers():
     assert recs[1].action == {"loader": "tpkit", "num_workers": 4}
 
 
+def _linear_slice(batches, after_step=None):  # noqa: ANN001, ANN202
+    """A slice of 4 steps (+1 warmup) training a 1-in 1-out linear model on ``batches`` (each
+    (B, 1)), calling ``after_step(model)`` after each step."""
+    import torch
+
+    import tpkit as tp
+
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        for x in batches:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if after_step is not None:
+                after_step(model)
+    return prof.run
+
 def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
     """The training batches' DataLoader had 4 workers: the advice is 8, "now 4" (it said "Use 2
     loader workers (now 0)": a torch DataLoader's workers were never read). A 0-worker evaluation
@@ -87,7 +105,6 @@ def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
 
     import torch
 
-    import tpkit as tp
 
     def slow(items: list) -> torch.Tensor:
         time.sleep(0.05)
@@ -95,21 +112,17 @@ def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
 
     train = torch.utils.data.DataLoader(range(400), batch_size=4, num_workers=4, collate_fn=slow)
     val = torch.utils.data.DataLoader(range(400), batch_size=4)
-    model = torch.nn.Linear(1, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
-        for x in train:
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            model.eval()
-            with torch.no_grad():
-                for k, v in enumerate(val):
-                    model(v.float().unsqueeze(1))
-                    if k == 2:
-                        break
-            model.train()
-    run = prof.run
+
+    def evaluate(model: torch.nn.Module) -> None:
+        model.eval()
+        with torch.no_grad():
+            for k, v in enumerate(val):
+                model(v.float().unsqueeze(1))
+                if k == 2:
+                    break
+        model.train()
+
+    run = _linear_slice(train, after_step=evaluate)
     assert run.meta["torch_loader"] == {"num_workers": 4, "batches": 5}
     (r, *_) = rc.data_stall(run)
     assert r.title == "Use 8 loader workers (now 4)" and r.action == {"num_workers": 8}
@@ -219,15 +232,9 @@ def test_tpkits_loader_says_how_much_of_its_making_is_on_a_core(work):
             return torch.ones(1)
 
     loader = tp.data.Loader(Items(), batch_size=2, num_workers=1, mode="thread")
-    model = torch.nn.Linear(1, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
-        for x in loader:
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
+    run = _linear_slice(loader)
     loader.close()
-    share = prof.run.meta["loader"]["make_cpu_share"]
+    share = run.meta["loader"]["make_cpu_share"]
     assert share < 0.3 if work == "sleep" else share > 0.7, share
 
 def test_a_loader_that_keeps_up_says_what_the_loops_wait_is():

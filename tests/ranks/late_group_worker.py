@@ -14,27 +14,16 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed import init_process_group as start_group  # before any slice
+from train_worker import Delay  # (this folder: torchrun runs the script from it)
 
 import tpkit as tp
 
 DELAY_S = 0.1
 STEPS, WARMUP = 4, 1
-
-
-class Delay(torch.nn.Module):
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.seconds > 0:
-            time.sleep(self.seconds)
-        return x
 
 
 def net(rank: int) -> torch.nn.Module:
