@@ -94,3 +94,26 @@ def test_autograd_grad_inside_a_forward_stays_the_forward():
         got = float(run.steps[f"{phase}_s"].sum())
         assert abs(got - clock[phase]) <= TOLERANCE * clock[phase], (phase, got, clock[phase])
     assert not any("torch.autograd.grad" in n for n in run.meta["notes"])
+
+
+def test_autograd_grad_inside_an_evaluation_stays_the_evaluations():
+    """Saliency in an evaluation (``tp.phase("eval")`` here, a trainer's ``evaluate()`` alike):
+    its gradient passes are the evaluation's time, not the step's backward."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="saliency", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 1):
+            ((model(torch.randn(8, 8)) - torch.randn(8, 1)) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with tp.phase("eval"):
+                x = torch.randn(8, 8, requires_grad=True)
+                t = time.perf_counter()
+                torch.autograd.grad(model(x).sum(), x)  # through the sleepy node
+                clock["eval"] += time.perf_counter() - t
+    run = prof.run
+    assert not any("torch.autograd.grad" in n for n in run.meta["notes"])
+    assert float(run.steps["backward_s"].sum()) < (N + 1) * truth.BACKWARD_S * (1 + TOLERANCE)
+    assert float(run.steps["eval_s"].sum()) >= (N - 1) * truth.BACKWARD_S
