@@ -98,3 +98,32 @@ def test_bf16_autocast_loss_and_phases():
     assert len(run.steps) == STEPS + WARMUP
     truth.assert_losses(run.steps["loss"].tolist(), losses)
     truth.assert_phases(run, known)
+
+
+def test_a_static_loss_scale_by_hand_is_taken_out():
+    """``(loss * 1024).backward()`` with the gradients divided before the step (a static loss
+    scale, as apex's or older fp16 recipes): the loss recorded is the loop's, not 1024x (it had
+    read 1642.7 for 1.6042, with no word), and the run says what it took out. A weight of the loss
+    (``* 0.5``) and an accumulation divisor (``/ 2``) are left as they are."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8)
+    logged = []
+    N = STEPS + WARMUP
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="static-scale", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            (loss * 1024).backward()
+            for p in model.parameters():
+                p.grad /= 1024
+            logged.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    truth.assert_losses(prof.run.steps["loss"].tolist(), logged[:N])
+    assert any(n.startswith(f"{N} loss(es) went through backward multiplied by 1024") for n in prof.run.meta["notes"])
+    from tpkit.capture.probes.phases import _static_scale
+
+    w = torch.ones(2, requires_grad=True)
+    assert [_static_scale(w.sum() * k) for k in (0.5, 100.0, 128.0, 65536.0)] == [0.0, 0.0, 128.0, 65536.0]
+    assert _static_scale(w.sum() / 2) == 0.0

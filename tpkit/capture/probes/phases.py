@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import math
 import sys
 import threading
 import weakref
@@ -174,6 +175,30 @@ def batch_size_of(batch: Any) -> int | None:
             return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
                 if isinstance(attrs, dict) else None
     return None
+
+
+#: A constant factor this large, a power of two, applied last to the loss is a loss scale (a
+#: static one, by hand: GradScaler's is known from its own call): ``(loss * 1024).backward()``
+#: had read 1024x the loss the loop logs, with no word. Smaller factors are weights of the loss.
+STATIC_SCALE_MIN = 128.0
+
+
+def _static_scale(tensor: torch.Tensor) -> float:
+    """The hand-made loss scale ``tensor`` was multiplied by last, or 0.0: a ``MulBackward0``
+    whose other operand is a host scalar (a Python number, or a CPU one-element tensor without
+    grad: reading it never waits for a device) and a power of two from ``STATIC_SCALE_MIN``."""
+    fn = tensor.grad_fn
+    if fn is None or type(fn).__name__ != "MulBackward0":
+        return 0.0
+    try:
+        other = getattr(fn, "_saved_other")  # noqa: B009 - a Node attribute torch does not declare
+    except (AttributeError, RuntimeError):  # not saved (the operand needed no grad of the loss)
+        return 0.0
+    if (not isinstance(other, torch.Tensor) or other.numel() != 1 or other.device.type != "cpu"
+            or other.requires_grad):
+        return 0.0
+    scale = float(other)
+    return scale if scale >= STATIC_SCALE_MIN and math.frexp(scale)[0] == 0.5 else 0.0
 
 
 def _records(seq: list | tuple) -> bool:
@@ -345,6 +370,7 @@ class PhaseProbe:
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
         self.grad_calls = 0  # torch.autograd.grad calls timed as backward
+        self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
@@ -448,6 +474,10 @@ class PhaseProbe:
             out.append("backward ran but no module's forward was seen: the model is not called as an "
                        "nn.Module (a functional model, or model.forward(...) "
                        "called directly); mark its forward with tp.phase('forward')")
+        for scale, n in self.static_scaled.items():
+            out.append(f"{n} loss(es) went through backward multiplied by {scale:g} (a static loss scale, as "
+                       "(loss * scale).backward() with the gradients divided after): the loss recorded is the "
+                       "unscaled one")
         if self.grad_calls:
             out.append(f"torch.autograd.grad ran {self.grad_calls} time(s) outside the forward (a gradient "
                        "penalty, a meta-learning inner step): its passes are backward time (backward_s); "
@@ -784,6 +814,10 @@ class PhaseProbe:
             self._scaled = None
             if scaled[0]() is tensor:
                 return scaled[1]
+        scale = _static_scale(tensor)
+        if scale:
+            self.static_scaled[scale] = self.static_scaled.get(scale, 0) + 1
+            return tensor.detach() / scale
         return tensor
 
     def _wrap_read_ahead(self, fn: Any) -> Any:
