@@ -311,7 +311,7 @@ def test_a_counter_that_cannot_be_built_leaves_the_stream_and_a_note(monkeypatch
     monkeypatch.setattr(allocator_counter, "load", lambda: (built, None, 6.2))
     source, note = mem.cpu_allocation_source()
     assert isinstance(source, CpuAllocatorCounter)
-    assert note == "tpkit built its CPU allocation counter before the slice (6.2 s, once per machine and torch version)"
+    assert note == "tpkit built its CPU allocation counter before the slice (6.2 s, once per torch version and tpkit install)"
 
 
 def test_the_cost_note_names_the_counter_and_its_cost_per_event():

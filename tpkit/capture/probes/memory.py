@@ -303,7 +303,7 @@ def cpu_allocation_source() -> tuple[CpuAllocatorStream | CpuAllocatorCounter, s
             f"uses the stream without trying")
     if build_s >= allocator_counter.BUILT_AFTER_S:
         return CpuAllocatorCounter(ext), (f"tpkit built its CPU allocation counter before the slice "
-                                          f"({build_s:.1f} s, once per machine and torch version)")
+                                          f"({build_s:.1f} s, once per torch version and tpkit install)")
     return CpuAllocatorCounter(ext), None
 
 
