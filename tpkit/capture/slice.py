@@ -384,8 +384,9 @@ ONE_RANK_NOTE = ("one rank in the process group: its collectives have no peer, s
 
 def _comm_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     """Collectives, where a process group of more than one rank is up (``cfg.comm`` None), or of
-    any size (True); where none is up yet, from the moment one comes up inside the slice. At one rank a collective has no peer: nothing is communicated or waited for,
-    and timing it cost a DDP step 1-2% (docs/OVERHEAD.md), so the run says it was not."""
+    any size (True); where none is up yet, from the moment one comes up inside the slice. At one
+    rank a collective has no peer: nothing is communicated or waited for, and timing it cost a DDP
+    step 1-2% (docs/OVERHEAD.md), so the run says it was not."""
     import torch.distributed as dist
 
     if cfg.comm is False or not dist.is_available():

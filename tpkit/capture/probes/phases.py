@@ -60,7 +60,7 @@ import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
 from ..frameworks import find_trainer
-from ..recorder import Recorder
+from ..recorder import Recorder, WeakRegistry
 from . import module_calls
 from .patching import Patches
 
@@ -365,7 +365,7 @@ class PhaseProbe:
         self.losses = LossSums(rec)
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
-        self._optimizer_refs: list[weakref.ref] = []  # the loop's optimizers, in the order they first stepped
+        self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
@@ -618,7 +618,7 @@ class PhaseProbe:
         key = id(opt)
         if key not in self.optimizers:
             self.optimizers[key] = type(opt).__name__
-            self._optimizer_refs.append(weakref.ref(opt))
+            self._stepping.add(opt)
             self.rec.optimizer_count = len(self.optimizers)
             if self.lead_optimizer is None:
                 self.lead_optimizer = key
@@ -684,8 +684,7 @@ class PhaseProbe:
             # or the next slice's first backward would add onto stale ones. So for every
             # optimizer the loop steps (Muon's and AdamW's pair: the second had not stepped yet,
             # and its gradients were left in place).
-            alive = [r() for r in self._optimizer_refs]
-            for each in [opt, *(o for o in alive if o is not None and o is not opt)]:
+            for each in [opt, *(o for o in self._stepping.live() if o is not opt)]:
                 zero_grad = type(each).zero_grad
                 try:
                     getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=True)
