@@ -276,6 +276,57 @@ def test_loss_and_metric_modules_of_an_evaluation():
     assert any(f"{2 * evals} call(s) of a loss or metric" in n for n in run.meta["notes"]), run.meta["notes"]
 
 
+def test_an_ema_teacher_evaluated_on_validation_batches():
+    """BYOL / DINO style: the teacher is an EMA copy of the student, never called with grad. On
+    the training batch (its targets) it is the step's forward; evaluated on validation batches
+    (eval mode, no grad, batches that feed no training forward) it is evaluation: its calls and
+    batches had been forward, data_wait and samples (+32% forward, 16 samples a step for 8).
+    The evaluation loop breaks at the top (``if k == 2: break``): the third batch it reads is
+    dropped, and its wait is the evaluation's too (it had been the next step's data_wait)."""
+    torch.manual_seed(0)
+    model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    teacher.load_state_dict(model.state_dict())
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+    evals = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="ema-teacher", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            t = time.perf_counter()
+            x, y = next(it)
+            clock["data_wait"] += time.perf_counter() - t
+            t = time.perf_counter()
+            with torch.no_grad():
+                target = teacher(x)  # the teacher's view: part of the step
+            loss = F.mse_loss(model(x), y) + F.mse_loss(model(x), target)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # the EMA update
+                for pt, ps in zip(teacher.parameters(), model.parameters()):
+                    pt.mul_(0.9).add_(ps, alpha=0.1)
+            if step % EVERY == EVERY - 1:
+                t = time.perf_counter()
+                with torch.no_grad():
+                    for k, (vx, vy) in enumerate(val):
+                        if k == 2:
+                            break
+                        F.mse_loss(teacher(vx), vy)
+                        evals += 1
+                clock["eval"] += time.perf_counter() - t
+    run = prof.run
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (the teacher's calls and 3 batches read)")
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (the teacher's targets included)")
+    close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    reads = 3 * (N // EVERY)
+    assert run.meta["evaluation"] == {"calls": evals, "helper_calls": 0, "batches": reads,
+                                      "samples": reads * EVAL_BATCH, "runs": {}}
+
+
 # -- Hugging Face Trainer -------------------------------------------------------------------
 transformers = truth.import_transformers()
 

@@ -15,7 +15,8 @@ What is evaluation here:
   train mode (the model being trained), or that such a module wraps (DDP's ``.module``,
   torch.compile's ``_orig_mod``: trained through the wrapper, evaluated inside it). A model
   only ever called without grad (a teacher, a reference or target model) is part of the step:
-  its calls stay ``forward``;
+  its calls stay ``forward``, except on a batch that feeds no forward with grad (an EMA teacher
+  evaluated on validation batches): there its calls without grad in eval mode are evaluation;
 - an outermost call without grad of a module without parameters (a loss such as
   ``nn.MSELoss()``, a metric such as torchmetrics'), in whatever mode, when the last model call
   before it was an evaluation call: a loop shares its loss module between training and
@@ -26,7 +27,9 @@ What is evaluation here:
 - a batch handed to the loop whose stretch (until the next batch) holds such calls and no
   other forward: the wait for it is ``eval``, and its samples are not the step's. A batch that
   also feeds a training forward (targets made by the same model before its own forward) keeps
-  its samples and its ``data_wait``.
+  its samples and its ``data_wait``. A batch read right after an evaluation's that holds no
+  call at all (``if i == n: break`` at the top of an evaluation loop reads one more) is the
+  evaluation's too.
 
 The phase probe records what it takes (``Recorder.handouts``, ``no_grad_calls``,
 ``trained_modules``, ``param_free_modules``: a few integers a call or a batch); everything is decided here, after the
@@ -101,12 +104,34 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
                 out.runs[s[4]] = out.runs.get(s[4], 0) + 1
     recorded = [no_grad_calls[i:i + 4] for i in range(0, len(no_grad_calls), 4) if no_grad_calls[i + 3] < past]
     calls = sorted((a, b) for a, b, m, _ in recorded if m in trained and m not in param_free)
-    if not calls and not out.ranges:
+    # a model only ever called without grad in eval mode (a teacher, an EMA copy), while another is trained
+    untrained = sorted((a, b, step) for a, b, m, step in recorded if trained and m not in trained
+                       and m not in param_free)
+    if not calls and not out.ranges and not untrained:
         return out
     in_range = EvalSplit(calls=out.ranges).in_call
-    out.model_calls = sum(1 for _, _, m, step in recorded if m in trained and m not in param_free and step < rows)
     helpers = sorted((a, b, step) for a, b, m, step in recorded if m in param_free)
     in_helper = EvalSplit(calls=[(a, b) for a, b, _ in helpers]).in_call
+    times = handouts[0::3]
+    if untrained:
+        # its calls are evaluation where a batch's stretch holds them and no forward with grad
+        # (an EMA teacher evaluated on validation batches: every call of it had been forward)
+        own = [(a, b) for a, b, _ in untrained]
+        grad_fwd = sorted(s[1] for s in spans if s[0] == "forward" and not _inside(calls, s[1])
+                          and not in_helper(s[1]) and not in_range(s[1]) and not _inside(own, s[1]))
+        starts_u = [a for a, _, _ in untrained]
+        taken = set()
+        for k, t in enumerate(times):
+            end = times[k + 1] if k + 1 < len(times) else 1 << 62
+            lo, hi = bisect.bisect_left(starts_u, t), bisect.bisect_left(starts_u, end)
+            if lo < hi and bisect.bisect_left(grad_fwd, t) == bisect.bisect_left(grad_fwd, end):
+                taken.update(range(lo, hi))
+        picked = [untrained[i] for i in sorted(taken)]
+        calls = sorted(calls + [(a, b) for a, b, _ in picked])
+        out.model_calls += sum(1 for *_, step in picked if step < rows)
+        if not calls and not out.ranges:
+            return out
+    out.model_calls += sum(1 for _, _, m, step in recorded if m in trained and m not in param_free and step < rows)
     # every other forward span (training, a teacher's) by its start; a loss or a metric is neither
     others = sorted(s[1] for s in spans if s[0] == "forward" and not _inside(calls, s[1]) and not in_helper(s[1])
                     and not in_range(s[1]))
@@ -119,13 +144,16 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             joined.append((a, b))
             out.helper_calls += step < rows
     out.calls = calls = sorted(calls + joined)
-    times = handouts[0::3]
-    eval_batch = []
+    eval_batch: list[bool] = []
     for k, t in enumerate(times):
         end = times[k + 1] if k + 1 < len(times) else 1 << 62
         has_eval = bisect.bisect_left(calls, (t, -1)) < bisect.bisect_left(calls, (end, -1))
         has_other = bisect.bisect_left(others, t) < bisect.bisect_left(others, end)
-        is_eval = in_range(t) or (has_eval and not has_other)
+        # a batch read right after an evaluation's and used for nothing (``if i == n: break`` at
+        # the top of its loop reads one more) is the evaluation's too: it had been the next
+        # training step's, its wait data_wait
+        dropped = not has_eval and not has_other and bool(eval_batch) and eval_batch[-1]
+        is_eval = in_range(t) or (has_eval and not has_other) or dropped
         eval_batch.append(is_eval)
         if is_eval and handouts[3 * k + 2] < past:
             step, n = handouts[3 * k + 2], handouts[3 * k + 1]
@@ -192,8 +220,8 @@ def note(split_: EvalSplit, eval_s: float) -> str:
     runs = ", ".join(f"{n} by {who}" for who, n in split_.runs.items())
     whole = (f"; {sum(split_.runs.values())} evaluation(s) ran by a trainer ({runs}), all of their time is eval, "
              "metrics and the gathering of predictions included" if runs else "")
-    return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it) "
-            f"without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
+    return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it, "
+            f"or of a model only called without grad, on batches that fed no training) without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
             f"forward or data_wait, and their samples are not the steps' (samples/s is training's){whole}. A call of "
             "the trained model without grad in eval mode that is part of training (targets it makes for itself) is "
             "counted as eval too")
