@@ -347,3 +347,46 @@ def test_steps_marked_with_tp_step_in_a_callback_end_the_fit_as_max_steps_would(
         trainer.fit(model, loader)
     assert trainer.state.status.value == "finished" and record.events == ["train_end"]
     assert trainer.global_step == STEPS + WARMUP == len(prof.run.steps)
+
+
+class Tunable(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.01
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_a_learning_rate_search_before_the_fit_is_not_the_slice():
+    """``Tuner(trainer).lr_find(model)`` then ``fit``, in one profile. The search trains steps of
+    its own at a rising learning rate: they had been the slice's, tpkit's stop ended the search
+    after them (Lightning read a diverging loss and suggested no rate: the fit trained at 0.01
+    instead of its suggestion), and the search's own ``max_steps`` stayed on the trainer (a later
+    fit ran 100 steps). The search runs unprofiled now, as without tpkit; the slice is the fit's."""
+    from lightning.pytorch.tuner import Tuner
+
+    N = STEPS + WARMUP
+
+    def search_and_fit(profiled: bool) -> tuple:
+        torch.manual_seed(0)
+        model = Tunable()
+        trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+        if not profiled:
+            found = Tuner(trainer).lr_find(model, loader, num_training=20, min_lr=1e-4, max_lr=1.0)
+            return trainer, model, found, None
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-lr-find", progress=False, clock_hz=0) as prof:
+            found = Tuner(trainer).lr_find(model, loader, num_training=20, min_lr=1e-4, max_lr=1.0)
+            trainer.fit(model, loader)
+        return trainer, model, found, prof.run
+
+    _, plain_model, plain_found, _ = search_and_fit(profiled=False)
+    trainer, model, found, run = search_and_fit(profiled=True)
+    assert found.results["lr"] == plain_found.results["lr"] and len(found.results["lr"]) == 20
+    assert found.suggestion() == plain_found.suggestion() and model.lr == plain_model.lr != 0.01
+    assert trainer.global_step == N == len(run.steps) and trainer.state.status.value == "finished"
+    assert trainer.fit_loop.max_steps == 40
+    assert run.meta["stopped_through"] == "lightning.Trainer"
+    assert any(n.startswith("lightning's lr_find ran inside the slice") for n in run.meta["notes"]), run.meta["notes"]

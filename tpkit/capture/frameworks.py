@@ -41,7 +41,7 @@ class FrameworkTrainer:
         self.name = name
         self._ref = weakref.ref(trainer)
         self.stop_requested = False
-        self._lowered: tuple[Any, Any] | None = None  # (Lightning's epoch loop, its own max_steps)
+        self._lowered: tuple[Any, Any, int] | None = None  # (Lightning's epoch loop, its max_steps, tpkit's)
 
     @property
     def trainer(self) -> Any:
@@ -64,11 +64,11 @@ class FrameworkTrainer:
             loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
             if loop is None or not self.fitting() or not isinstance(getattr(loop, "max_steps", None), int):
                 return False
-            if self._lowered is None:
-                self._lowered = (loop, loop.max_steps)
+            own = loop.max_steps if self._lowered is None else self._lowered[1]
             # the step finishing now is counted once this optimizer step returns (+1 made a fit
             # whose steps tp.step() marks train one batch more, and StopSlice then interrupted it)
             loop.max_steps = int(loop.global_step) + (0 if counted else 1)
+            self._lowered = (loop, own, loop.max_steps)
         self.stop_requested = True
         return True
 
@@ -85,11 +85,13 @@ class FrameworkTrainer:
 
     def restore(self) -> None:
         """Put back what ``request_stop`` changed (Lightning's ``max_steps``): a later ``fit``
-        of the same trainer runs to its own end. Idempotent."""
+        of the same trainer runs to its own end. Not where Lightning set it since (a tuner puts
+        back its own value when its search ends). Idempotent."""
         if self._lowered is not None:
-            loop, max_steps = self._lowered
+            loop, max_steps, lowered = self._lowered
             self._lowered = None
-            loop.max_steps = max_steps
+            if loop.max_steps == lowered:
+                loop.max_steps = max_steps
 
     def model(self) -> Any:
         """The model the trainer trains (Lightning: the LightningModule), or None."""

@@ -114,6 +114,18 @@ _AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
 )
 
+#: A trainer's search that runs training steps of its own before the real ones (Lightning's
+#: learning-rate and batch-size finders, ``Tuner`` or their callbacks): the loop runs unprofiled
+#: meanwhile. Counted, its steps were the slice's (at a rising learning rate) and tpkit's stop
+#: ended the search after them: Lightning read a diverging loss, suggested no rate and the
+#: ``fit`` after it trained at another one.
+_SEARCHES: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
+    ("pytorch_lightning.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
+    ("lightning.pytorch.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
+    ("pytorch_lightning.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
+)
+
 #: Where a trainer evaluates, as ``_SAVERS``: each call is an ``eval`` span, whole (metrics,
 #: gathering predictions, a Seq2Seq ``generate()``), and the batches read inside it are not
 #: the step's (capture/evaluation.py).
@@ -366,6 +378,7 @@ class PhaseProbe:
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
+        self._paused = False  # a trainer's own search runs (``_SEARCHES``): the loop is not followed
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
@@ -423,6 +436,11 @@ class PhaseProbe:
                     fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
                     if callable(fn):
                         self._patched.set(target, attr, self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
+            for module, owner, attr in _SEARCHES:
+                target = getattr(sys.modules.get(module), owner, None)
+                fn = vars(target).get(attr) if target is not None else None
+                if callable(fn):
+                    self._patched.set(target, attr, self._wrap_unprofiled(fn, f"{module.split('.')[0]}'s {attr}"))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -507,7 +525,7 @@ class PhaseProbe:
         if tid == self._start_tid and self._early is not None and not rec.step_ends:
             self._back_to_start()
             return True
-        if self._ever_worked or rec.step_ends or self._opt_tokens or rec.slice_steps is not None:
+        if self._ever_worked or rec.step_ends or self._opt_tokens or rec.slice_steps is not None or self._paused:
             return False
         if not at_step and not _waits_for_current_thread(self._start_tid):
             return False
@@ -883,6 +901,29 @@ class PhaseProbe:
                 rec.exit(token)
 
         return functools.update_wrapper(whole, fn)
+
+    def _wrap_unprofiled(self, fn: Any, what: str) -> Any:
+        """A search of the trainer's own (``_SEARCHES``): the probes ignore the loop while it runs,
+        so its steps are none of the slice's and no stop ends it; its time is ``other`` of the
+        step it falls in, and the run's notes say so."""
+        rec, probe = self.rec, self
+
+        def unprofiled(*args: Any, **kwargs: Any) -> Any:
+            if _compiling() or threading.get_ident() != rec.thread_id or probe._paused:
+                return fn(*args, **kwargs)
+            probe._paused = True
+            tid, rec.thread_id = rec.thread_id, 0  # no thread has ident 0: every probe ignores the loop
+            t0 = perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.thread_id = tid
+                probe._paused = False
+                rec.note(f"{what} ran inside the slice ({(perf_counter_ns() - t0) / 1e9:.3f} s), unprofiled: its "
+                         "training steps search a setting and are none of the slice's; its time is other of "
+                         f"step {rec.step_index}")
+
+        return functools.update_wrapper(unprofiled, fn)
 
     def _wrap_iter(self, fn: Any, source: str) -> Any:
         """``iter(loader)``: a DataLoader with workers starts them here (forks them, or resets
