@@ -130,3 +130,39 @@ def test_trainer_under_the_magic(ip, tmp_path):
     assert trainer.state.global_step == STEPS + WARMUP
     assert ends.events == ["train_end"]
     truth.assert_losses(run.steps["loss"].tolist(), logged_losses(trainer))
+
+
+def test_a_sweep_of_two_trainers_in_one_slice(tmp_path):
+    """A sweep's first Trainer stops at its own ``max_steps`` (3) before the slice is full and the
+    next one, with an optimizer of its own, trains on: its steps are the slice's next ones (they
+    ended none: the run held A's 3 steps, said A "stopped by itself", and B's 10 were missing),
+    and the slice stops B through its switch."""
+    first, first_ends = make_trainer(tmp_path / "a", max_steps=3)
+    second, second_ends = make_trainer(tmp_path / "b", max_steps=10)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-sweep", progress=False, clock_hz=0) as prof:
+        first.train()
+        second.train()
+    run = prof.run
+    rest = STEPS + WARMUP - 3
+    assert first.state.global_step == 3 and second.state.global_step == rest
+    assert first_ends.events == second_ends.events == ["train_end"]
+    assert len(run.steps) == STEPS + WARMUP and run.meta["stopped_through"] == "transformers.Trainer"
+    truth.assert_losses(run.steps["loss"].tolist(), logged_losses(first) + logged_losses(second))
+    assert any(n.startswith("the slice holds the steps of 2 runs of a trainer") for n in run.meta["notes"])
+    assert not any("optimizers stepped" in n or "stopped by itself" in n for n in run.meta["notes"])
+
+
+def test_a_second_train_after_the_slice_runs_as_without_tpkit(tmp_path):
+    """The slice full inside the first ``train()``, the cell calls ``train()`` again: it runs to
+    its own ``max_steps``, unprofiled (tpkit's StopSlice had ended it after one optimizer step,
+    global_step 0, no ``on_train_end``, and skipped the rest of the cell, with no word)."""
+    trainer, ends = make_trainer(tmp_path, max_steps=10)
+    after = []
+    before = truth.hook_state()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-twice", progress=False, clock_hz=0) as prof:
+        trainer.train()
+        truth.assert_hooks_removed(before)  # out as the stopped run returned
+        trainer.train()
+        after.append(trainer.state.global_step)
+    assert after == [10] and ends.events == ["train_end", "train_end"]
+    assert len(prof.run.steps) == STEPS + WARMUP and prof.run.meta["stopped_through"] == "transformers.Trainer"

@@ -130,6 +130,7 @@ class Profile:
         # the slice's start on the wall clock, to the nanosecond: ranks' timelines line up by it
         rec.meta["start_unix_ns"] = time.time_ns() - (time.perf_counter_ns() - rec.t0_ns)
         rec.step_listeners.append(self._on_step)
+        rec.trainer_run_ended = self._after_stopped_run
         self._last_end_ns = rec.t0_ns
         try:
             # A Ctrl-C while a probe installs would land between registering a hook and keeping
@@ -256,6 +257,17 @@ class Profile:
                          f"'{rec.meta['loop_thread']}' runs on, no longer profiled")
                 return
         raise StopSlice()
+
+    def _after_stopped_run(self) -> None:
+        """The trainer run the slice stopped through its own switch has returned: the probes
+        come out now, its limits are put back (Lightning's ``max_steps``), and what the cell runs
+        after it (a second ``train()``, ``fit()``) runs as without tpkit."""
+        rec = self.rec
+        if rec is None:
+            return
+        rec.thread_id = 0  # no thread has ident 0: every probe ignores the loop from here
+        with held_sigint():
+            self._teardown()
 
     # -- the Run ----------------------------------------------------------------------------
     def _finish(self, exc: BaseException | None) -> None:
@@ -464,11 +476,12 @@ def _static_meta(cfg: SliceConfig) -> dict[str, Any]:
 def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     """Model and optimizer facts the phase probe saw."""
     out: dict[str, Any] = {"optimizers": sorted(set(probe.optimizers.values()))}
-    if len(probe.optimizers) > 1 and rec.explicit_steps:
-        rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at tp.step() (once it is called, no "
+    several = probe.most_optimizers
+    if several > 1 and rec.explicit_steps:
+        rec.note(f"{several} optimizers stepped; steps end at tp.step() (once it is called, no "
                  "optimizer's step() ends one)")
-    elif len(probe.optimizers) > 1:
-        rec.note(f"{len(probe.optimizers)} optimizers stepped; steps end at the first one's step(), and a "
+    elif several > 1:
+        rec.note(f"{several} optimizers stepped; steps end at the first one's step(), and a "
                  "step's loss is everything backpropagated since the previous one (with the first optimizer "
                  "stepping before the others' backward, a step holds their losses of the iteration before)")
     probe.claim_parts()

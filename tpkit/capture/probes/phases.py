@@ -114,6 +114,16 @@ _AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
 )
 
+#: A trainer's run (``train()``, ``fit()``): when it ends the next run is looked for anew, its
+#: optimizer ending the steps (a sweep's next Trainer made its own, whose steps ended none: 10 of
+#: 13 steps were missing), and a run the slice stopped through its switch takes the probes out
+#: (a second ``train()`` in the same cell was ended by StopSlice after one step, silently).
+_TRAINER_RUNS: tuple[tuple[str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "train"),
+    ("lightning.pytorch.trainer.trainer", "Trainer", "fit"),
+    ("pytorch_lightning.trainer.trainer", "Trainer", "fit"),
+)
+
 #: A trainer's search that runs training steps of its own before the real ones (Lightning's
 #: learning-rate and batch-size finders, ``Tuner`` or their callbacks): the loop runs unprofiled
 #: meanwhile. Counted, its steps were the slice's (at a rising learning rate) and tpkit's stop
@@ -379,6 +389,9 @@ class PhaseProbe:
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
         self._paused = False  # a trainer's own search runs (``_SEARCHES``): the loop is not followed
+        self._run_optimizers: set[int] = set()  # those that stepped in this run of a trainer (or the loop)
+        self.most_optimizers = 0  # the most that stepped in one run
+        self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
@@ -436,6 +449,11 @@ class PhaseProbe:
                     fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
                     if callable(fn):
                         self._patched.set(target, attr, self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
+            for module, owner, attr in _TRAINER_RUNS:
+                target = getattr(sys.modules.get(module), owner, None)
+                fn = vars(target).get(attr) if target is not None else None
+                if callable(fn):
+                    self._patched.set(target, attr, self._wrap_trainer_run(fn))
             for module, owner, attr in _SEARCHES:
                 target = getattr(sys.modules.get(module), owner, None)
                 fn = vars(target).get(attr) if target is not None else None
@@ -480,6 +498,10 @@ class PhaseProbe:
     def notes(self) -> list[str]:
         """What the loop did that changes how its numbers read (for ``run.meta["notes"]``)."""
         out = []
+        runs = self.trainer_runs + (1 if self._run_optimizers else 0)
+        if runs > 1:
+            out.append(f"the slice holds the steps of {runs} runs of a trainer (train() / fit() "
+                       "called again before it was full), in order: each run's first optimizer ends its steps")
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
@@ -634,10 +656,12 @@ class PhaseProbe:
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
         key = id(opt)
-        if key not in self.optimizers:
+        if key not in self._run_optimizers:
             self.optimizers[key] = type(opt).__name__
+            self._run_optimizers.add(key)
             self._stepping.add(opt)
-            self.rec.optimizer_count = len(self.optimizers)
+            self.rec.optimizer_count = len(self._run_optimizers)
+            self.most_optimizers = max(self.most_optimizers, len(self._run_optimizers))
             if self.lead_optimizer is None:
                 self.lead_optimizer = key
         if not self._opt_tokens:
@@ -901,6 +925,35 @@ class PhaseProbe:
                 rec.exit(token)
 
         return functools.update_wrapper(whole, fn)
+
+    def _wrap_trainer_run(self, fn: Any) -> Any:
+        """A trainer's ``train()`` / ``fit()`` (``_TRAINER_RUNS``)."""
+        rec, probe = self.rec, self
+
+        def run(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+            if _compiling() or threading.get_ident() != rec.thread_id:
+                return fn(trainer, *args, **kwargs)
+            try:
+                return fn(trainer, *args, **kwargs)
+            finally:
+                probe._trainer_run_ended(trainer)
+
+        return functools.update_wrapper(run, fn)
+
+    def _trainer_run_ended(self, trainer: Any) -> None:
+        rec, fw = self.rec, self.rec.framework
+        if rec.thread_id != threading.get_ident():
+            return  # the slice ended already (a run it left running on)
+        if rec.slice_steps is not None:
+            if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.trainer_run_ended is not None:
+                rec.trainer_run_ended()  # the run the slice stopped: the probes come out now
+            return
+        if not self._run_optimizers:
+            return  # it trained no step (a run that failed at once, a nested search)
+        self.trainer_runs += 1
+        self.lead_optimizer = None
+        self._run_optimizers = set()
+        rec.framework_looked = False  # the next run's trainer is looked for at its first step's end
 
     def _wrap_unprofiled(self, fn: Any, what: str) -> Any:
         """A search of the trainer's own (``_SEARCHES``): the probes ignore the loop while it runs,
