@@ -166,3 +166,38 @@ def test_a_second_train_after_the_slice_runs_as_without_tpkit(tmp_path):
         after.append(trainer.state.global_step)
     assert after == [10] and ends.events == ["train_end", "train_end"]
     assert len(prof.run.steps) == STEPS + WARMUP and prof.run.meta["stopped_through"] == "transformers.Trainer"
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Token sequences with no ``__len__``: a Trainer wraps its loader in accelerate's
+    ``DataLoaderDispatcher``, which reads one batch ahead."""
+
+    def __iter__(self):  # noqa: ANN204
+        return (Tokens_[i] for i in range(10_000))
+
+
+Tokens_ = truth.Tokens()
+
+
+def test_an_iterable_dataset_with_batches_of_varying_size(tmp_path):
+    """Packing-style batches (2, 3, 4, 5, 2, ... rows): each step's samples are the rows its
+    forward got (they were the next step's: the dispatcher's read ahead was counted as handed)."""
+    sizes = iter([2, 3, 4, 5] * 50)
+
+    def packing_collate(items: list) -> dict:
+        return truth.sleepy_collate(items[:next(sizes)])
+
+    model = truth.tiny_gpt2()
+    rows: list[int] = []
+    model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])), with_kwargs=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=5, max_steps=40, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0, max_grad_norm=0.0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Stream(), data_collator=packing_collate,
+                                   optimizers=(truth.SleepyAdamW(model.parameters(), lr=1e-3), None))
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-stream", progress=False, clock_hz=0) as prof:
+        trainer.train()
+    run = prof.run
+    assert type(trainer.get_train_dataloader()).__name__ == "DataLoaderDispatcher"
+    assert run.steps["samples"].tolist() == rows == [2, 3, 4, 5, 2, 3, 4]
+    truth.assert_losses(run.steps["loss"].tolist(), logged_losses(trainer))

@@ -439,9 +439,10 @@ class PhaseProbe:
             if has_accelerator():
                 self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
                 self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
-            shard = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderShard", None)
-            if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
-                self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
+            for name in ("DataLoaderShard", "DataLoaderDispatcher"):  # the second: over an IterableDataset
+                shard = getattr(sys.modules.get("accelerate.data_loader"), name, None)
+                if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
+                    self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
             self._patched.set(torch, "save", self._wrap_whole(torch.save, "save", "torch.save"))
             for phase, places in (("save", _SAVERS), ("eval", _EVALUATORS), ("optimizer", _AVERAGERS)):
                 for module, owner, attr in places:  # only those the loop imported: nothing is imported here
@@ -862,7 +863,9 @@ class PhaseProbe:
         return tensor
 
     def _wrap_read_ahead(self, fn: Any) -> Any:
-        """accelerate's ``DataLoaderShard`` reads one batch ahead of the one it yields: its
+        """accelerate's ``DataLoaderShard`` and ``DataLoaderDispatcher`` (a Trainer's loader over an
+        ``IterableDataset``: each step had counted the next step's batch) read one batch ahead of
+        the one they yield: its
         samples (and the batch the memory probe counts as ``data``) are the batch it hands to
         the loop, when it hands it over; the inner loader's reads stay ``data_wait``."""
         probe = self
