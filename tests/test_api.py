@@ -622,3 +622,26 @@ def test_the_first_step_starts_once_the_probes_are_in(one_thread, monkeypatch):
     other = run.steps["other_s"]
     assert other.iloc[0] < 0.005 + install_s / 2, (install_s, other.tolist())
     assert other.iloc[0] >= 0.005
+
+
+def test_a_profile_used_again_starts_afresh():
+    """``with prof:`` twice on one Profile: the second slice is a run of its own (it had carried
+    the first slice's notes, here its two optimizers', and its step times into the auto warmup)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opts = [torch.optim.SGD(model.parameters(), lr=0.01), torch.optim.SGD(model.parameters(), lr=0.01)]
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    prof = tp.profile(steps=3, warmup=1, name="again", progress=False, clock_hz=0)
+    runs = []
+    for optimizers in (opts, opts[:1]):
+        with prof:
+            for x, y in loader:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad()
+        runs.append(prof.run)
+    assert len(runs[0].steps) == len(runs[1].steps) == 4
+    assert any("2 optimizers stepped" in n for n in runs[0].meta["notes"])
+    assert not any("optimizers stepped" in n for n in runs[1].meta["notes"]), runs[1].meta["notes"]

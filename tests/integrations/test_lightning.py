@@ -11,6 +11,9 @@ collation), the loss each ``training_step`` returned (recorded by a callback), t
 
 from __future__ import annotations
 
+import os
+import signal
+
 import subprocess
 import sys
 from pathlib import Path
@@ -390,3 +393,25 @@ def test_a_learning_rate_search_before_the_fit_is_not_the_slice():
     assert trainer.fit_loop.max_steps == 40
     assert run.meta["stopped_through"] == "lightning.Trainer"
     assert any(n.startswith("lightning's lr_find ran inside the slice") for n in run.meta["notes"]), run.meta["notes"]
+
+
+class CtrlC(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        if trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_in_a_fit_is_an_interrupt():
+    """Lightning ends a fit interrupted by Ctrl-C with ``sys.exit(1)``, raised while it handles
+    the KeyboardInterrupt: the run says it was interrupted (it said "error", SystemExit: 1), and
+    keeps the 3 steps Lightning counted."""
+    trainer, model, loader, _ = make(max_steps=40)
+    trainer.callbacks.append(CtrlC())
+    before = truth.hook_state()
+    with pytest.raises(SystemExit), tp.profile(steps=STEPS, warmup=WARMUP, name="pl-ctrl-c", progress=False,
+                                               clock_hz=0) as prof:
+        trainer.fit(model, loader)
+    truth.assert_hooks_removed(before)
+    assert trainer.interrupted and trainer.global_step == 3 == len(prof.run.steps)
+    assert prof.run.meta["stopped_by"] == "interrupt" and not prof.run.meta["complete"]
+

@@ -124,6 +124,10 @@ class Profile:
                     f"warmup='auto' is decided by each rank on its own step times, so the {world} ranks of "
                     "this launch could stop at different steps and leave the others waiting in a collective; "
                     "give a fixed warmup (e.g. warmup=5), the same on every rank")
+        # a Profile used again (``with prof:`` twice) starts afresh: the last slice's probes, step
+        # times and warmup had carried its notes into the next run and decided its auto warmup
+        self.run, self._probes, self._removed, self._durations = None, [], [], []
+        self.warmup_steps = cfg.warmup if cfg.warmup != "auto" else None
         rec = self.rec = _rec.Recorder(cfg.name or "run")
         rec.samples_per_step = cfg.samples_per_step
         rec.meta.update(_static_meta(cfg))
@@ -292,7 +296,7 @@ class Profile:
                 rec.note(f"{who} after {done} steps, before the slice was full "
                          f"({warmup} warmup + {cfg.steps} steps): the Run holds the steps that happened")
         elif not isinstance(exc, StopSlice):
-            how = ("terminated" if self._term.pending else "interrupt" if isinstance(exc, KeyboardInterrupt)
+            how = ("terminated" if self._term.pending else "interrupt" if _interrupted(exc)
                    else "error")  # terminated: SIGTERM (a launcher stopping the ranks that survived one)
             meta.update(complete=False, stopped_by=how, error=f"{type(exc).__name__}: {exc}")
             rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
@@ -471,6 +475,14 @@ def _static_meta(cfg: SliceConfig) -> dict[str, Any]:
                  "torch_threads": torch.get_num_threads()},
         "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """A Ctrl-C, or what a trainer made of one: Lightning ends an interrupted fit with
+    ``sys.exit(1)`` raised while handling the KeyboardInterrupt (the run had said "error")."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    return isinstance(exc, SystemExit) and isinstance(exc.__context__, KeyboardInterrupt)
 
 
 def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
