@@ -163,3 +163,41 @@ def test_memory_peak_uses_measured_steps_only():
             opt.zero_grad()
     peak = _peak(prof.run)
     assert peak["step"] >= 0 and peak["total"] < 16 * MiB, peak
+
+
+def test_maml_adapted_weights_are_not_parameters():
+    """MAML through ``torch.func.functional_call``: inside the call the module holds the adapted
+    weights (``w - lr * g``, tensors with a graph), and ``model.parameters()`` returns them.
+    Parameters are the model's 1 MiB (they read 2 MiB, tpkit read ``.grad`` of a non-leaf,
+    warned, and held an adapted weight and its graph to the slice's end)."""
+    import gc
+    import warnings
+    import weakref
+
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    adapted: list[weakref.ref] = []
+    alive: list[int] = []  # earlier iterations' adapted weights alive at each iteration's start
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a .grad of a non-leaf read would fail the test
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="maml", progress=False, clock_hz=0) as prof:
+            for _ in range(STEPS + WARMUP + 1):
+                xs, xq = torch.randn(4, 512), torch.randn(4, 512)
+                params = dict(model.named_parameters())
+                gc.collect()
+                alive.append(sum(r() is not None for r in adapted))
+                for _ in range(2):
+                    inner = functional_call(model, params, (xs,)).pow(2).mean()
+                    grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+                    params = {k: p - 0.01 * g for (k, p), g in zip(params.items(), grads)}
+                adapted += [weakref.ref(p) for p in params.values()]
+                functional_call(model, params, (xq,)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    m = prof.run.memory
+    per_row = m[m["category"] == "parameters"].groupby(["step", "phase", "event", "t_s", "device"])["bytes"].sum()
+    assert set(per_row) == {512 * 512 * 4}, sorted(set(per_row))
+    assert set(alive) == {0}, alive

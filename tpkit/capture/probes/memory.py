@@ -901,7 +901,10 @@ class MemoryProbe:
         buffers: dict[int, torch.Tensor] = {}
         for model in self.rec.models.live():
             for p in model.parameters():
-                params.setdefault(id(p), p)
+                # inside torch.func.functional_call the module holds the tensors it was given: an
+                # adapted weight (MAML's) is no parameter, and holding it kept its graph alive
+                if p.grad_fn is None:
+                    params.setdefault(id(p), p)
             for b in model.buffers():
                 buffers.setdefault(id(b), b)
         for opt in opts:
