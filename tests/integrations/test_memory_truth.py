@@ -201,3 +201,58 @@ def test_maml_adapted_weights_are_not_parameters():
     per_row = m[m["category"] == "parameters"].groupby(["step", "phase", "event", "t_s", "device"])["bytes"].sum()
     assert set(per_row) == {512 * 512 * 4}, sorted(set(per_row))
     assert set(alive) == {0}, alive
+
+
+def _at_optimizer_enter(run, category: str) -> "list[int]":  # noqa: ANN001
+    m = run.memory
+    at = m[(m["phase"] == "optimizer") & (m["event"] == "enter") & (m["device"] == "cpu") & (m["category"] == category)]
+    # step()'s enter: a step ends at step(), so the zero_grad() that follows is the next step's first
+    first = at[at["t_s"] == at.groupby("step")["t_s"].transform("max")]
+    return first.groupby("step")["bytes"].sum().tolist()
+
+
+def test_master_gradients_made_after_backward_are_gradients():
+    """A half model with an fp32 master copy: after ``backward()`` the loop sets each master
+    parameter's ``.grad = p.grad.float()`` by hand, then steps the master's optimizer. At every
+    ``step()`` the gradients are the half ones and the master's (those made after the backward
+    read as other at every step but the second and third, where tpkit looks at the gradients:
+    at the first it did not know the master's optimizer yet)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).half()
+    master = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    opt = torch.optim.Adam(master, lr=1e-3)
+    x, y = torch.randn(64, 256).half(), torch.randn(64, 256)
+    with tp.profile(steps=6, warmup=0, name="master", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            for p, mp in zip(model.parameters(), master):
+                mp.grad = p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                for p, mp in zip(model.parameters(), master):
+                    p.copy_(mp)
+            opt.zero_grad()
+            model.zero_grad()
+    want = sum(p.numel() * 2 for p in model.parameters()) + sum(p.numel() * 4 for p in master)
+    assert _at_optimizer_enter(prof.run, "gradients") == [want] * 6
+
+
+def test_a_layer_added_mid_slice_has_its_gradients_counted():
+    """A layer grown at step 3 and added to the optimizer (``add_param_group``): from then on
+    the gradients are the old and the new layer's (the new ones read as temporaries / other: no
+    look's pattern fitted them until the 16th backward pass)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 256)
+    with tp.profile(steps=8, warmup=0, name="grown", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            if i == 3:
+                model.append(torch.nn.Linear(256, 256))
+                opt.add_param_group({"params": model[2].parameters()})
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    layer = 256 * 256 * 4 + 256 * 4
+    assert _at_optimizer_enter(prof.run, "gradients") == [2 * layer] * 3 + [3 * layer] * 5

@@ -136,6 +136,9 @@ class Recorder:
         self.step_listeners: list[StepListener] = []
         self.batch_listeners: list[Callable[[Any], None]] = []  # fn(batch) for each batch a loader yields
         self.models = WeakRegistry()  # outermost modules seen in forward (the phase probe fills it)
+        # optimizers that stepped, noted before their step is entered (the memory probe's look at
+        # the gradients there knows a master copy's parameters from the first step on)
+        self.optimizers = WeakRegistry()
         self.step_index = 0
         self.explicit_steps = False  # True once tp.step() was called: optimizers stop ending steps
         self.samples = 0  # samples seen in the current step

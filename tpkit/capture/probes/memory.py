@@ -529,7 +529,7 @@ class MemoryProbe:
         self._bounded: dict[str, str] = {}  # devices whose stretch peaks are lower bounds (_emit)
         # the optimizers that stepped, held weakly (one made anew each iteration goes as the loop
         # lets it go: held here, it had read as a growing optimizer_state)
-        self.optimizers = WeakRegistry()
+        self.optimizers = rec.optimizers  # the phase probe notes each before its step is entered
         self._batch: list[weakref.ref] = []
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
@@ -819,6 +819,11 @@ class MemoryProbe:
             self._grad_looks += 1
             grads = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
             if grads or self._known_sets_grew():
+                if not grads:
+                    # the sets grew (a layer added, with add_param_group): so may the gradients,
+                    # which no earlier look's pattern then fits (they read as temporaries): look
+                    # now and after the next passes, as at the start
+                    grads, self._grad_looks = True, 1
                 self._observe(grads=grads)
         if len(self.rec.models) != self._seen_key[0]:
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
@@ -889,10 +894,9 @@ class MemoryProbe:
 
     # -- the known sets ---------------------------------------------------------------------
     def _refresh_params(self, force: bool = False) -> bool:
-        if not force and len(self.rec.models) == self._seen_key[0] and len(self.optimizers) == self._seen_opts:
-            return False  # the same model set and optimizers (checked at every look: keep it cheap)
         self._seen_opts = len(self.optimizers)  # (ever seen: a new one in a dead one's place counts)
         opts = self.optimizers.live()
+        # the model set and the optimizers' parameters (a group added mid-slice): a few lengths
         key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
         if key == self._seen_key:
             return False
@@ -987,10 +991,12 @@ class MemoryProbe:
         allocation, so a state replaced in place (``load_state_dict``) is still exact when
         the next look finds it (at most GRAD_LOOK_EVERY steps later). Checking every
         optimizer's state fingerprint at every step cost 15-30 us there (cold caches)."""
-        states = 0
+        states = params = 0
         for opt in self.optimizers.live():
             states += len(opt.state)
-        if states != self._opt_states_seen:
+            for group in opt.param_groups:
+                params += len(group["params"])
+        if states != self._opt_states_seen or params != self._seen_key[1]:
             self._opt_states_seen = states
             return True
         return (self._params_new or len(self.optimizers) != self._seen_opts
@@ -1163,7 +1169,11 @@ class MemoryProbe:
         slot_of: dict[int, int] = {}  # gradient block -> its parameter's slot
         outside_data: dict[int, int] = {}  # batch blocks not in the stream -> their address
         freed_at: dict[int, int] = {}  # block -> position of its free
-        spans: list[tuple[int, int, list[int]]] = []  # backward passes: (enter, exit, blocks allocated)
+        # backward passes: [enter, the look after it, blocks allocated], the look being the next
+        # optimizer or forward enter: gradients made after the backward (an fp32 master copy's,
+        # set by hand) are the pass's too
+        spans: list[list[Any]] = []
+        after_bwd = False  # from a backward's exit to the look after it
         looked: list[bool] = []  # whether the gradients were looked at after each backward pass
         span_ids: list[int] = []
         span_start = 0
@@ -1197,10 +1207,15 @@ class MemoryProbe:
                     if phase == "backward":
                         bwd_depth += 1 if event == "enter" else -1
                         if event == "enter" and bwd_depth == 1:
+                            if after_bwd:
+                                spans[-1][1], after_bwd = i, False
                             span_ids, span_start = [], i
                         elif event == "exit" and bwd_depth == 0:
-                            spans.append((span_start, i, span_ids))
+                            spans.append([span_start, i, span_ids])
                             looked.append(False)
+                            after_bwd = True
+                    elif after_bwd and event == "enter" and phase in _LOOK_AT:
+                        spans[-1][1], after_bwd = i, False  # where the gradients are looked at
                     at_bound[i] = idx
                 elif kind == _GRAD_SET:
                     hooks.setdefault(idx, []).append(i)
@@ -1267,7 +1282,7 @@ class MemoryProbe:
                 alloc_at.append(i)
                 known_at.append(i)
                 ids[i] = a
-                if bwd_depth > 0:
+                if bwd_depth > 0 or after_bwd:
                     span_ids.append(a)
             else:
                 a = live.pop(ptr, None)  # None: a block from before the slice, not in the stream
@@ -1381,12 +1396,12 @@ class MemoryProbe:
                     continue
                 self.cuda_reads[k][dev] = (now, max(peak, heard if heard is not None else 0), True)
 
-    def _template_gradients(self, spans: list[tuple[int, int, list[int]]], looked: list[bool], size: list[int],
+    def _template_gradients(self, spans: list[list[Any]], looked: list[bool], size: list[int],
                             tag: list[str | None], known_at: list[int], alloc_at: list[int],
                             slot_of: dict[int, int], freed_at: dict[int, int], first_hook: Any) -> None:
         """Gradients of the backward passes after which they were not looked at: a looked-at
         pass gives a pattern, the sizes (and parameter slots) of the gradient blocks it
-        allocated, in order; a pass whose blocks alive at its end contain that sequence of sizes
+        allocated (up to the look after it), in order; a pass whose blocks alive at its end contain that sequence of sizes
         (in order) gets those blocks as its gradients. The longest pattern that fits is taken
         (with accumulation, the micro-batch that allocates the gradients fits the full one)."""
         patterns: dict[tuple[int, ...], list[int]] = {}

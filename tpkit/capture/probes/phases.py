@@ -661,6 +661,7 @@ class PhaseProbe:
             self.optimizers[key] = type(opt).__name__
             self._run_optimizers.add(key)
             self._stepping.add(opt)
+            self.rec.optimizers.add(opt)
             self.rec.optimizer_count = len(self._run_optimizers)
             self.most_optimizers = max(self.most_optimizers, len(self._run_optimizers))
             if self.lead_optimizer is None:
