@@ -125,8 +125,10 @@ class Recorder:
         self.skipped: set[int] = set()  # raw steps whose update a GradScaler skipped (inf/NaN grads)
         self.framework: Any = None  # the HF / Lightning trainer running the loop (capture.frameworks)
         self.framework_looked = False  # looked for it (once, at the first step's end)
-        # the slice's: called when the trainer run it stopped through its switch has returned
-        self.trainer_run_ended: Callable[[], None] | None = None
+        # the slice's: called when what it left running at its end has returned (the trainer run
+        # it stopped through its switch, DDP's Join): the probes come out there
+        self.stopped_run_returned: Callable[[], None] | None = None
+        self.joins = 0  # DDP Join contexts the loop is inside (no exception may end the slice there)
         self.slice_steps: int | None = None  # once the slice is full: steps past it are not the slice's
         self.notes: list[str] = []
         # tensors tpkit allocates for itself during a slice (e.g. loss sums): the memory probe leaves them out

@@ -134,7 +134,7 @@ class Profile:
         # the slice's start on the wall clock, to the nanosecond: ranks' timelines line up by it
         rec.meta["start_unix_ns"] = time.time_ns() - (time.perf_counter_ns() - rec.t0_ns)
         rec.step_listeners.append(self._on_step)
-        rec.trainer_run_ended = self._after_stopped_run
+        rec.stopped_run_returned = self._after_stopped_run
         self._last_end_ns = rec.t0_ns
         try:
             # A Ctrl-C while a probe installs would land between registering a hook and keeping
@@ -255,6 +255,15 @@ class Profile:
                 with held_sigint():
                     self._teardown()
                 return
+            if rec.joins:
+                # inside DDP's Join (uneven inputs) an exception skips its join protocol: the ranks
+                # that joined already wait in collectives that never come (a hang, or a closed
+                # connection); the loop runs on to its end, and the probes come out as Join exits
+                rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
+                rec.note(f"the slice ended after {raw_step + 1} steps inside DDP's Join (uneven inputs), where "
+                         "stopping the loop would leave the ranks that joined waiting: the loop ran on to its end, "
+                         "no longer profiled")
+                return
             if "loop_thread" in rec.meta:
                 rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
                 rec.note(f"the slice ended after {raw_step + 1} steps; the loop in thread "
@@ -263,9 +272,10 @@ class Profile:
         raise StopSlice()
 
     def _after_stopped_run(self) -> None:
-        """The trainer run the slice stopped through its own switch has returned: the probes
-        come out now, its limits are put back (Lightning's ``max_steps``), and what the cell runs
-        after it (a second ``train()``, ``fit()``) runs as without tpkit."""
+        """What the slice left running at its end has returned (the trainer run it stopped
+        through its own switch, a loop inside DDP's Join): the probes come out now, the trainer's
+        limits are put back (Lightning's ``max_steps``), and what the cell runs after it (a
+        second ``train()``, ``fit()``) runs as without tpkit."""
         rec = self.rec
         if rec is None:
             return

@@ -390,6 +390,7 @@ class PhaseProbe:
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
         self._paused = False  # a trainer's own search runs (``_SEARCHES``): the loop is not followed
         self._run_optimizers: set[int] = set()  # those that stepped in this run of a trainer (or the loop)
+        self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self.most_optimizers = 0  # the most that stepped in one run
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
@@ -450,6 +451,10 @@ class PhaseProbe:
                     fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
                     if callable(fn):
                         self._patched.set(target, attr, self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
+            join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
+            if isinstance(join, type):  # only where the loop imported it (DDP does)
+                self._patched.set(join, "__enter__", self._wrap_join(join.__enter__, enter=True))
+                self._patched.set(join, "__exit__", self._wrap_join(join.__exit__, enter=False))
             for module, owner, attr in _TRAINER_RUNS:
                 target = getattr(sys.modules.get(module), owner, None)
                 fn = vars(target).get(attr) if target is not None else None
@@ -940,17 +945,17 @@ class PhaseProbe:
             try:
                 return fn(trainer, *args, **kwargs)
             finally:
-                probe._trainer_run_ended(trainer)
+                probe._stopped_run_returned(trainer)
 
         return functools.update_wrapper(run, fn)
 
-    def _trainer_run_ended(self, trainer: Any) -> None:
+    def _stopped_run_returned(self, trainer: Any) -> None:
         rec, fw = self.rec, self.rec.framework
         if rec.thread_id != threading.get_ident():
             return  # the slice ended already (a run it left running on)
         if rec.slice_steps is not None:
-            if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.trainer_run_ended is not None:
-                rec.trainer_run_ended()  # the run the slice stopped: the probes come out now
+            if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.stopped_run_returned is not None:
+                rec.stopped_run_returned()  # the run the slice stopped: the probes come out now
             return
         if not self._run_optimizers:
             return  # it trained no step (a run that failed at once, a nested search)
@@ -958,6 +963,29 @@ class PhaseProbe:
         self.lead_optimizer = None
         self._run_optimizers = set()
         rec.framework_looked = False  # the next run's trainer is looked for at its first step's end
+
+    def _wrap_join(self, fn: Any, enter: bool) -> Any:
+        """DDP's ``Join`` context (uneven inputs across ranks): the slice may not end inside it
+        with an exception (``_stop``); when the loop it ran on leaves it, the probes come out."""
+        rec, inside = self.rec, self._joins
+
+        def join(ctx: Any, *args: Any) -> Any:
+            if enter:
+                out = fn(ctx, *args)
+                if threading.get_ident() == rec.thread_id:
+                    inside.add(id(ctx))
+                    rec.joins += 1
+                return out
+            try:
+                return fn(ctx, *args)
+            finally:
+                if id(ctx) in inside:
+                    inside.discard(id(ctx))
+                    rec.joins -= 1
+                    if rec.thread_id == 0 and not rec.joins and rec.stopped_run_returned is not None:
+                        rec.stopped_run_returned()  # the slice ended inside it: the probes come out now
+
+        return functools.update_wrapper(join, fn)
 
     def _wrap_unprofiled(self, fn: Any, what: str) -> Any:
         """A search of the trainer's own (``_SEARCHES``): the probes ignore the loop while it runs,
