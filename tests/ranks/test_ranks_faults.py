@@ -23,3 +23,11 @@ def test_a_failing_rank_leaves_both_ranks_runs(tmp_path):
         assert len(run.steps) == 4 and run.meta["complete"] is False
     # the healthy rank: ended by the collective's error (or, had it still been in the loop, by the SIGTERM)
     assert runs[0].meta["stopped_by"] in ("error", "terminated")
+    if runs[0].meta["stopped_by"] == "error":
+        # its last backward pass waited for the dead peer in DDP's all-reduce until gloo's error:
+        # that wait is comm (it had been a backward span of the whole wait on the timeline)
+        spans = runs[0].spans
+        failed = spans[spans["source"] == "end_of_backward:failed"]
+        assert len(failed) == 1 and (failed["phase"] == "comm").all(), spans.tail(6).to_string()
+        backward = spans[(spans["phase"] == "backward") & (spans["step"] == failed["step"].iloc[0])].iloc[-1]
+        assert failed["duration_s"].iloc[0] > 0.9 * backward["duration_s"]

@@ -188,6 +188,10 @@ class CommProbe:
         self._completed: dict[int, tuple[Any, Collective]] = {}
         self._tls = threading.local()  # .depth: open exposed waits on this thread
         self._graph_tasks: set[int] = set()  # backward passes that already queued callback A
+        # end-of-backward windows whose callback B has not run: graph task -> (A's start, or
+        # -1 - the index of the pass's first collective before A runs; thread id). One left at
+        # the end is a backward pass that a failed collective ended
+        self.unfinished: dict[int, tuple[int, int]] = {}
         self._cuda: _CudaClock | None = None
         self._issued = 0  # collectives issued since install, kept or not
         self._world: int | None = None  # the default process group's size at install
@@ -269,6 +273,7 @@ class CommProbe:
         self._pending.clear()  # drop every Work handle: the probe keeps no tensor alive
         self._completed.clear()
         self._graph_tasks.clear()
+        self.unfinished.clear()
         if _ACTIVE is self:
             _ACTIVE = None
         if errors:
@@ -470,6 +475,7 @@ class CommProbe:
             end_ns = perf_counter_ns()
             self._tls.window = None
             self._graph_tasks.discard(gt)
+            self.unfinished.pop(gt, None)
             if not self.installed:
                 return
             try:  # an error here would surface from the user's backward(): never let it
@@ -490,11 +496,17 @@ class CommProbe:
                 start_ev = self._mark(device)
                 engine.queue_callback(lambda: callback_b(start_ns, start_ev))
                 self._tls.window = gt  # waits inside the window are part of it
+                if gt in self.unfinished:
+                    self.unfinished[gt] = (start_ns, threading.get_ident())
             except Exception as e:
                 self._note(f"an end-of-backward wait was not recorded: {e!r}")
 
         try:
             engine.queue_callback(callback_a)
+            # until B runs: a callback queued before A that raises (DDP's finalize, its peer gone
+            # or timed out) ends the backward pass without A or B; the wait then starts at the
+            # pass's last collective (all were issued as its compute ended), or at A
+            self.unfinished[gt] = (-1 - first, threading.get_ident())
         except Exception as e:  # not inside a backward pass after all
             self._graph_tasks.discard(gt)
             self._note(f"end-of-backward callback not queued: {e!r}")
@@ -602,7 +614,33 @@ class SliceCommProbe:
         return self
 
     def remove(self) -> None:
-        self.probe.remove()
+        probe = self.probe
+        try:
+            for start, tid in list(probe.unfinished.values()):
+                if tid == self.rec.thread_id:
+                    if start < 0:  # A never ran: from the pass's last collective
+                        issued = [c.issue_ns for c in list(probe.ops)[-1 - start:] if c.in_backward]
+                        start = max(issued, default=-1)
+                    if start >= 0:
+                        self._failed_window(start)
+        except Exception as e:  # noqa: BLE001 - the probe comes out whatever happens here
+            probe._note(f"a failed backward pass's wait was not recorded: {e!r}")
+        finally:
+            probe.unfinished.clear()
+            probe.remove()
+
+    def _failed_window(self, start_ns: int) -> None:
+        """A backward pass whose gradient all-reduce failed (its peer gone, a timeout): the wait
+        from the end of its compute to its end is ``comm`` (it had been the backward's: a 20 s
+        backward span on the timeline, where the rank waited for a dead peer)."""
+        rec = self.rec
+        for phase, start, end, depth, _source, step, *_ in reversed(rec.spans):
+            if phase == "backward" and start <= start_ns <= end:
+                rec.add_timed_span(PHASE, start_ns, end, "end_of_backward:failed", depth=depth + 1, raw_step=step)
+                self.probe.exposed.append((start_ns, end, {"kind": "end_of_backward", "op": "failed"}))
+                self.probe._note(f"a backward pass ended in an error {(end - start_ns) / 1e9:.3f} s into its wait "
+                                 "for the gradients' collectives (a peer gone or timed out): that wait is comm")
+                return
 
     def _on_span(self, phase: str, start_ns: int, end_ns: int, detail: dict) -> None:
         rec = self.rec
