@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import subprocess
 import sys
@@ -415,3 +416,35 @@ def test_ctrl_c_in_a_fit_is_an_interrupt():
     assert trainer.interrupted and trainer.global_step == 3 == len(prof.run.steps)
     assert prof.run.meta["stopped_by"] == "interrupt" and not prof.run.meta["complete"]
 
+
+
+@pytest.mark.parametrize("where", ["loop", "lightning"])
+def test_gradient_clipping_is_optimizer_time(where, monkeypatch):
+    """Clipping is part of the update: its time is optimizer (it had been other, which read as
+    "Python between phases"; inside Lightning's closure too). Truth: torch's own
+    ``clip_grad_norm_`` made to sleep a known 20 ms a call, and the optimizer's known sleep."""
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def slow_clip(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with truth.timed("optimizer"):
+            time.sleep(0.02)
+            return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", slow_clip)
+    trainer, model, loader, _ = make(max_steps=40)
+    if where == "lightning":
+        trainer.gradient_clip_val = 1.0
+        trainer.gradient_clip_algorithm = "norm"
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=f"clip-{where}", progress=False, clock_hz=0) as prof, \
+            truth.TRUTH.recording() as known:
+        if where == "lightning":
+            trainer.fit(model, loader)
+        else:
+            opt = model.configure_optimizers()
+            for x, y in loader:
+                F.mse_loss(model.net(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+    assert known.calls["optimizer"] >= 2 * (STEPS + WARMUP)  # the optimizer's sleeps and the clips'
+    truth.assert_phases(prof.run, known, phases=("optimizer",))

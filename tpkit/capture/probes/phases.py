@@ -112,6 +112,11 @@ _SAVERS: tuple[tuple[str, str, str], ...] = (
 #: the optimizer's already.
 _AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
+    # gradient clipping, part of the update: the gradients' norm over every parameter (it had
+    # been other, "Python between phases"; inside Lightning's closure it still was, and a
+    # Trainer's clipping with it). Called by these names by HF's Trainer, accelerate, Lightning.
+    ("torch.nn.utils", "", "clip_grad_norm_"),
+    ("torch.nn.utils", "", "clip_grad_value_"),
 )
 
 #: A trainer's run (``train()``, ``fit()``): when it ends the next run is looked for anew, its
