@@ -645,3 +645,25 @@ def test_a_profile_used_again_starts_afresh():
     assert len(runs[0].steps) == len(runs[1].steps) == 4
     assert any("2 optimizers stepped" in n for n in runs[0].meta["notes"])
     assert not any("optimizers stepped" in n for n in runs[1].meta["notes"]), runs[1].meta["notes"]
+
+
+def test_a_first_step_that_pays_one_time_setup_is_said_to_with_warmup_0():
+    """With ``warmup=0`` the first step holds what runs once (here a known 0.4 s of setup, as a
+    trainer's before its first batch): the summary says so, with the figures (p95 5x p50 and
+    OVERHEAD-BOUND had stood with no word). With warmup it is left out and nothing is said."""
+    def run_with(warmup: int):  # noqa: ANN202
+        model, loader, opt = sleepy.make()
+        with tp.profile(steps=4, warmup=warmup, name="setup", progress=False, clock_hz=0) as prof:
+            time.sleep(0.4)  # the setup, before the first batch
+            for x in loader:
+                model(x).backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.run.summary()
+
+    cold, warm = run_with(0), run_with(1)
+    said = [n for n in cold.notes if n.startswith("the first measured step took")]
+    assert len(said) == 1 and "most of it other" in said[0], cold.notes
+    first = float(said[0].split(" took ")[1].split(" s")[0])
+    assert 0.4 < first < 0.4 + 3 * (sleepy.FORWARD_S + sleepy.BACKWARD_S + sleepy.OPTIMIZER_S + 2 * sleepy.SAMPLE_S)
+    assert not any(n.startswith("the first measured step took") for n in warm.notes)

@@ -209,6 +209,28 @@ def _clock_rows(clocks: dict) -> list[tuple]:
     return rows
 
 
+#: A first measured step this many times the others' median is one-time work (first_step_note).
+FIRST_STEP_OUTLIER = 3.0
+
+
+def first_step_note(m: pd.DataFrame, warmup_steps: int) -> str | None:
+    """With no warmup the slice's first step is measured, and it pays what happens once (a
+    trainer's setup, a DataModule's ``prepare_data``, compilation): a Lightning fit's 0.5 s of setup
+    made p95 5x p50 and the verdict OVERHEAD-BOUND, with no word. Said when that step is an outlier."""
+    if warmup_steps or len(m) < 3:
+        return None
+    dur = m["duration_s"].to_numpy()
+    rest = float(np.median(dur[1:]))
+    if not rest > 0 or dur[0] < FIRST_STEP_OUTLIER * rest:
+        return None
+    row = m.iloc[0]
+    cols = [c for c in m.columns if c.endswith("_s") and c != "duration_s"]
+    top = max(cols, key=lambda c: float(row[c]) - float(m[c].iloc[1:].median()))
+    return (f"the first measured step took {dur[0]:.3f} s, {dur[0] / rest:.1f}x the others' median ({rest:.3f} s), "
+            f"most of it {top[:-2]}: with warmup 0 it holds what runs once (a trainer's setup, the first batches' "
+            "workers, compilation) and weighs on the shares and the verdict; warmup=1 or 'auto' leaves it out")
+
+
 def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None,
               memory: pd.DataFrame | None = None) -> Summary:
     """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did,
@@ -233,6 +255,9 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         verdict=verdict(shares),
         notes=list(meta.get("notes", [])),
     )
+    first = first_step_note(m, out.warmup_steps)
+    if first is not None:
+        out.notes.append(first)
     skipped = int(m["skipped"].sum()) if "skipped" in m.columns else 0
     if skipped:
         out.notes.append(f"{skipped} of {len(m)} measured steps were skipped by the GradScaler (inf/NaN "
