@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat

@@ -120,7 +120,7 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
         grad_fwd = sorted(s[1] for s in spans if s[0] == "forward" and not _inside(calls, s[1])
                           and not in_helper(s[1]) and not in_range(s[1]) and not _inside(own, s[1]))
         starts_u = [a for a, _, _ in untrained]
-        taken = set()
+        taken: set[int] = set()
         for k, t in enumerate(times):
             end = times[k + 1] if k + 1 < len(times) else 1 << 62
             lo, hi = bisect.bisect_left(starts_u, t), bisect.bisect_left(starts_u, end)

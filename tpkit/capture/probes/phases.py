@@ -458,8 +458,8 @@ class PhaseProbe:
                         self._patched.set(target, attr, self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
-                self._patched.set(join, "__enter__", self._wrap_join(join.__enter__, enter=True))
-                self._patched.set(join, "__exit__", self._wrap_join(join.__exit__, enter=False))
+                for attr in ("__enter__", "__exit__"):
+                    self._patched.set(join, attr, self._wrap_join(vars(join)[attr], enter=attr == "__enter__"))
             for module, owner, attr in _TRAINER_RUNS:
                 target = getattr(sys.modules.get(module), owner, None)
                 fn = vars(target).get(attr) if target is not None else None
