@@ -68,10 +68,24 @@ class Holder:
     Tagged("caption", torch.zeros(B, 8)),  # a name before the tensors, a field never set
     # list(zip(*batch)): columns (images, per-sample targets), not samples
     list(zip(*[(torch.zeros(3, 10, 10), {"boxes": torch.zeros(2, 4)}) for _ in range(B)])),
+    {"tokens": [["a", "b"], ["c", "d", "e"], ["f"], ["g", "h"]]},  # pre-tokenized (it read 2 words)
+    {"tokens": [["a", "b"], ["c", "d", "e"], ["f"], ["g", "h"]], "labels": torch.zeros(B)},
+    (["q1", "q2", "q3", "q4"], ["a1", "a2", "a3", "a4"]),  # two text columns
+    ("task", {"x": torch.zeros(B, 8), "y": torch.zeros(B)}),  # a name first (it read 2)
+    {"audio": [torch.zeros(n) for n in (50, 31, 44, 12)], "labels": torch.zeros(B)},  # clips (it read 50)
+    {"audio": [torch.zeros(n) for n in (50, 31, 44, 12)]},
+    {"num_tokens": torch.tensor(123), "ids": torch.zeros(B, 16)},  # a 0-dim count first (it read 1)
 ], ids=["tensor", "tuple", "list", "dict", "mapping", "texts", "nested", "numpy", "detection", "records",
-        "uncollated", "dataclass", "namedtuple", "attributes", "tagged", "detection-list"])
+        "uncollated", "dataclass", "namedtuple", "attributes", "tagged", "detection-list",
+        "words", "words-labels", "text-columns", "named", "clips-labels", "clips", "count-first"])
 def test_samples_in_a_batch(batch):
     assert batch_size_of(batch) == B
+
+
+def test_a_detection_batch_of_one_image():
+    """``tuple(zip(*batch))`` at batch size 1: one image, one target mapping (it read the
+    image's 3 channels)."""
+    assert batch_size_of(((torch.zeros(3, 10, 10),), ({"boxes": torch.zeros(2, 4)},))) == 1
 
 
 def test_hugging_face_batch_encoding():

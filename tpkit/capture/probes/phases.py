@@ -165,43 +165,82 @@ def has_accelerator() -> bool:
 def batch_size_of(batch: Any) -> int | None:
     """Samples in a (nested) batch; None if it cannot tell.
 
-    The leading dimension of the first tensor-like, found through mappings (a dict, HF's
-    ``BatchEncoding``, a ``UserDict``), sequences and dataclasses (a ``Batch`` class of the
-    loop's own; other objects: the first tensor among their attributes), except where a
-    sequence holds one record per sample: strings or numbers, mappings with the same keys
-    (per-sample targets as a detection loader's ``tuple(zip(*batch))`` gives them, next to a
-    tuple of images whose first dimension is their channels), or a list of tuples (the
-    samples as a dataset returns them, with ``collate_fn=lambda b: b``)."""
+    The leading dimension of the first tensor-like (not a 0-dim one: a token count beside the
+    batch), found through mappings (a dict, HF's ``BatchEncoding``, a ``UserDict``: their first
+    such tensor, before any list among them), sequences (past a name or a number before the
+    batch: ``("task", batch)``) and dataclasses (a ``Batch`` class of the loop's own; other
+    objects: the first tensor among their attributes), except where a sequence holds one record
+    per sample: strings or numbers, mappings with the same keys, columns of equal length one of
+    which holds mappings (a detection loader's ``tuple(zip(*batch))``: per-sample targets next
+    to a tuple of images whose first dimension is their channels, at any batch size), a list of
+    tuples (the samples as a dataset returns them, with ``collate_fn=lambda b: b``), lists of
+    words of different lengths (pre-tokenized texts), or tensors of different lengths (audio clips)."""
     for _ in range(8):  # bounded descent into nested containers
-        if isinstance(batch, torch.Tensor):
-            return int(batch.shape[0]) if batch.dim() > 0 else 1
-        if hasattr(batch, "shape") and hasattr(batch, "dtype"):  # numpy and friends
+        if _is_array(batch):
             return int(batch.shape[0]) if len(batch.shape) > 0 else 1
         if isinstance(batch, (dict, Mapping)):
             if not batch:
                 return None
-            batch = next(iter(batch.values()))
+            values = list(batch.values())
+            array = next((v for v in values if _is_array(v) and len(v.shape) > 0), None)
+            if array is not None:
+                return int(array.shape[0])
+            batch = next((v for v in values if not _is_scalar(v)), None)
         elif isinstance(batch, (list, tuple)):
             if not batch:
                 return None
-            first = batch[0]
-            if isinstance(first, (str, bytes, int, float)):
-                return len(batch)
-            for part in (batch, *(p for p in batch if isinstance(p, (list, tuple)))):
-                if _records(part):  # (before the next rule: list(zip(*batch)) with per-sample targets)
-                    return len(part)
-            if type(batch) is list and all(type(e) is tuple for e in batch):  # uncollated samples
-                return len(batch)
-            batch = first
+            if all(isinstance(e, (str, bytes, int, float)) for e in batch):
+                return len(batch)  # texts, numbers: one per sample
+            n = _per_sample(batch)
+            if n is not None:
+                return n
+            batch = next((e for e in batch if not _is_scalar(e)), None)
         elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
             fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
-            batch = next((v for v in fields if v is not None and not isinstance(v, (str, bytes, int, float, bool))),
-                         None)
+            batch = next((v for v in fields if v is not None and not _is_scalar(v)), None)
         else:
             attrs = getattr(batch, "__dict__", None)
             return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
                 if isinstance(attrs, dict) else None
     return None
+
+
+def _is_array(x: Any) -> bool:
+    """A tensor, or an array with a shape and a dtype (numpy and friends)."""
+    return isinstance(x, torch.Tensor) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _is_scalar(x: Any) -> bool:
+    """A name, a number, or a 0-dim tensor: beside a batch, never its samples."""
+    return isinstance(x, (str, bytes, int, float, bool)) or x is None or (_is_array(x) and len(x.shape) == 0)
+
+
+def _per_sample(seq: list | tuple) -> int | None:
+    """``len(seq)`` (or its columns' length) where ``seq`` holds one record per sample."""
+    for part in (seq, *(p for p in seq if isinstance(p, (list, tuple)))):
+        if _records(part):  # (before the columns: list(zip(*batch)) with per-sample targets)
+            return len(part)
+    if len(seq) > 1 and all(isinstance(c, (list, tuple)) for c in seq):
+        n = len(seq[0])
+        if n and all(len(c) == n for c in seq) and any(all(isinstance(e, (dict, Mapping)) for e in c) for c in seq):
+            return n  # columns, one of per-sample mappings (a detection batch of one image too)
+    if type(seq) is list and all(type(e) is tuple for e in seq):  # uncollated samples
+        return len(seq)
+    if len(seq) > 1 and all(isinstance(e, (list, tuple)) and e and all(isinstance(w, str) for w in e) for e in seq) \
+            and len({len(e) for e in seq}) > 1:
+        return len(seq)  # lists of words of different lengths: one per sample (text columns share theirs)
+    if len(seq) > 1 and all(_is_array(e) and len(e.shape) > 0 for e in seq) \
+            and len({int(e.shape[0]) for e in seq}) > 1:
+        return len(seq)  # tensors of different lengths: one per sample (columns share their length)
+    return None
+
+
+def _records(seq: list | tuple) -> bool:
+    """Whether ``seq`` is one mapping per sample: two or more, all with the same keys."""
+    if len(seq) < 2 or not all(isinstance(e, (dict, Mapping)) for e in seq):
+        return False
+    keys = set(seq[0])
+    return all(set(e) == keys for e in seq)
 
 
 #: A constant factor this large, a power of two, applied last to the loss is a loss scale (a
@@ -228,12 +267,6 @@ def _static_scale(tensor: torch.Tensor) -> float:
     return scale if scale >= STATIC_SCALE_MIN and math.frexp(scale)[0] == 0.5 else 0.0
 
 
-def _records(seq: list | tuple) -> bool:
-    """Whether ``seq`` is one mapping per sample: two or more, all with the same keys."""
-    if len(seq) < 2 or not all(isinstance(e, (dict, Mapping)) for e in seq):
-        return False
-    keys = set(seq[0])
-    return all(set(e) == keys for e in seq)
 
 
 def handed_out(rec: Recorder, batch: Any, workers: int = -1) -> None:
