@@ -447,3 +447,50 @@ def test_gradient_clipping_is_optimizer_time(where, monkeypatch):
                 opt.zero_grad()
     assert known.calls["optimizer"] >= 2 * (STEPS + WARMUP)  # the optimizer's sleeps and the clips'
     truth.assert_phases(prof.run, known, phases=("optimizer",))
+
+
+@torch.library.custom_op("tpkit_test::sleep_forward", mutates_args=())
+def _sleep_forward(x: torch.Tensor) -> torch.Tensor:
+    """A known forward cost that torch.compile keeps as one opaque op (no graph break)."""
+    with truth.timed("forward"):
+        time.sleep(truth.FORWARD_S)
+        return x.clone()
+
+
+@_sleep_forward.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class CompiledWhole(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        return F.mse_loss(truth.sleep_backward(self.lin(_sleep_forward(x))), y)
+
+    def configure_optimizers(self):
+        return truth.SleepySGD(self.parameters(), lr=0.01)
+
+
+def test_a_lightning_module_compiled_whole_has_its_forward():
+    """``trainer.fit(torch.compile(module))``, Lightning's documented way: Lightning compiles the
+    module's ``training_step``, so no module call is seen; the compiled step is the forward (it
+    read forward 0, the time other, and a note blaming a functional model)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-compiled", progress=False, clock_hz=0) as prof, \
+            truth.TRUTH.recording() as known:
+        trainer.fit(torch.compile(CompiledWhole(), backend="eager"), loader)
+    run = prof.run
+    assert trainer.global_step == STEPS + WARMUP == len(run.steps)
+    measured = run.steps.iloc[1:]  # the first step compiles
+    calls = len(measured)
+    assert float(measured["forward_s"].sum()) == pytest.approx(calls * truth.FORWARD_S, rel=truth.TOLERANCE)
+    assert known.calls["forward"] == STEPS + WARMUP
+    assert not any("not called as an nn.Module" in n or "no module's forward" in n for n in run.meta["notes"])

@@ -119,6 +119,15 @@ _AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("torch.nn.utils", "", "clip_grad_value_"),
 )
 
+#: Lightning's training step, where the LightningModule was compiled whole
+#: (``trainer.fit(torch.compile(module))``): Lightning compiles its ``training_step``, the model's
+#: calls inside run as compiled code and no module call is seen; the step's call is the forward
+#: then (it had read forward 0 and its time other, with a note blaming a functional model).
+_COMPILED_STEPS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.strategies.strategy", "Strategy", "training_step"),
+    ("pytorch_lightning.strategies.strategy", "Strategy", "training_step"),
+)
+
 #: A trainer's run (``train()``, ``fit()``): when it ends the next run is looked for anew, its
 #: optimizer ending the steps (a sweep's next Trainer made its own, whose steps ended none: 10 of
 #: 13 steps were missing), and a run the slice stopped through its switch takes the probes out
@@ -493,6 +502,11 @@ class PhaseProbe:
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
                     self._patched.set(join, attr, self._wrap_join(vars(join)[attr], enter=attr == "__enter__"))
+            for module, owner, attr in _COMPILED_STEPS:
+                target = getattr(sys.modules.get(module), owner, None)
+                fn = vars(target).get(attr) if target is not None else None
+                if callable(fn):
+                    self._patched.set(target, attr, self._wrap_compiled_step(fn))
             for module, owner, attr in _TRAINER_RUNS:
                 target = getattr(sys.modules.get(module), owner, None)
                 fn = vars(target).get(attr) if target is not None else None
@@ -972,6 +986,28 @@ class PhaseProbe:
                 rec.exit(token)
 
         return functools.update_wrapper(whole, fn)
+
+    def _wrap_compiled_step(self, fn: Any) -> Any:
+        """Lightning's ``Strategy.training_step`` (``_COMPILED_STEPS``): ``forward`` when the
+        LightningModule was compiled whole; otherwise its module calls are the forward, as ever."""
+        rec, probe = self.rec, self
+
+        def training_step(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+            module = getattr(strategy, "lightning_module", None)
+            if (getattr(module, "_compiler_ctx", None) is None or _compiling()
+                    or threading.get_ident() != rec.thread_id or rec.is_open("forward")):
+                return fn(strategy, *args, **kwargs)
+            if torch.is_grad_enabled() and module.training and id(module) not in rec.trained_modules:
+                rec.trained_modules.update(_same_model(module))
+            probe.models.add(module)
+            probe._worked = probe._ever_worked = True
+            token = rec.enter("forward", f"{type(module).__name__}.training_step (compiled)")
+            try:
+                return fn(strategy, *args, **kwargs)
+            finally:
+                rec.exit(token)
+
+        return functools.update_wrapper(training_step, fn)
 
     def _wrap_trainer_run(self, fn: Any) -> Any:
         """A trainer's ``train()`` / ``fit()`` (``_TRAINER_RUNS``)."""
