@@ -427,3 +427,24 @@ def test_a_phase_share_that_rises_because_the_step_got_faster_is_not_called_wors
     other = row(c, "other_share", "fast")
     assert other["value"] > 3 * row(c, "other_share", "slow")["value"] * 0.9
     assert other["significant"] == cmp.SIGNIFICANT and other["direction"] == ""  # a change, not "worse"
+
+
+def test_training_shares_leave_an_evaluation_out():
+    """Two runs that train alike, one evaluating inside the slice (eval 20% of its steps): the
+    training phases' shares are of training time, so they agree (forward read -9 pp,
+    "significant", against the run without), the evaluation's own share is of the whole step,
+    and the comparison says how it counted."""
+    noise = np.array([0.100, 0.104, 0.096, 0.102, 0.098, 0.101, 0.099, 0.103, 0.097, 0.100])
+    plain = make_run("plain", noise)
+    evaluating = make_run("evaluating", noise / 0.8)  # the same training, plus 20% evaluation
+    steps = evaluating.steps.copy()
+    steps["eval_s"] = steps["duration_s"] * 0.2
+    for col in ("data_wait_s", "forward_s", "backward_s"):
+        steps[col] = steps[col] * 0.8
+    c = cmp.compare(plain, Run(steps=steps, meta={"name": "evaluating"}))
+    for metric in ("data_stall_share", "forward_share", "backward_share"):
+        assert row(c, metric, "evaluating")["value"] == pytest.approx(row(c, metric, "plain")["value"])
+        assert row(c, metric, "evaluating")["significant"] == cmp.NO_DIFFERENCE
+    assert row(c, "eval_share", "evaluating")["value"] == pytest.approx(20.0)
+    assert any(w.startswith("evaluation or checkpoint saving ran inside the slice ('plain': none; "
+                            "'evaluating': evaluation 20%") for w in c.warnings), c.warnings

@@ -417,19 +417,22 @@ def test_ctrl_c_in_a_fit_is_an_interrupt():
 
 
 
-@pytest.mark.parametrize("where", ["loop", "lightning"])
+@pytest.mark.parametrize("where", ["loop", "loop-by-name", "lightning"])
 def test_gradient_clipping_is_optimizer_time(where, monkeypatch):
     """Clipping is part of the update: its time is optimizer (it had been other, which read as
-    "Python between phases"; inside Lightning's closure too). Truth: torch's own
-    ``clip_grad_norm_`` made to sleep a known 20 ms a call, and the optimizer's known sleep."""
-    clip = torch.nn.utils.clip_grad_norm_
+    "Python between phases"; inside Lightning's closure too), also where the loop bound
+    ``clip_grad_norm_`` by name before the slice. Truth: torch's own total-norm half of it made
+    to sleep a known 20 ms a call, and the optimizer's known sleep."""
+    from torch.nn.utils import clip_grad, clip_grad_norm_  # bound before the slice
 
-    def slow_clip(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    total_norm = clip_grad._get_total_norm
+
+    def slow_total_norm(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         with truth.timed("optimizer"):
             time.sleep(0.02)
-            return clip(*args, **kwargs)
+            return total_norm(*args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", slow_clip)
+    monkeypatch.setattr(clip_grad, "_get_total_norm", slow_total_norm)
     trainer, model, loader, _ = make(max_steps=40)
     if where == "lightning":
         trainer.gradient_clip_val = 1.0
@@ -442,7 +445,10 @@ def test_gradient_clipping_is_optimizer_time(where, monkeypatch):
             opt = model.configure_optimizers()
             for x, y in loader:
                 F.mse_loss(model.net(x), y).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if where == "loop-by-name":
+                    clip_grad_norm_(model.parameters(), 1.0)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
     assert known.calls["optimizer"] >= 2 * (STEPS + WARMUP)  # the optimizer's sleeps and the clips'

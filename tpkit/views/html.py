@@ -292,7 +292,8 @@ def summary_html(run: "Run", draw: Draw = chart_html, timeline: bool = True,
 
         drawn += draw(phase_share_bars(shares))
     if timeline:
-        spans = analysis.timeline_frame(run.spans, max_rows=1500)
+        # with the steps: the stretch before the first step is tpkit's probes going in, not other
+        spans = analysis.timeline_frame(run.spans, steps=run.steps, max_rows=1500)
         if not spans.empty:
             drawn += draw(charts.stall_timeline(spans, width=440))
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td><b>{html.escape(val)}</b></td></tr>"

@@ -117,6 +117,10 @@ _AVERAGERS: tuple[tuple[str, str, str], ...] = (
     # Trainer's clipping with it). Called by these names by HF's Trainer, accelerate, Lightning.
     ("torch.nn.utils", "", "clip_grad_norm_"),
     ("torch.nn.utils", "", "clip_grad_value_"),
+    # and its two halves, read from their module at each call: a loop that bound
+    # clip_grad_norm_ by name before the slice (from torch.nn.utils import ...) calls them too
+    ("torch.nn.utils.clip_grad", "", "_get_total_norm"),
+    ("torch.nn.utils.clip_grad", "", "_clip_grads_with_norm_"),
 )
 
 #: Lightning's training step, where the LightningModule was compiled whole
