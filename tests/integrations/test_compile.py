@@ -148,3 +148,40 @@ def test_inductor_first_compile_inside_the_slice_is_unchanged():
     assert plain["graphs"] == 1 and plain["breaks"] == 0
     assert sliced["breaks"] == 0, sliced["break_reasons"]
     assert sliced["graphs"] == plain["graphs"]
+
+
+
+def _graphs_of_a_model_with_a_break(profile: bool) -> tuple[int, int]:
+    """Dynamo's graphs and frames for truth's SleepyNet (its forward sleeps: a graph break)
+    compiled with aot_eager, run STEPS + WARMUP times, with or without a slice."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    cmodel = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+
+    def step() -> None:
+        F.mse_loss(cmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    if profile:
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="aot-eager", progress=False, clock_hz=0):
+            for _ in range(100):
+                step()
+    else:
+        for _ in range(STEPS + WARMUP):
+            step()
+    out = counters["stats"]["unique_graphs"], counters["frames"]["total"]
+    torch._dynamo.reset()
+    return out
+
+
+def test_aot_eager_compiles_no_graph_of_tpkits():
+    """``backend="aot_eager"`` runs each compiled graph as an FX ``GraphModule`` whose
+    ``super().__call__`` reads ``nn.Module.__call__`` (tpkit's ``_module_call`` while a slice
+    runs): dynamo compiled that frame as user code, a graph more (4 for 1 at 12 layers, seconds
+    of compiling in a warmup step). Dynamo skips it now, as it skips torch's own call."""
+    assert _graphs_of_a_model_with_a_break(profile=True) == _graphs_of_a_model_with_a_break(profile=False)
