@@ -327,6 +327,74 @@ def test_an_ema_teacher_evaluated_on_validation_batches():
                                       "samples": reads * EVAL_BATCH, "runs": {}}
 
 
+def test_a_mean_teacher_labelling_its_own_batch_is_training():
+    """Mean Teacher: each step reads an unlabelled batch, the frozen teacher (eval mode, no grad)
+    makes its targets, then the labelled batch is read and the student trains on both. The
+    teacher's batch feeds no forward with grad before the next batch is read, but such batches
+    come in every step: training (they had been taken as the teacher's evaluation, its forward
+    and wait eval and 8 samples a step lost)."""
+    torch.manual_seed(0)
+    model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    lab = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    unlab = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="mean-teacher", progress=False, clock_hz=0) as prof:
+        il, iu = iter(lab), iter(unlab)
+        for _ in range(N):
+            t = time.perf_counter()
+            u, _ = next(iu)
+            clock["data_wait"] += time.perf_counter() - t
+            t = time.perf_counter()
+            with torch.no_grad():
+                targets = teacher(u)
+            clock["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            x, y = next(il)
+            clock["data_wait"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss = F.mse_loss(model(x), y) + F.mse_loss(model(u), targets)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert float(run.steps["eval_s"].sum()) == 0 and "evaluation" not in run.meta
+    assert (run.steps["samples"] == 2 * BATCH).all(), run.steps["samples"].tolist()
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (the teacher's targets included)")
+    close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (both batches)")
+
+
+def test_batches_gathered_before_one_forward_after_an_evaluation_stay_training():
+    """A step that reads two batches and trains on both at once: the first one's stretch holds
+    no call. Right after an evaluation it is still training (it had been taken as a batch the
+    evaluation read and dropped, chaining: 8 samples in a step for 16): only a batch from the
+    evaluation's own iterator is."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="gathered", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            (x1, y1), (x2, y2) = next(it), next(it)
+            F.mse_loss(model(torch.cat([x1, x2])), torch.cat([y1, y2])).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                model.eval()
+                with torch.no_grad():
+                    for k, (vx, vy) in enumerate(val):
+                        F.mse_loss(model(vx), vy)
+                        if k == 1:
+                            break
+                model.train()
+    run = prof.run
+    assert (run.steps["samples"] == 2 * BATCH).all(), run.steps["samples"].tolist()
+    assert run.meta["evaluation"]["batches"] == 2 * (N // EVERY)
+
+
 # -- Hugging Face Trainer -------------------------------------------------------------------
 transformers = truth.import_transformers()
 

@@ -500,3 +500,30 @@ def test_a_lightning_module_compiled_whole_has_its_forward():
     assert float(measured["forward_s"].sum()) == pytest.approx(calls * truth.FORWARD_S, rel=truth.TOLERANCE)
     assert known.calls["forward"] == STEPS + WARMUP
     assert not any("not called as an nn.Module" in n or "no module's forward" in n for n in run.meta["notes"])
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Regression samples with no ``__len__``: Lightning's fetcher reads one batch ahead."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):  # noqa: ANN204
+        data = truth.Regression()
+        return (data[i] for i in range(self.n))
+
+
+def test_an_iterable_dataset_with_validation_counts_each_steps_batch():
+    """Over an ``IterableDataset`` Lightning reads one batch ahead (to know the epoch's end):
+    each step's samples are its own batch's (each epoch read 2, 1, 1, 0 batches a step)."""
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    train = torch.utils.data.DataLoader(Stream(4 * BATCH), batch_size=BATCH)  # 4 steps an epoch
+    val = torch.utils.data.DataLoader(Stream(2 * BATCH), batch_size=BATCH)
+    with tp.profile(steps=10, warmup=0, name="pl-stream", progress=False, clock_hz=0) as prof:
+        trainer.fit(Validating(), train, val)
+    run = prof.run
+    assert trainer.global_step == 10 == len(run.steps)
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    assert run.meta["evaluation"]["batches"] == 2 * 2  # the validations after epochs 1 and 2

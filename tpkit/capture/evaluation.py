@@ -16,7 +16,9 @@ What is evaluation here:
   torch.compile's ``_orig_mod``: trained through the wrapper, evaluated inside it). A model
   only ever called without grad (a teacher, a reference or target model) is part of the step:
   its calls stay ``forward``, except on a batch that feeds no forward with grad (an EMA teacher
-  evaluated on validation batches): there its calls without grad in eval mode are evaluation;
+  evaluated on validation batches): there its calls without grad in eval mode are evaluation,
+  unless such batches come in every step (a Mean Teacher's targets made on a batch of their own
+  before the labelled one is read: training);
 - an outermost call without grad of a module without parameters (a loss such as
   ``nn.MSELoss()``, a metric such as torchmetrics'), in whatever mode, when the last model call
   before it was an evaluation call: a loop shares its loss module between training and
@@ -27,9 +29,9 @@ What is evaluation here:
 - a batch handed to the loop whose stretch (until the next batch) holds such calls and no
   other forward: the wait for it is ``eval``, and its samples are not the step's. A batch that
   also feeds a training forward (targets made by the same model before its own forward) keeps
-  its samples and its ``data_wait``. A batch read right after an evaluation's that holds no
-  call at all (``if i == n: break`` at the top of an evaluation loop reads one more) is the
-  evaluation's too.
+  its samples and its ``data_wait``. A batch read right after an evaluation's, from the same
+  iterator, that holds no call at all (``if i == n: break`` at the top of an evaluation loop
+  reads one more) is the evaluation's too.
 
 The phase probe records what it takes (``Recorder.handouts``, ``no_grad_calls``,
 ``trained_modules``, ``param_free_modules``: a few integers a call or a batch); everything is decided here, after the
@@ -87,11 +89,13 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
-          param_free: set[int], past: int, rows: int | None = None) -> EvalSplit:
+          param_free: set[int], past: int, rows: int | None = None,
+          sources: list[int] | None = None) -> EvalSplit:
     """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and sets of
     the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's, and
     what is counted (``describe``) stops at ``rows`` (the steps that have a row: a loop that ended
-    early evaluates after its last step too, and that is in no step)."""
+    early evaluates after its last step too, and that is in no step). ``sources``: per handout,
+    the iterator it came from (``Recorder.handout_sources``; 0 or None: not known)."""
     rows = past if rows is None else min(rows, past)
     out = EvalSplit(rows=rows)
     whole = [s for s in spans if s[0] == EVAL and s[5] < past]  # a trainer's evaluate(), as one span
@@ -127,6 +131,8 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             if lo < hi and bisect.bisect_left(grad_fwd, t) == bisect.bisect_left(grad_fwd, end):
                 taken.update(range(lo, hi))
         picked = [untrained[i] for i in sorted(taken)]
+        if rows > 1 and set(range(rows)) <= {step for *_, step in picked}:
+            picked = []  # in every step: part of training (a Mean Teacher's targets on a batch of their own)
         calls = sorted(calls + [(a, b) for a, b, _ in picked])
         out.model_calls += sum(1 for *_, step in picked if step < rows)
         if not calls and not out.ranges:
@@ -152,7 +158,8 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
         # a batch read right after an evaluation's and used for nothing (``if i == n: break`` at
         # the top of its loop reads one more) is the evaluation's too: it had been the next
         # training step's, its wait data_wait
-        dropped = not has_eval and not has_other and bool(eval_batch) and eval_batch[-1]
+        dropped = (not has_eval and not has_other and bool(eval_batch) and eval_batch[-1] and sources is not None
+                   and k < len(sources) and sources[k] != 0 and sources[k] == sources[k - 1])
         is_eval = in_range(t) or (has_eval and not has_other) or dropped
         eval_batch.append(is_eval)
         if is_eval and handouts[3 * k + 2] < past:

@@ -118,6 +118,7 @@ class Recorder:
         self.handouts: list[int] = []
         self.loader_cpu_s = self.loader_make_s = 0.0  # tpkit's loader: CPU and wall time making batches
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
+        self.handout_sources: list[int] = []  # per handout: the id of the iterator it came from (0: not known)
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
         self.trained_modules: set[int] = set()
@@ -171,7 +172,7 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls", "losses_after_reset", "handout_workers"):
+                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
         snap.skipped_iterations = dict(self.skipped_iterations)
@@ -250,13 +251,15 @@ class Recorder:
     def add_samples(self, n: int) -> None:
         self.samples += n
 
-    def handed_out(self, n: int, workers: int = -1) -> None:
+    def handed_out(self, n: int, workers: int = -1, source: int = 0) -> None:
         """A loader handed the loop a batch of ``n`` samples (0: not known): counted in the step,
         and noted with its time (a batch read for evaluation is taken out when the Run is built)
-        and its torch DataLoader's ``num_workers`` (-1: another loader)."""
+        and its torch DataLoader's ``num_workers`` (-1: another loader) and the iterator it came
+        from (``source``, an id; 0: not known)."""
         self.samples += n
         self.handouts += (perf_counter_ns(), n, self.step_index)
         self.handout_workers.append(workers)
+        self.handout_sources.append(source)
         if self.batch_after_reset is not None:
             self.batch_after_reset()
 

@@ -535,7 +535,7 @@ class _LoaderIter:
             if self._told is None or self._told() is not rec:
                 self._told = weakref.ref(rec)
                 rec.loader_used(self._config())
-            rec.handed_out(item.n_samples)
+            rec.handed_out(item.n_samples, source=id(self))
             rec.add_loader_batch(self.batches_done, item.worker, item.fetch_s, item.collate_s,
                                  item.queue_wait_s, item.transfer_s, item.cpu_s)
             if rec.batch_listeners and tok is not None:

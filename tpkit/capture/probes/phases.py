@@ -132,6 +132,19 @@ _COMPILED_STEPS: tuple[tuple[str, str, str], ...] = (
     ("pytorch_lightning.strategies.strategy", "Strategy", "training_step"),
 )
 
+#: Lightning's batch fetcher, which reads one batch ahead over a loader with no length.
+_LIGHTNING_FETCHERS = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
+
+
+def _fetcher_workers(fetcher: Any) -> int:
+    """The ``num_workers`` of the first DataLoader a Lightning fetcher reads (-1: none known)."""
+    try:
+        loaders = fetcher.combined_loader.flattened
+        return int(getattr(loaders[0], "num_workers", -1)) if loaders else -1
+    except Exception:  # noqa: BLE001 - not set up yet, or another Lightning
+        return -1
+
+
 #: A trainer's run (``train()``, ``fit()``): when it ends the next run is looked for anew, its
 #: optimizer ending the steps (a sweep's next Trainer made its own, whose steps ended none: 10 of
 #: 13 steps were missing), and a run the slice stopped through its switch takes the probes out
@@ -282,13 +295,14 @@ def _static_scale(tensor: torch.Tensor) -> float:
 
 
 
-def handed_out(rec: Recorder, batch: Any, workers: int = -1) -> None:
+def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) -> None:
     """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
-    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader)."""
+    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of
+    the iterator it came from (0: not known)."""
     n = batch_size_of(batch)
     if n is None and rec.uncounted is None:
         rec.uncounted = type(batch).__qualname__
-    rec.handed_out(n or 0, workers)
+    rec.handed_out(n or 0, workers, source)
     if rec.batch_listeners:
         rec.yielded(batch)
 
@@ -491,6 +505,11 @@ class PhaseProbe:
             if has_accelerator():
                 self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
                 self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
+            for m in _LIGHTNING_FETCHERS:
+                fetcher = getattr(sys.modules.get(m), "_PrefetchDataFetcher", None)
+                if isinstance(fetcher, type):
+                    for attr in ("__iter__", "__next__"):
+                        self._patched.set(fetcher, attr, self._wrap_fetcher(vars(fetcher)[attr], attr == "__next__"))
             for name in ("DataLoaderShard", "DataLoaderDispatcher"):  # the second: over an IterableDataset
                 shard = getattr(sys.modules.get("accelerate.data_loader"), name, None)
                 if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
@@ -946,12 +965,34 @@ class PhaseProbe:
                 finally:
                     probe._read_ahead -= mine
                 if mine:
-                    handed_out(probe.rec, batch, getattr(loader, "num_workers", -1))
+                    handed_out(probe.rec, batch, getattr(loader, "num_workers", -1), id(inner))
                 yield batch
 
         __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
         __iter__.__doc__ = fn.__doc__
         return __iter__
+
+    def _wrap_fetcher(self, fn: Any, hands_out: bool) -> Any:
+        """Lightning's ``_PrefetchDataFetcher``: over a loader with no length (an
+        ``IterableDataset``) it reads one batch ahead, at ``__iter__`` and at each ``__next__``. The
+        batch counted is the one ``__next__`` returns, when it returns it (each epoch's first step
+        had counted two batches and its last none: 16, 8, 8, 0 for 8 a step); the reads stay
+        ``data_wait``."""
+        probe = self
+
+        def fetch(fetcher: Any) -> Any:
+            mine = probe.installed and threading.get_ident() == probe.rec.thread_id
+            probe._read_ahead += mine
+            try:
+                out = fn(fetcher)
+            finally:
+                probe._read_ahead -= mine
+            if mine and hands_out:
+                batch = out[0] if isinstance(out, tuple) and len(out) == 3 else out  # (batch, batch_idx, loader_idx)
+                handed_out(probe.rec, batch, _fetcher_workers(fetcher), id(fetcher))
+            return out
+
+        return functools.update_wrapper(fetch, fn)
 
     def _wrap_next(self, fn: Any, source: str) -> Any:
         rec, probe = self.rec, self
@@ -967,7 +1008,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
             if not probe._read_ahead:  # else the reading-ahead loader hands it over later
-                handed_out(rec, batch, getattr(it, "_num_workers", -1))
+                handed_out(rec, batch, getattr(it, "_num_workers", -1), id(it))
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -1170,5 +1211,5 @@ def _timed_iter(it: Any, name: str) -> Any:
                 return
             finally:
                 rec.exit(token)
-            handed_out(rec, item)
+            handed_out(rec, item, source=id(it))
         yield item
