@@ -541,6 +541,8 @@ class MemoryProbe:
         self._params_new = False  # parameters refreshed since the last observation
         self._own_seen = 0
         self._opt_states_seen = 0  # optimizer states counted at the last check (_known_sets_grew)
+        self._groups_seen = 0  # optimizers' parameter groups counted then (add_param_group adds one)
+        self._groups_grew = False  # until the parameters are read again (_refresh_params)
         self._grad_looks = 0  # chances to look at the gradients so far (one per backward)
         self._grads_seen_at: list[int] = []  # observations that looked at every gradient
         self._grads_watched: set[int] = set()  # parameter slots whose first gradient is watched
@@ -819,10 +821,10 @@ class MemoryProbe:
             self._grad_looks += 1
             grads = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
             if grads or self._known_sets_grew():
-                if not grads:
-                    # the sets grew (a layer added, with add_param_group): so may the gradients,
-                    # which no earlier look's pattern then fits (they read as temporaries): look
-                    # now and after the next passes, as at the start
+                if not grads and self._groups_grew:
+                    # parameters added (add_param_group, a layer grown): so are gradients that no
+                    # earlier look's pattern fits (they read as temporaries): look now and after
+                    # the next passes, as at the start (not for a new optimizer or state alone)
                     grads, self._grad_looks = True, 1
                 self._observe(grads=grads)
         if len(self.rec.models) != self._seen_key[0]:
@@ -894,9 +896,12 @@ class MemoryProbe:
 
     # -- the known sets ---------------------------------------------------------------------
     def _refresh_params(self, force: bool = False) -> bool:
+        if (not force and not self._groups_grew and len(self.rec.models) == self._seen_key[0]
+                and len(self.optimizers) == self._seen_opts):
+            return False  # the same model set, optimizers and groups (checked at every look: keep it cheap)
+        self._groups_grew = False
         self._seen_opts = len(self.optimizers)  # (ever seen: a new one in a dead one's place counts)
         opts = self.optimizers.live()
-        # the model set and the optimizers' parameters (a group added mid-slice): a few lengths
         key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
         if key == self._seen_key:
             return False
@@ -991,12 +996,14 @@ class MemoryProbe:
         allocation, so a state replaced in place (``load_state_dict``) is still exact when
         the next look finds it (at most GRAD_LOOK_EVERY steps later). Checking every
         optimizer's state fingerprint at every step cost 15-30 us there (cold caches)."""
-        states = params = 0
+        states = groups = 0
         for opt in self.optimizers.live():
             states += len(opt.state)
-            for group in opt.param_groups:
-                params += len(group["params"])
-        if states != self._opt_states_seen or params != self._seen_key[1]:
+            groups += len(opt.param_groups)
+        if groups != self._groups_seen:
+            self._groups_seen, self._groups_grew = groups, True
+            return True
+        if states != self._opt_states_seen:
             self._opt_states_seen = states
             return True
         return (self._params_new or len(self.optimizers) != self._seen_opts
