@@ -1,6 +1,7 @@
 """A loop under ``tp.profile`` that receives SIGTERM (as torchrun sends every surviving rank
 when one fails) in the loop or while tpkit takes its probes out and builds the run; used by
-``tests/test_faults.py`` in a process of its own. argv: where ("loop" or "teardown"), the
+``tests/test_faults.py`` in a process of its own. argv: where ("loop", "teardown", or "reused":
+in the loop of a Profile that ran a slice before), the
 store folder. Prints the steps recorded so far before each SIGTERM."""
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ if where == "teardown":  # the signal lands inside build_run, after the probes c
 
     slice_module.build_run = build_run
 
-with tp.profile(steps=50, warmup=1, name=f"sigterm-{where}", progress=False, clock_hz=0, stop=where == "teardown"):
+prof = tp.profile(steps=50, warmup=1, name=f"sigterm-{where}", progress=False, clock_hz=0, stop=where == "teardown")
+if where == "reused":  # the same Profile ran a slice before: SIGTERM in the next is as in a first one
+    with prof:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    where = "loop"
+with prof:
     for i in range(60 if where == "loop" else 3):
         model(torch.randn(4, 8)).sum().backward()
         opt.step()

@@ -135,17 +135,19 @@ SIGINT_SOAK = Path(__file__).with_name("sigint_soak.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,steps,stopped_by", [("loop", 4, "terminated"), ("teardown", 3, "loop_end")])
+@pytest.mark.parametrize("where,steps,stopped_by", [("loop", 4, "terminated"), ("teardown", 3, "loop_end"),
+                                                     ("reused", 4, "terminated")])
 def test_sigterm_keeps_the_run_then_ends_the_process_as_sigterm_does(where, steps, stopped_by, tmp_path):
     """torchrun stops every surviving rank with SIGTERM the moment one fails: a rank stopped
     inside tpkit's teardown lost its run (the healthy rank's, 3 of 3 launches). In the loop, the
     slice now ends through its error path; in the teardown, the signal waits for its end; then
-    the process still ends by SIGTERM, with the run kept."""
+    the process still ends by SIGTERM, with the run kept. A Profile used again does the same (its
+    signal guard had stayed in its teardown state: SIGTERM was held to the slice's end)."""
     out = subprocess.run([sys.executable, str(SIGTERM_CHILD), where, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
     assert "not reached" not in out.stdout
-    run = tp.load(str(tmp_path / f"sigterm-{where}"))
+    run = tp.load(str(tmp_path / (f"sigterm-{where}" + ("-2" if where == "reused" else ""))))  # (its second run)
     assert len(run.steps) == steps and run.meta["stopped_by"] == stopped_by
 
 

@@ -127,6 +127,7 @@ class Profile:
         # a Profile used again (``with prof:`` twice) starts afresh: the last slice's probes, step
         # times and warmup had carried its notes into the next run and decided its auto warmup
         self.run, self._probes, self._removed, self._durations = None, [], [], []
+        self._term = TermGuard()  # (the last slice's had been tearing down: SIGTERM was only held)
         self.warmup_steps = cfg.warmup if cfg.warmup != "auto" else None
         rec = self.rec = _rec.Recorder(cfg.name or "run")
         rec.samples_per_step = cfg.samples_per_step

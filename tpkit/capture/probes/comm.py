@@ -188,9 +188,9 @@ class CommProbe:
         self._completed: dict[int, tuple[Any, Collective]] = {}
         self._tls = threading.local()  # .depth: open exposed waits on this thread
         self._graph_tasks: set[int] = set()  # backward passes that already queued callback A
-        # end-of-backward windows whose callback B has not run: graph task -> (A's start, or
-        # -1 - the index of the pass's first collective before A runs; thread id). One left at
-        # the end is a backward pass that a failed collective ended
+        # end-of-backward windows whose callback B has not run: graph task -> (A's start, -1
+        # before A runs; thread id). One left at the end with A run is a backward pass that a
+        # failed collective ended
         self.unfinished: dict[int, tuple[int, int]] = {}
         self._cuda: _CudaClock | None = None
         self._issued = 0  # collectives issued since install, kept or not
@@ -503,10 +503,10 @@ class CommProbe:
 
         try:
             engine.queue_callback(callback_a)
-            # until B runs: a callback queued before A that raises (DDP's finalize, its peer gone
-            # or timed out) ends the backward pass without A or B; the wait then starts at the
-            # pass's last collective (all were issued as its compute ended), or at A
-            self.unfinished[gt] = (-1 - first, threading.get_ident())
+            # until B runs: a callback queued before B that raises (DDP's finalize, its peer gone
+            # or timed out) ends the backward pass without B; the wait starts at A (the graph's
+            # compute done). Where A never ran the pass failed in its compute: no wait of ours
+            self.unfinished[gt] = (-1, threading.get_ident())
         except Exception as e:  # not inside a backward pass after all
             self._graph_tasks.discard(gt)
             self._note(f"end-of-backward callback not queued: {e!r}")
@@ -616,13 +616,9 @@ class SliceCommProbe:
     def remove(self) -> None:
         probe = self.probe
         try:
-            for start, tid in list(probe.unfinished.values()):
-                if tid == self.rec.thread_id:
-                    if start < 0:  # A never ran: from the pass's last collective
-                        issued = [c.issue_ns for c in list(probe.ops)[-1 - start:] if c.in_backward]
-                        start = max(issued, default=-1)
-                    if start >= 0:
-                        self._failed_window(start)
+            for start, _tid in list(probe.unfinished.values()):
+                if start >= 0:  # A ran; the window is the loop's where one of its backward spans holds it
+                    self._failed_window(start)
         except Exception as e:  # noqa: BLE001 - the probe comes out whatever happens here
             probe._note(f"a failed backward pass's wait was not recorded: {e!r}")
         finally:
