@@ -201,3 +201,27 @@ def test_an_iterable_dataset_with_batches_of_varying_size(tmp_path):
     assert type(trainer.get_train_dataloader()).__name__ == "DataLoaderDispatcher"
     assert run.steps["samples"].tolist() == rows == [2, 3, 4, 5, 2, 3, 4]
     truth.assert_losses(run.steps["loss"].tolist(), logged_losses(trainer))
+
+
+def test_tpkits_offload_optimizer_under_a_default_trainer(tmp_path):
+    """``tp.offload.CPUOffloadAdamW`` given to a Trainer: the Trainer logs the gradients' norm at
+    every step with ``clip_grad_norm_(params, inf)``, a rescale by exactly 1 that moved every
+    gradient's version counter, and the optimizer raised GradientChangedError at the first step
+    (whatever max_grad_norm). That rescale is skipped now; the losses are AdamW's."""
+
+    def train(make_opt) -> list[float]:  # noqa: ANN001
+        torch.manual_seed(0)
+        model = truth.tiny_gpt2(sleepy=False)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"), per_device_train_batch_size=BATCH, max_steps=5, logging_steps=1,
+            report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
+            max_grad_norm=0.0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=truth.Tokens(),
+                                       optimizers=(make_opt(model.parameters()), None))
+        trainer.train()
+        assert all(h.get("grad_norm", 1.0) == h.get("grad_norm", 1.0) for h in trainer.state.log_history)  # logged
+        return logged_losses(trainer)
+
+    adamw = train(lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0))
+    offloaded = train(lambda params: tp.offload.CPUOffloadAdamW(params, lr=1e-3, weight_decay=0.0))
+    assert offloaded == pytest.approx(adamw, rel=1e-5)

@@ -90,6 +90,35 @@ def live_optimizers() -> list["CPUOffloadAdamW"]:
 Fingerprint = tuple[int, int, int] | None  # (id, data_ptr, _version) of p.grad; None: no gradient
 
 
+#: Live CPUOffloadAdamW instances (while there are some, a rescale by exactly 1 is skipped).
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _skip_rescale_by_one() -> None:
+    """``clip_grad_norm_(params, inf)`` (a Hugging Face Trainer does it at every step to log the
+    gradients' norm) scales every gradient in place by exactly 1: the values stay, but the
+    version counters move, and CPUOffloadAdamW, which took each gradient when backward
+    finished it, raised GradientChangedError under a default Trainer. While one is alive, that
+    rescale is skipped (a finite norm and an infinite bound: the result is the same); any other
+    call goes to torch. Set once per process, on torch's module (``clip_grad_norm_`` reads it
+    there at each call)."""
+    from torch.nn.utils import clip_grad
+
+    torch_rescale = vars(clip_grad).get("_clip_grads_with_norm_")
+    if torch_rescale is None or getattr(torch_rescale, "_tpkit_skips_one", False):
+        return
+
+    def _clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                               foreach: bool | None = None) -> None:
+        if _LIVE and float(max_norm) == math.inf and bool(torch.isfinite(total_norm)):
+            return None
+        return torch_rescale(parameters, max_norm, total_norm, foreach)
+
+    _clip_grads_with_norm_._tpkit_skips_one = True  # type: ignore[attr-defined]
+    functools.update_wrapper(_clip_grads_with_norm_, torch_rescale)
+    clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_  # type: ignore[attr-defined]
+
+
 def grad_fingerprint(grad: torch.Tensor | None) -> Fingerprint:
     """What changes when ``p.grad`` is replaced or written in place (every in-place op bumps
     ``_version``): cheap to take in the hook and to compare at ``step()``."""
@@ -212,6 +241,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         defaults = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps,
                                           weight_decay=weight_decay).defaults)
         super().__init__(params, defaults)
+        _skip_rescale_by_one()
+        _LIVE.add(self)
         for g in self.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
                 raise OffloadArgumentError("CPUOffloadAdamW supports neither amsgrad nor maximize")
@@ -555,7 +586,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 f"unscale_, or p.grad set by hand). This optimizer takes each gradient when backward "
                 f"finishes it, so the change would be lost: clip with CPUOffloadAdamW(..., "
                 f"max_grad_norm=...) instead of clip_grad_norm_ (same result), or max_grad_value=... "
-                f"instead of clip_grad_value_; {done}.")
+                f"instead of clip_grad_value_ (with a Hugging Face Trainer: TrainingArguments("
+                f"max_grad_norm=0) and CPUOffloadAdamW(..., max_grad_norm=1.0)); {done}.")
 
     def _abandon_step(self) -> None:
         """After a refused or failed step: wait for the worker, forget this step's gradients
