@@ -502,6 +502,14 @@ class PhaseProbe:
             self._patched.set(_dl._BaseDataLoaderIter, "__next__",
                         self._wrap_next(_dl._BaseDataLoaderIter.__next__, "DataLoader"))
             self._patched.set(_dl.DataLoader, "__iter__", self._wrap_iter(_dl.DataLoader.__iter__, "DataLoader"))
+            # a DataLoader's workers shut down where its iterator is dropped (an epoch that was
+            # not read to its end: a break, Lightning, which never calls the last next(); a
+            # next(iter(loader)) each step): the loop waits for its data pipeline there, as at
+            # the end of an epoch (it had been other: 21-28% of a step, "Python between phases")
+            shutdown = vars(_dl._MultiProcessingDataLoaderIter).get("_shutdown_workers")
+            if callable(shutdown):
+                self._patched.set(_dl._MultiProcessingDataLoaderIter, "_shutdown_workers",
+                                  self._wrap_whole(shutdown, "data_wait", "DataLoader._shutdown_workers"))
             if has_accelerator():
                 self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
                 self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
