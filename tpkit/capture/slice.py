@@ -176,10 +176,11 @@ class Profile:
             self._term.release()  # a SIGTERM held meanwhile ends the process now, the run kept
         return exc_type is not None and issubclass(exc_type, StopSlice)
 
-    def _teardown(self) -> None:
-        """Take every probe out; safe to run twice and after a partial start. A probe that
-        fails to stop (with any exception) never keeps the others in: all are removed first,
-        then the first failure that was not an ordinary error is raised."""
+    def _teardown(self, keep: type | None = None) -> None:
+        """Take every probe out (but those of type ``keep``); safe to run twice and after a
+        partial start. A probe that fails to stop (with any exception) never keeps the others
+        in: all are removed first, then the first failure that was not an ordinary error is
+        raised."""
         if self.rec is not None and _rec.active() is self.rec:
             _rec.set_active(None)
         rec = self.rec
@@ -191,8 +192,12 @@ class Profile:
             except Exception as e:  # noqa: BLE001 - a device error must not keep a probe in
                 rec.note(f"waiting for the GPU at the slice's end failed: {e!r}")
         fatal: BaseException | None = None
+        kept = []
         while self._probes:
             probe = self._probes.pop()
+            if keep is not None and isinstance(probe, keep):
+                kept.append(probe)
+                continue
             self._removed.append(probe)
             try:
                 probe.remove()
@@ -201,6 +206,7 @@ class Profile:
                     self.rec.note(f"{type(probe).__name__} failed to stop cleanly: {e!r}")
                 if not isinstance(e, Exception) and fatal is None:
                     fatal = e
+        self._probes = kept[::-1]
         if self._bar is not None:
             bar, self._bar = self._bar, None
             try:
@@ -264,6 +270,11 @@ class Profile:
                 rec.note(f"the slice ended after {raw_step + 1} steps inside DDP's Join (uneven inputs), where "
                          "stopping the loop would leave the ranks that joined waiting: the loop ran on to its end, "
                          "no longer profiled")
+                # every probe but the phase probe comes out now (nothing records on: the allocation
+                # stream, the clock sampler); its hooks run this very step (torch iterates them),
+                # so it comes out as Join exits, ignoring the loop until then
+                with held_sigint():
+                    self._teardown(keep=PhaseProbe)
                 return
             if "loop_thread" in rec.meta:
                 rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
