@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import truth
+from truth import STEPS, WARMUP
 
 import tpkit as tp
 from tpkit.capture.read_ahead import read_ahead
@@ -70,3 +71,65 @@ def flat(*steps: list[int]) -> list[int]:
 ])
 def test_read_ahead_rule(steps, evals, want):
     assert read_ahead(flat(*steps), evals, len(steps)) == want
+
+
+@pytest.mark.parametrize("pattern", ["zip-short", "break"])
+def test_batches_read_and_dropped_before_an_epoch_restart_are_not_samples(pattern):
+    """``zip(loader_a, loader_b)`` where b runs out first reads a batch of a and drops it; a
+    ``break`` at the top of an epoch's loop reads one more than it trains on. Truth: the rows the
+    model's forward got (they had counted the dropped batch: +13% and +60% samples/s)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    rows: list[int] = []
+    model.register_forward_pre_hook(lambda _m, args: rows.append(int(args[0].shape[0])))
+    a = torch.utils.data.DataLoader(truth.Regression(), batch_size=8, collate_fn=truth.sleepy_collate)
+    b = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(24)), batch_size=8)
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=f"dropped-{pattern}", progress=False, clock_hz=0) as prof:
+        while True:  # epochs until the slice ends
+            if pattern == "zip-short":
+                for (x1, y1), (x2, y2) in zip(a, b):  # b has 3 batches: the 4th of a is dropped
+                    train(torch.cat([x1, x2]), torch.cat([y1, y2]))
+            else:
+                for i, (x, y) in enumerate(a):
+                    if i == 2:
+                        break
+                    train(x, y)
+    run = prof.run
+    assert run.steps["samples"].tolist() == rows[: len(run.steps)]
+    assert any("were read and dropped before any forward" in n
+               for n in run.meta["notes"]), run.meta["notes"]
+
+
+def test_batches_replayed_by_itertools_cycle_are_said_to_be_unseen():
+    """``itertools.cycle(loader)`` reads the loader once, then replays the batches it kept: the
+    steps after the first epoch get no batch tpkit sees. Their samples are 0 and the run says so
+    (samples/s had read 22.5 for 112 with no word); ``samples_per_step`` gives the truth."""
+    import itertools
+
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(24)), batch_size=BATCH)
+
+    def run_with(**kw):  # noqa: ANN003, ANN202
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="cycle", progress=False, clock_hz=0, **kw) as prof:
+            for x, y in itertools.cycle(loader):  # 3 batches an epoch
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.run
+
+    run = run_with()
+    assert run.steps["samples"].tolist() == [BATCH] * 3 + [0] * (STEPS + WARMUP - 3)
+    assert any(n.startswith(f"{STEPS + WARMUP - 3} of {STEPS + WARMUP} steps ran a forward on no batch tpkit saw")
+               for n in run.meta["notes"]), run.meta["notes"]
+    given = run_with(samples_per_step=BATCH)
+    assert (given.steps["samples"] == BATCH).all()
+    assert not any("no batch tpkit saw" in n for n in given.meta["notes"])

@@ -112,8 +112,7 @@ class Summary:
 
 #: Why samples/s is unknown when steps were timed: no batch was seen, or none whose samples
 #: could be counted (the run's notes then name the batch's type).
-RATE_UNKNOWN = ("no samples counted: read batches through a DataLoader or tp.watch, or give samples_per_step; "
-                "the notes say more")
+RATE_UNKNOWN = ("no samples counted: read batches through a DataLoader or tp.watch, or give samples_per_step")
 
 
 def _rate(throughput: float) -> str:

@@ -122,6 +122,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     losses, loss_notes = step_losses(rec, slice_steps)
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
         read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps)
+    dropped = {} if rec.samples_per_step is not None else \
+        read_ahead.discarded(raw_spans, rec.handouts, ev.handouts, slice_steps)
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
@@ -129,6 +131,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         "end_s": ends,
         "samples": np.array([n if rec.samples_per_step is not None else
                              n - ev.samples_by_step.get(i, 0) - (extra_samples if i == 0 else 0)
+                             - sum(dropped.get(i, ()))
                              for i, (_, n) in enumerate(rec.step_ends)], dtype="int64"),
         "loss": [losses.get(i, float("nan")) for i in range(len(ends))],
         "skipped": [i in rec.skipped for i in range(len(ends))],
@@ -149,6 +152,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta["notes"] += loss_notes
     if extra_batches:
         full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
+    if dropped:
+        full_meta["notes"].append(read_ahead.discarded_note(sum(len(v) for v in dropped.values()),
+                                                            sum(sum(v) for v in dropped.values())))
     if rec.loader_make_s > 0 and isinstance(full_meta.get("loader"), dict):
         full_meta["loader"]["make_cpu_share"] = min(1.0, rec.loader_cpu_s / rec.loader_make_s)
     trained = Counter(w for k, w in enumerate(rec.handout_workers)
@@ -162,6 +168,17 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
                                   f"(a {rec.uncounted}: no tensor, array, mapping, sequence or dataclass field to "
                                   "take a leading dimension from): samples/s leaves them out; give the batch size "
                                   "with samples_per_step=N (--samples-per-step N)")
+    counted = steps["samples"].to_numpy()
+    unfed = [i for i in range(len(counted)) if counted[i] == 0 and steps["forward_s"].iloc[i] > 0]
+    if rec.samples_per_step is None and unfed and len(unfed) < len(counted):
+        # batches that reached the model through no loader tpkit sees (itertools.cycle replaying
+        # an epoch's batches, a cache, a generator not wrapped in tp.watch): samples/s had read
+        # 22.5 for 112, with no word
+        full_meta["notes"].append(
+            f"{len(unfed)} of {len(counted)} steps ran a forward on no batch tpkit saw handed out (itertools.cycle "
+            "over a loader replays the batches it kept; a cache or a generator not wrapped in tp.watch hands "
+            "them over unseen): their samples are 0, so samples/s reads low; wrap the source in tp.watch(...) "
+            "or give samples_per_step=N")
     if ev:
         full_meta["evaluation"] = evaluation.describe(ev)
         full_meta["notes"].append(evaluation.note(ev, float(steps["eval_s"].sum())))
