@@ -90,18 +90,14 @@ def live_optimizers() -> list["CPUOffloadAdamW"]:
 Fingerprint = tuple[int, int, int] | None  # (id, data_ptr, _version) of p.grad; None: no gradient
 
 
-#: Live CPUOffloadAdamW instances (while there are some, a rescale by exactly 1 is skipped).
-_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
 def _skip_rescale_by_one() -> None:
     """``clip_grad_norm_(params, inf)`` (a Hugging Face Trainer does it at every step to log the
     gradients' norm) scales every gradient in place by exactly 1: the values stay, but the
     version counters move, and CPUOffloadAdamW, which took each gradient when backward
     finished it, raised GradientChangedError under a default Trainer. While one is alive, that
-    rescale is skipped (a finite norm and an infinite bound: the result is the same); any other
-    call goes to torch. Set once per process, on torch's module (``clip_grad_norm_`` reads it
-    there at each call)."""
+    rescale is skipped (a finite norm and an infinite bound: the result is the same; ``_LIVE``);
+    any other call goes to torch. Set once per process, on torch's module (``clip_grad_norm_``
+    reads it there at each call)."""
     from torch.nn.utils import clip_grad
 
     torch_rescale = vars(clip_grad).get("_clip_grads_with_norm_")
@@ -116,7 +112,7 @@ def _skip_rescale_by_one() -> None:
 
     _clip_grads_with_norm_._tpkit_skips_one = True  # type: ignore[attr-defined]
     functools.update_wrapper(_clip_grads_with_norm_, torch_rescale)
-    clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_  # type: ignore[attr-defined]
+    clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_
 
 
 def grad_fingerprint(grad: torch.Tensor | None) -> Fingerprint:
@@ -242,7 +238,6 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                                           weight_decay=weight_decay).defaults)
         super().__init__(params, defaults)
         _skip_rescale_by_one()
-        _LIVE.add(self)
         for g in self.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
                 raise OffloadArgumentError("CPUOffloadAdamW supports neither amsgrad nor maximize")

@@ -1047,7 +1047,7 @@ class PhaseProbe:
 
         def training_step(strategy: Any, *args: Any, **kwargs: Any) -> Any:
             module = getattr(strategy, "lightning_module", None)
-            if (getattr(module, "_compiler_ctx", None) is None or _compiling()
+            if (module is None or getattr(module, "_compiler_ctx", None) is None or _compiling()
                     or threading.get_ident() != rec.thread_id or rec.is_open("forward")):
                 return fn(strategy, *args, **kwargs)
             if torch.is_grad_enabled() and module.training and id(module) not in rec.trained_modules:
