@@ -1133,7 +1133,7 @@ class PhaseProbe:
                 probe._paused = False
                 rec.note(f"{what} ran inside the slice ({(perf_counter_ns() - t0) / 1e9:.3f} s), unprofiled: its "
                          "training steps search a setting and are none of the slice's; its time is other of "
-                         f"step {rec.step_index}")
+                         f"the slice's step {rec.step_index + 1}, warmup steps counted")
 
         return functools.update_wrapper(unprofiled, fn)
 
