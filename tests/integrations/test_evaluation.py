@@ -30,6 +30,13 @@ def close(got: float, want: float, what: str) -> None:
     assert abs(got - want) <= TOLERANCE * want, f"{what}: tpkit {got * 1e3:.1f} ms, truth {want * 1e3:.1f} ms"
 
 
+def train_and_val() -> tuple:
+    """The training loader (BATCH) and the validation loader (EVAL_BATCH), each batch collated
+    after truth's known sleep."""
+    return (torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate),
+            torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate))
+
+
 class CallClock:
     """Times each outermost call of ``model`` by its grad mode (forward hooks: inside the call)."""
 
@@ -55,8 +62,7 @@ def plain():
     torch.manual_seed(0)
     model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
-    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
-    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    train, val = train_and_val()
     clock: dict[str, float] = defaultdict(float)
     evals = 0
     before = truth.hook_state()
@@ -237,8 +243,7 @@ def test_loss_and_metric_modules_of_an_evaluation():
     torch.manual_seed(0)
     model, loss_fn, metric = truth.SleepyNet(), torch.nn.MSELoss(), SleepyMetric()
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
-    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
-    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    train, val = train_and_val()
     clock: dict[str, float] = defaultdict(float)
     evals = 0
     with tp.profile(steps=STEPS, warmup=WARMUP, name="loss-modules", progress=False, clock_hz=0) as prof:
@@ -287,8 +292,7 @@ def test_an_ema_teacher_evaluated_on_validation_batches():
     model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
     teacher.load_state_dict(model.state_dict())
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
-    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
-    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    train, val = train_and_val()
     clock: dict[str, float] = defaultdict(float)
     evals = 0
     with tp.profile(steps=STEPS, warmup=WARMUP, name="ema-teacher", progress=False, clock_hz=0) as prof:
@@ -373,8 +377,7 @@ def test_batches_gathered_before_one_forward_after_an_evaluation_stay_training()
     torch.manual_seed(0)
     model = truth.SleepyNet()
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
-    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
-    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    train, val = train_and_val()
     with tp.profile(steps=STEPS, warmup=WARMUP, name="gathered", progress=False, clock_hz=0) as prof:
         it = iter(train)
         for step in range(N):
