@@ -82,6 +82,34 @@ def test_samples_in_a_batch(batch):
     assert batch_size_of(batch) == B
 
 
+@pytest.mark.parametrize("batch", [
+    (torch.zeros(B, 3, 8, 8), torch.zeros(11, 6)),  # YOLO: images, then every image's boxes in one tensor
+    (torch.zeros(B, 16), torch.zeros(1, 16)),  # ids, then position ids shared by the batch
+    (torch.zeros(B, 20, 8), torch.zeros(37), torch.zeros(B), torch.zeros(B)),  # CTC: feats, targets, lengths
+], ids=["yolo", "shared-positions", "ctc"])
+def test_collated_columns_of_different_lengths_are_columns(batch):
+    """Tensors of different lengths side by side at the top of a batch are its columns: the
+    first one's leading dimension (the rule for per-sample clips under a key had read 2 or 4)."""
+    assert batch_size_of(batch) == B
+
+
+def test_a_batch_tpkit_cannot_read_is_no_error_in_the_loop():
+    """A strided nested tensor has no sizes (reading ``.shape`` raises): the batch is uncounted,
+    never an error in the loop's ``next()``."""
+    import tpkit as tp
+
+    nested = torch.nested.nested_tensor([torch.zeros(3), torch.zeros(5)])
+    loader = torch.utils.data.DataLoader(range(40), batch_size=B, collate_fn=lambda b: (nested, torch.zeros(B)))
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=3, warmup=0, progress=False, clock_hz=0, memory=False) as prof:
+        for _, y in loader:
+            model(y[:, None]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(prof.run.steps) == 3
+
+
 def test_a_detection_batch_of_one_image():
     """``tuple(zip(*batch))`` at batch size 1: one image, one target mapping (it read the
     image's 3 channels)."""

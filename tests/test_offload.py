@@ -683,3 +683,39 @@ def test_arena_pins_about_what_a_large_master_needs():
     assert lay.used_bytes >= total and lay.requested_bytes - lay.used_bytes < 2 ** 26 + 2 ** 28
     per_tensor = sum(1 << (n - 1).bit_length() for n in sizes)
     assert lay.requested_bytes < per_tensor
+
+
+@pytest.mark.parametrize("made_in_slice", [False, True], ids=["before-the-slice", "inside-the-slice"])
+def test_a_rescale_by_one_is_no_change_to_the_gradients(made_in_slice, monkeypatch):
+    """``clip_grad_norm_(params, inf)`` (a Hugging Face Trainer logs the norm so at every step)
+    multiplies every gradient by exactly 1: no change, so no GradientChangedError; also after a
+    slice in which the optimizer was made (the slice's own patch of torch's clip had been put back
+    over the skip, and the loop then raised). A real clip is still refused."""
+    import math
+
+    from torch.nn.utils import clip_grad
+
+    # as in a fresh process: torch's own rescale (an earlier optimizer here had set the skip)
+    monkeypatch.setattr(clip_grad, "_clip_grads_with_norm_", torch.nn.utils.clip_grads_with_norm_)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+
+    def step(opt, max_norm: float) -> None:  # noqa: ANN001
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+
+    def make():  # noqa: ANN202
+        return CPUOffloadAdamW(model.parameters(), lr=1e-3, offload_gradients=False)
+
+    opt = None if made_in_slice else make()
+    with tp.profile(steps=3, warmup=1, progress=False, memory=False, clock_hz=0):
+        opt = opt or make()
+        for _ in range(10):
+            step(opt, math.inf)
+    for _ in range(3):
+        step(opt, math.inf)  # after the slice too
+    with pytest.raises(GradientChangedError):
+        for _ in range(3):
+            step(opt, 1e-6)

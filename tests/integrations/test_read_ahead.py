@@ -107,6 +107,31 @@ def test_batches_read_and_dropped_before_an_epoch_restart_are_not_samples(patter
                for n in run.meta["notes"]), run.meta["notes"]
 
 
+def test_another_loader_starting_again_drops_no_batch():
+    """FixMatch style: the shorter unlabelled loader starts again (``iter()``) after the
+    labelled batch was read and before the forward: that batch is trained on, not dropped (a rule
+    that looked at any loader's restart had counted it out, 8, 8, 4 for 8 a step)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    labelled = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH)
+    unlabelled = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(8)), batch_size=4)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="fixmatch", progress=False, clock_hz=0) as prof:
+        u_it = iter(unlabelled)
+        for x, y in labelled:
+            try:
+                u, _ = next(u_it)
+            except StopIteration:
+                u_it = iter(unlabelled)
+                u, _ = next(u_it)
+            (F.mse_loss(model(x), y) + model(u).pow(2).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert (run.steps["samples"] == BATCH + 4).all(), run.steps["samples"].tolist()
+    assert not any("were read and dropped" in n for n in run.meta["notes"])
+
+
 def test_batches_replayed_by_itertools_cycle_are_said_to_be_unseen():
     """``itertools.cycle(loader)`` reads the loader once, then replays the batches it kept: the
     steps after the first epoch get no batch tpkit sees. Their samples are 0 and the run says so

@@ -123,7 +123,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
         read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps)
     dropped = {} if rec.samples_per_step is not None else \
-        read_ahead.discarded(raw_spans, rec.handouts, ev.handouts, slice_steps)
+        read_ahead.discarded(rec.restarts, raw_spans, rec.handouts, rec.handout_sources, ev.handouts, slice_steps)
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,

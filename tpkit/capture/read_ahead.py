@@ -38,31 +38,31 @@ def note(batches: int, samples: int) -> str:
             "first step's (the time spent reading them stays its data_wait)")
 
 
-#: The source of the data_wait span of a DataLoader's ``iter()`` (an epoch starting).
-ITER_SOURCE = "DataLoader.__iter__"
-
-
-def discarded(spans: list[tuple], handouts: list[int], eval_batches: set[int], steps: int) -> dict[int, list[int]]:
-    """Batches read and thrown away: handed to the loop, after which a DataLoader restarted (its
-    ``iter()``) before any forward. ``zip(loader_a, loader_b)`` whose second loader runs out
-    first reads a batch of the first and drops it; ``for i, b in enumerate(loader): if i == n:
-    break`` reads one more than it trains on. Counted, they were the step's samples (+13%, +60%
-    samples/s). Returns {raw step: [samples of each batch]}; ``spans`` as ``Recorder.spans``."""
-    restarts = sorted(s[1] for s in spans if s[0] == "data_wait" and s[4] == ITER_SOURCE)
+def discarded(restarts: list[int], spans: list[tuple], handouts: list[int], sources: list[int],
+              eval_batches: set[int], steps: int) -> dict[int, list[int]]:
+    """Batches read and thrown away: handed to the loop from a DataLoader that then started again
+    (its ``iter()``, ``Recorder.restarts``) before any forward. ``zip(loader_a, loader_b)`` whose
+    second loader runs out first reads a batch of the first and drops it; ``for i, b in
+    enumerate(loader): if i == n: break`` reads one more than it trains on. Counted, they were
+    the step's samples (+13%, +60% samples/s). Only the same loader's restart counts (its
+    dataset's id, in ``sources``): another loader cycling, or an evaluation before the training
+    forward, drops nothing. Returns {raw step: [samples of each batch]}."""
     if not restarts:
         return {}
+    starts = restarts[0::2]
     forwards = sorted(s[1] for s in spans if s[0] == "forward")
     out: dict[int, list[int]] = {}
     for k in range(len(handouts) // 3):
         t, n, step = handouts[3 * k], handouts[3 * k + 1], handouts[3 * k + 2]
-        if k in eval_batches or step >= steps or not n:
-            continue
-        r = bisect.bisect_right(restarts, t)
-        if r == len(restarts):
+        source = sources[k] if k < len(sources) else 0
+        if k in eval_batches or step >= steps or not n or not source:
             continue
         nxt = handouts[3 * (k + 1)] if 3 * (k + 1) < len(handouts) else 1 << 62
-        restart = restarts[r]
-        if restart < nxt and bisect.bisect_right(forwards, t) == bisect.bisect_right(forwards, restart):
+        r = bisect.bisect_right(starts, t)
+        while r < len(starts) and starts[r] < nxt and restarts[2 * r + 1] != source:
+            r += 1
+        if r < len(starts) and starts[r] < nxt and \
+                bisect.bisect_right(forwards, t) == bisect.bisect_right(forwards, starts[r]):
             out.setdefault(step, []).append(n)
     return out
 

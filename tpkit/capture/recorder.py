@@ -118,7 +118,8 @@ class Recorder:
         self.handouts: list[int] = []
         self.loader_cpu_s = self.loader_make_s = 0.0  # tpkit's loader: CPU and wall time making batches
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
-        self.handout_sources: list[int] = []  # per handout: the id of the iterator it came from (0: not known)
+        self.handout_sources: list[int] = []  # per handout: the id of the source it came from (0: not known)
+        self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, id of its dataset)
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
         self.trained_modules: set[int] = set()
@@ -172,7 +173,7 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources"):
+                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "restarts"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
         snap.skipped_iterations = dict(self.skipped_iterations)

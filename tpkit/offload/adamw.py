@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..capture import recorder as _rec
+from ..capture.probes.patching import UNIT_RESCALE_SKIPPERS, skip_unit_rescale
 from .arena import HostArena
 from .errors import ExtraBackwardError, GradientChangedError, OffloadArgumentError, OffloadError, StateDictLayoutError
 from .kernels import HostKernel, KernelName, select_kernel
@@ -88,31 +89,6 @@ def live_optimizers() -> list["CPUOffloadAdamW"]:
 
 
 Fingerprint = tuple[int, int, int] | None  # (id, data_ptr, _version) of p.grad; None: no gradient
-
-
-def _skip_rescale_by_one() -> None:
-    """``clip_grad_norm_(params, inf)`` (a Hugging Face Trainer does it at every step to log the
-    gradients' norm) scales every gradient in place by exactly 1: the values stay, but the
-    version counters move, and CPUOffloadAdamW, which took each gradient when backward
-    finished it, raised GradientChangedError under a default Trainer. While one is alive, that
-    rescale is skipped (a finite norm and an infinite bound: the result is the same; ``_LIVE``);
-    any other call goes to torch. Set once per process, on torch's module (``clip_grad_norm_``
-    reads it there at each call)."""
-    from torch.nn.utils import clip_grad
-
-    torch_rescale = vars(clip_grad).get("_clip_grads_with_norm_")
-    if torch_rescale is None or getattr(torch_rescale, "_tpkit_skips_one", False):
-        return
-
-    def _clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
-                               foreach: bool | None = None) -> None:
-        if _LIVE and float(max_norm) == math.inf and bool(torch.isfinite(total_norm)):
-            return None
-        return torch_rescale(parameters, max_norm, total_norm, foreach)
-
-    _clip_grads_with_norm_._tpkit_skips_one = True  # type: ignore[attr-defined]
-    functools.update_wrapper(_clip_grads_with_norm_, torch_rescale)
-    clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_
 
 
 def grad_fingerprint(grad: torch.Tensor | None) -> Fingerprint:
@@ -237,7 +213,8 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         defaults = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps,
                                           weight_decay=weight_decay).defaults)
         super().__init__(params, defaults)
-        _skip_rescale_by_one()
+        UNIT_RESCALE_SKIPPERS.add(self)  # a Trainer's clip_grad_norm_(params, inf) is no change
+        skip_unit_rescale()
         for g in self.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
                 raise OffloadArgumentError("CPUOffloadAdamW supports neither amsgrad nor maximize")

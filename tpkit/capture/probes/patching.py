@@ -3,7 +3,40 @@ attribute it only inherited is deleted again (so the base class shows through as
 
 from __future__ import annotations
 
+import math
+import sys
+import weakref
 from typing import Any
+
+#: While any object here is alive (tpkit's offload optimizers add themselves), torch's in-place
+#: rescale of the gradients by exactly 1 is skipped (``skip_unit_rescale``).
+UNIT_RESCALE_SKIPPERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def skip_unit_rescale() -> None:
+    """``clip_grad_norm_(params, inf)`` (a Hugging Face Trainer does it at every step to log the
+    gradients' norm) scales every gradient in place by exactly 1: the values stay, but the
+    version counters move, and ``tp.offload.CPUOffloadAdamW``, which takes each gradient when
+    backward finishes it, refused the step (GradientChangedError under a default Trainer).
+    While one is alive (``UNIT_RESCALE_SKIPPERS``), that rescale (an infinite bound, a finite
+    norm: the result is the same) is skipped; any other call goes on as before. Set on torch's
+    module, which ``clip_grad_norm_`` reads at each call; idempotent, and put back by a phase
+    probe that restored torch's own function under it (``PhaseProbe.remove``)."""
+    clip_grad = sys.modules.get("torch.nn.utils.clip_grad")
+    current = vars(clip_grad).get("_clip_grads_with_norm_") if clip_grad is not None else None
+    if current is None or getattr(current, "_tpkit_skips_one", False):
+        return
+    import torch
+
+    def _clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, foreach: bool | None = None) -> Any:
+        if UNIT_RESCALE_SKIPPERS and float(max_norm) == math.inf and bool(torch.isfinite(total_norm)):
+            return None
+        return current(parameters, max_norm, total_norm, foreach)
+
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(_clip_grads_with_norm_, attr, getattr(current, attr, None))
+    _clip_grads_with_norm_._tpkit_skips_one = True  # type: ignore[attr-defined]
+    clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_  # type: ignore[union-attr]
 
 
 class Patches:

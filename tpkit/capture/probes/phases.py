@@ -62,7 +62,7 @@ from ...errors import StopSlice
 from ..frameworks import find_trainer
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
-from .patching import Patches
+from .patching import UNIT_RESCALE_SKIPPERS, Patches, skip_unit_rescale
 
 #: Collections shorter than this are not recorded as ``gc`` spans (a young-generation pass
 #: takes microseconds and happens every few hundred allocations).
@@ -201,29 +201,31 @@ def batch_size_of(batch: Any) -> int | None:
     to a tuple of images whose first dimension is their channels, at any batch size), a list of
     tuples (the samples as a dataset returns them, with ``collate_fn=lambda b: b``), lists of
     words of different lengths (pre-tokenized texts), or tensors of different lengths (audio clips)."""
+    in_mapping = False  # the sequence at hand is a mapping's value (a list of per-sample tensors there)
     for _ in range(8):  # bounded descent into nested containers
         if _is_array(batch):
-            return int(batch.shape[0]) if len(batch.shape) > 0 else 1
+            return int(batch.shape[0]) if _ndim(batch) > 0 else 1
         if isinstance(batch, (dict, Mapping)):
             if not batch:
                 return None
             values = list(batch.values())
-            array = next((v for v in values if _is_array(v) and len(v.shape) > 0), None)
+            array = next((v for v in values if _is_array(v) and _ndim(v) > 0), None)
             if array is not None:
                 return int(array.shape[0])
-            batch = next((v for v in values if not _is_scalar(v)), None)
-        elif isinstance(batch, (list, tuple)):
+            batch, in_mapping = next((v for v in values if not _is_scalar(v)), None), True
+            continue
+        if isinstance(batch, (list, tuple)):
             if not batch:
                 return None
             if all(isinstance(e, (str, bytes, int, float)) for e in batch):
                 return len(batch)  # texts, numbers: one per sample
-            n = _per_sample(batch)
+            n = _per_sample(batch, in_mapping)
             if n is not None:
                 return n
-            batch = next((e for e in batch if not _is_scalar(e)), None)
+            batch, in_mapping = next((e for e in batch if not _is_scalar(e)), None), False
         elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
             fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
-            batch = next((v for v in fields if v is not None and not _is_scalar(v)), None)
+            batch, in_mapping = next((v for v in fields if v is not None and not _is_scalar(v)), None), False
         else:
             attrs = getattr(batch, "__dict__", None)
             return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
@@ -236,13 +238,24 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, torch.Tensor) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
+def _ndim(x: Any) -> int:
+    """Dimensions of a tensor or array; -1 where it cannot say (a strided nested tensor has no
+    sizes: reading ``.shape`` raises)."""
+    try:
+        return len(x.shape)
+    except Exception:  # noqa: BLE001 - never an error in the loop's batch
+        return -1
+
+
 def _is_scalar(x: Any) -> bool:
     """A name, a number, or a 0-dim tensor: beside a batch, never its samples."""
-    return isinstance(x, (str, bytes, int, float, bool)) or x is None or (_is_array(x) and len(x.shape) == 0)
+    return isinstance(x, (str, bytes, int, float, bool)) or x is None or (_is_array(x) and _ndim(x) == 0)
 
 
-def _per_sample(seq: list | tuple) -> int | None:
-    """``len(seq)`` (or its columns' length) where ``seq`` holds one record per sample."""
+def _per_sample(seq: list | tuple, in_mapping: bool = False) -> int | None:
+    """``len(seq)`` (or its columns' length) where ``seq`` holds one record per sample.
+    ``in_mapping``: ``seq`` is a mapping's value, where a list of tensors of different lengths is
+    one per sample (audio clips); at the top they are columns ((images, boxes of all images))."""
     for part in (seq, *(p for p in seq if isinstance(p, (list, tuple)))):
         if _records(part):  # (before the columns: list(zip(*batch)) with per-sample targets)
             return len(part)
@@ -255,9 +268,9 @@ def _per_sample(seq: list | tuple) -> int | None:
     if len(seq) > 1 and all(isinstance(e, (list, tuple)) and e and all(isinstance(w, str) for w in e) for e in seq) \
             and len({len(e) for e in seq}) > 1:
         return len(seq)  # lists of words of different lengths: one per sample (text columns share theirs)
-    if len(seq) > 1 and all(_is_array(e) and len(e.shape) > 0 for e in seq) \
+    if in_mapping and len(seq) > 1 and all(_is_array(e) and _ndim(e) > 0 for e in seq) \
             and len({int(e.shape[0]) for e in seq}) > 1:
-        return len(seq)  # tensors of different lengths: one per sample (columns share their length)
+        return len(seq)  # tensors of different lengths under a key: one per sample
     return None
 
 
@@ -299,7 +312,10 @@ def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) ->
     """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
     ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of
     the iterator it came from (0: not known)."""
-    n = batch_size_of(batch)
+    try:
+        n = batch_size_of(batch)
+    except Exception:  # noqa: BLE001 - a batch tpkit cannot read is uncounted, never the loop's error
+        n = None
     if n is None and rec.uncounted is None:
         rec.uncounted = type(batch).__qualname__
     rec.handed_out(n or 0, workers, source)
@@ -568,6 +584,8 @@ class PhaseProbe:
             self._handles.pop().remove()
         module_calls.release(self)
         self._patched.restore()
+        if UNIT_RESCALE_SKIPPERS:  # torch's clip function is back under it: the offload optimizers' skip too
+            skip_unit_rescale()
         self._scaled = None
         self.installed = False
 
@@ -1016,7 +1034,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
             if not probe._read_ahead:  # else the reading-ahead loader hands it over later
-                handed_out(rec, batch, getattr(it, "_num_workers", -1), id(it))
+                handed_out(rec, batch, getattr(it, "_num_workers", -1), id(getattr(it, "_dataset", it)))
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -1149,6 +1167,7 @@ class PhaseProbe:
             if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(loader)
             token = rec.enter("data_wait", f"{source}.__iter__")
+            rec.restarts += (perf_counter_ns(), id(getattr(loader, "dataset", loader)))
             try:
                 return fn(loader)
             finally:
