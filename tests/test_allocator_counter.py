@@ -119,13 +119,13 @@ def test_a_block_made_here_and_freed_in_another_thread_is_seen_freed(ext):
     assert events == [(ptr, 4096 * 4), (ptr, -4096 * 4)]
 
 
-@pytest.mark.parametrize("source", ["counter", "stream"])
-def test_a_slice_sees_the_frees_other_threads_make(source, monkeypatch):
+def test_a_slice_sees_the_frees_other_threads_make(monkeypatch):
     """Each step hands a 1 MiB block to a thread that drops it before the step goes on. The
     counter sees the free: at the optimizer's exit the block is gone (it read 1 MiB more of
-    other at every step). torch's profiler stream does not show it; a block ends there when its
-    address comes back, so the figure holds at most a block or two from the steps before, and
-    stays flat."""
+    other at every step). (torch's profiler stream, ``TPKIT_CPU_ALLOCATIONS=stream``, does not
+    show such frees; a block ends there only when its address comes back, which can take several
+    steps: 1, 1, 2, 3, 4 MiB was seen over five. docs/RELIABILITY.md says so.)"""
+    source = "counter"
     import queue
 
     monkeypatch.setenv(ENV_CPU_ALLOCATIONS, source)
@@ -157,12 +157,7 @@ def test_a_slice_sees_the_frees_other_threads_make(source, monkeypatch):
         dropper.join()
     m = prof.run.memory
     at_exit = m[(m["event"] == "exit") & (m["phase"] == "optimizer")].groupby("step")["bytes"].max()
-    if source == "counter":
-        assert at_exit.max() < 2**10, at_exit.to_dict()
-    else:
-        # the block of the step before, or the one before that where the allocator alternates
-        # two addresses: flat, never growing (it grew by 1 MiB a step)
-        assert at_exit.max() <= 2 * 2**20 + 2**10 and at_exit.iloc[-1] - at_exit.iloc[1] < 2**10, at_exit.to_dict()
+    assert at_exit.max() < 2**10, at_exit.to_dict()
 
 
 def test_a_process_forked_while_recording_records_nothing(ext):
