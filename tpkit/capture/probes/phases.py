@@ -50,7 +50,7 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -540,30 +540,16 @@ class PhaseProbe:
                     self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
             self._patched.set(torch, "save", self._wrap_whole(torch.save, "save", "torch.save"))
             for phase, places in (("save", _SAVERS), ("eval", _EVALUATORS), ("optimizer", _AVERAGERS)):
-                for module, owner, attr in places:  # only those the loop imported: nothing is imported here
-                    target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
-                    fn = vars(target).get(attr) if target is not None else None  # its own, not inherited
-                    if callable(fn):
-                        self._patched.set(target, attr, self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
+                self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
+                                 self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
                     self._patched.set(join, attr, self._wrap_join(vars(join)[attr], enter=attr == "__enter__"))
-            for module, owner, attr in _COMPILED_STEPS:
-                target = getattr(sys.modules.get(module), owner, None)
-                fn = vars(target).get(attr) if target is not None else None
-                if callable(fn):
-                    self._patched.set(target, attr, self._wrap_compiled_step(fn))
-            for module, owner, attr in _TRAINER_RUNS:
-                target = getattr(sys.modules.get(module), owner, None)
-                fn = vars(target).get(attr) if target is not None else None
-                if callable(fn):
-                    self._patched.set(target, attr, self._wrap_trainer_run(fn))
-            for module, owner, attr in _SEARCHES:
-                target = getattr(sys.modules.get(module), owner, None)
-                fn = vars(target).get(attr) if target is not None else None
-                if callable(fn):
-                    self._patched.set(target, attr, self._wrap_unprofiled(fn, f"{module.split('.')[0]}'s {attr}"))
+            self._patch_each(_COMPILED_STEPS, lambda fn, *_: self._wrap_compiled_step(fn))
+            self._patch_each(_TRAINER_RUNS, lambda fn, *_: self._wrap_trainer_run(fn))
+            self._patch_each(_SEARCHES, lambda fn, module, owner, attr:
+                             self._wrap_unprofiled(fn, f"{module.split('.')[0]}'s {attr}"))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -1057,6 +1043,16 @@ class PhaseProbe:
                 rec.exit(token)
 
         return functools.update_wrapper(whole, fn)
+
+    def _patch_each(self, places: tuple[tuple[str, str, str], ...], wrap: Callable[..., Any]) -> None:
+        """Patch each ``(module, owner, attribute)`` of ``places`` with ``wrap(fn, module, owner,
+        attribute)``: only those the loop imported (nothing is imported here), and only an owner's
+        own attribute, not an inherited one (an empty owner: the module's function)."""
+        for module, owner, attr in places:
+            target = getattr(sys.modules.get(module), owner, None) if owner else sys.modules.get(module)
+            fn = vars(target).get(attr) if target is not None else None
+            if callable(fn):
+                self._patched.set(target, attr, wrap(fn, module, owner, attr))
 
     def _wrap_compiled_step(self, fn: Any) -> Any:
         """Lightning's ``Strategy.training_step`` (``_COMPILED_STEPS``): ``forward`` when the
