@@ -169,3 +169,30 @@ def test_several_updates_in_a_step_marked_by_tp_step_are_no_skipped_iterations()
     assert run.steps["samples"].tolist() == [8, 8, 8, 8, 32, 32, 32], run.steps["samples"].tolist()
     truth.assert_losses(run.steps["loss"].tolist()[4:], sums[1:N - 3])
     assert not any("skipped" in n or "SAM-style" in n or "no loss" in n for n in run.meta["notes"]), run.meta["notes"]
+
+
+def test_the_slice_drops_the_gradients_as_the_loop_does():
+    """The stop comes after the update and before the loop's own zero_grad(): the gradients go
+    as the loop would have dropped them. A loop that keeps its gradient tensors
+    (``set_to_none=False``, or ``p.grad.zero_()`` of its own) finds them zeroed, not None: its
+    next ``p.grad.zero_()`` would raise on None."""
+    torch.manual_seed(0)
+    for how in ("set_to_none=False", "p.grad.zero_()", "zero_grad()"):
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="keep", progress=False, clock_hz=0) as prof:
+            for _ in range(N + 3):
+                F.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1)).backward()
+                opt.step()
+                if how == "set_to_none=False":
+                    opt.zero_grad(set_to_none=False)
+                elif how == "p.grad.zero_()":
+                    for p in model.parameters():
+                        p.grad.zero_()
+                else:
+                    opt.zero_grad()
+        assert len(prof.run.steps) == N
+        if how == "zero_grad()":
+            assert all(p.grad is None for p in model.parameters()), how
+        else:
+            assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), how

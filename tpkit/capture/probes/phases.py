@@ -461,6 +461,9 @@ class PhaseProbe:
         self._closure_evals = 0  # closure calls in the current optimizer step
         self._opt_posts = 0  # optimizer post hooks seen (a GradScaler step without one was skipped)
         self._worked = False  # a forward, backward, zero_grad or batch since the last step ended
+        # the loop's last zero_grad(set_to_none=...); False until one is seen: a loop that zeroes
+        # its gradients itself (p.grad.zero_()) still has tensors to zero
+        self._grads_to_none = False
         self._ever_worked = False
         self._backward_seen = False
         self._read_ahead = 0  # > 0 while a read-ahead loader (accelerate) fetches its next batch
@@ -820,10 +823,12 @@ class PhaseProbe:
             # or the next slice's first backward would add onto stale ones. So for every
             # optimizer the loop steps (Muon's and AdamW's pair: the second had not stepped yet,
             # and its gradients were left in place).
+            # As the loop drops them: a loop that keeps its gradient tensors
+            # (zero_grad(set_to_none=False), or p.grad.zero_() of its own) gets them zeroed.
             for each in [opt, *(o for o in self._stepping.live() if o is not opt)]:
                 zero_grad = type(each).zero_grad
                 try:
-                    getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=True)
+                    getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=self._grads_to_none)
                 except Exception:  # noqa: BLE001 - an optimizer's own zero_grad must not replace the stop
                     pass
             raise
@@ -888,6 +893,8 @@ class PhaseProbe:
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             if reset:
                 probe.losses.reset(rec.step_index)
+                # how this loop drops its gradients, for the stop to drop them alike
+                probe._grads_to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
             token = rec.enter(phase, source)
             try:
                 return fn(*args, **kwargs)
