@@ -398,6 +398,45 @@ def test_batches_gathered_before_one_forward_after_an_evaluation_stay_training()
     assert run.meta["evaluation"]["batches"] == 2 * (N // EVERY)
 
 
+
+@pytest.mark.parametrize("every", [1, EVERY])
+def test_an_evaluation_after_the_steps_batch_was_read(every):
+    """``for x, y in train: if ...: evaluate(); train on x``: the evaluation's last batch's
+    stretch runs on into the step's training forward. Its samples and its wait are the
+    evaluation's (the step read 8 + 16 samples for 8, the wait was data_wait); the training
+    batch, read before, keeps its own."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, val = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="top-eval", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            t = time.perf_counter()
+            x, y = next(it)
+            clock["data_wait"] += time.perf_counter() - t
+            if step % every == 0:
+                model.eval()
+                with torch.no_grad():
+                    t = time.perf_counter()
+                    for k, (vx, vy) in enumerate(val):
+                        F.mse_loss(model(vx), vy)
+                        if k == 1:
+                            break
+                    clock["eval"] += time.perf_counter() - t
+                model.train()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    evaluations = len(range(0, N, every))
+    assert run.meta["evaluation"]["batches"] == 2 * evaluations
+    close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
+
+
 # -- Hugging Face Trainer -------------------------------------------------------------------
 transformers = truth.import_transformers()
 

@@ -29,7 +29,10 @@ What is evaluation here:
 - a batch handed to the loop whose stretch (until the next batch) holds such calls and no
   other forward: the wait for it is ``eval``, and its samples are not the step's. A batch that
   also feeds a training forward (targets made by the same model before its own forward) keeps
-  its samples and its ``data_wait``. A batch read right after an evaluation's, from the same
+  its samples and its ``data_wait``, unless it comes from a source (an iterator, a dataset) every
+  batch of which had an evaluation call in its stretch while another source's did not: an
+  evaluation at the top of a step, after the step's batch was read, has its last batch's
+  stretch run on into that step's training forward. A batch read right after an evaluation's, from the same
   iterator, that holds no call at all (``if i == n: break`` at the top of an evaluation loop
   reads one more) is the evaluation's too.
 
@@ -150,11 +153,26 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             joined.append((a, b))
             out.helper_calls += step < rows
     out.calls = calls = sorted(calls + joined)
-    eval_batch: list[bool] = []
+    holds: list[tuple[bool, bool]] = []  # per batch: its stretch holds (an evaluation call, another forward)
     for k, t in enumerate(times):
         end = times[k + 1] if k + 1 < len(times) else 1 << 62
-        has_eval = bisect.bisect_left(calls, (t, -1)) < bisect.bisect_left(calls, (end, -1))
-        has_other = bisect.bisect_left(others, t) < bisect.bisect_left(others, end)
+        holds.append((bisect.bisect_left(calls, (t, -1)) < bisect.bisect_left(calls, (end, -1)),
+                      bisect.bisect_left(others, t) < bisect.bisect_left(others, end)))
+    # the sources (iterators, datasets) every batch of which had an evaluation call in its
+    # stretch, while another source's batches did not: an evaluation at the top of a step, after
+    # the step's batch was read, has its last batch's stretch run on into the step's training
+    # forward, and that batch is the evaluation's too
+    known = sources if sources is not None and len(sources) >= len(times) else []
+    with_eval: dict[int, bool] = {}
+    for k, source in enumerate(known[:len(times)]):
+        if source:
+            with_eval[source] = with_eval.get(source, True) and holds[k][0]
+    eval_sources = {s_ for s_, e in with_eval.items() if e} if not all(with_eval.values()) else set()
+    eval_batch: list[bool] = []
+    for k, t in enumerate(times):
+        has_eval, has_other = holds[k]
+        if has_eval and has_other and known and known[k] in eval_sources:
+            has_other = False
         # a batch read right after an evaluation's and used for nothing (``if i == n: break`` at
         # the top of its loop reads one more) is the evaluation's too: it had been the next
         # training step's, its wait data_wait
