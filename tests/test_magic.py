@@ -157,9 +157,10 @@ def test_save_option_writes_a_loadable_run(ip, tmp_path):
 
 def test_stop_drops_the_last_steps_gradients(ip):
     """The slice stops after optimizer.step(), before the loop's zero_grad(): tpkit drops the
-    consumed gradients so a rerun does not add onto stale ones."""
+    consumed gradients as the loop's own zero_grad() does (None), so a rerun does not add onto
+    stale ones."""
     with capture_output():
-        ip.run_cell_magic("tp_profile", "--steps 1 --warmup 0 --quiet", LOOP)
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet", LOOP)
     assert all(p.grad is None for p in ip.user_ns["model"].parameters())
 
 

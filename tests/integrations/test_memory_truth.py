@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from truth import STEPS, WARMUP
 
 import tpkit as tp
+from tpkit.analysis.memory import across_steps
 
 MiB = 1 << 20
 
@@ -256,3 +257,82 @@ def test_a_layer_added_mid_slice_has_its_gradients_counted():
             opt.zero_grad()
     layer = 256 * 256 * 4 + 256 * 4
     assert _at_optimizer_enter(prof.run, "gradients") == [2 * layer] * 3 + [3 * layer] * 5
+
+
+def test_sparse_gradients_are_their_indices_and_values():
+    """``nn.Embedding(sparse=True)`` with ``SparseAdam``: each step's gradient is a sparse
+    tensor, its bytes those of its indices and its values (it has no storage of its own: it read
+    0, its 2 MiB other)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(20000, 64, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+    idx = torch.randint(0, 20000, (256, 32))
+    sizes = []
+    with tp.profile(steps=6, warmup=0, name="sparse", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            emb(idx).pow(2).mean().backward()
+            g = emb.weight.grad
+            sizes.append(g._indices().untyped_storage().nbytes() + g._values().untyped_storage().nbytes())
+            opt.step()
+            opt.zero_grad()
+    assert sizes[0] == 256 * 32 * (8 + 64 * 4)  # uncoalesced: an index and a row per lookup
+    assert _at_optimizer_enter(prof.run, "gradients") == sizes[:6]
+    assert _at_optimizer_enter(prof.run, "parameters") == [20000 * 64 * 4] * 6
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    state = next(iter(opt.state.values()))
+    tensors = [v for v in state.values() if torch.is_tensor(v)]
+    tensors += [t for v in state.values() if isinstance(v, list) for t in v if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_an_optimizer_that_makes_its_state_anew_each_step():
+    """LBFGS keeps a history of directions, made anew at each step (as many states, new
+    tensors): at every step its state is the tensors it holds (after the first looks they read
+    as other, up to 23 of 25 MB)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    opt = torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=1, history_size=3)
+    x, y = torch.randn(32, 256), torch.randn(32, 256)
+    held = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+
+    with tp.profile(steps=20, warmup=0, name="lbfgs", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            opt.step(closure)
+            held.append(_state_bytes(opt))  # (in a function: the loop holds no popped tensor)
+    ends = across_steps(prof.run.memory, "cpu")
+    state = ends[ends["category"] == "optimizer_state"]
+    assert len(held) == 19  # the slice stops inside the 20th step()
+    assert state["bytes"].tolist()[:19] == held
+
+
+def test_what_a_step_keeps_for_later_steps_is_not_their_activations():
+    """A loop that keeps each step's loss tensor (``losses.append(loss)``, not ``.item()``):
+    each keeps its 262,144 B element-wise buffer. At each later step that is memory held across
+    steps (other, growing by exactly that), not the step's activations (they had grown with it:
+    7 MiB of a leak read as activations at the peak)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(512, 64), torch.randn(512, 128)
+    losses = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="kept", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+    levels = _activations_at_forward_exit(prof.run)
+    assert len(levels) == STEPS and len(set(levels)) == 1, levels
+    mem = prof.run.memory
+    other = mem[(mem["phase"] == "forward") & (mem["event"] == "exit") & (mem["category"] == "other")
+                & (mem["step"] >= 0)].groupby("step")["bytes"].sum().tolist()
+    assert [b - a for a, b in zip(other, other[1:])] == [512 * 128 * 4] * (STEPS - 1), other

@@ -172,6 +172,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
 
+def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors whose storages hold ``t``'s bytes: ``t`` itself, or a sparse tensor's indices
+    and values (a sparse tensor has no storage of its own: ``nn.Embedding(sparse=True)``'s
+    gradients had read 0 bytes, their memory ``other``)."""
+    layout = t.layout
+    if layout is torch.strided:
+        return (t,)
+    if layout is torch.sparse_coo:
+        return (t._indices(), t._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return (t,)
+
+
 class CpuAllocatorStream:
     """CPU allocations and frees as torch's profiler sees them, with no op events, and
     RecordFunction off in the starting thread while it runs (see the module docstring)."""
@@ -538,6 +554,7 @@ class MemoryProbe:
         self._seen_key: tuple[int, int] = (-1, -1)  # (models, optimizer parameters) last counted
         self._seen_opts = -1  # optimizers when last counted
         self._opt_key: tuple = ()
+        self._state_replaced = False  # an optimizer makes its state tensors anew at its steps
         self._params_new = False  # parameters refreshed since the last observation
         self._own_seen = 0
         self._opt_states_seen = 0  # optimizer states counted at the last check (_known_sets_grew)
@@ -820,7 +837,7 @@ class MemoryProbe:
             n = self._grad_looks
             self._grad_looks += 1
             grads = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
-            if grads or self._known_sets_grew():
+            if grads or self._known_sets_grew() or self._state_replaced:
                 if not grads and self._groups_grew:
                     # parameters added (add_param_group, a layer grown): so are gradients that no
                     # earlier look's pattern fits (they read as temporaries): look now and after
@@ -962,6 +979,9 @@ class MemoryProbe:
         for t in tensors:
             if type(t) is not torch.Tensor:  # a subclass may be a DTensor
                 t = _local(t)
+            if t.layout is not torch.strided and len(parts := _parts(t)) > 1:  # sparse
+                out += self._storages(parts, category, watch, watch_shared)
+                continue
             try:
                 s = t.untyped_storage()
                 ptr, nbytes = s.data_ptr(), s.nbytes()
@@ -1058,21 +1078,30 @@ class MemoryProbe:
             for p in self._params:
                 g = _local(p.grad) if p.grad is not None else None
                 if g is not None and g.is_cpu:
-                    try:
-                        s = g.untyped_storage()
-                        ptr, nbytes = s.data_ptr(), s.nbytes()
-                    except RuntimeError:  # a storage a framework freed or swapped (FSDP2): nothing alive
-                        continue
-                    if nbytes:
-                        slot = slots.get(id(p), -1)
-                        items.extend((ptr, nbytes, "gradients", slot))
-                        if slot not in watched:  # a gradient first seen may predate the slice
-                            watched.add(slot)
-                            self._watch(g, ptr, nbytes)
+                    for part in ((g,) if g.layout is torch.strided else _parts(g)):
+                        try:
+                            s = part.untyped_storage()
+                            ptr, nbytes = s.data_ptr(), s.nbytes()
+                        except RuntimeError:  # a storage a framework freed or swapped (FSDP2): nothing alive
+                            continue
+                        if nbytes:
+                            slot = slots.get(id(p), -1)
+                            items.extend((ptr, nbytes, "gradients", slot))
+                            # a gradient first seen may predate the slice (not a sparse one's
+                            # parts: its indices may be a view of the loop's input, which outlives it)
+                            if slot not in watched and part is g:
+                                watched.add(slot)
+                                self._watch(g, ptr, nbytes)
             if grads and not final:  # a look right after a backward: its result is that pass's pattern
                 self._grads_seen_at.append(len(self.observations))
         fp = self._opt_fingerprint()
         if fp != self._opt_key or final:
+            if (not final and self._opt_key and [k for k in fp if type(k) is tuple]
+                    == [k for k in self._opt_key if type(k) is tuple]):
+                # the same optimizers with as many states, new tensors: an optimizer that makes its
+                # state anew at each step (LBFGS's history and direction); observed at every look
+                # from now on, or the new tensors read as other (up to 23 of 25 MB)
+                self._state_replaced = True
             self._opt_key = fp
             add(self._storages(self._opt_state_tensors(), "optimizer_state"))
         own = self.rec.own_tensors
@@ -1129,6 +1158,9 @@ class MemoryProbe:
         """Add the unique storages of ``items`` to ``known`` (``seen``: storages counted already)."""
         for t, category in items:
             t = _local(t)
+            if t.layout is not torch.strided and len(parts := _parts(t)) > 1:  # sparse
+                self._count([(part, category) for part in parts], seen, known)
+                continue
             try:
                 s = t.untyped_storage()
                 ptr = s.data_ptr()
@@ -1324,6 +1356,11 @@ class MemoryProbe:
         k_open: int | None = None
         best_total = -1
         best: _Levels | None = None
+        # blocks of the forward side (c[4]) alive when a later step's first forward begins are
+        # held across steps (a list of losses, outputs kept for a log, a retained graph): other
+        # from there, not that step's activations (7 MiB of a leak read as activations at its peak)
+        forward_side: set[int] = set()
+        step_of_forward = -1
         for i in range(n):
             a = ids[i]
             if i in ends:
@@ -1343,6 +1380,15 @@ class MemoryProbe:
                         total += size[b]
                 k = at_bound.get(i)
                 if k is not None:
+                    phase, event, raw_step = bounds[k][0], bounds[k][1], bounds[k][2]
+                    if phase == "forward" and event == "enter" and raw_step > step_of_forward:
+                        step_of_forward = raw_step
+                        for b in forward_side:
+                            if where[b] == 4:
+                                where[b] = 6
+                        c[6] += c[4]
+                        c[4] = 0
+                        forward_side.clear()
                     if k_open is not None and best is not None:
                         seg[k_open] = best
                     levels[k] = best = snap()
@@ -1353,6 +1399,8 @@ class MemoryProbe:
                 w = where[a] = index[t] if (t is not None and known_at[a] == i) else made_in[a]
                 if w < 0:
                     continue
+                if w == 4:
+                    forward_side.add(a)
                 c[w] += size[a]
                 total += size[a]
                 if total > best_total:
