@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import pytest
 import torch
 import torch.nn.functional as F
 import truth
@@ -196,3 +197,39 @@ def test_the_slice_drops_the_gradients_as_the_loop_does():
             assert all(p.grad is None for p in model.parameters()), how
         else:
             assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), how
+
+
+def test_losses_backpropagated_together_are_the_steps_loss():
+    """``torch.autograd.backward([l1, l2])`` (and a tuple of one) backpropagates the sum of
+    one-element tensors: that is the step's loss (it read NaN with no word). A per-sample loss
+    vector with ``gradient=`` is no loss tpkit can read: those steps read NaN and the run says
+    why."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for how in ("list", "tuple", "vector"):
+        logged = []
+        with tp.profile(steps=STEPS, warmup=WARMUP, name=how, progress=False, clock_hz=0) as prof:
+            for _ in range(N + 3):
+                out = model(torch.randn(4, 8))
+                if how == "list":
+                    l1, l2 = out[:, 0].pow(2).mean(), out[:, 1].abs().mean()
+                    logged.append(l1.item() + l2.item())
+                    torch.autograd.backward([l1, l2])
+                elif how == "tuple":
+                    loss = out.pow(2).mean()
+                    logged.append(loss.item())
+                    torch.autograd.backward((loss,))
+                else:
+                    per_sample = out.pow(2).mean(1)
+                    per_sample.backward(torch.full_like(per_sample, 1 / 4))
+                opt.step()
+                opt.zero_grad()
+        steps = prof.run.steps
+        assert len(steps) == N
+        if how == "vector":
+            assert steps["loss"].isna().all()
+            assert any(n.startswith(f"{N} step(s) have no loss") and "tensor of several elements" in n
+                       for n in prof.run.meta["notes"]), prof.run.meta["notes"]
+        else:
+            assert steps["loss"].tolist() == pytest.approx(logged[:N], rel=1e-6), how

@@ -35,7 +35,12 @@ def step_losses(rec: Recorder, steps: int) -> tuple[dict[int, float], list[str]]
                      "gradients away (SAM-style: a second forward and backward on the same batch): a step's loss "
                      "is what went through backward before the gradients were zeroed, the first pass's")
     lossless = [raw for raw in range(steps) if raw not in losses]
-    if losses and lossless:
+    if lossless and rec.unscalar_backwards:
+        notes.append(f"{len(lossless)} step(s) have no loss (it reads NaN): the loop's backward() went through "
+                     f"{rec.unscalar_backwards} time(s) with a tensor of several elements (a per-sample loss with "
+                     "gradient=...) or with gradients weighing its tensors, and tpkit records a step's loss only "
+                     "from one-element tensors; call loss.mean().backward() or log the loss yourself")
+    elif losses and lossless:
         notes.append(f"{len(lossless)} step(s) had no loss go through backward (its loss reads NaN): the loop "
                      "stepped without a backward there (Lightning's training_step returned None, a guard skipped it)")
     skipped = {raw: k for raw, k in rec.skipped_iterations.items() if raw < steps}

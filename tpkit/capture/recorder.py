@@ -108,6 +108,7 @@ class Recorder:
         # update the loop skipped, not a second pass (phases.LossSums.reset)
         self.batch_after_reset: Any = None
         self.skipped_iterations: dict[int, int] = {}  # raw step -> iterations in it with no update
+        self.unscalar_backwards = 0  # backward() of what is no loss: a tensor of several elements, weighted ones
         self.optimizer_count = 0  # distinct optimizers that stepped
         self.accelerate_loader = False  # the loop read batches from a loader accelerate prepared
         # Evaluation inside the slice (capture/evaluation.py), flat like the spans: every batch a

@@ -915,9 +915,8 @@ class PhaseProbe:
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(tensors, *args, **kwargs)
             probe._worked = probe._ever_worked = probe._backward_seen = True
-            if (isinstance(tensors, torch.Tensor) and tensors.numel() == 1
-                    and (probe._closure_depth == 0 or probe._closure_evals <= 1)):
-                probe.losses.add(rec.step_index, probe._loss_of(tensors))
+            if probe._closure_depth == 0 or probe._closure_evals <= 1:
+                probe._add_losses(tensors, args, kwargs)
             token = rec.enter("backward", "autograd")
             try:
                 return fn(tensors, *args, **kwargs)
@@ -946,6 +945,23 @@ class PhaseProbe:
                 rec.exit(token)
 
         return functools.update_wrapper(grad, fn)
+
+    def _add_losses(self, tensors: Any, args: tuple, kwargs: dict) -> None:
+        """The step's loss from what goes through backward: a one-element tensor, or each of a
+        sequence of them (``torch.autograd.backward([l1, l2])`` backpropagates their sum) when no
+        gradients weigh them. Anything else (a per-sample loss vector with ``gradient=``) is
+        counted, for the run to say why such steps have no loss (they read NaN with no word)."""
+        if isinstance(tensors, torch.Tensor):
+            if tensors.numel() == 1:
+                self.losses.add(self.rec.step_index, self._loss_of(tensors))
+                return
+        elif (isinstance(tensors, (list, tuple)) and tensors and not (args and args[0] is not None)
+                and kwargs.get("grad_tensors") is None
+                and all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in tensors)):
+            for t in tensors:
+                self.losses.add(self.rec.step_index, self._loss_of(t))
+            return
+        self.rec.unscalar_backwards += 1
 
     def _loss_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The loss behind a tensor being backpropagated: the unscaled loss when it came out
