@@ -225,3 +225,26 @@ def test_tpkits_offload_optimizer_under_a_default_trainer(tmp_path):
     adamw = train(lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0))
     offloaded = train(lambda params: tp.offload.CPUOffloadAdamW(params, lr=1e-3, weight_decay=0.0))
     assert offloaded == pytest.approx(adamw, rel=1e-5)
+
+
+def test_tpkit_keeps_no_batch_of_the_trainers_alive(tmp_path):
+    """Finding the Trainer on the stack reads its frames' locals: on Python up to 3.12 that
+    leaves a snapshot of them on the frame, and the epoch loop's first batch stayed alive for
+    the whole slice (batches 0, k, k+1 alive at each forward for k, k+1; one batch more of data
+    in every step's memory). Each forward sees only the batches the Trainer itself holds."""
+    import weakref
+
+    trainer, _ = make_trainer(tmp_path, max_steps=7)
+    made: list = []
+
+    def collate(items):  # noqa: ANN001, ANN202
+        batch = truth.sleepy_collate(items)
+        made.append(weakref.ref(batch["input_ids"]))
+        return batch
+
+    trainer.data_collator = collate
+    alive: list[list[int]] = []
+    trainer.model.register_forward_pre_hook(lambda *_: alive.append([i for i, r in enumerate(made) if r() is not None]))
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="alive", progress=False, clock_hz=0):
+        trainer.train()
+    assert alive[2:] == [[k, k + 1] for k in range(2, len(alive))], alive

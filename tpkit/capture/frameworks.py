@@ -139,6 +139,22 @@ def accelerate_loss_divisor() -> int:
     return n if isinstance(n, int) and n > 1 and "DEEPSPEED" not in distributed else 1
 
 
+_CO_OPTIMIZED = 0x1  # a function's frame (inspect.CO_OPTIMIZED): its f_locals is a snapshot, not a namespace
+
+
+def frame_self(f: FrameType) -> Any:
+    """The ``self`` of a method's frame. Up to Python 3.12, reading ``f_locals`` leaves a
+    snapshot of every local on the frame until it returns: a Trainer's epoch loop kept its first
+    batch alive for the whole slice (one batch more of ``data`` at every step, held by tpkit).
+    The snapshot is emptied after the read (anything reading ``f_locals`` refreshes it first);
+    3.13's write-through proxy holds nothing and is left alone."""
+    d = f.f_locals
+    obj = d.get("self")
+    if type(d) is dict and f.f_code.co_flags & _CO_OPTIMIZED:
+        d.clear()
+    return obj
+
+
 def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
     """The HF or Lightning trainer whose method is on the stack above ``frame``, or None."""
     classes = [(name, getattr(sys.modules[mod], cls, None)) for name, mod, cls in _KNOWN if mod in sys.modules]
@@ -149,7 +165,7 @@ def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
     while f is not None and n < MAX_FRAMES:
         code = f.f_code
         if code.co_argcount and code.co_varnames[0] == "self":
-            obj = f.f_locals.get("self")
+            obj = frame_self(f)
             for name, cls in classes:
                 if cls is not None and isinstance(obj, cls):
                     return FrameworkTrainer(name, obj)

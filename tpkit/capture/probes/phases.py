@@ -59,7 +59,7 @@ import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
-from ..frameworks import find_trainer
+from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
 from .patching import UNIT_RESCALE_SKIPPERS, Patches, skip_unit_rescale
@@ -1218,7 +1218,7 @@ def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:
     while f is not None and n < max_frames:
         code = f.f_code
         if code.co_name in ("join", "start") and code.co_filename == threading.__file__:
-            return f.f_locals.get("self") is me
+            return frame_self(f) is me
         f, n = f.f_back, n + 1
     return False
 
