@@ -185,3 +185,46 @@ def test_aot_eager_compiles_no_graph_of_tpkits():
     runs): dynamo compiled that frame as user code, a graph more (4 for 1 at 12 layers, seconds
     of compiling in a warmup step). Dynamo skips it now, as it skips torch's own call."""
     assert _graphs_of_a_model_with_a_break(profile=True) == _graphs_of_a_model_with_a_break(profile=False)
+
+
+@pytest.mark.parametrize("update", ["compiled", "by hand"])
+def test_an_update_no_optimizer_hook_sees_ends_the_step(update):
+    """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe): dynamo compiles torch's
+    step hooks away, and tpkit had recorded no step and never ended the slice (the loop ran all
+    its batches). A step ends at the loop's next batch after the parameters changed; losses are
+    the loop's, the slice stops after its steps, the run says so. An SGD update written by hand
+    (no optimizer at all) ends its steps the same way."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    step = torch.compile(opt.step, backend="eager")
+
+    def update_() -> None:
+        if update == "compiled":
+            step()
+            opt.zero_grad()
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8)
+    x0, y0 = next(iter(loader))
+    F.mse_loss(model(x0), y0).backward()
+    update_()  # compiled before the slice
+    losses, updates = [], 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="unseen", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            updates += 1
+            update_()
+    run = prof.run
+    assert updates == STEPS + WARMUP  # the slice ended right after its last update
+    assert run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
+    assert (run.steps["samples"] == 8).all()
+    assert any(n.startswith(f"{STEPS + WARMUP} step(s) ended with no optimizer.step() tpkit saw run")
+               for n in run.meta["notes"]), run.meta["notes"]

@@ -746,6 +746,8 @@ class MemoryProbe:
 
     # -- hooks (the hot path) ---------------------------------------------------------------
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # inlined into a compiled step: dynamo would guard on the registry (a recompile each new one)
         self.optimizers.add(opt)
 
     def _streaming(self) -> bool:

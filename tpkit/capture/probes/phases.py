@@ -481,6 +481,12 @@ class PhaseProbe:
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
         self.grad_calls = 0  # torch.autograd.grad calls timed as backward
+        # updates no optimizer hook saw (``_unseen_update``): the trained models' first parameters
+        # (weakly) and their version counters at the last backward's exit, None once a step ended
+        self._sentinels: list[Any] = []
+        self._sentinel_models = -1  # len(self.models) when the sentinels were chosen
+        self._versions_at_backward: list[int] | None = None
+        self.unseen_updates = 0  # steps ended that way
         self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
@@ -623,6 +629,14 @@ class PhaseProbe:
                        "activation checkpointing recomputes the forward: that time is the backward's "
                        "(backward_s), not the forward's, and on the CPU the memory allocated there counts "
                        "as temporaries, not activations")
+        if self.unseen_updates:
+            out.append(f"{self.unseen_updates} step(s) ended with no optimizer.step() tpkit saw run: the "
+                       "parameters changed after backward (a torch.compile'd optimizer step, whose hooks dynamo "
+                       "compiles away; an optimizer that is not a torch.optim.Optimizer; an update by hand). "
+                       "Each such step ends at the loop's next zero_grad(), batch or forward, and its update's "
+                       "time is in other_s, not optimizer_s: tpkit cannot time a compiled step from inside. A step compiled "
+                       "before the slice is compiled once more at the slice's first step (dynamo guards on torch's "
+                       "table of optimizer hooks, which tpkit's join)")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
@@ -707,6 +721,8 @@ class PhaseProbe:
         token = None
         no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
+            if self._versions_at_backward is not None:
+                self._unseen_update()
             if torch.is_grad_enabled():
                 if module.training and id(module) not in rec.trained_modules:
                     rec.trained_modules.update(_same_model(module))
@@ -809,9 +825,10 @@ class PhaseProbe:
                 return
             self._end_step(opt)
 
-    def _end_step(self, opt: torch.optim.Optimizer) -> None:
+    def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
         self._worked = False
+        self._versions_at_backward = None
         if not rec.framework_looked:
             rec.framework_looked = True
             rec.framework = find_trainer(sys._getframe(1))
@@ -825,13 +842,48 @@ class PhaseProbe:
             # and its gradients were left in place).
             # As the loop drops them: a loop that keeps its gradient tensors
             # (zero_grad(set_to_none=False), or p.grad.zero_() of its own) gets them zeroed.
-            for each in [opt, *(o for o in self._stepping.live() if o is not opt)]:
+            # With no optimizer seen (an update compiled or by hand), the trained models'.
+            owners: list[Any] = [o for o in (opt, *self._stepping.live()) if o is not None]
+            if opt is None:
+                owners += [m for m in self.models.live() if id(m) in rec.trained_modules]
+            for each in dict.fromkeys(owners):
                 zero_grad = type(each).zero_grad
                 try:
                     getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=self._grads_to_none)
                 except Exception:  # noqa: BLE001 - an optimizer's own zero_grad must not replace the stop
                     pass
             raise
+
+    # -- updates no optimizer hook saw ------------------------------------------------------
+    def _note_versions(self) -> None:
+        """At a backward's exit: the version counters of the trained models' first parameters
+        (an in-place update bumps them; a backward, a forward and zero_grad() do not)."""
+        if self.rec.explicit_steps:
+            return
+        if self._sentinel_models != len(self.models):
+            self._sentinel_models = len(self.models)
+            trained = self.rec.trained_modules
+            self._sentinels = []
+            for model in self.models.live():
+                if id(model) in trained:
+                    first = next((p for p in model.parameters() if p.requires_grad), None)
+                    if first is not None:
+                        self._sentinels.append(weakref.ref(first))
+        self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
+
+    def _unseen_update(self) -> None:
+        """Before the loop's next zero_grad(), batch or forward: the parameters changed since the
+        last backward with no optimizer.step() seen (dynamo inlines torch's step hooks into a
+        ``torch.compile``'d step, where tpkit's return at once; an optimizer that is no
+        ``torch.optim.Optimizer``; an update by hand): the step ended there. With the step
+        compiled, no step had been recorded and the slice never ended."""
+        versions = self._versions_at_backward
+        if versions is None or self._opt_tokens:
+            return
+        now = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
+        if now != versions:
+            self.unseen_updates += 1
+            self._end_step(None)
 
     # -- AMP ----------------------------------------------------------------------------------
     def _wrap_scale(self, fn: Any) -> Any:
@@ -890,6 +942,8 @@ class PhaseProbe:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(*args, **kwargs)
+            if reset and probe._versions_at_backward is not None:
+                probe._unseen_update()
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             if reset:
                 probe.losses.reset(rec.step_index)
@@ -922,6 +976,8 @@ class PhaseProbe:
                 return fn(tensors, *args, **kwargs)
             finally:
                 rec.exit(token)
+                if not probe._opt_tokens:
+                    probe._note_versions()
 
         backward.__wrapped__ = fn  # type: ignore[attr-defined]
         backward.__doc__ = fn.__doc__
@@ -1036,6 +1092,8 @@ class PhaseProbe:
             tid = threading.get_ident()
             if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(it)
+            if probe._versions_at_backward is not None:
+                probe._unseen_update()
             probe._worked = True  # a batch read: a new iteration (see _opt_post)
             token = rec.enter("data_wait", source)
             try:
