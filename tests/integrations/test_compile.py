@@ -191,8 +191,8 @@ def test_aot_eager_compiles_no_graph_of_tpkits():
 def test_an_update_no_optimizer_hook_sees_ends_the_step(update):
     """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe): dynamo compiles torch's
     step hooks away, and tpkit had recorded no step and never ended the slice (the loop ran all
-    its batches). A step ends at the loop's next batch after the parameters changed; losses are
-    the loop's, the slice stops after its steps, the run says so. An SGD update written by hand
+    its batches). A step ends at the loop's next batch after the parameters changed; losses
+    are the loop's, the slice stops after its steps, the run says so. An SGD update written by hand
     (no optimizer at all) ends its steps the same way."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_an_update_no_optimizer_hook_sees_ends_the_step(update):
             updates += 1
             update_()
     run = prof.run
-    assert updates == STEPS + WARMUP  # the slice ended right after its last update
+    assert updates == STEPS + WARMUP  # the slice ended at the batch after its last update
     assert run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
     assert (run.steps["samples"] == 8).all()
     assert any(n.startswith(f"{STEPS + WARMUP} step(s) ended with no optimizer.step() tpkit saw run")

@@ -248,3 +248,36 @@ def test_tpkit_keeps_no_batch_of_the_trainers_alive(tmp_path):
     with tp.profile(steps=STEPS, warmup=WARMUP, name="alive", progress=False, clock_hz=0):
         trainer.train()
     assert alive[2:] == [[k, k + 1] for k in range(2, len(alive))], alive
+
+
+def test_auto_find_batch_size_trying_again_inside_the_slice(tmp_path):
+    """``auto_find_batch_size``: an out-of-memory error at the first attempt's 4th step makes
+    accelerate run the training loop again at a smaller batch (7 for 8), inside one train().
+    The slice holds the steps of both runs and says so; the failed step's batch and loss are no
+    step's (the next step had 15 samples for 7, and a note called it a skipped update)."""
+    trainer, _ = make_trainer(tmp_path)
+    trainer.args.auto_find_batch_size = True
+    trainer.args.per_device_train_batch_size = trainer._train_batch_size = 8
+    batches = {"n": 0}
+    rows: list[int] = []
+
+    def collate(items):  # noqa: ANN001, ANN202
+        batches["n"] += 1
+        if batches["n"] == 4 and len(items) == 8:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return truth.sleepy_collate(items)
+
+    trainer.data_collator = collate
+    trainer.model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])),
+                                            with_kwargs=True)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="retry", progress=False, clock_hz=0) as prof:
+        trainer.train()
+    run = prof.run
+    first = rows.count(8)  # the first attempt's steps (the Trainer reads ahead: the error comes before its 3rd)
+    assert first >= 1 and rows == [8] * first + [7] * (STEPS + WARMUP - first), rows
+    assert run.steps["samples"].tolist() == rows
+    losses = logged_losses(trainer)  # the retry's log (the failed attempt's are logged before)
+    assert run.steps["loss"].tolist()[first:] == pytest.approx(losses[-(STEPS + WARMUP - first):], rel=1e-5)
+    notes = run.meta["notes"]
+    assert any("auto_find_batch_size trying again" in n for n in notes), notes
+    assert not any("skipped" in n for n in notes), notes

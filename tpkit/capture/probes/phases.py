@@ -42,6 +42,7 @@ Under ``torch.compile`` every hook returns at once (no graph break, no recompile
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -151,6 +152,10 @@ def _fetcher_workers(fetcher: Any) -> int:
 #: (a second ``train()`` in the same cell was ended by StopSlice after one step, silently).
 _TRAINER_RUNS: tuple[tuple[str, str, str], ...] = (
     ("transformers.trainer", "Trainer", "train"),
+    # run again inside one train() by auto_find_batch_size at a smaller batch after an
+    # out-of-memory error: the failed attempt's steps were the retry's (no word), its failed
+    # batch the next step's samples (15 for 7) and its loss a "skipped update"
+    ("transformers.trainer", "Trainer", "_inner_training_loop"),
     ("lightning.pytorch.trainer.trainer", "Trainer", "fit"),
     ("pytorch_lightning.trainer.trainer", "Trainer", "fit"),
 )
@@ -421,6 +426,18 @@ class LossSums:
         if step == self._slots_step:
             self._slots = {}
 
+    def discard(self, raw_step: int) -> None:
+        """Step ``raw_step``'s losses so far belong to an iteration that never finished (a
+        trainer's run that failed and is tried again): none of them is the step's."""
+        rec = self.rec
+        rec.batch_after_reset = None
+        rec.losses[:] = [e for e in rec.losses if e[0] != raw_step]
+        rec.losses_after_reset[:] = [e for e in rec.losses_after_reset if e[0] != raw_step]
+        rec.loss_counts.pop(raw_step, None)
+        self._reset_step = -1
+        if raw_step == self._slots_step:
+            self._slots = {}
+
     def _new_slot(self, device: torch.device) -> "_Slot":
         chunk, index = self._free.get(device, (-1, self.CHUNK))
         if index >= self.CHUNK:
@@ -477,6 +494,7 @@ class PhaseProbe:
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self.most_optimizers = 0  # the most that stepped in one run
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
+        self.run_ends: list[int] = []  # when each of them ended (ns)
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
@@ -487,6 +505,7 @@ class PhaseProbe:
         self._sentinel_models = -1  # len(self.models) when the sentinels were chosen
         self._versions_at_backward: list[int] | None = None
         self.unseen_updates = 0  # steps ended that way
+        self._unseen = True  # False once an optimizer's step was seen: no update goes unseen then
         self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
@@ -603,7 +622,9 @@ class PhaseProbe:
         runs = self.trainer_runs + (1 if self._run_optimizers else 0)
         if runs > 1:
             out.append(f"the slice holds the steps of {runs} runs of a trainer (train() / fit() "
-                       "called again before it was full), in order: each run's first optimizer ends its steps")
+                       "called again before it was full, or a Trainer's auto_find_batch_size trying again at a "
+                       "smaller batch after an out-of-memory error), in order: each run's first optimizer ends "
+                       f"its steps{self._setups()}")
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
@@ -633,7 +654,7 @@ class PhaseProbe:
             out.append(f"{self.unseen_updates} step(s) ended with no optimizer.step() tpkit saw run: the "
                        "parameters changed after backward (a torch.compile'd optimizer step, whose hooks dynamo "
                        "compiles away; an optimizer that is not a torch.optim.Optimizer; an update by hand). "
-                       "Each such step ends at the loop's next zero_grad(), batch or forward, and its update's "
+                       "Each such step ends at the loop's next batch from a loader tpkit sees, and its update's "
                        "time is in other_s, not optimizer_s: tpkit cannot time a compiled step from inside. A step compiled "
                        "before the slice is compiled once more at the slice's first step (dynamo guards on torch's "
                        "table of optimizer hooks, which tpkit's join)")
@@ -643,6 +664,19 @@ class PhaseProbe:
                        "(its hooks return at once while dynamo traces); the model runs partly eager: "
                        "see torch._dynamo.explain(model)(...) for the reasons")
         return out
+
+    def _setups(self) -> str:
+        """Where the next runs' setups went: from a run's end to the next run's first batch."""
+        times = self.rec.handouts[0::3]
+        gaps = []
+        for end in self.run_ends:
+            k = bisect.bisect_right(times, end)
+            if k < len(times):
+                gaps.append(f"{(times[k] - end) / 1e9:.2f} s")
+        if not gaps:
+            return ""
+        return (f"; each later run's setup (from the run before's end to its first batch: {', '.join(gaps)}) is "
+                "other time in the step it falls in")
 
     # -- the loop's thread --------------------------------------------------------------------
     def _adopt(self, tid: int, at_step: bool) -> bool:
@@ -721,8 +755,6 @@ class PhaseProbe:
         token = None
         no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
-            if self._versions_at_backward is not None:
-                self._unseen_update()
             if torch.is_grad_enabled():
                 if module.training and id(module) not in rec.trained_modules:
                     rec.trained_modules.update(_same_model(module))
@@ -767,6 +799,7 @@ class PhaseProbe:
                 name = threading.current_thread().name
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
+        self._unseen = False  # torch's step hooks run: no update goes unseen
         key = id(opt)
         if key not in self._run_optimizers:
             self.optimizers[key] = type(opt).__name__
@@ -872,18 +905,20 @@ class PhaseProbe:
         self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
 
     def _unseen_update(self) -> None:
-        """Before the loop's next zero_grad(), batch or forward: the parameters changed since the
-        last backward with no optimizer.step() seen (dynamo inlines torch's step hooks into a
-        ``torch.compile``'d step, where tpkit's return at once; an optimizer that is no
-        ``torch.optim.Optimizer``; an update by hand): the step ended there. With the step
-        compiled, no step had been recorded and the slice never ended."""
+        """Before the loop's next batch: the parameters changed since the last backward with no
+        optimizer.step() seen (dynamo inlines torch's step hooks into a ``torch.compile``'d step,
+        where tpkit's return at once; an optimizer that is no ``torch.optim.Optimizer``; an update
+        by hand): the step ended there. With the step compiled, no step had been recorded and the
+        slice never ended. Only at a batch: before it, a change may be no update (SAM perturbs the
+        weights between its two passes on one batch, then steps)."""
         versions = self._versions_at_backward
-        if versions is None or self._opt_tokens:
+        if versions is None or self._opt_tokens or self._unseen is False:
             return
         now = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
-        if now != versions:
-            self.unseen_updates += 1
-            self._end_step(None)
+        if now == versions:
+            return
+        self.unseen_updates += 1
+        self._end_step(None)
 
     # -- AMP ----------------------------------------------------------------------------------
     def _wrap_scale(self, fn: Any) -> Any:
@@ -942,8 +977,6 @@ class PhaseProbe:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(*args, **kwargs)
-            if reset and probe._versions_at_backward is not None:
-                probe._unseen_update()
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             if reset:
                 probe.losses.reset(rec.step_index)
@@ -1164,17 +1197,24 @@ class PhaseProbe:
         def run(trainer: Any, *args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(trainer, *args, **kwargs)
+            failed = True
             try:
-                return fn(trainer, *args, **kwargs)
+                out = fn(trainer, *args, **kwargs)
+                failed = False
+                return out
             finally:
-                probe._stopped_run_returned(trainer)
+                probe._stopped_run_returned(trainer, failed)
 
         return functools.update_wrapper(run, fn)
 
-    def _stopped_run_returned(self, trainer: Any) -> None:
+    def _stopped_run_returned(self, trainer: Any, failed: bool = False) -> None:
         rec, fw = self.rec, self.rec.framework
         if rec.thread_id != threading.get_ident():
             return  # the slice ended already (a run it left running on)
+        if failed and rec.slice_steps is None:
+            # its unfinished iteration fed no step: a run tried again (auto_find_batch_size) starts afresh
+            rec.samples = 0
+            self.losses.discard(rec.step_index)
         if rec.slice_steps is not None:
             if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.stopped_run_returned is not None:
                 rec.stopped_run_returned()  # the run the slice stopped: the probes come out now
@@ -1182,6 +1222,7 @@ class PhaseProbe:
         if not self._run_optimizers:
             return  # it trained no step (a run that failed at once, a nested search)
         self.trainer_runs += 1
+        self.run_ends.append(perf_counter_ns())
         self.lead_optimizer = None
         self._run_optimizers = set()
         rec.framework_looked = False  # the next run's trainer is looked for at its first step's end
