@@ -110,6 +110,21 @@ class RankRuns:
 
         return dict(self._cached("summary", make))
 
+    def uneven(self) -> str:
+        """What to say where one rank's loop ran out of batches while another's went on into a
+        collective no one joined (uneven inputs without DDP's ``Join``): the ranks' own runs say
+        only "the loop ended" and "cut short by a closed connection", each alone."""
+        ended = sorted(k for k, r in self.runs.items() if r.meta.get("stopped_by") == "loop_end")
+        cut = sorted(k for k in self.incomplete if k not in ended)
+        if not ended or not cut:
+            return ""
+        steps = {k: len(self.runs[k].steps) for k in ended}
+        return (f"rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))} ran out of batches (the loop ended "
+                f"after {', '.join(str(steps[k]) for k in ended)} step(s)) while rank{'s' if len(cut) > 1 else ''} "
+                f"{', '.join(map(str, cut))} went on and ended with an error in the next step: uneven inputs, a "
+                "collective that the ranks which ended never joined; give every rank as many batches "
+                "(DistributedSampler(drop_last=True)) or wrap the loop in DDP's Join")
+
     def summary_text(self) -> str:
         """The summary as lines for a terminal: ranks, missing ones, the skew, the straggler."""
         s = self.summary()
@@ -125,6 +140,12 @@ class RankRuns:
                     if s.get("straggler_rank") is not None else "no rank stands out")  # a tie on noise otherwise
             lines.append(f"step-time skew p50 {s['skew_p50_s'] * 1e3:.1f} ms, max {s['skew_max_s'] * 1e3:.1f} ms; {lead}")
         lines.append(f"straggler: {s['straggler']}")
+        if self.uneven():
+            lines.append(self.uneven())
+        mean = self.run.steps["loss"] if "loss" in self.run.steps else None
+        if mean is not None and mean.notna().any():
+            lines.append(f"loss (the complete ranks' mean, as a data-parallel trainer logs it): first {mean.dropna().iloc[0]:.4f}, "
+                         f"last {mean.dropna().iloc[-1]:.4f}")
         return "\n".join(lines)
 
     @property
@@ -173,6 +194,9 @@ class RankRuns:
             notes.append(f"rank {k} of {self.world_size} left no run (it died before its slice ended?)")
         for k in self.incomplete:
             notes.append(f"rank {k}'s slice ended early: {self.runs[k].meta.get('error', 'incomplete')}")
+        uneven = self.uneven()
+        if uneven:
+            notes.append(uneven)
         return Run(steps, base.spans, base.memory, base.clocks, base.loader, meta)
 
     def to_html(self, path: str | os.PathLike) -> Path:

@@ -287,3 +287,29 @@ def test_the_magic_times_one_rank_collectives_with_comm_on(ip, tmp_path, one_thr
         dist.destroy_process_group()
     assert on.meta["comm"]["by_op"] == {"all_reduce": {"ops": 4, "bytes": 256}}
     assert "comm" not in off.meta and ONE_RANK_NOTE not in off.meta["notes"]
+
+
+def test_uneven_inputs_are_named_where_one_rank_ran_out_of_batches(tmp_path, capsys):
+    """Rank 1's loop ran out of batches after 6 steps (its run: "the loop ended"), rank 0 went on
+    into an all-reduce no one joined (its run: cut short by a closed connection): each rank's run
+    alone says nothing of why. The merge names the uneven inputs and what to do; the CLI prints
+    the ranks' mean loss its README promises."""
+    from tpkit.views.cli import main
+
+    for k in range(2):
+        run = make_run("job", [0.1] * 6, data_share=0.2, rank=k, world_size=2, loss=[2.0 + k] * 6,
+                       start_unix_ns=1_800_000_000_000_000_000)
+        if k == 1:
+            run.meta.update(complete=True, stopped_by="loop_end")
+        else:
+            run.meta.update(complete=False, stopped_by="error", error="DistBackendError: Connection closed by peer")
+        run.save(tmp_path / "job" / f"rank{k}")
+    ranks = tp.load_ranks(tmp_path / "job")
+    assert ranks.incomplete == [0]
+    line = ("rank 1 ran out of batches (the loop ended after 6 step(s)) while rank 0 went on and ended with an "
+            "error in the next step")
+    assert any(n.startswith(line) for n in ranks.run.meta["notes"]), ranks.run.meta["notes"]
+    assert main(["ranks", str(tmp_path / "job")]) == 0
+    out = capsys.readouterr().out
+    assert line in out
+    assert "loss (the complete ranks' mean, as a data-parallel trainer logs it): first 3.0000, last 3.0000" in out
