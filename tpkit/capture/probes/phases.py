@@ -1128,11 +1128,14 @@ class PhaseProbe:
         """A call in the loop's thread that is ``phase`` as a whole: a checkpoint written
         (``torch.save``, a trainer's save: counted as ``other`` it had made a Trainer saving every
         few steps read OVERHEAD-BOUND, with advice about Python and logging), or a trainer's
-        evaluation (its metrics had been ``other`` too)."""
+        evaluation (its metrics had been ``other`` too). Inside a wait for data it is that wait's:
+        tpkit's loader pickles a batch it cannot lay out in shared memory (a dataclass), and a
+        tensor pickles through ``torch.save`` (44.5 ms of a 1354.7 ms wait had read as saving)."""
         rec = self.rec
 
         def whole(*args: Any, **kwargs: Any) -> Any:
-            if _compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase):
+            if (_compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase)
+                    or rec.is_open("data_wait")):
                 return fn(*args, **kwargs)
             token = rec.enter(phase, source)
             try:
