@@ -89,6 +89,27 @@ def test_verdict_on_training_says_what_evaluation_took():
                              "would run up to 1.67x faster: save less often")
 
 
+def test_a_run_that_saw_no_batch_says_other_may_be_its_loader():
+    """No batch seen in any step (data_wait 0, no sample counted: a loader tpkit does not see,
+    as a torchdata.nodes Loader): the verdict says so and points to tp.watch. A loop spending 71%
+    of each step in such a loader's next() had read "Python between phases, logging, .item() syncs"."""
+    steps = pd.DataFrame({"step": [0, 1], "warmup": [False, False], "duration_s": [1.0, 1.0], "samples": [0, 0],
+                          **{c: [0.0, 0.0] for c in analysis.PHASE_COLUMNS}})
+    steps["forward_s"], steps["other_s"] = 0.29, 0.71
+    v = analysis.summarize(steps, {"name": "x"}).verdict
+    assert v.text == ("OVERHEAD-BOUND: 71% of step time is outside every known phase; no loader was seen "
+                      "(data_wait 0, no batch counted), so other may be waiting for data: wrap the loader in "
+                      "tp.watch(...); else Python between phases, logging, .item() syncs")
+    steps["forward_s"], steps["other_s"] = 0.8, 0.2
+    assert analysis.summarize(steps, {"name": "x"}).verdict.advice == (
+        "no loader was seen (data_wait 0, no batch counted), so other may be waiting for data: wrap the loader "
+        "in tp.watch(...) to time it")
+    steps["samples"] = 8  # batches seen, counted: the advice as ever
+    assert analysis.summarize(steps, {"name": "x"}).verdict.advice == "the input pipeline keeps up"
+    steps["forward_s"], steps["other_s"], steps["samples"], steps["data_wait_s"] = 0.19, 0.71, 0, 0.1
+    assert analysis.summarize(steps, {"name": "x"}).verdict.advice == "Python between phases, logging, .item() syncs"
+
+
 def test_summary_figures():
     steps = pd.DataFrame({
         "step": [-1, 0, 1, 2, 3], "warmup": [True, False, False, False, False],

@@ -4,6 +4,7 @@ mixed precision and no_grad; the CUDA boundary through a stand-in; analysis and 
 
 from __future__ import annotations
 
+from collections import UserDict
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,6 +123,26 @@ def test_mlp_adam_exact_bytes_through_the_magic(ip):
     memory = dict(section_charts(run))["Memory"].to_dict()
     title = str(memory["hconcat"][0]["title"])
     assert "Memory waterfall" in title and f"step {ma.peak_step(run.memory, 'cpu')}" in title
+
+
+class Encoding(UserDict):
+    """A batch that is a Mapping but no dict, as HF's ``BatchEncoding`` (``DataCollatorWithPadding``)."""
+
+
+def test_a_mapping_batch_that_is_no_dict_is_data():
+    """A ``UserDict`` batch's tensors are ``data`` to the byte, as a dict's (its bytes had read
+    other, data 0)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(torch.randn(20 * B, D), batch_size=B,
+                                         collate_fn=lambda xs: Encoding(x=torch.stack(xs)))
+    with tp.profile(steps=3, warmup=1, progress=False, clocks=False) as prof:
+        for batch in loader:
+            model(batch["x"]).backward()
+            opt.step()
+            opt.zero_grad()
+    assert rows(prof.run, "forward", "exit", "data").tolist() == [B * D * 4] * 4
 
 
 def test_activations_match_the_saved_tensors_within_10_percent():
@@ -1157,7 +1178,8 @@ def _nested_batches() -> Any:
     leaves = st.one_of(st.integers(0, 9).map(lambda n: torch.full((n,), 1.0)), st.integers(), st.text(max_size=3),
                        st.none())
     return st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner, inner),
-                                                        st.dictionaries(st.text(max_size=2), inner, max_size=4)),
+                                                        st.dictionaries(st.text(max_size=2), inner, max_size=4),
+                                                        st.dictionaries(st.text(max_size=2), inner, max_size=4).map(Encoding)),
                         max_leaves=12)
 
 

@@ -270,7 +270,9 @@ def _class_attrs() -> list[type]:
              ("lightning.pytorch", "Trainer"), ("lightning.pytorch", "LightningModule"),
              ("deepspeed.runtime.engine", "DeepSpeedEngine"),
              ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop"),
-             ("torch.optim.swa_utils", "AveragedModel")]
+             ("torch.optim.swa_utils", "AveragedModel"),
+             ("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader"),
+             ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter")]
     for mod, name in names:
         if mod in sys.modules:
             classes.append(getattr(sys.modules[mod], name))

@@ -134,9 +134,22 @@ def phase_shares(steps: pd.DataFrame) -> dict[str, float]:
     return {c: float(steps[c].sum()) / total for c in PHASE_COLUMNS}
 
 
-def verdict(shares: dict[str, float]) -> Verdict:
+#: The advice where no batch was seen in the slice (``batches_seen``): a loader tpkit does not
+#: see (a torchdata.nodes Loader, a generator) waits inside ``other``. A loop spending 71% of
+#: each step in such a loader's next() had read "Python between phases, logging, .item() syncs".
+UNSEEN_LOADER = "no loader was seen (data_wait 0, no batch counted), so other may be waiting for data"
+WATCH_IT = "wrap the loader in tp.watch(...)"
+
+
+def batches_seen(steps: pd.DataFrame) -> bool:
+    """Whether the slice saw any batch: a wait for one or a sample counted in some step."""
+    return steps.empty or float(steps["data_wait_s"].sum()) > 0 or int(steps["samples"].sum()) > 0
+
+
+def verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
     """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
     Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only.
+    ``seen``: whether any batch was seen (``batches_seen``); if not, the advice says so.
 
     What interrupts training inside the slice (evaluation, ``eval_s``; checkpoints written,
     ``save_s``) is judged first, the larger first; below its bound the other rules judge
@@ -154,9 +167,9 @@ def verdict(shares: dict[str, float]) -> Verdict:
                             f"the other shares are of training and {others} together")
     away = sum(share for share, _ in breaks)
     if away <= 0.0:
-        return _training_verdict(shares)
+        return _training_verdict(shares, seen)
     training = {c: v / (1 - away) for c, v in shares.items() if c not in INTERRUPTIONS}
-    v = _training_verdict(training)
+    v = _training_verdict(training, seen)
     if v.kind == "no-steps":
         return v
     evidence = v.evidence.replace("of step time", "of training time")
@@ -164,7 +177,7 @@ def verdict(shares: dict[str, float]) -> Verdict:
     return _verdict(v.kind, f"{evidence} ({left} of the step left out)", v.advice)
 
 
-def _training_verdict(shares: dict[str, float]) -> Verdict:
+def _training_verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
     """The verdict's rules for training time."""
     data = shares.get("data_wait_s", 0.0)
     compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
@@ -190,12 +203,13 @@ def _training_verdict(shares: dict[str, float]) -> Verdict:
                         "AveragedModel averages with foreach kernels given multi_avg_fn=get_ema_multi_avg_fn())")
     if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
         return _verdict("overhead-bound", f"{shares['other_s']:.0%} of step time is outside every known phase",
-                        "Python between phases, logging, .item() syncs")
+                        "Python between phases, logging, .item() syncs" if seen else
+                        f"{UNSEEN_LOADER}: {WATCH_IT}; else Python between phases, logging, .item() syncs")
     if data >= INPUT_LIMITED:
         return _verdict("input-limited", f"data wait is {data:.0%} of step time (forward+backward {compute:.0%})",
                         "the loader almost keeps up: more workers are worth a try")
     return _verdict("compute-bound", f"forward+backward take {compute:.0%} of step time",
-                    "the input pipeline keeps up")
+                    "the input pipeline keeps up" if seen else f"{UNSEEN_LOADER}: {WATCH_IT} to time it")
 
 
 def _clock_rows(clocks: dict) -> list[tuple]:
@@ -251,7 +265,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         step_p95_s=float(np.percentile(dur, 95)) if dur.size else float("nan"),
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
-        verdict=verdict(shares),
+        verdict=verdict(shares, batches_seen(steps)),
         notes=list(meta.get("notes", [])),
     )
     first = first_step_note(m, out.warmup_steps)

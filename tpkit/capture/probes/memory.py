@@ -83,6 +83,7 @@ import contextlib
 import operator
 import os
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from threading import get_ident
 from time import perf_counter_ns
@@ -443,8 +444,14 @@ _BUFFER = "buffer"
 _OWN = "tpkit"
 
 
+#: Values with no tensor inside: skipped before the (slower) ``Mapping`` check.
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+
+
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
-    """Tensors in a (nested) batch or optimizer-state value, bounded in depth."""
+    """Tensors in a (nested) batch or optimizer-state value, bounded in depth. A ``Mapping``
+    that is no dict is walked too: HF's ``BatchEncoding`` (a ``UserDict``, what
+    ``DataCollatorWithPadding`` returns), whose bytes had read ``other``, ``data`` 0."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4:
@@ -454,24 +461,29 @@ def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 yield from _tensors(v, depth + 1)
+        elif type(obj) not in _PLAIN and isinstance(obj, Mapping):
+            for v in obj.values():
+                yield from _tensors(v, depth + 1)
 
 
 def _batch_tensors(batch: Any) -> list[torch.Tensor]:
     """``list(_tensors(batch))``, without a generator for a tensor or a flat dict, list or
-    tuple of tensors (what loaders hand out)."""
+    tuple of tensors (what loaders hand out), or a flat ``Mapping`` of them (``_tensors``)."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, dict):
         values: Iterable[Any] = batch.values()
     elif isinstance(batch, (list, tuple)):
         values = batch
+    elif isinstance(batch, Mapping):
+        values = batch.values()
     else:
         return []
     out: list[torch.Tensor] = []
     for v in values:
         if isinstance(v, torch.Tensor):
             out.append(v)
-        elif isinstance(v, (dict, list, tuple)):
+        elif type(v) not in _PLAIN:
             out += _tensors(v, 1)
     return out
 

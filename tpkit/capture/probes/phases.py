@@ -13,8 +13,9 @@ What is hooked, and why this way:
   ``Module.zero_grad``. The post hook of the *lead* optimizer (the first one that steps)
   ends a step, unless the user marks steps with ``tp.step()``.
 - data_wait: ``__next__`` of torch's DataLoader iterators and ``DataLoader.__iter__`` (where
-  workers start); tpkit's loader and ``tp.watch`` report themselves. The batch's leading
-  dimension counts the step's samples (``batch_size_of``).
+  workers start; torchdata's ``StatefulDataLoader`` too, ``_LOADER_STARTS``); tpkit's loader
+  and ``tp.watch`` report themselves. The batch's leading dimension counts the step's samples
+  (``batch_size_of``).
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
 - save: ``torch.save`` and the frameworks' checkpoint writers (``_SAVERS``); eval: a trainer's whole
   evaluation (``_EVALUATORS``), besides the evaluation calls told apart after the slice; weight
@@ -131,6 +132,19 @@ _AVERAGERS: tuple[tuple[str, str, str], ...] = (
 _COMPILED_STEPS: tuple[tuple[str, str, str], ...] = (
     ("lightning.pytorch.strategies.strategy", "Strategy", "training_step"),
     ("pytorch_lightning.strategies.strategy", "Strategy", "training_step"),
+)
+
+#: DataLoader subclasses that replace what the probe wraps on torch's, as ``_SAVERS`` (patched
+#: only if the loop imported them): torchdata's ``StatefulDataLoader.__iter__`` never calls
+#: ``DataLoader.__iter__`` (its workers start there each epoch), and its multiprocessing iterator
+#: has a ``_shutdown_workers`` of its own. Without them a 2-worker StatefulDataLoader's start-up
+#: read other: data_wait 304 ms of 687 over a slice, other 388 ms.
+_LOADER_STARTS: tuple[tuple[str, str, str], ...] = (
+    ("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader", "__iter__"),
+)
+_LOADER_SHUTDOWNS: tuple[tuple[str, str, str], ...] = (
+    ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter",
+     "_shutdown_workers"),
 )
 
 #: Lightning's batch fetcher, which reads one batch ahead over a loader with no length.
@@ -554,6 +568,9 @@ class PhaseProbe:
             if callable(shutdown):
                 self._patched.set(_dl._MultiProcessingDataLoaderIter, "_shutdown_workers",
                                   self._wrap_whole(shutdown, "data_wait", "DataLoader._shutdown_workers"))
+            self._patch_each(_LOADER_STARTS, lambda fn, module, owner, attr: self._wrap_iter(fn, owner))
+            self._patch_each(_LOADER_SHUTDOWNS, lambda fn, module, owner, attr:
+                             self._wrap_whole(fn, "data_wait", f"{owner}.{attr}"))
             if has_accelerator():
                 self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
                 self._patched.set(torch.Tensor, "cuda", self._wrap_h2d(torch.Tensor.cuda, "Tensor.cuda", always=True))
@@ -1144,11 +1161,14 @@ class PhaseProbe:
         """A call in the loop's thread that is ``phase`` as a whole: a checkpoint written
         (``torch.save``, a trainer's save: counted as ``other`` it had made a Trainer saving every
         few steps read OVERHEAD-BOUND, with advice about Python and logging), or a trainer's
-        evaluation (its metrics had been ``other`` too)."""
+        evaluation (its metrics had been ``other`` too). Inside a wait for data it is that wait's:
+        tpkit's loader pickles a batch it cannot lay out in shared memory (a dataclass), and a
+        tensor pickles through ``torch.save`` (44.5 ms of a 1354.7 ms wait had read as saving)."""
         rec = self.rec
 
         def whole(*args: Any, **kwargs: Any) -> Any:
-            if _compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase):
+            if (_compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase)
+                    or rec.is_open("data_wait")):
                 return fn(*args, **kwargs)
             token = rec.enter(phase, source)
             try:
@@ -1332,18 +1352,37 @@ def _graph_breaks() -> int:
 
 def watch(iterable: Any, name: str = "watch") -> Any:
     """Time ``next()`` on any iterable as ``data_wait`` while a slice runs; free otherwise.
+    Its ``iter()``, where a loader starts its pipeline each epoch, is ``data_wait`` too, as a
+    DataLoader's (``_wrap_iter``; a torchdata.nodes Loader's ~50 ms each epoch had been other).
 
     >>> for batch in tp.watch(my_generator()): ...
     """
-    return _timed_iter(iter(iterable), name)
+    rec = _loop_reading()
+    if rec is None:
+        return _timed_iter(iter(iterable), name)
+    token = rec.enter("data_wait", f"{name}.__iter__")
+    try:
+        it = iter(iterable)
+    finally:
+        rec.exit(token)
+    return _timed_iter(it, name)
+
+
+def _loop_reading() -> Recorder | None:
+    """The active slice's recorder where a read in this thread is the loop's own wait for data
+    (not another thread's, not inside a wait already open); None otherwise."""
+    from ..recorder import active
+
+    rec = active()
+    if rec is None or threading.get_ident() != rec.thread_id or rec.is_open("data_wait"):
+        return None
+    return rec
 
 
 def _timed_iter(it: Any, name: str) -> Any:
-    from ..recorder import active
-
     while True:
-        rec = active()
-        if rec is None or threading.get_ident() != rec.thread_id or rec.is_open("data_wait"):
+        rec = _loop_reading()
+        if rec is None:
             try:
                 item = next(it)
             except StopIteration:
