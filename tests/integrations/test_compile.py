@@ -187,13 +187,13 @@ def test_aot_eager_compiles_no_graph_of_tpkits():
     assert _graphs_of_a_model_with_a_break(profile=True) == _graphs_of_a_model_with_a_break(profile=False)
 
 
-@pytest.mark.parametrize("update", ["compiled", "by hand"])
-def test_an_update_no_optimizer_hook_sees_ends_the_step(update):
+@pytest.mark.parametrize("update, watched", [("compiled", False), ("by hand", False), ("compiled", True)])
+def test_an_update_no_optimizer_hook_sees_ends_the_step(update, watched):
     """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe): dynamo compiles torch's
     step hooks away, and tpkit had recorded no step and never ended the slice (the loop ran all
     its batches). A step ends at the loop's next batch after the parameters changed; losses
     are the loop's, the slice stops after its steps, the run says so. An SGD update written by hand
-    (no optimizer at all) ends its steps the same way."""
+    (no optimizer at all) ends its steps the same way, and so does a loop over a watched source."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -215,8 +215,9 @@ def test_an_update_no_optimizer_hook_sees_ends_the_step(update):
     F.mse_loss(model(x0), y0).backward()
     update_()  # compiled before the slice
     losses, updates = [], 0
+    batches = tp.watch(b for b in loader) if watched else loader  # (a generator: only tp.watch sees it)
     with tp.profile(steps=STEPS, warmup=WARMUP, name="unseen", progress=False, clock_hz=0) as prof:
-        for x, y in loader:
+        for x, y in batches:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             losses.append(loss.item())

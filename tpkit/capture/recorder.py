@@ -107,6 +107,9 @@ class Recorder:
         # set while such a reset waits: a batch handed out first makes it a new iteration whose
         # update the loop skipped, not a second pass (phases.LossSums.reset)
         self.batch_after_reset: Any = None
+        # the phase probe's, called before a loader tpkit sees reads a batch (an update no
+        # optimizer hook saw may end the step there: phases.PhaseProbe._unseen_update)
+        self.batch_coming: Callable[[], None] | None = None
         self.skipped_iterations: dict[int, int] = {}  # raw step -> iterations in it with no update
         self.unscalar_backwards = 0  # backward() of what is no loss: a tensor of several elements, weighted ones
         self.optimizer_count = 0  # distinct optimizers that stepped

@@ -542,6 +542,7 @@ class PhaseProbe:
         if self.installed:
             return self
         self.installed = True
+        self.rec.batch_coming = self._batch_coming
         try:
             why = module_calls.take(self, self._outer_call, self._patched)
             if why is not None:
@@ -619,6 +620,8 @@ class PhaseProbe:
             skip_unit_rescale()
         self._scaled = None
         self.installed = False
+        if self.rec.batch_coming == self._batch_coming:
+            self.rec.batch_coming = None
 
     def claim_parts(self) -> None:
         """After the slice: a part of a trained model called on its own without grad is the trained
@@ -921,6 +924,10 @@ class PhaseProbe:
                         self._sentinels.append(weakref.ref(first))
         self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
 
+    def _batch_coming(self) -> None:
+        if self._versions_at_backward is not None:
+            self._unseen_update()
+
     def _unseen_update(self) -> None:
         """Before the loop's next batch: the parameters changed since the last backward with no
         optimizer.step() seen (dynamo inlines torch's step hooks into a ``torch.compile``'d step,
@@ -1142,7 +1149,7 @@ class PhaseProbe:
             tid = threading.get_ident()
             if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(it)
-            if probe._versions_at_backward is not None:
+            if probe._versions_at_backward is not None:  # (_batch_coming, inlined)
                 probe._unseen_update()
             probe._worked = True  # a batch read: a new iteration (see _opt_post)
             token = rec.enter("data_wait", source)
@@ -1388,6 +1395,8 @@ def _timed_iter(it: Any, name: str) -> Any:
             except StopIteration:
                 return
         else:
+            if rec.batch_coming is not None:
+                rec.batch_coming()
             token = rec.enter("data_wait", name)
             try:
                 item = next(it)
