@@ -323,7 +323,7 @@ class Profile:
             meta.update(complete=False, stopped_by=how, error=f"{type(exc).__name__}: {exc}")
             rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
                      "the Run holds what was recorded")
-        if done == 0 and not any(getattr(p, "foreign_steps", None) for p in self._removed):  # else the probe says why
+        if done == 0 and not any(isinstance(p, PhaseProbe) and p.says_why_no_step() for p in self._removed):
             rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
                      "without an optimizer, call tp.step() at the end of each iteration")
         if self.warmup_steps is None and done:
