@@ -13,10 +13,13 @@ import os
 from pathlib import Path
 
 import pytest
-from lightning_launch_worker import MAX_STEPS
+from lightning_launch_worker import MAX_STEPS, STEPS
 from ranks_launch import python_script
 
 pytest.importorskip("lightning")
+
+
+RANKS_WARMUP = 5
 
 
 def _facts(out: Path, prefix: str) -> list[dict]:
@@ -47,3 +50,22 @@ def test_ranks_lightning_starts_in_processes_of_its_own_train_as_without_tpkit(s
     assert not any("tp.step()" in n for n in run["notes"]), run["notes"]
     assert _shm() <= shm  # (the launch's processes are checked gone by python_script)
 
+
+def test_warmup_auto_with_a_process_group_made_inside_fit_is_a_fixed_warmup_on_every_rank(tmp_path):
+    """``strategy="ddp"`` from a script: Lightning runs it again for rank 1 and makes the process
+    group inside ``fit``, after the slice started, where tpkit refuses ``warmup="auto"`` had not
+    looked. Each rank had settled after its own count (11 and 12 steps here, rank 1's first steps
+    jittering), stopped at its own step, and rank 0 died with gloo's "Connection closed by peer".
+    Now every rank takes the same fixed warmup once the group is up (5 steps,
+    tpkit.capture.slice.RANKS_WARMUP), and both stop at its end."""
+    python_script("lightning_launch_worker.py", str(tmp_path), "ddp", "auto", timeout_s=150)
+    trained = _facts(tmp_path, "trained")
+    assert sorted(t["rank"] for t in trained) == [0, 1]
+    assert all(t["global_step"] == RANKS_WARMUP + STEPS == len(t["losses"]) for t in trained), trained
+    runs = _facts(tmp_path, "run")
+    assert len(runs) == 2
+    for run in runs:
+        assert run["steps"] == RANKS_WARMUP + STEPS and run["warmup"] == RANKS_WARMUP, run
+        assert run["global_step"] == RANKS_WARMUP + STEPS < MAX_STEPS
+        assert any(n.startswith("warmup auto: not used, as the process group came up inside the slice with 2 ranks")
+                   for n in run["notes"]), run["notes"]
