@@ -336,6 +336,29 @@ def test_a_fit_that_ends_before_the_slice_is_full_is_said_to_have_stopped_by_its
                             "callback) after 4 steps, before the slice was full") for n in run.meta["notes"])
 
 
+def test_a_validation_after_the_last_step_is_in_no_step_and_not_said_to_be():
+    """``max_epochs=1`` with fewer batches than the slice: Lightning validates at the epoch's end,
+    after the last step, so no step holds any of it. The run had still noted "evaluation ran inside
+    the slice: 0 call(s) ... 0.000 s in all", and ``meta["evaluation"]`` read all zeros. Truth:
+    Lightning's own count of steps and of validations, and where they ran."""
+    torch.manual_seed(0)
+    model, record, validations = Validating(), Record(), Validations()
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[record, validations],
+                        num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(4 * BATCH)),
+                                         batch_size=BATCH)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * BATCH)), batch_size=BATCH)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-last-validation", progress=False, clock_hz=0) as prof:
+        trainer.fit(model, loader, val)
+    run = prof.run
+    assert trainer.global_step == 4 == len(run.steps) < STEPS + WARMUP
+    assert validations.at == [4]  # after the 4th and last step
+    assert run.steps["eval_s"].sum() == 0
+    assert "evaluation" not in run.meta
+    assert not any(n.startswith("evaluation ran inside the slice") for n in run.meta["notes"]), run.meta["notes"]
+
+
 def test_steps_marked_with_tp_step_in_a_callback_end_the_fit_as_max_steps_would():
     """``tp.step()`` in ``on_train_batch_end``: Lightning has counted the step by then, so the fit
     stops after exactly the slice's steps (one more had been trained, and StopSlice then
