@@ -336,6 +336,29 @@ def test_a_fit_that_ends_before_the_slice_is_full_is_said_to_have_stopped_by_its
                             "callback) after 4 steps, before the slice was full") for n in run.meta["notes"])
 
 
+def test_a_validation_after_the_last_step_is_in_no_step_and_not_said_to_be():
+    """``max_epochs=1`` with fewer batches than the slice: Lightning validates at the epoch's end,
+    after the last step, so no step holds any of it. The run had still noted "evaluation ran inside
+    the slice: 0 call(s) ... 0.000 s in all", and ``meta["evaluation"]`` read all zeros. Truth:
+    Lightning's own count of steps and of validations, and where they ran."""
+    torch.manual_seed(0)
+    model, record, validations = Validating(), Record(), Validations()
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[record, validations],
+                        num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(4 * BATCH)),
+                                         batch_size=BATCH)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * BATCH)), batch_size=BATCH)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-last-validation", progress=False, clock_hz=0) as prof:
+        trainer.fit(model, loader, val)
+    run = prof.run
+    assert trainer.global_step == 4 == len(run.steps) < STEPS + WARMUP
+    assert validations.at == [4]  # after the 4th and last step
+    assert run.steps["eval_s"].sum() == 0
+    assert "evaluation" not in run.meta
+    assert not any(n.startswith("evaluation ran inside the slice") for n in run.meta["notes"]), run.meta["notes"]
+
+
 def test_steps_marked_with_tp_step_in_a_callback_end_the_fit_as_max_steps_would():
     """``tp.step()`` in ``on_train_batch_end``: Lightning has counted the step by then, so the fit
     stops after exactly the slice's steps (one more had been trained, and StopSlice then
@@ -453,6 +476,39 @@ def test_gradient_clipping_is_optimizer_time(where, monkeypatch):
                 opt.zero_grad()
     assert known.calls["optimizer"] >= 2 * (STEPS + WARMUP)  # the optimizer's sleeps and the clips'
     truth.assert_phases(prof.run, known, phases=("optimizer",))
+
+
+class OwnClipping(Model):
+    """A ``configure_gradient_clipping`` override with known work (20 ms a call), which then
+    clips through Lightning (``self.clip_gradients``) or does not clip at all."""
+
+    def __init__(self, clips: bool) -> None:
+        super().__init__()
+        self.clips = clips
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,  # noqa: ANN001
+                                    gradient_clip_algorithm=None) -> None:  # noqa: ANN001
+        with truth.timed("optimizer"):
+            time.sleep(0.02)
+        if self.clips:
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("clips", [True, False], ids=["clips", "only-its-own-work"])
+def test_an_overridden_configure_gradient_clipping_is_optimizer_time(clips):
+    """Lightning calls the module's ``configure_gradient_clipping`` inside the closure it passes to
+    ``optimizer.step``, after backward: the whole hook is the update's (it had been other: optimizer
+    read 81-86 ms of 233-240, other 23-26 ms a step against 2.5). Truth: the hook's known sleep and
+    the optimizer's."""
+    trainer, _, loader, record = make(max_steps=40)
+    torch.manual_seed(0)
+    model = OwnClipping(clips)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-own-clip", progress=False, clock_hz=0) as prof, \
+            truth.TRUTH.recording() as known:
+        trainer.fit(model, loader)
+    assert known.calls["optimizer"] == 2 * (STEPS + WARMUP)  # the optimizer's sleeps and the hook's
+    truth.assert_phases(prof.run, known, phases=("optimizer", "forward", "backward"))
+    truth.assert_losses(prof.run.steps["loss"].tolist(), record.losses[:STEPS + WARMUP])
 
 
 @torch.library.custom_op("tpkit_test::sleep_forward", mutates_args=())

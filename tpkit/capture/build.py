@@ -179,9 +179,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
             "over a loader replays the batches it kept; a cache or a generator not wrapped in tp.watch hands "
             "them over unseen): their samples are 0, so samples/s reads low; wrap the source in tp.watch(...) "
             "or give samples_per_step=N")
-    if ev:
+    eval_s = float(steps["eval_s"].sum())
+    if ev and evaluation.in_rows(ev, eval_s):
         full_meta["evaluation"] = evaluation.describe(ev)
-        full_meta["notes"].append(evaluation.note(ev, float(steps["eval_s"].sum())))
+        full_meta["notes"].append(evaluation.note(ev, eval_s))
     return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
 
 

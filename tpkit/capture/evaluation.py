@@ -236,6 +236,13 @@ def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> 
     return out
 
 
+def in_rows(split_: EvalSplit, eval_s: float) -> bool:
+    """Whether any of the evaluation is in the rows' steps (``eval_s``: their eval time). One that
+    ran after the last step (Lightning's at the end of an epoch that ended the loop) is in none:
+    the run had noted "0 call(s) ... 0.000 s in all" of it, and ``meta["evaluation"]`` all zeros."""
+    return bool(split_.model_calls or split_.helper_calls or split_.batches or split_.runs or eval_s > 0)
+
+
 def note(split_: EvalSplit, eval_s: float) -> str:
     """The run's note on what was counted as evaluation."""
     samples = _counted_samples(split_)

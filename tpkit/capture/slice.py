@@ -35,6 +35,11 @@ from .probes.phases import PhaseProbe
 #: ``--warmup auto`` gives up waiting for step times to settle after this many steps.
 WARMUP_AUTO_CAP = 20
 
+#: The warmup every rank takes where ``warmup="auto"`` finds a process group of several ranks only
+#: after the slice started (Lightning's ``strategy="ddp"`` run from a script makes it inside
+#: ``fit``): the same count on every rank, so that all stop at the same step.
+RANKS_WARMUP = 5
+
 _LAST_RUN: Run | None = None
 
 
@@ -116,9 +121,7 @@ class Profile:
                 "inside another. Let the running one finish, or interrupt it, then start again.")
         cfg = self.config
         if cfg.warmup == "auto" and cfg.stop:
-            from .ranks import rank_meta
-
-            world = int(rank_meta().get("world_size") or 1)
+            world = _world_size()
             if world > 1:  # each rank would settle after its own count and stop alone: the others hang
                 raise TpkitError(
                     f"warmup='auto' is decided by each rank on its own step times, so the {world} ranks of "
@@ -223,20 +226,32 @@ class Profile:
         self._last_end_ns = end_ns
         if self.warmup_steps is None:  # --warmup auto
             done = len(self._durations)
-            if settled(self._durations) or done >= WARMUP_AUTO_CAP:
-                self.warmup_steps = done
+            # a process group may have come up since the slice started (checked only while undecided)
+            world = _world_size() if cfg.stop else 1
+            if world > 1:
+                self._decide_warmup(max(done, RANKS_WARMUP), (
+                    f"warmup auto: not used, as the process group came up inside the slice with {world} ranks "
+                    "(each rank would settle after its own count and stop at a different step, leaving the "
+                    f"others waiting in a collective): every rank took a fixed warmup of "
+                    f"{max(done, RANKS_WARMUP)} steps; give warmup=N, the same on every rank, to choose it"))
+            elif settled(self._durations) or done >= WARMUP_AUTO_CAP:
                 how = "step times settled" if done < WARMUP_AUTO_CAP else "cap reached before step times settled"
-                if self.rec is not None:
-                    self.rec.note(f"warmup auto: ended after {done} steps ({how})")
-                if self._bar is not None:
-                    self._bar.total = done + cfg.steps
-                    self._bar.refresh()
+                self._decide_warmup(done, f"warmup auto: ended after {done} steps ({how})")
         if self._bar is not None:
             self._bar.update(1)
         for fn in self.on_step:
             fn(raw_step)
         if cfg.stop and self.warmup_steps is not None and raw_step + 1 >= self.warmup_steps + cfg.steps:
             self._stop(raw_step)
+
+    def _decide_warmup(self, steps: int, note: str) -> None:
+        """``--warmup auto`` is decided: ``steps`` warmup steps, and the run says how."""
+        self.warmup_steps = steps
+        if self.rec is not None:
+            self.rec.note(note)
+        if self._bar is not None:
+            self._bar.total = steps + self.config.steps
+            self._bar.refresh()
 
     def _stop(self, raw_step: int) -> None:
         """The slice is full: a trainer tpkit recognised ends through its own stop switch
@@ -323,7 +338,7 @@ class Profile:
             meta.update(complete=False, stopped_by=how, error=f"{type(exc).__name__}: {exc}")
             rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
                      "the Run holds what was recorded")
-        if done == 0 and not any(getattr(p, "foreign_steps", None) for p in self._removed):  # else the probe says why
+        if done == 0 and not any(isinstance(p, PhaseProbe) and p.says_why_no_step() for p in self._removed):
             rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
                      "without an optimizer, call tp.step() at the end of each iteration")
         if self.warmup_steps is None and done:
@@ -359,6 +374,14 @@ class Profile:
 
         autosave(self.run)  # never raises; a failure is noted on the run
         _LAST_RUN = self.run
+
+
+def _world_size() -> int:
+    """Ranks of this process's launch (1 outside one): its process group's, else the launcher's
+    environment."""
+    from .ranks import rank_meta
+
+    return int(rank_meta().get("world_size") or 1)
 
 
 def _optional_probes(rec: _rec.Recorder, cfg: SliceConfig) -> Iterator[Any]:

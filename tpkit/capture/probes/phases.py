@@ -123,6 +123,10 @@ _AVERAGERS: tuple[tuple[str, str, str], ...] = (
     # clip_grad_norm_ by name before the slice (from torch.nn.utils import ...) calls them too
     ("torch.nn.utils.clip_grad", "", "_get_total_norm"),
     ("torch.nn.utils.clip_grad", "", "_clip_grads_with_norm_"),
+    # Lightning's call of the module's configure_gradient_clipping hook, whole (in its closure,
+    # after backward): an override's own work had been other (81 of 233 ms read optimizer)
+    ("lightning.pytorch.plugins.precision.precision", "Precision", "_clip_gradients"),
+    ("pytorch_lightning.plugins.precision.precision", "Precision", "_clip_gradients"),
 )
 
 #: Lightning's training step, where the LightningModule was compiled whole
@@ -184,6 +188,18 @@ _SEARCHES: tuple[tuple[str, str, str], ...] = (
     ("pytorch_lightning.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
     ("lightning.pytorch.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
     ("pytorch_lightning.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
+)
+
+#: Lightning's launcher of the processes that train (``strategy="ddp_spawn"``, ``"ddp_fork"`` and
+#: ``"ddp_notebook"``; Fabric's alike): tpkit profiles only its own process, so the probes are
+#: paused while it runs. Forked workers had inherited the live probes: each recorded the slice's
+#: steps and stopped its fit there (global_step 7 of 40), and their runs were never kept; the
+#: parent's run read 0 steps with the advice to call tp.step().
+_LAUNCHERS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+    ("pytorch_lightning.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+    ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+    ("lightning_fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
 )
 
 #: Where a trainer evaluates, as ``_SAVERS``: each call is an ``eval`` span, whole (metrics,
@@ -503,7 +519,8 @@ class PhaseProbe:
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
-        self._paused = False  # a trainer's own search runs (``_SEARCHES``): the loop is not followed
+        self._paused = False  # a trainer's search or launcher runs (``_SEARCHES``, ``_LAUNCHERS``): the loop is not followed
+        self.launches = 0  # Lightning's launches of processes that train (``_LAUNCHERS``)
         self._run_optimizers: set[int] = set()  # those that stepped in this run of a trainer (or the loop)
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self.most_optimizers = 0  # the most that stepped in one run
@@ -595,7 +612,9 @@ class PhaseProbe:
             self._patch_each(_COMPILED_STEPS, lambda fn, *_: self._wrap_compiled_step(fn))
             self._patch_each(_TRAINER_RUNS, lambda fn, *_: self._wrap_trainer_run(fn))
             self._patch_each(_SEARCHES, lambda fn, module, owner, attr:
-                             self._wrap_unprofiled(fn, f"{module.split('.')[0]}'s {attr}"))
+                             self._wrap_unprofiled(fn, self._search_note(f"{module.split('.')[0]}'s {attr}")))
+            self._patch_each(_LAUNCHERS, lambda fn, module, *_:
+                             self._wrap_unprofiled(fn, self._launch_note(module.split(".")[0])))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
             self._patched.set(scaler, "step", self._wrap_scaler_step(scaler.step, scaler.update))
@@ -635,6 +654,11 @@ class PhaseProbe:
         for model in self.models.live():
             if id(model) in rec.trained_modules:
                 rec.trained_modules.update(id(m) for m in model.modules() if id(m) in alone)
+
+    def says_why_no_step(self) -> bool:
+        """Whether the run's notes already say why a slice recorded no step (the loop trained in
+        another thread, or in processes Lightning launched): no advice to call ``tp.step()``."""
+        return bool(self.foreign_steps or self.launches)
 
     def notes(self) -> list[str]:
         """What the loop did that changes how its numbers read (for ``run.meta["notes"]``)."""
@@ -1277,10 +1301,10 @@ class PhaseProbe:
 
         return functools.update_wrapper(join, fn)
 
-    def _wrap_unprofiled(self, fn: Any, what: str) -> Any:
-        """A search of the trainer's own (``_SEARCHES``): the probes ignore the loop while it runs,
-        so its steps are none of the slice's and no stop ends it; its time is ``other`` of the
-        step it falls in, and the run's notes say so."""
+    def _wrap_unprofiled(self, fn: Any, note: Callable[[tuple, float], str]) -> Any:
+        """A call during which the probes ignore the loop (``_SEARCHES``, ``_LAUNCHERS``): its steps
+        are none of the slice's and no stop ends it; a process forked inside it inherits the probes
+        paused. Afterwards the run's notes say ``note(args, seconds)``."""
         rec, probe = self.rec, self
 
         def unprofiled(*args: Any, **kwargs: Any) -> Any:
@@ -1294,11 +1318,30 @@ class PhaseProbe:
             finally:
                 rec.thread_id = tid
                 probe._paused = False
-                rec.note(f"{what} ran inside the slice ({(perf_counter_ns() - t0) / 1e9:.3f} s), unprofiled: its "
-                         "training steps search a setting and are none of the slice's; its time is other of "
-                         f"the slice's step {rec.step_index + 1}, warmup steps counted")
+                rec.note(note(args, (perf_counter_ns() - t0) / 1e9))
 
         return functools.update_wrapper(unprofiled, fn)
+
+    def _search_note(self, what: str) -> Callable[[tuple, float], str]:
+        """What a trainer's search (``_SEARCHES``) is in the run: its time is ``other`` of the step it falls in."""
+        rec = self.rec
+        return lambda _args, seconds: (
+            f"{what} ran inside the slice ({seconds:.3f} s), unprofiled: its training steps search a setting and "
+            f"are none of the slice's; its time is other of the slice's step {rec.step_index + 1}, warmup steps counted")
+
+    def _launch_note(self, package: str) -> Callable[[tuple, float], str]:
+        """What a launch of processes that train (``_LAUNCHERS``) is in the run."""
+        def note(args: tuple, seconds: float) -> str:
+            self.launches += 1
+            start = getattr(args[0], "_start_method", "spawn") if args else "spawn"
+            how = "forked" if start == "fork" else "started"
+            return (f"{package} ran the training in processes it {how} ({seconds:.3f} s; start method '{start}', as "
+                    "strategy='ddp_spawn', 'ddp_fork' or 'ddp_notebook' do), which tpkit does not profile: they trained as without "
+                    "tpkit, and this process recorded no step. To profile each rank, run the script with "
+                    "strategy='ddp' (Lightning starts the other ranks by running the script again) or under "
+                    "torchrun, each rank with the same fixed warmup (docs/MULTI_NODE.md)")
+
+        return note
 
     def _wrap_iter(self, fn: Any, source: str) -> Any:
         """``iter(loader)``: a DataLoader with workers starts them here (forks them, or resets
