@@ -4,6 +4,7 @@ mixed precision and no_grad; the CUDA boundary through a stand-in; analysis and 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import UserDict
 from types import SimpleNamespace
 from typing import Any
@@ -140,6 +141,29 @@ def test_a_mapping_batch_that_is_no_dict_is_data():
     with tp.profile(steps=3, warmup=1, progress=False, clocks=False) as prof:
         for batch in loader:
             model(batch["x"]).backward()
+            opt.step()
+            opt.zero_grad()
+    assert rows(prof.run, "forward", "exit", "data").tolist() == [B * D * 4] * 4
+
+
+@dataclasses.dataclass
+class Pair:
+    """A dataclass batch, as ``batch_size_of`` reads them."""
+
+    x: torch.Tensor
+    label: str = "a"
+
+
+def test_a_dataclass_batch_is_data():
+    """A dataclass batch's tensors are ``data`` to the byte (they had read other, data 0)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(torch.randn(20 * B, D), batch_size=B,
+                                         collate_fn=lambda xs: Pair(x=torch.stack(xs)))
+    with tp.profile(steps=3, warmup=1, progress=False, clocks=False) as prof:
+        for batch in loader:
+            model(batch.x).backward()
             opt.step()
             opt.zero_grad()
     assert rows(prof.run, "forward", "exit", "data").tolist() == [B * D * 4] * 4

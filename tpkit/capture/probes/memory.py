@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import operator
 import os
 import weakref
@@ -464,6 +465,14 @@ def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
         elif type(obj) not in _PLAIN and isinstance(obj, Mapping):
             for v in obj.values():
                 yield from _tensors(v, depth + 1)
+        elif _is_dataclass_instance(obj):
+            for f in dataclasses.fields(obj):
+                yield from _tensors(getattr(obj, f.name, None), depth + 1)
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    """A dataclass batch (``batch_size_of`` reads them): its tensors had read other, data 0 B."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def _batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -477,6 +486,8 @@ def _batch_tensors(batch: Any) -> list[torch.Tensor]:
         values = batch
     elif isinstance(batch, Mapping):
         values = batch.values()
+    elif _is_dataclass_instance(batch):
+        values = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]
     else:
         return []
     out: list[torch.Tensor] = []
