@@ -187,8 +187,9 @@ def test_aot_eager_compiles_no_graph_of_tpkits():
     assert _graphs_of_a_model_with_a_break(profile=True) == _graphs_of_a_model_with_a_break(profile=False)
 
 
-@pytest.mark.parametrize("update, watched", [("compiled", False), ("by hand", False), ("compiled", True)])
-def test_an_update_no_optimizer_hook_sees_ends_the_step(update, watched):
+@pytest.mark.parametrize("update, source", [("compiled", "DataLoader"), ("by hand", "DataLoader"),
+                                            ("compiled", "tp.watch"), ("compiled", "tp.data.Loader")])
+def test_an_update_no_optimizer_hook_sees_ends_the_step(update, source):
     """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe): dynamo compiles torch's
     step hooks away, and tpkit had recorded no step and never ended the slice (the loop ran all
     its batches). A step ends at the loop's next batch after the parameters changed; losses
@@ -215,7 +216,8 @@ def test_an_update_no_optimizer_hook_sees_ends_the_step(update, watched):
     F.mse_loss(model(x0), y0).backward()
     update_()  # compiled before the slice
     losses, updates = [], 0
-    batches = tp.watch(b for b in loader) if watched else loader  # (a generator: only tp.watch sees it)
+    batches = {"DataLoader": loader, "tp.watch": tp.watch(b for b in loader),  # (a generator: only tp.watch sees it)
+               "tp.data.Loader": tp.data.Loader(truth.Regression(), batch_size=8, num_workers=0)}[source]
     with tp.profile(steps=STEPS, warmup=WARMUP, name="unseen", progress=False, clock_hz=0) as prof:
         for x, y in batches:
             loss = F.mse_loss(model(x), y)
@@ -229,3 +231,25 @@ def test_an_update_no_optimizer_hook_sees_ends_the_step(update, watched):
     assert (run.steps["samples"] == 8).all()
     assert any(n.startswith(f"{STEPS + WARMUP} step(s) ended with no optimizer.step() tpkit saw run")
                for n in run.meta["notes"]), run.meta["notes"]
+
+
+def test_steps_marked_with_tp_step_around_an_update_by_hand():
+    """A loop with no optimizer marks its steps with ``tp.step()`` (the README's advice): each
+    iteration is one step, never a second, empty one for the update no hook saw."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8)
+    losses = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="marked", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+            tp.step()
+    assert len(losses) == STEPS + WARMUP
+    assert prof.run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
+    assert not any("no optimizer.step() tpkit saw" in n for n in prof.run.meta["notes"])

@@ -281,3 +281,24 @@ def test_auto_find_batch_size_trying_again_inside_the_slice(tmp_path):
     notes = run.meta["notes"]
     assert any("auto_find_batch_size trying again" in n for n in notes), notes
     assert not any("skipped" in n for n in notes), notes
+
+
+def test_a_locals_dict_the_loop_holds_is_left_as_it_is():
+    """Finding the trainer reads each frame's locals and empties the snapshot it leaves; a dict
+    the code itself holds (``config = locals()``: in Python 3.11 the very same dict) is never
+    emptied (it read {} after the slice)."""
+
+    class Experiment:
+        def run(self, lr: float = 0.01, epochs: int = 1) -> dict:
+            config = locals()
+            model = torch.nn.Linear(8, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            with tp.profile(steps=2, warmup=0, name="locals", progress=False, clock_hz=0):
+                for _ in range(5):
+                    model(torch.randn(4, 8)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            return config
+
+    config = Experiment().run()
+    assert config["lr"] == 0.01 and config["epochs"] == 1, config

@@ -178,7 +178,7 @@ def test_the_slice_drops_the_gradients_as_the_loop_does():
     (``set_to_none=False``, or ``p.grad.zero_()`` of its own) finds them zeroed, not None: its
     next ``p.grad.zero_()`` would raise on None."""
     torch.manual_seed(0)
-    for how in ("set_to_none=False", "p.grad.zero_()", "zero_grad()"):
+    for how in ("set_to_none=False", "p.grad.zero_()", "zero_grad()", "p.grad = None"):
         model = torch.nn.Linear(8, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with tp.profile(steps=STEPS, warmup=WARMUP, name="keep", progress=False, clock_hz=0) as prof:
@@ -190,24 +190,27 @@ def test_the_slice_drops_the_gradients_as_the_loop_does():
                 elif how == "p.grad.zero_()":
                     for p in model.parameters():
                         p.grad.zero_()
+                elif how == "p.grad = None":  # no zero_grad() at all: dropped by hand
+                    for p in model.parameters():
+                        p.grad = None
                 else:
                     opt.zero_grad()
         assert len(prof.run.steps) == N
-        if how == "zero_grad()":
+        if how in ("zero_grad()", "p.grad = None"):  # (zeroed in place, a copy of every gradient stayed alive)
             assert all(p.grad is None for p in model.parameters()), how
         else:
             assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), how
 
 
 def test_losses_backpropagated_together_are_the_steps_loss():
-    """``torch.autograd.backward([l1, l2])`` (and a tuple of one) backpropagates the sum of
+    """``torch.autograd.backward([l1, l2])`` (a tuple of one, a dict's values) backpropagates the sum of
     one-element tensors: that is the step's loss (it read NaN with no word). A per-sample loss
     vector with ``gradient=`` is no loss tpkit can read: those steps read NaN and the run says
     why."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for how in ("list", "tuple", "vector"):
+    for how in ("list", "tuple", "dict values", "vector"):
         logged = []
         with tp.profile(steps=STEPS, warmup=WARMUP, name=how, progress=False, clock_hz=0) as prof:
             for _ in range(N + 3):
@@ -216,6 +219,10 @@ def test_losses_backpropagated_together_are_the_steps_loss():
                     l1, l2 = out[:, 0].pow(2).mean(), out[:, 1].abs().mean()
                     logged.append(l1.item() + l2.item())
                     torch.autograd.backward([l1, l2])
+                elif how == "dict values":  # any iterable of tensors torch takes
+                    parts = {"a": out[:, 0].pow(2).mean(), "b": out[:, 1].abs().mean()}
+                    logged.append(sum(v.item() for v in parts.values()))
+                    torch.autograd.backward(parts.values())
                 elif how == "tuple":
                     loss = out.pow(2).mean()
                     logged.append(loss.item())

@@ -150,7 +150,9 @@ def frame_self(f: FrameType) -> Any:
     3.13's write-through proxy holds nothing and is left alone."""
     d = f.f_locals
     obj = d.get("self")
-    if type(d) is dict and f.f_code.co_flags & _CO_OPTIMIZED:
+    # (not a dict the code holds too: in 3.11 ``locals()`` returns this very dict; the frame's
+    # slot, ``d`` and getrefcount's argument are the 3 references of a snapshot no one holds)
+    if type(d) is dict and f.f_code.co_flags & _CO_OPTIMIZED and sys.getrefcount(d) <= 3:
         d.clear()
     return obj
 

@@ -516,6 +516,8 @@ class _LoaderIter:
             if pf is not None:
                 item = item._replace(batch=pf.finish(item.batch)[0])
         else:
+            if rec.batch_coming is not None and not rec.is_open("data_wait"):
+                rec.batch_coming()  # an update no optimizer hook saw ends its step here (may raise StopSlice)
             tok = None if rec.is_open("data_wait") else rec.enter("data_wait", "tpkit.data")
             try:
                 item = self._next_item()

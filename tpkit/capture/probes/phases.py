@@ -508,9 +508,11 @@ class PhaseProbe:
         self._closure_evals = 0  # closure calls in the current optimizer step
         self._opt_posts = 0  # optimizer post hooks seen (a GradScaler step without one was skipped)
         self._worked = False  # a forward, backward, zero_grad or batch since the last step ended
-        # the loop's last zero_grad(set_to_none=...); False until one is seen: a loop that zeroes
-        # its gradients itself (p.grad.zero_()) still has tensors to zero
-        self._grads_to_none = False
+        # the loop's last zero_grad(set_to_none=...); None until one is seen, and then whether
+        # a trained parameter's .grad was None when the last backward began (a loop that drops
+        # them by hand, p.grad = None, or zeroes them, p.grad.zero_())
+        self._grads_to_none: bool | None = None
+        self._none_before_backward = True
         self._ever_worked = False
         self._backward_seen = False
         self._read_ahead = 0  # > 0 while a read-ahead loader (accelerate) fetches its next batch
@@ -918,7 +920,8 @@ class PhaseProbe:
             # optimizer the loop steps (Muon's and AdamW's pair: the second had not stepped yet,
             # and its gradients were left in place).
             # As the loop drops them: a loop that keeps its gradient tensors
-            # (zero_grad(set_to_none=False), or p.grad.zero_() of its own) gets them zeroed.
+            # (zero_grad(set_to_none=False), or p.grad.zero_() of its own) gets them zeroed;
+            # one that sets them to None (zero_grad(), p.grad = None) gets None.
             # With no optimizer seen (an update compiled or by hand), the trained models'.
             owners: list[Any] = [o for o in (opt, *self._stepping.live()) if o is not None]
             if opt is None:
@@ -926,16 +929,29 @@ class PhaseProbe:
             for each in dict.fromkeys(owners):
                 zero_grad = type(each).zero_grad
                 try:
-                    getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=self._grads_to_none)
+                    getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=self._grads_to_none
+                                                                 if self._grads_to_none is not None
+                                                                 else self._none_before_backward)
                 except Exception:  # noqa: BLE001 - an optimizer's own zero_grad must not replace the stop
                     pass
             raise
 
     # -- updates no optimizer hook saw ------------------------------------------------------
+    def _first_grad_is_none(self) -> bool:
+        """Whether the first trained parameter's ``.grad`` is None (how a loop that calls no
+        zero_grad() drops its gradients), True where none is known."""
+        trained = self.rec.trained_modules
+        for model in self.models.live():
+            if id(model) in trained:
+                for p in model.parameters():
+                    if p.requires_grad:
+                        return p.grad is None
+        return True
+
     def _note_versions(self) -> None:
         """At a backward's exit: the version counters of the trained models' first parameters
         (an in-place update bumps them; a backward, a forward and zero_grad() do not)."""
-        if self.rec.explicit_steps:
+        if self.rec.explicit_steps or self._unseen is False:
             return
         if self._sentinel_models != len(self.models):
             self._sentinel_models = len(self.models)
@@ -949,7 +965,7 @@ class PhaseProbe:
         self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
 
     def _batch_coming(self) -> None:
-        if self._versions_at_backward is not None:
+        if self._versions_at_backward is not None and threading.get_ident() == self.rec.thread_id:
             self._unseen_update()
 
     def _unseen_update(self) -> None:
@@ -960,7 +976,7 @@ class PhaseProbe:
         slice never ended. Only at a batch: before it, a change may be no update (SAM perturbs the
         weights between its two passes on one batch, then steps)."""
         versions = self._versions_at_backward
-        if versions is None or self._opt_tokens or self._unseen is False:
+        if versions is None or self._opt_tokens or self._unseen is False or self.rec.explicit_steps:
             return
         now = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
         if now == versions:
@@ -1050,6 +1066,11 @@ class PhaseProbe:
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(tensors, *args, **kwargs)
             probe._worked = probe._ever_worked = probe._backward_seen = True
+            if not isinstance(tensors, (torch.Tensor, list, tuple)):
+                with contextlib.suppress(TypeError):  # (not iterable: torch says what is wrong)
+                    tensors = tuple(tensors)  # any iterable torch takes (dict.values()): read once, passed on
+            if probe._grads_to_none is None:
+                probe._none_before_backward = probe._first_grad_is_none()
             if probe._closure_depth == 0 or probe._closure_evals <= 1:
                 probe._add_losses(tensors, args, kwargs)
             token = rec.enter("backward", "autograd")
