@@ -144,7 +144,8 @@ class RankRuns:
             lines.append(self.uneven())
         mean = self.run.steps["loss"] if "loss" in self.run.steps else None
         if mean is not None and mean.notna().any():
-            lines.append(f"loss (the complete ranks' mean, as a data-parallel trainer logs it): first {mean.dropna().iloc[0]:.4f}, "
+            whose = "the complete ranks'" if len(self.incomplete) < len(self.runs) else "the ranks'"
+            lines.append(f"loss ({whose} mean, as a data-parallel trainer logs it): first {mean.dropna().iloc[0]:.4f}, "
                          f"last {mean.dropna().iloc[-1]:.4f}")
         return "\n".join(lines)
 

@@ -437,6 +437,31 @@ def test_an_evaluation_after_the_steps_batch_was_read(every):
     close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
 
 
+
+def test_a_batch_pseudo_labelled_in_eval_mode_every_step_is_training():
+    """Self-training (FixMatch written with ``model.eval()``): each step reads a labelled and an
+    unlabelled batch, the model labels the unlabelled one in eval mode without grad, then trains
+    on both. Every unlabelled batch has an evaluation call in its stretch, but none feeds
+    evaluation alone: it is training's (its samples and wait had been taken as evaluation's:
+    16 samples a step for 48)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    labelled, unlabelled = train_and_val()  # BATCH and EVAL_BATCH rows, both trained on here
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pseudo", progress=False, clock_hz=0) as prof:
+        for (xl, yl), (xu, _) in zip(labelled, unlabelled):
+            model.eval()
+            with torch.no_grad():
+                pseudo = model(xu)
+            model.train()
+            (F.mse_loss(model(xl), yl) + F.mse_loss(model(xu), pseudo)).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert (run.steps["samples"] == BATCH + EVAL_BATCH).all(), run.steps["samples"].tolist()
+    assert run.meta.get("evaluation", {}).get("batches", 0) == 0
+
+
 # -- Hugging Face Trainer -------------------------------------------------------------------
 transformers = truth.import_transformers()
 

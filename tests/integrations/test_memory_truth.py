@@ -336,3 +336,32 @@ def test_what_a_step_keeps_for_later_steps_is_not_their_activations():
     other = mem[(mem["phase"] == "forward") & (mem["event"] == "exit") & (mem["category"] == "other")
                 & (mem["step"] >= 0)].groupby("step")["bytes"].sum().tolist()
     assert [b - a for a, b in zip(other, other[1:])] == [512 * 128 * 4] * (STEPS - 1), other
+
+
+def test_a_gan_generators_graph_across_the_step_boundary_stays_activations():
+    """PyTorch's DCGAN order: ``fake = G(z)`` before D's ``step()`` (where tpkit's step ends),
+    G's backward through it after: G's graph made in one step is consumed by a backward in the
+    next. At that step's first forward what G's backward will free is activations (2 MiB), not
+    memory held across steps (the whole graph had moved to other at every step)."""
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 128))
+    D = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    oG, oD = torch.optim.SGD(G.parameters(), lr=0.01), torch.optim.SGD(D.parameters(), lr=0.01)
+    real, z = torch.randn(512, 128), torch.randn(512, 64)
+    with tp.profile(steps=4, warmup=1, name="gan", progress=False, clock_hz=0) as prof:
+        for _ in range(50):
+            D.zero_grad()
+            D(real).mean().backward()
+            fake = G(z)
+            (-D(fake.detach()).mean()).backward()
+            oD.step()
+            G.zero_grad()
+            D(fake).mean().backward()
+            oG.step()
+    m = prof.run.memory
+    enter = m[(m["phase"] == "forward") & (m["event"] == "enter") & (m["step"] >= 0)]
+    first = enter[enter["t_s"] == enter.groupby("step")["t_s"].transform("min")]
+    acts = first[first["category"] == "activations"].groupby("step")["bytes"].sum().tolist()
+    other = first[first["category"] == "other"].groupby("step")["bytes"].sum().tolist()
+    assert acts == [512 * 1024 * 4] * 4  # G's saved ReLU output, which its backward frees (it read 0)
+    assert other == [512 * 128 * 4] * 4  # fake, the loop's variable: made last step, held into this one

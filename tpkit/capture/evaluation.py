@@ -30,9 +30,10 @@ What is evaluation here:
   other forward: the wait for it is ``eval``, and its samples are not the step's. A batch that
   also feeds a training forward (targets made by the same model before its own forward) keeps
   its samples and its ``data_wait``, unless it comes from a source (an iterator, a dataset) every
-  batch of which had an evaluation call in its stretch while another source's did not: an
-  evaluation at the top of a step, after the step's batch was read, has its last batch's
-  stretch run on into that step's training forward. A batch read right after an evaluation's, from the same
+  batch of which had an evaluation call in its stretch, one of them alone, while another
+  source's did not: an evaluation at the top of a step, after the step's batch was read, has
+  its last batch's stretch run on into that step's training forward (a source pseudo-labelled
+  in eval mode and trained on in every step has no batch for evaluation alone: training). A batch read right after an evaluation's, from the same
   iterator, that holds no call at all (``if i == n: break`` at the top of an evaluation loop
   reads one more) is the evaluation's too.
 
@@ -164,10 +165,16 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     # forward, and that batch is the evaluation's too
     known = sources if sources is not None and len(sources) >= len(times) else []
     with_eval: dict[int, bool] = {}
+    eval_alone: set[int] = set()  # sources with a batch whose stretch held evaluation calls alone
     for k, source in enumerate(known[:len(times)]):
         if source:
             with_eval[source] = with_eval.get(source, True) and holds[k][0]
-    eval_sources = {s_ for s_, e in with_eval.items() if e} if not all(with_eval.values()) else set()
+            if holds[k][0] and not holds[k][1]:
+                eval_alone.add(source)
+    # ... and one of whose batches fed evaluation alone (an evaluation reads several in a row):
+    # a batch pseudo-labelled in eval mode in every step, then trained on, is training's
+    eval_sources = ({s_ for s_, e in with_eval.items() if e and s_ in eval_alone}
+                    if not all(with_eval.values()) else set())
     eval_batch: list[bool] = []
     for k, t in enumerate(times):
         has_eval, has_other = holds[k]

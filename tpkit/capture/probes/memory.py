@@ -84,7 +84,7 @@ import dataclasses
 import operator
 import os
 import weakref
-from collections.abc import Mapping
+from collections import UserDict
 from dataclasses import dataclass
 from threading import get_ident
 from time import perf_counter_ns
@@ -445,13 +445,13 @@ _BUFFER = "buffer"
 _OWN = "tpkit"
 
 
-#: Values with no tensor inside: skipped before the (slower) ``Mapping`` check.
+#: Values with no tensor inside: skipped before the (slower) ``UserDict`` check.
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
-    """Tensors in a (nested) batch or optimizer-state value, bounded in depth. A ``Mapping``
-    that is no dict is walked too: HF's ``BatchEncoding`` (a ``UserDict``, what
+    """Tensors in a (nested) batch or optimizer-state value, bounded in depth. A ``UserDict``
+    is walked too: HF's ``BatchEncoding`` (what
     ``DataCollatorWithPadding`` returns), whose bytes had read ``other``, ``data`` 0."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -462,7 +462,7 @@ def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 yield from _tensors(v, depth + 1)
-        elif type(obj) not in _PLAIN and isinstance(obj, Mapping):
+        elif type(obj) not in _PLAIN and isinstance(obj, UserDict):
             for v in obj.values():
                 yield from _tensors(v, depth + 1)
         elif _is_dataclass_instance(obj):
@@ -477,14 +477,15 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 def _batch_tensors(batch: Any) -> list[torch.Tensor]:
     """``list(_tensors(batch))``, without a generator for a tensor or a flat dict, list or
-    tuple of tensors (what loaders hand out), or a flat ``Mapping`` of them (``_tensors``)."""
+    tuple of tensors (what loaders hand out), or a flat ``UserDict`` of them (``_tensors``). Not
+    any ``Mapping``: a lazy one (a datasets ``LazyBatch``) would format or stack at each read."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, dict):
         values: Iterable[Any] = batch.values()
     elif isinstance(batch, (list, tuple)):
         values = batch
-    elif isinstance(batch, Mapping):
+    elif isinstance(batch, UserDict):
         values = batch.values()
     elif _is_dataclass_instance(batch):
         values = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]
@@ -1233,6 +1234,7 @@ class MemoryProbe:
         slot_of: dict[int, int] = {}  # gradient block -> its parameter's slot
         outside_data: dict[int, int] = {}  # batch blocks not in the stream -> their address
         freed_at: dict[int, int] = {}  # block -> position of its free
+        freed_in_backward: set[int] = set()  # blocks a backward pass freed (what it consumed)
         # backward passes: [enter, the look after it, blocks allocated], the look being the next
         # optimizer or forward enter: gradients made after the backward (an fp32 master copy's,
         # set by hand) are the pass's too
@@ -1353,6 +1355,8 @@ class MemoryProbe:
                 if a is not None:
                     ids[i] = a
                     freed_at[a] = i
+                    if bwd_depth > 0:
+                        freed_in_backward.add(a)
         self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
 
         # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest of the forward
@@ -1383,7 +1387,9 @@ class MemoryProbe:
         best: _Levels | None = None
         # blocks of the forward side (c[4]) alive when a later step's first forward begins are
         # held across steps (a list of losses, outputs kept for a log, a retained graph): other
-        # from there, not that step's activations (7 MiB of a leak read as activations at its peak)
+        # from there, not that step's activations (7 MiB of a leak read as activations at its
+        # peak); not those a backward frees (a GAN's generator graph, made before the
+        # discriminator's step ends the step and consumed by the generator's backward after it)
         forward_side: set[int] = set()
         step_of_forward = -1
         for i in range(n):
@@ -1408,12 +1414,16 @@ class MemoryProbe:
                     phase, event, raw_step = bounds[k][0], bounds[k][1], bounds[k][2]
                     if phase == "forward" and event == "enter" and raw_step > step_of_forward:
                         step_of_forward = raw_step
+                        kept = set()
                         for b in forward_side:
                             if where[b] == 4:
+                                if b in freed_in_backward:
+                                    kept.add(b)
+                                    continue
                                 where[b] = 6
-                        c[6] += c[4]
-                        c[4] = 0
-                        forward_side.clear()
+                                c[4] -= size[b]
+                                c[6] += size[b]
+                        forward_side = kept
                     if k_open is not None and best is not None:
                         seg[k_open] = best
                     levels[k] = best = snap()
