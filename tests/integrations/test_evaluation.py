@@ -37,6 +37,21 @@ def train_and_val() -> tuple:
             torch.utils.data.DataLoader(truth.Regression(), batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate))
 
 
+def evaluate_two(model: torch.nn.Module, val: torch.utils.data.DataLoader) -> float:
+    """The loop's evaluation: ``model.eval()``, no grad, its loss on two validation batches
+    (``if k == 1: break``), ``model.train()``; returns its seconds by the loop's clock."""
+    model.eval()
+    with torch.no_grad():
+        t = time.perf_counter()
+        for k, (vx, vy) in enumerate(val):
+            F.mse_loss(model(vx), vy)
+            if k == 1:
+                break
+        seconds = time.perf_counter() - t
+    model.train()
+    return seconds
+
+
 class CallClock:
     """Times each outermost call of ``model`` by its grad mode (forward hooks: inside the call)."""
 
@@ -83,15 +98,7 @@ def plain():
             opt.step()
             opt.zero_grad()
             if step % EVERY == EVERY - 1:  # evaluate: model.eval(), no grad, two val batches
-                model.eval()
-                with torch.no_grad():
-                    t = time.perf_counter()
-                    for k, (vx, vy) in enumerate(val):
-                        F.mse_loss(model(vx), vy)
-                        if k == 1:
-                            break
-                    clock["eval"] += time.perf_counter() - t
-                model.train()
+                clock["eval"] += evaluate_two(model, val)
                 evals += 2
     return dict(run=prof.run, before=before, clock=clock, evals=evals)
 
@@ -386,13 +393,7 @@ def test_batches_gathered_before_one_forward_after_an_evaluation_stay_training()
             opt.step()
             opt.zero_grad()
             if step % EVERY == EVERY - 1:
-                model.eval()
-                with torch.no_grad():
-                    for k, (vx, vy) in enumerate(val):
-                        F.mse_loss(model(vx), vy)
-                        if k == 1:
-                            break
-                model.train()
+                evaluate_two(model, val)
     run = prof.run
     assert (run.steps["samples"] == 2 * BATCH).all(), run.steps["samples"].tolist()
     assert run.meta["evaluation"]["batches"] == 2 * (N // EVERY)
@@ -417,15 +418,7 @@ def test_an_evaluation_after_the_steps_batch_was_read(every):
             x, y = next(it)
             clock["data_wait"] += time.perf_counter() - t
             if step % every == 0:
-                model.eval()
-                with torch.no_grad():
-                    t = time.perf_counter()
-                    for k, (vx, vy) in enumerate(val):
-                        F.mse_loss(model(vx), vy)
-                        if k == 1:
-                            break
-                    clock["eval"] += time.perf_counter() - t
-                model.train()
+                clock["eval"] += evaluate_two(model, val)
             F.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()

@@ -94,24 +94,12 @@ def test_a_tensor_the_loader_pickles_is_its_data_wait_not_a_save():
                     num_workers=2)
     before = truth.hook_state()
     waits: list[float] = []
-    wait = 0.0
     try:
         with tp.profile(steps=STEPS, warmup=WARMUP, name="loader-pickles", progress=False, clock_hz=0) as prof:
-            while True:  # epochs of two batches, until the slice ends
-                t = time.perf_counter()
-                it = iter(loader)
-                wait += time.perf_counter() - t
-                while True:
-                    t = time.perf_counter()
-                    batch = next(it, None)
-                    wait += time.perf_counter() - t
-                    if batch is None:
-                        break
-                    waits.append(wait)
-                    wait = 0.0
-                    F.mse_loss(model(batch.x), batch.y).backward()
-                    opt.step()
-                    opt.zero_grad()
+            for batch in truth.epochs_timed(loader, waits):  # epochs of two batches, until the slice ends
+                F.mse_loss(model(batch.x), batch.y).backward()
+                opt.step()
+                opt.zero_grad()
     finally:
         loader.close()
     truth.assert_hooks_removed(before)

@@ -39,23 +39,11 @@ def test_starting_the_workers_is_data_wait(persistent, loader_class):
                                      persistent_workers=persistent)
     before = truth.hook_state()
     waits: list[float] = []
-    wait = 0.0
     with tp.profile(steps=STEPS, warmup=WARMUP, name="worker-start", progress=False, clock_hz=0) as prof:
-        while True:  # epochs of two batches, until the slice ends
-            t = time.perf_counter()
-            it = iter(loader)
-            wait += time.perf_counter() - t
-            while True:
-                t = time.perf_counter()
-                batch = next(it, None)
-                wait += time.perf_counter() - t
-                if batch is None:
-                    break
-                waits.append(wait)
-                wait = 0.0
-                F.mse_loss(model(batch[0]), batch[1]).backward()
-                opt.step()  # the slice ends inside the last
-                opt.zero_grad()
+        for x, y in truth.epochs_timed(loader, waits):  # epochs of two batches, until the slice ends
+            F.mse_loss(model(x), y).backward()
+            opt.step()  # the slice ends inside the last
+            opt.zero_grad()
     run = prof.run
     truth.assert_hooks_removed(before)
     got, want = run.steps["data_wait_s"].tolist(), waits[: len(run.steps)]

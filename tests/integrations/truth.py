@@ -247,6 +247,26 @@ def assert_phases(run: Any, truth: Truth, phases: tuple[str, ...] = ("forward", 
     assert not bad, "; ".join(bad) + f" (±{tol:.0%})\n{run.steps[cols]}"
 
 
+def epochs_timed(loader: Any, waits: list[float]) -> Iterator[Any]:
+    """The batches of epoch after epoch of ``loader`` (``iter()`` each epoch), for as long as
+    the loop takes them; ``waits`` gets each batch's read in seconds by the loop's own clock,
+    the epoch's ``iter()`` (where a loader starts its workers) in its first batch's."""
+    wait = 0.0
+    while True:
+        t = time.perf_counter()
+        it = iter(loader)
+        wait += time.perf_counter() - t
+        while True:
+            t = time.perf_counter()
+            batch = next(it, None)
+            wait += time.perf_counter() - t
+            if batch is None:
+                break
+            waits.append(wait)
+            wait = 0.0
+            yield batch
+
+
 def assert_losses(got: list[float], truth: list[float], rel: float = 0.002) -> None:
     """Loss per step against the framework's (or the loop's) own, within 0.2%."""
     assert len(got) == len(truth), (got, truth)
