@@ -85,40 +85,6 @@ def test_watch_times_any_iterable_and_counts_samples():
     assert list(tp.watch([1, 2, 3])) == [1, 2, 3]  # free and transparent outside a slice
 
 
-def test_a_watched_loaders_start_each_epoch_is_data_wait():
-    """``tp.watch(loader)`` at each epoch calls ``iter(loader)``, where a loader starts its
-    pipeline (here a 50 ms sleep): the loop waits for its data there, as in a DataLoader's
-    ``iter()``. It had been other (a torchdata.nodes Loader's ~50 ms each epoch).
-    Truth: the loop's own clock around ``tp.watch()`` and ``next()``."""
-
-    class SlowStart:
-        def __iter__(self):
-            time.sleep(0.05)
-            return iter([torch.zeros(4, 2)] * 2)
-
-    waits: list[float] = []
-    wait = 0.0
-    with tp.profile(steps=4, warmup=0, progress=False, clock_hz=0) as prof:
-        while True:  # epochs of two batches, until the slice ends
-            t = time.perf_counter()
-            it = tp.watch(SlowStart())
-            wait += time.perf_counter() - t
-            while True:
-                t = time.perf_counter()
-                batch = next(it, None)
-                wait += time.perf_counter() - t
-                if batch is None:
-                    break
-                waits.append(wait)
-                wait = 0.0
-                tp.step()
-    got = prof.run.steps["data_wait_s"].tolist()
-    assert len(got) == 4
-    for step, (g, w) in enumerate(zip(got, waits)):
-        assert abs(g - w) <= 0.15 * w + 0.002, f"step {step}: data_wait {g * 1e3:.1f} ms, truth {w * 1e3:.1f} ms"
-    assert min(got[0::2]) >= 0.05  # each epoch's start
-
-
 def test_a_loop_over_a_loader_tpkit_does_not_see_is_told_to_watch_it():
     """A generator not wrapped in tp.watch, 40 ms a batch, and nothing else in the step: the
     wait is other (tpkit cannot see it) and no batch is counted; the verdict says no loader was

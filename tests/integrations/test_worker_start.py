@@ -81,3 +81,29 @@ def test_workers_shutting_down_where_an_epoch_is_left_unfinished_is_data_wait(lo
     assert len(got) == STEPS + WARMUP
     for step, (g, w) in enumerate(zip(got, waits)):
         assert abs(g - w) <= TOLERANCE * w + 0.002, f"step {step}: data_wait {g * 1e3:.1f} ms, truth {w * 1e3:.1f} ms"
+
+
+def test_a_watched_loaders_start_each_epoch_is_data_wait():
+    """``tp.watch(loader)`` at each epoch calls ``iter(loader)``, where a loader starts its
+    pipeline (here a 50 ms sleep): the loop waits for its data there, as in a DataLoader's
+    ``iter()``. It had been other (a torchdata.nodes Loader's ~50 ms each epoch).
+    Truth: the loop's own clock around ``tp.watch()`` and ``next()``."""
+
+    class SlowStart:
+        def __iter__(self):  # noqa: ANN204
+            time.sleep(0.05)
+            return iter([torch.zeros(4, 2)] * 2)
+
+    class Watched:  # the loop's `for batch in tp.watch(loader)`, epoch after epoch
+        def __iter__(self):  # noqa: ANN204
+            return tp.watch(SlowStart())
+
+    waits: list[float] = []
+    with tp.profile(steps=4, warmup=0, progress=False, clock_hz=0) as prof:
+        for _ in truth.epochs_timed(Watched(), waits):  # epochs of two batches, until the slice ends
+            tp.step()
+    got = prof.run.steps["data_wait_s"].tolist()
+    assert len(got) == 4
+    for step, (g, w) in enumerate(zip(got, waits)):
+        assert abs(g - w) <= 0.15 * w + 0.002, f"step {step}: data_wait {g * 1e3:.1f} ms, truth {w * 1e3:.1f} ms"
+    assert min(got[0::2]) >= 0.05  # each epoch's start
