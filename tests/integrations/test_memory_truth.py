@@ -365,3 +365,32 @@ def test_a_gan_generators_graph_across_the_step_boundary_stays_activations():
     other = first[first["category"] == "other"].groupby("step")["bytes"].sum().tolist()
     assert acts == [512 * 1024 * 4] * 4  # G's saved ReLU output, which its backward frees (it read 0)
     assert other == [512 * 128 * 4] * 4  # fake, the loop's variable: made last step, held into this one
+
+
+def test_a_loss_made_after_zero_grad_is_activations():
+    """``out = model(x); opt.zero_grad(); loss = F.cross_entropy(out, y); loss.backward()``
+    (Lightning's closure zeroes there too): the loss's saved log-softmax (2 MiB here) is
+    activations at backward's start, as in the same loop zeroing before the forward (it read
+    other, at the peak too)."""
+    def loop(zero_between: bool) -> list[int]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1024))
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        x, y = torch.randn(512, 64), torch.randint(0, 1024, (512,))
+        with tp.profile(steps=4, warmup=1, name="zero-between", progress=False, clock_hz=0) as prof:
+            for _ in range(100):
+                if not zero_between:
+                    opt.zero_grad()
+                out = m(x)
+                if zero_between:
+                    opt.zero_grad()
+                F.cross_entropy(out, y).backward()
+                opt.step()
+        mem = prof.run.memory
+        at = mem[(mem["phase"] == "backward") & (mem["event"] == "enter") & (mem["category"] == "activations")
+                 & (mem["step"] >= 0)]
+        return at.groupby("step")["bytes"].sum().tolist()
+
+    between, before = loop(True), loop(False)
+    assert len(between) == 4 and between == before, (between, before)
+    assert min(between) >= 512 * 1024 * 4  # the log-softmax output the loss saves

@@ -1255,6 +1255,7 @@ class MemoryProbe:
         j = 0
         bwd_depth = fwd_depth = 0
         loss_gap = False  # from a forward's exit to the next backward (or another phase): the loss is made
+        gap_paused = False  # an optimizer span (zero_grad) entered inside that gap
         wait_exit = -1  # the stream index of a data_wait exit when it is the last boundary passed
         for i, (ptr, sz) in enumerate(events):
             if j < n_marks and sz < 0 and ptr == marks[j][0] and -sz == marks[j][1] and marks[j][4] < pk:
@@ -1269,7 +1270,14 @@ class MemoryProbe:
                         fwd_depth += 1 if event == "enter" else -1
                         loss_gap = event == "exit" and fwd_depth == 0
                     elif event == "enter" and phase in _ENDS_LOSS_GAP:
+                        # a zero_grad() between the forward and the loss (Lightning's closure,
+                        # loops that zero there) pauses the gap, never ends it: the loss made
+                        # after it (a large vocabulary's log-softmax, saved for backward) had
+                        # read other at the peak
+                        gap_paused = loss_gap and phase == "optimizer"
                         loss_gap = False
+                    elif event == "exit" and phase == "optimizer" and gap_paused:
+                        loss_gap, gap_paused = True, False
                     if phase == "backward":
                         bwd_depth += 1 if event == "enter" else -1
                         if event == "enter" and bwd_depth == 1:
