@@ -456,6 +456,12 @@ class LossSums:
         if step == self._slots_step:
             self._slots = {}
 
+    def cancel_reset(self) -> None:
+        """The ``zero_grad()`` taken for a reset followed an update after all (one no optimizer
+        hook saw): the step's losses are one sum, no second pass, no skipped iteration."""
+        self._reset_step = -1
+        self.rec.batch_after_reset = None
+
     def discard(self, raw_step: int) -> None:
         """Step ``raw_step``'s losses so far belong to an iteration that never finished (a
         trainer's run that failed and is tried again): none of them is the step's."""
@@ -537,8 +543,14 @@ class PhaseProbe:
         self._sentinels: list[Any] = []
         self._sentinel_models = -1  # len(self.models) when the sentinels were chosen
         self._versions_at_backward: list[int] | None = None
+        self._handouts_at_backward = 0  # len(rec.handouts) then
+        self._zeroed_since_backward = False  # a zero_grad() since
+        self._suspected_in = -1  # the raw step where the first change was seen
         self.unseen_updates = 0  # steps ended that way
-        self._unseen = True  # False once an optimizer's step was seen: no update goes unseen then
+        # 0: watching; 1: one change seen (only suspected: an eager loop may clamp or perturb
+        # its weights before its first step); 2: confirmed; -1: off (an optimizer's step was
+        # seen, or tp.step() is used)
+        self._unseen = 0
         self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
@@ -700,14 +712,17 @@ class PhaseProbe:
             out.append(f"{self.unseen_updates} step(s) ended with no optimizer.step() tpkit saw run: the "
                        "parameters changed after backward (a torch.compile'd optimizer step, whose hooks dynamo "
                        "compiles away; an optimizer that is not a torch.optim.Optimizer; an update by hand). "
-                       "Each such step ends at the loop's next batch from a loader tpkit sees, and its update's "
+                       "Each such step ends at the loop's next batch (or forward) after its update (where no "
+                       "zero_grad() came between, the first step holds the first two iterations: tpkit learns of such "
+                       "updates from the first), and its update's "
                        "time is in other_s, not optimizer_s: tpkit cannot time a compiled step from inside. A step compiled "
                        "before the slice is compiled once more at the slice's first step (dynamo guards on torch's "
                        "table of optimizer hooks, which tpkit's join)")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
-                       "(its hooks return at once while dynamo traces); the model runs partly eager: "
+                       "(its hooks return at once while dynamo traces); the model (or torch's own code: a compiled "
+                       "optimizer step breaks on purpose around its update) runs partly eager: "
                        "see torch._dynamo.explain(model)(...) for the reasons")
         return out
 
@@ -801,6 +816,8 @@ class PhaseProbe:
         token = None
         no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
+            if self._versions_at_backward is not None:
+                self._forward_coming()
             if torch.is_grad_enabled():
                 if module.training and id(module) not in rec.trained_modules:
                     rec.trained_modules.update(_same_model(module))
@@ -845,7 +862,7 @@ class PhaseProbe:
                 name = threading.current_thread().name
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
-        self._unseen = False  # torch's step hooks run: no update goes unseen
+        self._unseen = -1  # torch's step hooks run: no update goes unseen
         key = id(opt)
         if key not in self._run_optimizers:
             self.optimizers[key] = type(opt).__name__
@@ -951,37 +968,62 @@ class PhaseProbe:
     def _note_versions(self) -> None:
         """At a backward's exit: the version counters of the trained models' first parameters
         (an in-place update bumps them; a backward, a forward and zero_grad() do not)."""
-        if self.rec.explicit_steps or self._unseen is False:
+        if self.rec.explicit_steps or self._unseen < 0:
             return
-        if self._sentinel_models != len(self.models):
+        if self._sentinel_models != len(self.models) or not self._sentinels:
             self._sentinel_models = len(self.models)
             trained = self.rec.trained_modules
             self._sentinels = []
             for model in self.models.live():
                 if id(model) in trained:
-                    first = next((p for p in model.parameters() if p.requires_grad), None)
+                    # one the backward gave a gradient (an unused layer's is never updated)
+                    first = next((p for p in model.parameters() if p.requires_grad and p.grad is not None), None)
                     if first is not None:
                         self._sentinels.append(weakref.ref(first))
         self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
+        self._handouts_at_backward = len(self.rec.handouts)
+        self._zeroed_since_backward = False
 
     def _batch_coming(self) -> None:
         if self._versions_at_backward is not None and threading.get_ident() == self.rec.thread_id:
-            self._unseen_update()
+            self._unseen_update(at_batch=True)
 
-    def _unseen_update(self) -> None:
+    def _forward_coming(self) -> None:
+        """A top-level forward: a loop that read its next batch before the update (a prefetch)
+        has it end the step here (at the read, the parameters had not changed yet)."""
+        self._unseen_update(at_batch=False)
+
+    def _unseen_update(self, at_batch: bool) -> None:
         """Before the loop's next batch: the parameters changed since the last backward with no
         optimizer.step() seen (dynamo inlines torch's step hooks into a ``torch.compile``'d step,
         where tpkit's return at once; an optimizer that is no ``torch.optim.Optimizer``; an update
         by hand): the step ended there. With the step compiled, no step had been recorded and the
-        slice never ended. Only at a batch: before it, a change may be no update (SAM perturbs the
-        weights between its two passes on one batch, then steps)."""
+        slice never ended. The first change only arms the rule (an eager loop may clamp or perturb
+        its weights before its first step: SAM between its two passes on one batch; the step that
+        follows turns the rule off); the second, with no step seen between, ends the step."""
         versions = self._versions_at_backward
-        if versions is None or self._opt_tokens or self._unseen is False or self.rec.explicit_steps:
+        if versions is None or self._opt_tokens or self._unseen < 0 or self.rec.explicit_steps:
             return
         now = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
         if now == versions:
             return
+        self._versions_at_backward = None
+        if self._unseen == 0 and not (at_batch and self._zeroed_since_backward):
+            # the first change is only suspected, unless the gradients were dropped since (a
+            # zero_grad() before this batch: they went into an update): the step goes on and
+            # holds two iterations. With a new batch since the backward it was an update (SAM's
+            # perturbation comes before a second pass on the same batch, whose zero_grad() is a reset)
+            self._unseen = 1
+            self._suspected_in = self.rec.step_index
+            if at_batch or len(self.rec.handouts) > self._handouts_at_backward:
+                self.losses.updated()
+                self.losses.cancel_reset()
+            return
+        if self._suspected_in == self.rec.step_index:
+            self.rec.two_iterations_in = self.rec.step_index  # (not a batch read ahead: build.py)
+        self._unseen = 2
         self.unseen_updates += 1
+        self.losses.updated()
         self._end_step(None)
 
     # -- AMP ----------------------------------------------------------------------------------
@@ -1043,6 +1085,11 @@ class PhaseProbe:
                 return fn(*args, **kwargs)
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             if reset:
+                probe._zeroed_since_backward = True
+                if probe._unseen >= 0 and isinstance(args[0], torch.optim.Optimizer):
+                    # an optimizer whose step hooks may never run (compiled): the memory probe's
+                    # look at its state needs it (its momentum had read other)
+                    rec.optimizers.add(args[0])
                 probe.losses.reset(rec.step_index)
                 # how this loop drops its gradients, for the stop to drop them alike
                 probe._grads_to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
@@ -1195,7 +1242,7 @@ class PhaseProbe:
             if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(it)
             if probe._versions_at_backward is not None:  # (_batch_coming, inlined)
-                probe._unseen_update()
+                probe._unseen_update(at_batch=True)
             probe._worked = True  # a batch read: a new iteration (see _opt_post)
             token = rec.enter("data_wait", source)
             try:
