@@ -448,3 +448,19 @@ def test_training_shares_leave_an_evaluation_out():
     assert row(c, "eval_share", "evaluating")["value"] == pytest.approx(20.0)
     assert any(w.startswith("evaluation or checkpoint saving ran inside the slice ('plain': none; "
                             "'evaluating': evaluation 20%") for w in c.warnings), c.warnings
+
+
+def test_a_run_whose_updates_or_data_waits_tpkit_could_not_see_is_named():
+    """An eager step against a compiled one (its update time is other, its note says so), and a
+    watched loader against one tpkit does not see (its wait is other): the shares move between
+    phases for that reason alone, and the comparison says so (it had called optimizer -92% and
+    other +732% significant with no word)."""
+    from tpkit.schema import UNSEEN_UPDATES_NOTE
+
+    compiled = make_run("compiled", NOISE, notes=[f"7 {UNSEEN_UPDATES_NOTE}: ..."])
+    c = cmp.compare(make_run("eager", NOISE), compiled)
+    assert any(w.startswith("'compiled': the optimizer's updates ran where tpkit cannot time them") for w in c.warnings)
+    blind = make_run("unwatched", NOISE, samples=0, data_share=0.0)
+    c = cmp.compare(make_run("watched", NOISE), blind)
+    assert any(w.startswith("'unwatched': no batch was seen") for w in c.warnings), c.warnings
+    assert cmp.compare(make_run("a", NOISE), make_run("b", NOISE)).warnings == []

@@ -52,6 +52,9 @@ MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_stat
 KNOWN_MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "data")
 #: Memory rows' ``event`` values: a phase boundary, or the highest point inside a phase.
 MEMORY_EVENTS: tuple[str, ...] = ("enter", "exit", "peak")
+#: How a run's note on steps ended where no optimizer hook ran begins, after its count (the
+#: capture writes it, a comparison reads it: the update's time is other there, not optimizer)
+UNSEEN_UPDATES_NOTE = "step(s) ended with no optimizer.step() tpkit saw run"
 KIB = 1024
 MIB = 1024 * 1024
 GIB = 1024 * 1024 * 1024

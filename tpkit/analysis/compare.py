@@ -44,7 +44,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import TpkitError
-from ..schema import MIB, PHASE_COLUMNS, metric_label
+from ..schema import MIB, PHASE_COLUMNS, UNSEEN_UPDATES_NOTE, metric_label
 from .stats import (
     BASELINE,
     BOOTSTRAP_N,
@@ -64,7 +64,7 @@ from .stats import (
     resamples_for,
     step_resamples,
 )
-from .steps import INTERRUPTIONS, measured
+from .steps import INTERRUPTIONS, batches_seen, measured
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -379,6 +379,17 @@ def comparison_warnings(runs: list["Run"], labels: list[str], dropped: dict[str,
                          for k, b in breaks.items())
         out.append(f"evaluation or checkpoint saving ran inside the slice ({held} of step time): the other phases' "
                    "shares are of training time, theirs of the whole step; throughput and step time count them")
+    unseen = [label for r, label in zip(runs, labels)
+              if any(UNSEEN_UPDATES_NOTE in str(n) for n in r.meta.get("notes", []))]
+    if unseen and len(unseen) < len(runs):
+        out.append(f"{', '.join(repr(k) for k in unseen)}: the optimizer's updates ran where tpkit cannot time them "
+                   "(a compiled optimizer step: its time is other there, optimizer in the others): the optimizer and "
+                   "other shares differ for that reason; compare step time and their sum")
+    blind = [label for r, label in zip(runs, labels) if not batches_seen(clean_measured(r.steps)[0])]
+    if blind and len(blind) < len(runs):
+        out.append(f"{', '.join(repr(k) for k in blind)}: no batch was seen (a loader tpkit does not see: wrap it in "
+                   "tp.watch), so its wait for data is other there, data_wait in the others: the data stall and "
+                   "other differ for that reason")
     for r, label in zip(runs, labels):
         if not r.complete:
             why = r.meta.get("error") or r.meta.get("stopped_by") or "stopped early"

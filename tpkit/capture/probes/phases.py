@@ -61,6 +61,7 @@ import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
+from ...schema import UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
@@ -709,7 +710,7 @@ class PhaseProbe:
                        "(backward_s), not the forward's, and on the CPU the memory allocated there counts "
                        "as temporaries, not activations")
         if self.unseen_updates:
-            out.append(f"{self.unseen_updates} step(s) ended with no optimizer.step() tpkit saw run: the "
+            out.append(f"{self.unseen_updates} {UNSEEN_UPDATES_NOTE}: the "
                        "parameters changed after backward (a torch.compile'd optimizer step, whose hooks dynamo "
                        "compiles away; an optimizer that is not a torch.optim.Optimizer; an update by hand). "
                        "Each such step ends at the loop's next batch (or forward) after its update (where no "
