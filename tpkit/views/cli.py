@@ -81,6 +81,7 @@ def _ranks(args: argparse.Namespace) -> int:
     writable_folder(target.parent, "the report's folder")
     print(ranks.summary_text())
     st = ranks.stragglers()
+    st = st[st["excess_s"] > 0]  # a step no rank held back names none (ranks alike had read rank 0, 0.0 ms)
     if len(st):
         with pd.option_context("display.max_rows", args.rows, "display.width", 120):
             shown = st.assign(excess_ms=(st["excess_s"] * 1e3).round(2)).drop(columns="excess_s")
