@@ -192,8 +192,8 @@ def test_aot_eager_compiles_no_graph_of_tpkits():
 def test_an_update_no_optimizer_hook_sees_ends_the_step(update, source):
     """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe): dynamo compiles torch's
     step hooks away, and tpkit had recorded no step and never ended the slice (the loop ran all
-    its batches). A step ends at the loop's next batch after the parameters changed (from the
-    second update on); losses are the loop's, the slice stops after its steps, the run says so. An SGD update written by hand
+    its batches). A step ends at the loop's next batch after the parameters changed and the
+    gradients were dropped; losses are the loop's, the slice stops after its steps, the run says so. An SGD update written by hand
     (no optimizer at all) ends its steps the same way, and so does a loop over a watched source."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -228,17 +228,11 @@ def test_an_update_no_optimizer_hook_sees_ends_the_step(update, source):
     run = prof.run
     notes = run.meta["notes"]
     assert any(n.startswith(f"{STEPS + WARMUP} step(s) ended with no optimizer.step() tpkit saw run") for n in notes), notes
-    assert not any("skipped" in n or "SAM" in n or "read" in n for n in notes), notes
-    if update == "compiled":  # its zero_grad() before the next batch: the gradients went into an update
-        assert updates == STEPS + WARMUP  # the slice ended at the batch after its last update
-        assert run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
-        assert (run.steps["samples"] == 8).all()
-        return
-    # no zero_grad(): the first change only arms the rule (an eager loop may clamp its weights
-    # before its first step), and the first step holds two iterations, the others one each
-    assert updates == STEPS + WARMUP + 1
-    assert run.steps["loss"].tolist() == pytest.approx([losses[0] + losses[1], *losses[2:]], rel=1e-6)
-    assert run.steps["samples"].tolist() == [16] + [8] * (STEPS + WARMUP - 1)
+    assert not any("skipped" in n or "SAM" in n or "more than each later step" in n for n in notes), notes
+    # its zero_grad() (or p.grad = None) before the next batch: the gradients went into an update
+    assert updates == STEPS + WARMUP  # the slice ended at the batch after its last update
+    assert run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
+    assert (run.steps["samples"] == 8).all()
 
 
 def test_steps_marked_with_tp_step_around_an_update_by_hand():
@@ -276,17 +270,20 @@ class WithUnused(torch.nn.Module):
 
 
 @pytest.mark.parametrize("loop", ["eager, clamped while accumulating", "compiled, next batch read first",
-                                  "compiled, first layer unused"])
+                                  "compiled, first layer unused", "compiled, SAM", "compiled, head only"])
 def test_the_unseen_update_rule_on_loops_around_it(loop):
-    """An eager loop that clamps its weights after each of two accumulated backwards is never
-    cut by the rule (its first step had been split in two half steps); a compiled step after
-    the next batch was read ends its step at the next forward, and one whose model's first
-    layer gets no gradient is still seen (both had never ended their slice)."""
+    """An eager loop that clamps its weights after each of four accumulated backwards is never
+    cut by the rule (its first step had been split in fragments); a compiled step after the
+    next batch was read ends its step at the next forward, one whose model's first layer gets no
+    gradient or whose optimizer holds only the head is still seen (they had never ended their
+    slice), and SAM around a compiled step is one step an iteration (its perturbation before
+    the second pass on the same batch had ended a step)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = WithUnused() if "unused" in loop else torch.nn.Sequential(
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD([p for p in model.parameters()], lr=0.01, momentum=0.9)
+    params = list(model[2].parameters()) if "head only" in loop else list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
     step = opt.step if loop.startswith("eager") else torch.compile(opt.step, backend="eager")
     it = iter(torch.utils.data.DataLoader(truth.Regression(), batch_size=8))
     losses, updates = [], 0
@@ -294,7 +291,7 @@ def test_the_unseen_update_rule_on_loops_around_it(loop):
         if loop.startswith("eager"):
             while True:
                 total = 0.0
-                for _ in range(2):
+                for _ in range(4):
                     x, y = next(it)
                     loss = F.mse_loss(model(x), y)
                     loss.backward()
@@ -306,9 +303,28 @@ def test_the_unseen_update_rule_on_loops_around_it(loop):
                 updates += 1
                 step()
                 opt.zero_grad()
+        elif "SAM" in loop:
+            for x, y in it:
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                losses.append(loss.item())
+                with torch.no_grad():
+                    eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in model.parameters()]
+                    for p, e in zip(model.parameters(), eps):
+                        p.add_(e)
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                with torch.no_grad():
+                    for p, e in zip(model.parameters(), eps):
+                        p.sub_(e)
+                updates += 1
+                step()
         else:
             x, y = next(it)
             while True:
+                if "head only" in loop:
+                    opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
                 loss.backward()
                 losses.append(loss.item())
@@ -322,8 +338,11 @@ def test_the_unseen_update_rule_on_loops_around_it(loop):
     if loop.startswith("eager"):
         assert updates == STEPS + WARMUP
         assert run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-5)
-        assert (run.steps["samples"] == 16).all()
+        assert (run.steps["samples"] == 32).all()
         assert not any("no optimizer.step() tpkit saw" in n for n in run.meta["notes"])
     else:
         assert updates in (STEPS + WARMUP, STEPS + WARMUP + 1)  # the slice ended
         assert any("no optimizer.step() tpkit saw" in n for n in run.meta["notes"])
+        if "SAM" in loop:
+            assert (run.steps["samples"] == 8).all() and run.steps["loss"].tolist() == pytest.approx(
+                losses[:STEPS + WARMUP], rel=1e-5)

@@ -120,7 +120,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # the step's loss, and the first step's batches read ahead (losses.py, read_ahead.py)
     slice_steps = min(past, len(ends))
     losses, loss_notes = step_losses(rec, slice_steps)
-    extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None or rec.two_iterations_in == 0 else \
+    extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
         read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps)
     dropped = {} if rec.samples_per_step is not None else \
         read_ahead.discarded(rec.restarts, raw_spans, rec.handouts, rec.handout_sources, ev.handouts, slice_steps)

@@ -111,7 +111,6 @@ class Recorder:
         # optimizer hook saw may end the step there: phases.PhaseProbe._unseen_update)
         self.batch_coming: Callable[[], None] | None = None
         self.skipped_iterations: dict[int, int] = {}  # raw step -> iterations in it with no update
-        self.two_iterations_in: int | None = None  # a raw step that holds two iterations of the loop (phases.py)
         self.unscalar_backwards = 0  # backward() of what is no loss: a tensor of several elements, weighted ones
         self.optimizer_count = 0  # distinct optimizers that stepped
         self.accelerate_loader = False  # the loop read batches from a loader accelerate prepared

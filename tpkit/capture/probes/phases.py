@@ -545,12 +545,10 @@ class PhaseProbe:
         self._sentinel_models = -1  # len(self.models) when the sentinels were chosen
         self._versions_at_backward: list[int] | None = None
         self._handouts_at_backward = 0  # len(rec.handouts) then
+        self._progress_at_backward: list[tuple[int, int]] = []  # _optimizers_progress() then
         self._zeroed_since_backward = False  # a zero_grad() since
-        self._suspected_in = -1  # the raw step where the first change was seen
         self.unseen_updates = 0  # steps ended that way
-        # 0: watching; 1: one change seen (only suspected: an eager loop may clamp or perturb
-        # its weights before its first step); 2: confirmed; -1: off (an optimizer's step was
-        # seen, or tp.step() is used)
+        # 0: watching; 1: a step ended that way; -1: off (an optimizer's step was seen)
         self._unseen = 0
         self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
@@ -713,9 +711,8 @@ class PhaseProbe:
             out.append(f"{self.unseen_updates} {UNSEEN_UPDATES_NOTE}: the "
                        "parameters changed after backward (a torch.compile'd optimizer step, whose hooks dynamo "
                        "compiles away; an optimizer that is not a torch.optim.Optimizer; an update by hand). "
-                       "Each such step ends at the loop's next batch (or forward) after its update (where no "
-                       "zero_grad() came between, the first step holds the first two iterations: tpkit learns of such "
-                       "updates from the first), and its update's "
+                       "Each such step ends at the loop's next batch (or forward, for a batch read before the "
+                       "update) after its update, and its update's "
                        "time is in other_s, not optimizer_s: tpkit cannot time a compiled step from inside. A step compiled "
                        "before the slice is compiled once more at the slice's first step (dynamo guards on torch's "
                        "table of optimizer hooks, which tpkit's join)")
@@ -864,6 +861,7 @@ class PhaseProbe:
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
         self._unseen = -1  # torch's step hooks run: no update goes unseen
+        self._versions_at_backward = None
         key = id(opt)
         if key not in self._run_optimizers:
             self.optimizers[key] = type(opt).__name__
@@ -967,23 +965,49 @@ class PhaseProbe:
         return True
 
     def _note_versions(self) -> None:
-        """At a backward's exit: the version counters of the trained models' first parameters
-        (an in-place update bumps them; a backward, a forward and zero_grad() do not)."""
+        """At a backward's exit: the version counters of parameters the backward gave a gradient
+        (an in-place update bumps them; a backward, a forward and zero_grad() do not), of an
+        optimizer the loop zeroes where one is known (a partly frozen model: the first of the
+        model's may be one no optimizer holds), and each such optimizer's progress."""
         if self.rec.explicit_steps or self._unseen < 0:
             return
-        if self._sentinel_models != len(self.models) or not self._sentinels:
-            self._sentinel_models = len(self.models)
-            trained = self.rec.trained_modules
-            self._sentinels = []
-            for model in self.models.live():
-                if id(model) in trained:
-                    # one the backward gave a gradient (an unused layer's is never updated)
-                    first = next((p for p in model.parameters() if p.requires_grad and p.grad is not None), None)
-                    if first is not None:
-                        self._sentinels.append(weakref.ref(first))
+        if self._sentinel_models != len(self.models) + len(self.rec.optimizers) or not self._sentinels:
+            self._sentinel_models = len(self.models) + len(self.rec.optimizers)
+            self._sentinels = self._pick_sentinels()
         self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
+        self._progress_at_backward = self._optimizers_progress()
         self._handouts_at_backward = len(self.rec.handouts)
         self._zeroed_since_backward = False
+
+    def _pick_sentinels(self) -> list[Any]:
+        picked: list[Any] = []
+        for opt in self.rec.optimizers.live():
+            for group in opt.param_groups:
+                first = next((p for p in group["params"] if p.grad is not None), None)
+                if first is not None:
+                    picked.append(weakref.ref(first))
+        if picked:
+            return picked
+        trained = self.rec.trained_modules
+        for model in self.models.live():
+            if id(model) in trained:
+                # one the backward gave a gradient (an unused layer's is never updated)
+                first = next((p for p in model.parameters() if p.requires_grad and p.grad is not None), None)
+                if first is not None:
+                    picked.append(weakref.ref(first))
+        return picked
+
+    def _optimizers_progress(self) -> list[tuple[int, int]]:
+        """Per optimizer the loop zeroes: how many states, and the version counter of the first
+        one's first tensor (Adam's ``step``, SGD's momentum: a compiled step updates it in place)."""
+        out = []
+        for opt in self.rec.optimizers.live():
+            state = opt.state
+            first = next(iter(state.values()), None) if state else None
+            tensor = next((v for v in first.values() if isinstance(v, torch.Tensor)), None) \
+                if isinstance(first, dict) else None
+            out.append((len(state), tensor._version if tensor is not None else -1))
+        return out
 
     def _batch_coming(self) -> None:
         if self._versions_at_backward is not None and threading.get_ident() == self.rec.thread_id:
@@ -995,36 +1019,31 @@ class PhaseProbe:
         self._unseen_update(at_batch=False)
 
     def _unseen_update(self, at_batch: bool) -> None:
-        """Before the loop's next batch: the parameters changed since the last backward with no
-        optimizer.step() seen (dynamo inlines torch's step hooks into a ``torch.compile``'d step,
-        where tpkit's return at once; an optimizer that is no ``torch.optim.Optimizer``; an update
-        by hand): the step ended there. With the step compiled, no step had been recorded and the
-        slice never ended. The first change only arms the rule (an eager loop may clamp or perturb
-        its weights before its first step: SAM between its two passes on one batch; the step that
-        follows turns the rule off); the second, with no step seen between, ends the step."""
+        """Before the loop's next batch (or the forward on a batch read since the backward): the
+        parameters changed since the last backward with no optimizer.step() seen (dynamo inlines
+        torch's step hooks into a ``torch.compile``'d step, where tpkit's return at once; an
+        optimizer that is no ``torch.optim.Optimizer``; an update by hand): the step ended there.
+        With the step compiled, no step had been recorded and the slice never ended. Only an
+        update ends it: the gradients were dropped since (zero_grad(), ``p.grad = None``) or an
+        optimizer the loop zeroes advanced; a change with the gradients still there is no update
+        (an eager loop clamping its weights after each accumulated backward before its first
+        step), nor one before a second pass on the same batch (SAM's perturbation)."""
         versions = self._versions_at_backward
         if versions is None or self._opt_tokens or self._unseen < 0 or self.rec.explicit_steps:
             return
-        now = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
-        if now == versions:
+        if not at_batch and len(self.rec.handouts) <= self._handouts_at_backward:
+            return  # a forward on the same batch (SAM's second pass)
+        sentinels = [r() for r in self._sentinels]
+        if [p._version if p is not None else -1 for p in sentinels] == versions:
+            return
+        dropped = self._zeroed_since_backward or any(p is not None and p.grad is None for p in sentinels)
+        if not dropped and self._optimizers_progress() == self._progress_at_backward:
             return
         self._versions_at_backward = None
-        if self._unseen == 0 and not (at_batch and self._zeroed_since_backward):
-            # the first change is only suspected, unless the gradients were dropped since (a
-            # zero_grad() before this batch: they went into an update): the step goes on and
-            # holds two iterations. With a new batch since the backward it was an update (SAM's
-            # perturbation comes before a second pass on the same batch, whose zero_grad() is a reset)
-            self._unseen = 1
-            self._suspected_in = self.rec.step_index
-            if at_batch or len(self.rec.handouts) > self._handouts_at_backward:
-                self.losses.updated()
-                self.losses.cancel_reset()
-            return
-        if self._suspected_in == self.rec.step_index:
-            self.rec.two_iterations_in = self.rec.step_index  # (not a batch read ahead: build.py)
-        self._unseen = 2
+        self._unseen = 1
         self.unseen_updates += 1
         self.losses.updated()
+        self.losses.cancel_reset()  # a zero_grad() after the update was no reset of the step's gradients
         self._end_step(None)
 
     # -- AMP ----------------------------------------------------------------------------------
