@@ -33,7 +33,8 @@ What is evaluation here:
   batch of which had an evaluation call in its stretch, one of them alone, while another
   source's did not: an evaluation at the top of a step, after the step's batch was read, has
   its last batch's stretch run on into that step's training forward (a source pseudo-labelled
-  in eval mode and trained on in every step has no batch for evaluation alone: training). A batch read right after an evaluation's, from the same
+  in eval mode and trained on in every step has no batch for evaluation alone: training).
+  A batch read right after an evaluation's, from the same
   iterator, that holds no call at all (``if i == n: break`` at the top of an evaluation loop
   reads one more) is the evaluation's too.
 

@@ -449,13 +449,8 @@ class LossSums:
         step = self._reset_step
         if step != rec.step_index or rec.optimizer_count > 1:
             return
-        rec.losses[:] = [e for e in rec.losses if e[0] != step]
-        rec.losses_after_reset[:] = [e for e in rec.losses_after_reset if e[0] != step]
-        rec.loss_counts[step] = 0
+        self.discard(step)
         rec.skipped_iterations[step] = rec.skipped_iterations.get(step, 0) + 1
-        self._reset_step = -1
-        if step == self._slots_step:
-            self._slots = {}
 
     def cancel_reset(self) -> None:
         """The ``zero_grad()`` taken for a reset followed an update after all (one no optimizer
@@ -464,8 +459,8 @@ class LossSums:
         self.rec.batch_after_reset = None
 
     def discard(self, raw_step: int) -> None:
-        """Step ``raw_step``'s losses so far belong to an iteration that never finished (a
-        trainer's run that failed and is tried again): none of them is the step's."""
+        """Step ``raw_step``'s losses so far belong to an iteration whose update never came (one
+        the loop skipped, a trainer's run that failed and is tried again): none of them is the step's."""
         rec = self.rec
         rec.batch_after_reset = None
         rec.losses[:] = [e for e in rec.losses if e[0] != raw_step]
@@ -539,17 +534,17 @@ class PhaseProbe:
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
         self.grad_calls = 0  # torch.autograd.grad calls timed as backward
-        # updates no optimizer hook saw (``_unseen_update``): the trained models' first parameters
-        # (weakly) and their version counters at the last backward's exit, None once a step ended
+        # updates no optimizer hook saw (``_unseen_update``): the watched parameters (weakly, see
+        # ``_pick_sentinels``) and their version counters at the last backward's exit, None once a
+        # step ended
         self._sentinels: list[Any] = []
-        self._sentinel_models = -1  # len(self.models) when the sentinels were chosen
+        self._sentinel_models = -1  # models + zeroed optimizers known when the sentinels were chosen
         self._versions_at_backward: list[int] | None = None
         self._handouts_at_backward = 0  # len(rec.handouts) then
         self._progress_at_backward: list[tuple[int, int]] = []  # _optimizers_progress() then
         self._zeroed_since_backward = False  # a zero_grad() since
         self.unseen_updates = 0  # steps ended that way
-        # 0: watching; 1: a step ended that way; -1: off (an optimizer's step was seen)
-        self._unseen = 0
+        self._watch_updates = True  # False once an optimizer's own step was seen: none goes unseen
         self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
@@ -860,7 +855,7 @@ class PhaseProbe:
                 name = threading.current_thread().name
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
-        self._unseen = -1  # torch's step hooks run: no update goes unseen
+        self._watch_updates = False  # torch's step hooks run: no update goes unseen
         self._versions_at_backward = None
         key = id(opt)
         if key not in self._run_optimizers:
@@ -969,7 +964,7 @@ class PhaseProbe:
         (an in-place update bumps them; a backward, a forward and zero_grad() do not), of an
         optimizer the loop zeroes where one is known (a partly frozen model: the first of the
         model's may be one no optimizer holds), and each such optimizer's progress."""
-        if self.rec.explicit_steps or self._unseen < 0:
+        if self.rec.explicit_steps or not self._watch_updates:
             return
         if self._sentinel_models != len(self.models) + len(self.rec.optimizers) or not self._sentinels:
             self._sentinel_models = len(self.models) + len(self.rec.optimizers)
@@ -980,6 +975,8 @@ class PhaseProbe:
         self._zeroed_since_backward = False
 
     def _pick_sentinels(self) -> list[Any]:
+        """Weak references to the parameters whose version counters tell an update: the first with
+        a gradient in each group of the optimizers the loop zeroes, else in each trained model."""
         picked: list[Any] = []
         for opt in self.rec.optimizers.live():
             for group in opt.param_groups:
@@ -1029,7 +1026,7 @@ class PhaseProbe:
         (an eager loop clamping its weights after each accumulated backward before its first
         step), nor one before a second pass on the same batch (SAM's perturbation)."""
         versions = self._versions_at_backward
-        if versions is None or self._opt_tokens or self._unseen < 0 or self.rec.explicit_steps:
+        if versions is None or self._opt_tokens or not self._watch_updates or self.rec.explicit_steps:
             return
         if not at_batch and len(self.rec.handouts) <= self._handouts_at_backward:
             return  # a forward on the same batch (SAM's second pass)
@@ -1040,7 +1037,6 @@ class PhaseProbe:
         if not dropped and self._optimizers_progress() == self._progress_at_backward:
             return
         self._versions_at_backward = None
-        self._unseen = 1
         self.unseen_updates += 1
         self.losses.updated()
         self.losses.cancel_reset()  # a zero_grad() after the update was no reset of the step's gradients
@@ -1106,7 +1102,7 @@ class PhaseProbe:
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             if reset:
                 probe._zeroed_since_backward = True
-                if probe._unseen >= 0 and isinstance(args[0], torch.optim.Optimizer):
+                if probe._watch_updates and isinstance(args[0], torch.optim.Optimizer):
                     # an optimizer whose step hooks may never run (compiled): the memory probe's
                     # look at its state needs it (its momentum had read other)
                     rec.optimizers.add(args[0])
