@@ -1,4 +1,4 @@
-"""How many samples a batch holds (``phases.batch_size_of``), for the shapes loaders hand out.
+"""How many samples a batch holds (``batches.batch_size_of``), for the shapes loaders hand out.
 
 Truth: the batch size each batch was built with.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpkit.capture.probes.phases import batch_size_of
+from tpkit.capture.probes.batches import batch_size_of
 
 B = 4
 

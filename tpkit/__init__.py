@@ -20,7 +20,7 @@ from .errors import MissingExtraError, ProfileActiveError, RunFormatError, Tpkit
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and editors
     from .analysis.catalog import runs
     from .analysis.compare import Comparison
-    from .capture.probes.phases import watch
+    from .capture.probes.watch import watch
     from .capture.slice import Profile, SliceConfig, last_run, phase, profile, profile_fn, step
     from .ranks import RankRuns, load_ranks
     from .run import Run
@@ -33,7 +33,7 @@ _LAZY = {"data", "offload", "kernels", "datasets", "views", "charts", "analysis"
 #: alone) must not import pandas and pyarrow with the Run: 0.3 s and ~36 MB of mapped
 #: libraries in the training process, shared with every worker it forks.
 _LAZY_NAMES = {
-    "runs": ".analysis.catalog", "Comparison": ".analysis.compare", "watch": ".capture.probes.phases",
+    "runs": ".analysis.catalog", "Comparison": ".analysis.compare", "watch": ".capture.probes.watch",
     **dict.fromkeys(("Profile", "SliceConfig", "last_run", "phase", "profile", "profile_fn", "step"),
                     ".capture.slice"),
     "RankRuns": ".ranks", "load_ranks": ".ranks", "Run": ".run", "load": ".store", "set_store": ".store",

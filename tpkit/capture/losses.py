@@ -9,7 +9,7 @@ backpropagate something else, and the build says so in the run's notes:
   loops log it; with several optimizers (a GAN), one optimizer's ``zero_grad()`` throws away
   nothing of another's, and every loss counts. Where a new batch comes between the
   ``zero_grad()`` and the next backward, the loop skipped an update (a non-finite loss): the
-  step's loss is the next iteration's, what its update used (``phases.LossSums``).
+  step's loss is the next iteration's, what its update used (``probes.loss_sums.LossSums``).
 - A trainer that divides by more micro-batches than the step had (Lightning's automatic
   optimization, and ``accelerator.backward`` in a loop of its own, divide by the accumulation
   count even in an epoch's last, partial window) has that step's sum scaled to the window's

@@ -105,7 +105,7 @@ class Recorder:
         # second pass), as ``losses``; kept apart for the build (capture/build.py)
         self.losses_after_reset: list[tuple[int, Any]] = []
         # set while such a reset waits: a batch handed out first makes it a new iteration whose
-        # update the loop skipped, not a second pass (phases.LossSums.reset)
+        # update the loop skipped, not a second pass (probes.loss_sums.LossSums.reset)
         self.batch_after_reset: Any = None
         # the phase probe's, called before a loader tpkit sees reads a batch (an update no
         # optimizer hook saw may end the step there: phases.PhaseProbe._unseen_update)

@@ -13,13 +13,14 @@ What is hooked, and why this way:
   ``Module.zero_grad``. The post hook of the *lead* optimizer (the first one that steps)
   ends a step, unless the user marks steps with ``tp.step()``.
 - data_wait: ``__next__`` of torch's DataLoader iterators and ``DataLoader.__iter__`` (where
-  workers start; torchdata's ``StatefulDataLoader`` too, ``_LOADER_STARTS``); tpkit's loader
+  workers start; torchdata's ``StatefulDataLoader`` too, ``LOADER_STARTS``); tpkit's loader
   and ``tp.watch`` report themselves. The batch's leading dimension counts the step's samples
-  (``batch_size_of``).
+  (``batches.batch_size_of``).
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
-- save: ``torch.save`` and the frameworks' checkpoint writers (``_SAVERS``); eval: a trainer's whole
-  evaluation (``_EVALUATORS``), besides the evaluation calls told apart after the slice; weight
-  averaging (``AveragedModel.update_parameters``, ``_AVERAGERS``) is optimizer time.
+- save: ``torch.save`` and the frameworks' checkpoint writers (``SAVERS``); eval: a trainer's whole
+  evaluation (``EVALUATORS``), besides the evaluation calls told apart after the slice; weight
+  averaging (``AveragedModel.update_parameters``, ``AVERAGERS``) is optimizer time. The frameworks'
+  methods wrapped (these tables and the others) are listed, each with why, in ``hook_places.py``.
 
 Every hook ignores calls from threads other than the loop's (a loader thread running a
 transform module is not the model's forward): the loop's thread is the one that started the
@@ -33,7 +34,7 @@ Under ``torch.compile`` every hook returns at once (no graph break, no recompile
 - AMP: ``GradScaler.scale`` and ``GradScaler.step`` are wrapped: the loss recorded is the
   unscaled one, and a step whose update the scaler skipped (inf/NaN) still ends the step,
   marked ``skipped``.
-- loss: the sum of the one-element tensors backpropagated in the step (see ``LossSums``).
+- loss: the sum of the one-element tensors backpropagated in the step (see ``loss_sums.LossSums``).
 - activation checkpointing: a checkpointed block runs its forward again inside ``backward()``;
   a module call while backward is open (that, or a backward hook calling a module) opens no
   span (its time stays the backward's), and the run's notes say how many such calls there were.
@@ -45,14 +46,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import functools
 import gc
-import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
@@ -65,6 +64,19 @@ from ...schema import UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
+from .batches import handed_out
+from .hook_places import (
+    AVERAGERS,
+    COMPILED_STEPS,
+    EVALUATORS,
+    LAUNCHERS,
+    LOADER_SHUTDOWNS,
+    LOADER_STARTS,
+    SAVERS,
+    SEARCHES,
+    TRAINER_RUNS,
+)
+from .loss_sums import LossSums, static_scale
 from .patching import UNIT_RESCALE_SKIPPERS, Patches, skip_unit_rescale
 
 #: Collections shorter than this are not recorded as ``gc`` spans (a young-generation pass
@@ -95,63 +107,6 @@ def _same_model(module: torch.nn.Module) -> list[int]:
     return ids
 
 
-#: Where checkpoints are written, besides ``torch.save``: (module, class or "" for the module
-#: itself, attribute). Each is a ``save`` span, the nested ones inside it part of it; a class is
-#: patched only if its module was imported before the slice.
-_SAVERS: tuple[tuple[str, str, str], ...] = (
-    ("transformers.trainer", "Trainer", "_save_checkpoint"),
-    ("lightning.pytorch.trainer.trainer", "Trainer", "save_checkpoint"),
-    ("pytorch_lightning.trainer.trainer", "Trainer", "save_checkpoint"),
-    ("accelerate.accelerator", "Accelerator", "save_state"),
-    ("accelerate.accelerator", "Accelerator", "save_model"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint"),
-    ("safetensors.torch", "", "save_file"),
-    ("safetensors.torch", "", "save_model"),
-)
-
-#: Weight averaging after the optimizer's step, as ``_SAVERS``: ``optimizer`` time, the update's
-#: (an EMA or SWA copy of the weights updated each step had been ``other``, and a loop averaging
-#: every step read OVERHEAD-BOUND 45%, "Python between phases"). Inside a step's post hook it is
-#: the optimizer's already.
-_AVERAGERS: tuple[tuple[str, str, str], ...] = (
-    ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
-    # gradient clipping, part of the update: the gradients' norm over every parameter (it had
-    # been other, "Python between phases"; inside Lightning's closure it still was, and a
-    # Trainer's clipping with it). Called by these names by HF's Trainer, accelerate, Lightning.
-    ("torch.nn.utils", "", "clip_grad_norm_"),
-    ("torch.nn.utils", "", "clip_grad_value_"),
-    # and its two halves, read from their module at each call: a loop that bound
-    # clip_grad_norm_ by name before the slice (from torch.nn.utils import ...) calls them too
-    ("torch.nn.utils.clip_grad", "", "_get_total_norm"),
-    ("torch.nn.utils.clip_grad", "", "_clip_grads_with_norm_"),
-    # Lightning's call of the module's configure_gradient_clipping hook, whole (in its closure,
-    # after backward): an override's own work had been other (81 of 233 ms read optimizer)
-    ("lightning.pytorch.plugins.precision.precision", "Precision", "_clip_gradients"),
-    ("pytorch_lightning.plugins.precision.precision", "Precision", "_clip_gradients"),
-)
-
-#: Lightning's training step, where the LightningModule was compiled whole
-#: (``trainer.fit(torch.compile(module))``): Lightning compiles its ``training_step``, the model's
-#: calls inside run as compiled code and no module call is seen; the step's call is the forward
-#: then (it had read forward 0 and its time other, with a note blaming a functional model).
-_COMPILED_STEPS: tuple[tuple[str, str, str], ...] = (
-    ("lightning.pytorch.strategies.strategy", "Strategy", "training_step"),
-    ("pytorch_lightning.strategies.strategy", "Strategy", "training_step"),
-)
-
-#: DataLoader subclasses that replace what the probe wraps on torch's, as ``_SAVERS`` (patched
-#: only if the loop imported them): torchdata's ``StatefulDataLoader.__iter__`` never calls
-#: ``DataLoader.__iter__`` (its workers start there each epoch), and its multiprocessing iterator
-#: has a ``_shutdown_workers`` of its own. Without them a 2-worker StatefulDataLoader's start-up
-#: read other: data_wait 304 ms of 687 over a slice, other 388 ms.
-_LOADER_STARTS: tuple[tuple[str, str, str], ...] = (
-    ("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader", "__iter__"),
-)
-_LOADER_SHUTDOWNS: tuple[tuple[str, str, str], ...] = (
-    ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter",
-     "_shutdown_workers"),
-)
-
 #: Lightning's batch fetcher, which reads one batch ahead over a loader with no length.
 _LIGHTNING_FETCHERS = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
 
@@ -165,54 +120,6 @@ def _fetcher_workers(fetcher: Any) -> int:
         return -1
 
 
-#: A trainer's run (``train()``, ``fit()``): when it ends the next run is looked for anew, its
-#: optimizer ending the steps (a sweep's next Trainer made its own, whose steps ended none: 10 of
-#: 13 steps were missing), and a run the slice stopped through its switch takes the probes out
-#: (a second ``train()`` in the same cell was ended by StopSlice after one step, silently).
-_TRAINER_RUNS: tuple[tuple[str, str, str], ...] = (
-    ("transformers.trainer", "Trainer", "train"),
-    # run again inside one train() by auto_find_batch_size at a smaller batch after an
-    # out-of-memory error: the failed attempt's steps were the retry's (no word), its failed
-    # batch the next step's samples (15 for 7) and its loss a "skipped update"
-    ("transformers.trainer", "Trainer", "_inner_training_loop"),
-    ("lightning.pytorch.trainer.trainer", "Trainer", "fit"),
-    ("pytorch_lightning.trainer.trainer", "Trainer", "fit"),
-)
-
-#: A trainer's search that runs training steps of its own before the real ones (Lightning's
-#: learning-rate and batch-size finders, ``Tuner`` or their callbacks): the loop runs unprofiled
-#: meanwhile. Counted, its steps were the slice's (at a rising learning rate) and tpkit's stop
-#: ended the search after them: Lightning read a diverging loss, suggested no rate and the
-#: ``fit`` after it trained at another one.
-_SEARCHES: tuple[tuple[str, str, str], ...] = (
-    ("lightning.pytorch.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
-    ("pytorch_lightning.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
-    ("lightning.pytorch.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
-    ("pytorch_lightning.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
-)
-
-#: Lightning's launcher of the processes that train (``strategy="ddp_spawn"``, ``"ddp_fork"`` and
-#: ``"ddp_notebook"``; Fabric's alike): tpkit profiles only its own process, so the probes are
-#: paused while it runs. Forked workers had inherited the live probes: each recorded the slice's
-#: steps and stopped its fit there (global_step 7 of 40), and their runs were never kept; the
-#: parent's run read 0 steps with the advice to call tp.step().
-_LAUNCHERS: tuple[tuple[str, str, str], ...] = (
-    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
-    ("pytorch_lightning.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
-    ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
-    ("lightning_fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
-)
-
-#: Where a trainer evaluates, as ``_SAVERS``: each call is an ``eval`` span, whole (metrics,
-#: gathering predictions, a Seq2Seq ``generate()``), and the batches read inside it are not
-#: the step's (capture/evaluation.py).
-_EVALUATORS: tuple[tuple[str, str, str], ...] = (
-    ("transformers.trainer", "Trainer", "evaluate"),
-    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", "run"),
-    ("pytorch_lightning.loops.evaluation_loop", "_EvaluationLoop", "run"),
-)
-
-
 def has_accelerator() -> bool:
     """Whether this process can see a device other than the host (CUDA, MPS, XPU...). Without
     one no ``Tensor.to`` can be a host-to-device copy, so the h2d wrappers are not installed:
@@ -222,141 +129,6 @@ def has_accelerator() -> bool:
     if acc is not None and hasattr(acc, "is_available"):
         return bool(acc.is_available())
     return torch.cuda.is_available()
-
-
-def batch_size_of(batch: Any) -> int | None:
-    """Samples in a (nested) batch; None if it cannot tell.
-
-    The leading dimension of the first tensor-like (not a 0-dim one: a token count beside the
-    batch), found through mappings (a dict, HF's ``BatchEncoding``, a ``UserDict``: their first
-    such tensor, before any list among them), sequences (past a name or a number before the
-    batch: ``("task", batch)``) and dataclasses (a ``Batch`` class of the loop's own; other
-    objects: the first tensor among their attributes), except where a sequence holds one record
-    per sample: strings or numbers, mappings with the same keys, columns of equal length one of
-    which holds mappings (a detection loader's ``tuple(zip(*batch))``: per-sample targets next
-    to a tuple of images whose first dimension is their channels, at any batch size), a list of
-    tuples (the samples as a dataset returns them, with ``collate_fn=lambda b: b``), lists of
-    words of different lengths (pre-tokenized texts), or tensors of different lengths (audio clips)."""
-    in_mapping = False  # the sequence at hand is a mapping's value (a list of per-sample tensors there)
-    for _ in range(8):  # bounded descent into nested containers
-        if _is_array(batch):
-            return int(batch.shape[0]) if _ndim(batch) > 0 else 1
-        if isinstance(batch, (dict, Mapping)):
-            if not batch:
-                return None
-            values = list(batch.values())
-            array = next((v for v in values if _is_array(v) and _ndim(v) > 0), None)
-            if array is not None:
-                return int(array.shape[0])
-            batch, in_mapping = next((v for v in values if not _is_scalar(v)), None), True
-            continue
-        if isinstance(batch, (list, tuple)):
-            if not batch:
-                return None
-            if all(isinstance(e, (str, bytes, int, float)) for e in batch):
-                return len(batch)  # texts, numbers: one per sample
-            n = _per_sample(batch, in_mapping)
-            if n is not None:
-                return n
-            batch, in_mapping = next((e for e in batch if not _is_scalar(e)), None), False
-        elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-            fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
-            batch, in_mapping = next((v for v in fields if v is not None and not _is_scalar(v)), None), False
-        else:
-            attrs = getattr(batch, "__dict__", None)
-            return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
-                if isinstance(attrs, dict) else None
-    return None
-
-
-def _is_array(x: Any) -> bool:
-    """A tensor, or an array with a shape and a dtype (numpy and friends)."""
-    return isinstance(x, torch.Tensor) or (hasattr(x, "shape") and hasattr(x, "dtype"))
-
-
-def _ndim(x: Any) -> int:
-    """Dimensions of a tensor or array; -1 where it cannot say (a strided nested tensor has no
-    sizes: reading ``.shape`` raises)."""
-    try:
-        return len(x.shape)
-    except Exception:  # noqa: BLE001 - never an error in the loop's batch
-        return -1
-
-
-def _is_scalar(x: Any) -> bool:
-    """A name, a number, or a 0-dim tensor: beside a batch, never its samples."""
-    return isinstance(x, (str, bytes, int, float, bool)) or x is None or (_is_array(x) and _ndim(x) == 0)
-
-
-def _per_sample(seq: list | tuple, in_mapping: bool = False) -> int | None:
-    """``len(seq)`` (or its columns' length) where ``seq`` holds one record per sample.
-    ``in_mapping``: ``seq`` is a mapping's value, where a list of tensors of different lengths is
-    one per sample (audio clips); at the top they are columns ((images, boxes of all images))."""
-    for part in (seq, *(p for p in seq if isinstance(p, (list, tuple)))):
-        if _records(part):  # (before the columns: list(zip(*batch)) with per-sample targets)
-            return len(part)
-    if len(seq) > 1 and all(isinstance(c, (list, tuple)) for c in seq):
-        n = len(seq[0])
-        if n and all(len(c) == n for c in seq) and any(all(isinstance(e, (dict, Mapping)) for e in c) for c in seq):
-            return n  # columns, one of per-sample mappings (a detection batch of one image too)
-    if type(seq) is list and all(type(e) is tuple for e in seq):  # uncollated samples
-        return len(seq)
-    if len(seq) > 1 and all(isinstance(e, (list, tuple)) and e and all(isinstance(w, str) for w in e) for e in seq) \
-            and len({len(e) for e in seq}) > 1:
-        return len(seq)  # lists of words of different lengths: one per sample (text columns share theirs)
-    if in_mapping and len(seq) > 1 and all(_is_array(e) and _ndim(e) > 0 for e in seq) \
-            and len({int(e.shape[0]) for e in seq}) > 1:
-        return len(seq)  # tensors of different lengths under a key: one per sample
-    return None
-
-
-def _records(seq: list | tuple) -> bool:
-    """Whether ``seq`` is one mapping per sample: two or more, all with the same keys."""
-    if len(seq) < 2 or not all(isinstance(e, (dict, Mapping)) for e in seq):
-        return False
-    keys = set(seq[0])
-    return all(set(e) == keys for e in seq)
-
-
-#: A constant factor this large, a power of two, applied last to the loss is a loss scale (a
-#: static one, by hand: GradScaler's is known from its own call): ``(loss * 1024).backward()``
-#: had read 1024x the loss the loop logs, with no word. Smaller factors are weights of the loss.
-STATIC_SCALE_MIN = 128.0
-
-
-def _static_scale(tensor: torch.Tensor) -> float:
-    """The hand-made loss scale ``tensor`` was multiplied by last, or 0.0: a ``MulBackward0``
-    whose other operand is a host scalar (a Python number, or a CPU one-element tensor without
-    grad: reading it never waits for a device) and a power of two from ``STATIC_SCALE_MIN``."""
-    fn = tensor.grad_fn
-    if fn is None or type(fn).__name__ != "MulBackward0":
-        return 0.0
-    try:
-        other = getattr(fn, "_saved_other")  # noqa: B009 - a Node attribute torch does not declare
-    except (AttributeError, RuntimeError):  # not saved (the operand needed no grad of the loss)
-        return 0.0
-    if (not isinstance(other, torch.Tensor) or other.numel() != 1 or other.device.type != "cpu"
-            or other.requires_grad):
-        return 0.0
-    scale = float(other)
-    return scale if scale >= STATIC_SCALE_MIN and math.frexp(scale)[0] == 0.5 else 0.0
-
-
-
-
-def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) -> None:
-    """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
-    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of
-    the iterator it came from (0: not known)."""
-    try:
-        n = batch_size_of(batch)
-    except Exception:  # noqa: BLE001 - a batch tpkit cannot read is uncounted, never the loop's error
-        n = None
-    if n is None and rec.uncounted is None:
-        rec.uncounted = type(batch).__qualname__
-    rec.handed_out(n or 0, workers, source)
-    if rec.batch_listeners:
-        rec.yielded(batch)
 
 
 def _leaves_host(args: tuple, kwargs: dict) -> bool:
@@ -373,128 +145,6 @@ def _leaves_host(args: tuple, kwargs: dict) -> bool:
     if isinstance(dev, int):
         return True
     return torch.device(dev).type != "cpu"
-
-
-class LossSums:
-    """Per-step sums of the losses backpropagated, kept on the loss's device in preallocated
-    chunks of ``CHUNK`` slots: one in-place add per backward (no new tensor per step, no
-    sync), nothing of the loop's own tensors kept, read once per chunk after the slice.
-
-    Each step's first loss puts ``(raw_step, slot)`` in ``rec.losses``; ``float(slot)`` is
-    the step's sum (the build reads it so)."""
-
-    CHUNK = 64
-
-    def __init__(self, rec: Recorder) -> None:
-        self.rec = rec
-        self._chunks: list[torch.Tensor] = []
-        self._free: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk, next index)
-        self._slots: dict[torch.device, "_Slot"] = {}  # the current step's slot per device
-        self._slots_step = -1
-        self._host: dict[int, list[float]] = {}
-        self._reset_step = -1  # the step whose gradients were zeroed after its first loss
-        self._updated = False  # an optimizer stepped since the last loss went through backward
-
-    def add(self, raw_step: int, loss: torch.Tensor) -> None:
-        """Add a one-element loss tensor to step ``raw_step``'s sum (or, after the step's
-        gradients were zeroed, to ``rec.losses_after_reset``: see ``reset``)."""
-        rec = self.rec
-        self._updated = False
-        after_reset = raw_step == self._reset_step
-        if not after_reset:
-            counts = rec.loss_counts
-            counts[raw_step] = counts.get(raw_step, 0) + 1
-        value = loss.detach()
-        if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
-            value = value.reshape(())
-        target = rec.losses_after_reset if after_reset else rec.losses
-        if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
-            target.append((raw_step, value.clone()))
-            return
-        if raw_step != self._slots_step:  # a new step: earlier steps' slots are never added to again
-            self._slots, self._slots_step = {}, raw_step
-        device = value.device
-        slot = self._slots.get(device)
-        if slot is None:
-            slot = self._slots[device] = self._new_slot(device)
-            target.append((raw_step, slot))
-        self._chunks[slot.chunk][slot.index].add_(value)
-
-    def updated(self) -> None:
-        """An optimizer stepped: until the next backward, a ``zero_grad()`` is the loop's ordinary
-        one after its update (several updates in one step marked by ``tp.step()``, PPO's
-        minibatches), not a reset that throws a backward's gradients away."""
-        self._updated = True
-
-    def reset(self, raw_step: int) -> None:
-        """``zero_grad()`` in step ``raw_step``: after a loss of the step went through backward,
-        the gradients it made are thrown away (SAM's two passes on one batch: the first pass's
-        gradients only find where to perturb the weights). What is backpropagated after it in
-        the step is kept apart; the build decides what to do with it."""
-        if self._reset_step != raw_step and self.rec.loss_counts.get(raw_step, 0) and not self._updated:
-            self._reset_step = raw_step
-            if raw_step == self._slots_step:
-                self._slots = {}
-            self.rec.batch_after_reset = self._new_iteration
-
-    def _new_iteration(self) -> None:
-        """A batch handed out after the reset, before any optimizer step: not a second pass on
-        the same batch but the loop's next iteration, the update of the one before skipped (a
-        loop that calls ``zero_grad()`` and ``continue`` on a non-finite loss). The losses
-        backpropagated so far in the step are thrown away with their gradients: the step's loss
-        is what its update used (it had read the skipped NaN, and a note called it SAM). With
-        several optimizers one's ``zero_grad()`` throws nothing of another's away: nothing changes."""
-        rec = self.rec
-        rec.batch_after_reset = None
-        step = self._reset_step
-        if step != rec.step_index or rec.optimizer_count > 1:
-            return
-        self.discard(step)
-        rec.skipped_iterations[step] = rec.skipped_iterations.get(step, 0) + 1
-
-    def cancel_reset(self) -> None:
-        """The ``zero_grad()`` taken for a reset followed an update after all (one no optimizer
-        hook saw): the step's losses are one sum, no second pass, no skipped iteration."""
-        self._reset_step = -1
-        self.rec.batch_after_reset = None
-
-    def discard(self, raw_step: int) -> None:
-        """Step ``raw_step``'s losses so far belong to an iteration whose update never came (one
-        the loop skipped, a trainer's run that failed and is tried again): none of them is the step's."""
-        rec = self.rec
-        rec.batch_after_reset = None
-        rec.losses[:] = [e for e in rec.losses if e[0] != raw_step]
-        rec.losses_after_reset[:] = [e for e in rec.losses_after_reset if e[0] != raw_step]
-        rec.loss_counts.pop(raw_step, None)
-        self._reset_step = -1
-        if raw_step == self._slots_step:
-            self._slots = {}
-
-    def _new_slot(self, device: torch.device) -> "_Slot":
-        chunk, index = self._free.get(device, (-1, self.CHUNK))
-        if index >= self.CHUNK:
-            dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
-            chunk_t = torch.zeros(self.CHUNK, dtype=dtype, device=device)
-            self._chunks.append(chunk_t)
-            self.rec.own_tensors.append(chunk_t)  # tpkit's own, not the loop's: the memory probe leaves it out
-            chunk, index = len(self._chunks) - 1, 0
-        self._free[device] = (chunk, index + 1)
-        return _Slot(self, chunk, index)
-
-    def value(self, chunk: int, index: int) -> float:
-        if chunk not in self._host:
-            self._host[chunk] = self._chunks[chunk].tolist()  # one sync per chunk, after the slice
-        return float(self._host[chunk][index])
-
-
-class _Slot:
-    __slots__ = ("sums", "chunk", "index")
-
-    def __init__(self, sums: LossSums, chunk: int, index: int) -> None:
-        self.sums, self.chunk, self.index = sums, chunk, index
-
-    def __float__(self) -> float:
-        return self.sums.value(self.chunk, self.index)
 
 
 class PhaseProbe:
@@ -523,8 +173,8 @@ class PhaseProbe:
         self.lead_optimizer: int | None = None
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
-        self._paused = False  # a trainer's search or launcher runs (``_SEARCHES``, ``_LAUNCHERS``): the loop is not followed
-        self.launches = 0  # Lightning's launches of processes that train (``_LAUNCHERS``)
+        self._paused = False  # a trainer's search or launcher runs (``SEARCHES``, ``LAUNCHERS``): the loop is not followed
+        self.launches = 0  # Lightning's launches of processes that train (``LAUNCHERS``)
         self._run_optimizers: set[int] = set()  # those that stepped in this run of a trainer (or the loop)
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self.most_optimizers = 0  # the most that stepped in one run
@@ -594,8 +244,8 @@ class PhaseProbe:
             if callable(shutdown):
                 self._patched.set(_dl._MultiProcessingDataLoaderIter, "_shutdown_workers",
                                   self._wrap_whole(shutdown, "data_wait", "DataLoader._shutdown_workers"))
-            self._patch_each(_LOADER_STARTS, lambda fn, module, owner, attr: self._wrap_iter(fn, owner))
-            self._patch_each(_LOADER_SHUTDOWNS, lambda fn, module, owner, attr:
+            self._patch_each(LOADER_STARTS, lambda fn, module, owner, attr: self._wrap_iter(fn, owner))
+            self._patch_each(LOADER_SHUTDOWNS, lambda fn, module, owner, attr:
                              self._wrap_whole(fn, "data_wait", f"{owner}.{attr}"))
             if has_accelerator():
                 self._patched.set(torch.Tensor, "to", self._wrap_h2d(torch.Tensor.to, "Tensor.to", always=False))
@@ -610,18 +260,18 @@ class PhaseProbe:
                 if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
                     self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
             self._patched.set(torch, "save", self._wrap_whole(torch.save, "save", "torch.save"))
-            for phase, places in (("save", _SAVERS), ("eval", _EVALUATORS), ("optimizer", _AVERAGERS)):
+            for phase, places in (("save", SAVERS), ("eval", EVALUATORS), ("optimizer", AVERAGERS)):
                 self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
                                  self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
                     self._patched.set(join, attr, self._wrap_join(vars(join)[attr], enter=attr == "__enter__"))
-            self._patch_each(_COMPILED_STEPS, lambda fn, *_: self._wrap_compiled_step(fn))
-            self._patch_each(_TRAINER_RUNS, lambda fn, *_: self._wrap_trainer_run(fn))
-            self._patch_each(_SEARCHES, lambda fn, module, owner, attr:
+            self._patch_each(COMPILED_STEPS, lambda fn, *_: self._wrap_compiled_step(fn))
+            self._patch_each(TRAINER_RUNS, lambda fn, *_: self._wrap_trainer_run(fn))
+            self._patch_each(SEARCHES, lambda fn, module, owner, attr:
                              self._wrap_unprofiled(fn, self._search_note(f"{module.split('.')[0]}'s {attr}")))
-            self._patch_each(_LAUNCHERS, lambda fn, module, *_:
+            self._patch_each(LAUNCHERS, lambda fn, module, *_:
                              self._wrap_unprofiled(fn, self._launch_note(module.split(".")[0])))
             scaler = torch.amp.GradScaler
             self._patched.set(scaler, "scale", self._wrap_scale(scaler.scale))
@@ -1193,7 +843,7 @@ class PhaseProbe:
             self._scaled = None
             if scaled[0]() is tensor:
                 return scaled[1]
-        scale = _static_scale(tensor)
+        scale = static_scale(tensor)
         if scale:
             self.static_scaled[scale] = self.static_scaled.get(scale, 0) + 1
             return tensor.detach() / scale
@@ -1304,7 +954,7 @@ class PhaseProbe:
                 self._patched.set(target, attr, wrap(fn, module, owner, attr))
 
     def _wrap_compiled_step(self, fn: Any) -> Any:
-        """Lightning's ``Strategy.training_step`` (``_COMPILED_STEPS``): ``forward`` when the
+        """Lightning's ``Strategy.training_step`` (``COMPILED_STEPS``): ``forward`` when the
         LightningModule was compiled whole; otherwise its module calls are the forward, as ever."""
         rec, probe = self.rec, self
 
@@ -1326,7 +976,7 @@ class PhaseProbe:
         return functools.update_wrapper(training_step, fn)
 
     def _wrap_trainer_run(self, fn: Any) -> Any:
-        """A trainer's ``train()`` / ``fit()`` (``_TRAINER_RUNS``)."""
+        """A trainer's ``train()`` / ``fit()`` (``TRAINER_RUNS``)."""
         rec, probe = self.rec, self
 
         def run(trainer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1386,7 +1036,7 @@ class PhaseProbe:
         return functools.update_wrapper(join, fn)
 
     def _wrap_unprofiled(self, fn: Any, note: Callable[[tuple, float], str]) -> Any:
-        """A call during which the probes ignore the loop (``_SEARCHES``, ``_LAUNCHERS``): its steps
+        """A call during which the probes ignore the loop (``SEARCHES``, ``LAUNCHERS``): its steps
         are none of the slice's and no stop ends it; a process forked inside it inherits the probes
         paused. Afterwards the run's notes say ``note(args, seconds)``."""
         rec, probe = self.rec, self
@@ -1407,14 +1057,14 @@ class PhaseProbe:
         return functools.update_wrapper(unprofiled, fn)
 
     def _search_note(self, what: str) -> Callable[[tuple, float], str]:
-        """What a trainer's search (``_SEARCHES``) is in the run: its time is ``other`` of the step it falls in."""
+        """What a trainer's search (``SEARCHES``) is in the run: its time is ``other`` of the step it falls in."""
         rec = self.rec
         return lambda _args, seconds: (
             f"{what} ran inside the slice ({seconds:.3f} s), unprofiled: its training steps search a setting and "
             f"are none of the slice's; its time is other of the slice's step {rec.step_index + 1}, warmup steps counted")
 
     def _launch_note(self, package: str) -> Callable[[tuple, float], str]:
-        """What a launch of processes that train (``_LAUNCHERS``) is in the run."""
+        """What a launch of processes that train (``LAUNCHERS``) is in the run."""
         def note(args: tuple, seconds: float) -> str:
             self.launches += 1
             start = getattr(args[0], "_start_method", "spawn") if args else "spawn"
@@ -1482,54 +1132,3 @@ def _graph_breaks() -> int:
     if dynamo_utils is None:
         return 0
     return int(sum(dynamo_utils.counters["graph_break"].values()))
-
-
-def watch(iterable: Any, name: str = "watch") -> Any:
-    """Time ``next()`` on any iterable as ``data_wait`` while a slice runs; free otherwise.
-    Its ``iter()``, where a loader starts its pipeline each epoch, is ``data_wait`` too, as a
-    DataLoader's (``_wrap_iter``; a torchdata.nodes Loader's ~50 ms each epoch had been other).
-
-    >>> for batch in tp.watch(my_generator()): ...
-    """
-    rec = _loop_reading()
-    if rec is None:
-        return _timed_iter(iter(iterable), name)
-    token = rec.enter("data_wait", f"{name}.__iter__")
-    try:
-        it = iter(iterable)
-    finally:
-        rec.exit(token)
-    return _timed_iter(it, name)
-
-
-def _loop_reading() -> Recorder | None:
-    """The active slice's recorder where a read in this thread is the loop's own wait for data
-    (not another thread's, not inside a wait already open); None otherwise."""
-    from ..recorder import active
-
-    rec = active()
-    if rec is None or threading.get_ident() != rec.thread_id or rec.is_open("data_wait"):
-        return None
-    return rec
-
-
-def _timed_iter(it: Any, name: str) -> Any:
-    while True:
-        rec = _loop_reading()
-        if rec is None:
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-        else:
-            if rec.batch_coming is not None:
-                rec.batch_coming()
-            token = rec.enter("data_wait", name)
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            finally:
-                rec.exit(token)
-            handed_out(rec, item, source=id(it))
-        yield item

@@ -1,0 +1,120 @@
+"""What a loader handed out: how many samples a batch holds, and telling the recorder."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..recorder import Recorder
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """Samples in a (nested) batch; None if it cannot tell.
+
+    The leading dimension of the first tensor-like (not a 0-dim one: a token count beside the
+    batch), found through mappings (a dict, HF's ``BatchEncoding``, a ``UserDict``: their first
+    such tensor, before any list among them), sequences (past a name or a number before the
+    batch: ``("task", batch)``) and dataclasses (a ``Batch`` class of the loop's own; other
+    objects: the first tensor among their attributes), except where a sequence holds one record
+    per sample: strings or numbers, mappings with the same keys, columns of equal length one of
+    which holds mappings (a detection loader's ``tuple(zip(*batch))``: per-sample targets next
+    to a tuple of images whose first dimension is their channels, at any batch size), a list of
+    tuples (the samples as a dataset returns them, with ``collate_fn=lambda b: b``), lists of
+    words of different lengths (pre-tokenized texts), or tensors of different lengths (audio clips)."""
+    in_mapping = False  # the sequence at hand is a mapping's value (a list of per-sample tensors there)
+    for _ in range(8):  # bounded descent into nested containers
+        if _is_array(batch):
+            return int(batch.shape[0]) if _ndim(batch) > 0 else 1
+        if isinstance(batch, (dict, Mapping)):
+            if not batch:
+                return None
+            values = list(batch.values())
+            array = next((v for v in values if _is_array(v) and _ndim(v) > 0), None)
+            if array is not None:
+                return int(array.shape[0])
+            batch, in_mapping = next((v for v in values if not _is_scalar(v)), None), True
+            continue
+        if isinstance(batch, (list, tuple)):
+            if not batch:
+                return None
+            if all(isinstance(e, (str, bytes, int, float)) for e in batch):
+                return len(batch)  # texts, numbers: one per sample
+            n = _per_sample(batch, in_mapping)
+            if n is not None:
+                return n
+            batch, in_mapping = next((e for e in batch if not _is_scalar(e)), None), False
+        elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+            fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
+            batch, in_mapping = next((v for v in fields if v is not None and not _is_scalar(v)), None), False
+        else:
+            attrs = getattr(batch, "__dict__", None)
+            return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
+                if isinstance(attrs, dict) else None
+    return None
+
+
+def _is_array(x: Any) -> bool:
+    """A tensor, or an array with a shape and a dtype (numpy and friends)."""
+    return isinstance(x, torch.Tensor) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _ndim(x: Any) -> int:
+    """Dimensions of a tensor or array; -1 where it cannot say (a strided nested tensor has no
+    sizes: reading ``.shape`` raises)."""
+    try:
+        return len(x.shape)
+    except Exception:  # noqa: BLE001 - never an error in the loop's batch
+        return -1
+
+
+def _is_scalar(x: Any) -> bool:
+    """A name, a number, or a 0-dim tensor: beside a batch, never its samples."""
+    return isinstance(x, (str, bytes, int, float, bool)) or x is None or (_is_array(x) and _ndim(x) == 0)
+
+
+def _per_sample(seq: list | tuple, in_mapping: bool = False) -> int | None:
+    """``len(seq)`` (or its columns' length) where ``seq`` holds one record per sample.
+    ``in_mapping``: ``seq`` is a mapping's value, where a list of tensors of different lengths is
+    one per sample (audio clips); at the top they are columns ((images, boxes of all images))."""
+    for part in (seq, *(p for p in seq if isinstance(p, (list, tuple)))):
+        if _records(part):  # (before the columns: list(zip(*batch)) with per-sample targets)
+            return len(part)
+    if len(seq) > 1 and all(isinstance(c, (list, tuple)) for c in seq):
+        n = len(seq[0])
+        if n and all(len(c) == n for c in seq) and any(all(isinstance(e, (dict, Mapping)) for e in c) for c in seq):
+            return n  # columns, one of per-sample mappings (a detection batch of one image too)
+    if type(seq) is list and all(type(e) is tuple for e in seq):  # uncollated samples
+        return len(seq)
+    if len(seq) > 1 and all(isinstance(e, (list, tuple)) and e and all(isinstance(w, str) for w in e) for e in seq) \
+            and len({len(e) for e in seq}) > 1:
+        return len(seq)  # lists of words of different lengths: one per sample (text columns share theirs)
+    if in_mapping and len(seq) > 1 and all(_is_array(e) and _ndim(e) > 0 for e in seq) \
+            and len({int(e.shape[0]) for e in seq}) > 1:
+        return len(seq)  # tensors of different lengths under a key: one per sample
+    return None
+
+
+def _records(seq: list | tuple) -> bool:
+    """Whether ``seq`` is one mapping per sample: two or more, all with the same keys."""
+    if len(seq) < 2 or not all(isinstance(e, (dict, Mapping)) for e in seq):
+        return False
+    keys = set(seq[0])
+    return all(set(e) == keys for e in seq)
+
+
+def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) -> None:
+    """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
+    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of
+    the iterator it came from (0: not known)."""
+    try:
+        n = batch_size_of(batch)
+    except Exception:  # noqa: BLE001 - a batch tpkit cannot read is uncounted, never the loop's error
+        n = None
+    if n is None and rec.uncounted is None:
+        rec.uncounted = type(batch).__qualname__
+    rec.handed_out(n or 0, workers, source)
+    if rec.batch_listeners:
+        rec.yielded(batch)

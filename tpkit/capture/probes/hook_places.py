@@ -1,0 +1,109 @@
+"""Where the phase probe wraps the frameworks' own methods: (module, class or "" for the module
+itself, attribute) tables, each with what its calls are in a step and why (``phases.PhaseProbe``
+patches a class only if its module was imported before the slice)."""
+
+from __future__ import annotations
+
+#: Where checkpoints are written, besides ``torch.save``: (module, class or "" for the module
+#: itself, attribute). Each is a ``save`` span, the nested ones inside it part of it; a class is
+#: patched only if its module was imported before the slice.
+SAVERS: tuple[tuple[str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "_save_checkpoint"),
+    ("lightning.pytorch.trainer.trainer", "Trainer", "save_checkpoint"),
+    ("pytorch_lightning.trainer.trainer", "Trainer", "save_checkpoint"),
+    ("accelerate.accelerator", "Accelerator", "save_state"),
+    ("accelerate.accelerator", "Accelerator", "save_model"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint"),
+    ("safetensors.torch", "", "save_file"),
+    ("safetensors.torch", "", "save_model"),
+)
+
+#: Weight averaging after the optimizer's step, as ``SAVERS``: ``optimizer`` time, the update's
+#: (an EMA or SWA copy of the weights updated each step had been ``other``, and a loop averaging
+#: every step read OVERHEAD-BOUND 45%, "Python between phases"). Inside a step's post hook it is
+#: the optimizer's already.
+AVERAGERS: tuple[tuple[str, str, str], ...] = (
+    ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
+    # gradient clipping, part of the update: the gradients' norm over every parameter (it had
+    # been other, "Python between phases"; inside Lightning's closure it still was, and a
+    # Trainer's clipping with it). Called by these names by HF's Trainer, accelerate, Lightning.
+    ("torch.nn.utils", "", "clip_grad_norm_"),
+    ("torch.nn.utils", "", "clip_grad_value_"),
+    # and its two halves, read from their module at each call: a loop that bound
+    # clip_grad_norm_ by name before the slice (from torch.nn.utils import ...) calls them too
+    ("torch.nn.utils.clip_grad", "", "_get_total_norm"),
+    ("torch.nn.utils.clip_grad", "", "_clip_grads_with_norm_"),
+    # Lightning's call of the module's configure_gradient_clipping hook, whole (in its closure,
+    # after backward): an override's own work had been other (81 of 233 ms read optimizer)
+    ("lightning.pytorch.plugins.precision.precision", "Precision", "_clip_gradients"),
+    ("pytorch_lightning.plugins.precision.precision", "Precision", "_clip_gradients"),
+)
+
+#: Lightning's training step, where the LightningModule was compiled whole
+#: (``trainer.fit(torch.compile(module))``): Lightning compiles its ``training_step``, the model's
+#: calls inside run as compiled code and no module call is seen; the step's call is the forward
+#: then (it had read forward 0 and its time other, with a note blaming a functional model).
+COMPILED_STEPS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.strategies.strategy", "Strategy", "training_step"),
+    ("pytorch_lightning.strategies.strategy", "Strategy", "training_step"),
+)
+
+#: DataLoader subclasses that replace what the probe wraps on torch's, as ``SAVERS`` (patched
+#: only if the loop imported them): torchdata's ``StatefulDataLoader.__iter__`` never calls
+#: ``DataLoader.__iter__`` (its workers start there each epoch), and its multiprocessing iterator
+#: has a ``_shutdown_workers`` of its own. Without them a 2-worker StatefulDataLoader's start-up
+#: read other: data_wait 304 ms of 687 over a slice, other 388 ms.
+LOADER_STARTS: tuple[tuple[str, str, str], ...] = (
+    ("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader", "__iter__"),
+)
+LOADER_SHUTDOWNS: tuple[tuple[str, str, str], ...] = (
+    ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter",
+     "_shutdown_workers"),
+)
+
+#: A trainer's run (``train()``, ``fit()``): when it ends the next run is looked for anew, its
+#: optimizer ending the steps (a sweep's next Trainer made its own, whose steps ended none: 10 of
+#: 13 steps were missing), and a run the slice stopped through its switch takes the probes out
+#: (a second ``train()`` in the same cell was ended by StopSlice after one step, silently).
+TRAINER_RUNS: tuple[tuple[str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "train"),
+    # run again inside one train() by auto_find_batch_size at a smaller batch after an
+    # out-of-memory error: the failed attempt's steps were the retry's (no word), its failed
+    # batch the next step's samples (15 for 7) and its loss a "skipped update"
+    ("transformers.trainer", "Trainer", "_inner_training_loop"),
+    ("lightning.pytorch.trainer.trainer", "Trainer", "fit"),
+    ("pytorch_lightning.trainer.trainer", "Trainer", "fit"),
+)
+
+#: A trainer's search that runs training steps of its own before the real ones (Lightning's
+#: learning-rate and batch-size finders, ``Tuner`` or their callbacks): the loop runs unprofiled
+#: meanwhile. Counted, its steps were the slice's (at a rising learning rate) and tpkit's stop
+#: ended the search after them: Lightning read a diverging loss, suggested no rate and the
+#: ``fit`` after it trained at another one.
+SEARCHES: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
+    ("pytorch_lightning.callbacks.lr_finder", "LearningRateFinder", "lr_find"),
+    ("lightning.pytorch.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
+    ("pytorch_lightning.callbacks.batch_size_finder", "BatchSizeFinder", "scale_batch_size"),
+)
+
+#: Lightning's launcher of the processes that train (``strategy="ddp_spawn"``, ``"ddp_fork"`` and
+#: ``"ddp_notebook"``; Fabric's alike): tpkit profiles only its own process, so the probes are
+#: paused while it runs. Forked workers had inherited the live probes: each recorded the slice's
+#: steps and stopped its fit there (global_step 7 of 40), and their runs were never kept; the
+#: parent's run read 0 steps with the advice to call tp.step().
+LAUNCHERS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+    ("pytorch_lightning.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+    ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+    ("lightning_fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher", "launch"),
+)
+
+#: Where a trainer evaluates, as ``SAVERS``: each call is an ``eval`` span, whole (metrics,
+#: gathering predictions, a Seq2Seq ``generate()``), and the batches read inside it are not
+#: the step's (capture/evaluation.py).
+EVALUATORS: tuple[tuple[str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "evaluate"),
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", "run"),
+    ("pytorch_lightning.loops.evaluation_loop", "_EvaluationLoop", "run"),
+)
