@@ -19,9 +19,11 @@ import pandas as pd
 #: run instead of hiding in ``other``. ``comm`` is time the rank was blocked in collectives
 #: (capture/probes/comm.py): it is taken out of the phase it happened in. ``eval`` is evaluation
 #: run inside the slice: the trained model called without grad in eval mode, and the batches read
-#: for it (capture/evaluation.py); its samples are not the step's.
+#: for it (capture/evaluation.py); its samples are not the step's. ``setup`` is a trainer's setup
+#: inside the slice: from the previous run's last step (or the slice's start) to a new run's first
+#: batch, what no other phase covered there (capture/setups.py).
 BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "comm",
-                                   "eval", "save", "tpkit")
+                                   "eval", "save", "setup", "tpkit")
 #: Time no built-in phase covered.
 OTHER = "other"
 #: Every phase in the order a step usually runs, ``other`` last.
@@ -39,7 +41,7 @@ UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 PHASE_NAMES: dict[str, str] = {
     "data_wait": "waiting for data", "h2d": "copy to device", "forward": "forward", "backward": "backward",
     "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation",
-    "save": "saving checkpoints", "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
+    "save": "saving checkpoints", "setup": "a trainer's setup", "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
 }
 
 # -- memory ---------------------------------------------------------------------------------
@@ -128,6 +130,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
         "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
         "skipped": "bool", "comm_s": "float64", "eval_s": "float64", "save_s": "float64",
+        "setup_s": "float64",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
@@ -155,7 +158,8 @@ ADDED_TABLES: tuple[str, ...] = ("ops",)
 #: Columns added after the first layout, with the value they take where a frame (a saved run,
 #: rows built by hand) has none. They come last in their table, so positional rows of the
 #: older layout still line up.
-DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0, "eval_s": 0.0, "save_s": 0.0}}
+DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0, "eval_s": 0.0, "save_s": 0.0,
+                                           "setup_s": 0.0}}
 #: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
 FORMAT_VERSION = 1
 
@@ -222,6 +226,7 @@ def fmt_mib(n: float) -> str:
 VERDICTS: dict[str, str] = {
     "eval-bound": "EVAL-BOUND",
     "save-bound": "SAVE-BOUND",
+    "setup-bound": "SETUP-BOUND",
     "input-bound": "INPUT-BOUND",
     "input-limited": "INPUT-LIMITED",
     "copy-bound": "COPY-BOUND",

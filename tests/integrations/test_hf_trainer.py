@@ -132,17 +132,32 @@ def test_trainer_under_the_magic(ip, tmp_path):
     truth.assert_losses(run.steps["loss"].tolist(), logged_losses(trainer))
 
 
+class SlowStart(transformers.TrainerCallback):
+    """A trainer's setup of known length: 0.3 s at the start of its run."""
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+        time.sleep(0.3)
+
+
 def test_a_sweep_of_two_trainers_in_one_slice(tmp_path):
     """A sweep's first Trainer stops at its own ``max_steps`` (3) before the slice is full and the
     next one, with an optimizer of its own, trains on: its steps are the slice's next ones (they
     ended none: the run held A's 3 steps, said A "stopped by itself", and B's 10 were missing),
-    and the slice stops B through its switch."""
+    and the slice stops B through its switch. From A's last step to B's first batch (A's end, the
+    cell's 0.2 s, B's setup with its 0.3 s callback) is B's first step's ``setup_s``, left out of
+    the verdict (it was other: OVERHEAD-BOUND, "Python between phases")."""
     first, first_ends = make_trainer(tmp_path / "a", max_steps=3)
     second, second_ends = make_trainer(tmp_path / "b", max_steps=10)
+    second.add_callback(SlowStart())
     with tp.profile(steps=STEPS, warmup=WARMUP, name="hf-sweep", progress=False, clock_hz=0) as prof:
         first.train()
+        time.sleep(0.2)
         second.train()
     run = prof.run
+    setup = run.steps.set_index(run.steps["step"] + WARMUP)["setup_s"]
+    assert setup[3] >= 0.5 and float(run.steps["other_s"].iloc[3]) < 0.1
+    assert setup[0] > 0 and (setup.drop([0, 3]) == 0).all()  # A's setup: the first step's, in warmup
+    assert "a trainer's setup" in run.summary().verdict.text
     rest = STEPS + WARMUP - 3
     assert first.state.global_step == 3 and second.state.global_step == rest
     assert first_ends.events == second_ends.events == ["train_end"]

@@ -377,7 +377,7 @@ def comparison_warnings(runs: list["Run"], labels: list[str], dropped: dict[str,
     if any(breaks.values()):
         held = "; ".join(f"'{k}': " + (", ".join(f"{w} {v:.0%}" for w, v in b.items()) or "none")
                          for k, b in breaks.items())
-        out.append(f"evaluation or checkpoint saving ran inside the slice ({held} of step time): the other phases' "
+        out.append(f"what interrupts training ran inside the slice ({held} of step time): the other phases' "
                    "shares are of training time, theirs of the whole step; throughput and step time count them")
     unseen = [label for r, label in zip(runs, labels)
               if any(UNSEEN_UPDATES_NOTE in str(n) for n in r.meta.get("notes", []))]

@@ -33,6 +33,9 @@ INTERRUPTIONS: dict[str, tuple[str, str, str]] = {
     "save_s": ("save-bound", "checkpoint saving",
                "save less often (save_steps, every_n_train_steps), or in the background "
                "(torch.distributed.checkpoint.async_save)"),
+    "setup_s": ("setup-bound", "a trainer's setup",
+                "a trainer's run began inside the slice (a sweep's next Trainer, a run tried again): profile "
+                "one run, its setup in the warmup steps (more warmup, or one slice per train() / fit())"),
 }
 
 

@@ -18,6 +18,7 @@ from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, f
 from . import evaluation, read_ahead
 from .losses import step_losses
 from .recorder import Recorder
+from .setups import setup_spans
 
 
 def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
@@ -106,7 +107,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     relabel = evaluation.relabel_span if ev else (lambda _ev, phase, _s, _e: phase)
     spans = frame("spans", [
         (step - warmup_steps, relabel(ev, phase, s, e), at(s, sev), at(e, eev), 0.0, depth, source)
-        for phase, s, e, depth, source, step, sev, eev in raw_spans if step < past
+        for phase, s, e, depth, source, step, sev, eev in raw_spans + setup_spans(rec, ev.handouts, past)
+        if step < past
     ])
     spans["duration_s"] = spans["end_s"] - spans["start_s"]
     spans = spans.sort_values(["start_s", "depth"], kind="stable").reset_index(drop=True)

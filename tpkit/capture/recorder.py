@@ -120,6 +120,7 @@ class Recorder:
         # the modules called with grad in train mode (the trained ones) and the modules without
         # parameters called without grad (a loss, a metric)
         self.handouts: list[int] = []
+        self.run_starts: list[int] = []  # when each trainer run was called in the slice (ns; capture/setups.py)
         self.loader_cpu_s = self.loader_make_s = 0.0  # tpkit's loader: CPU and wall time making batches
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
         self.handout_sources: list[int] = []  # per handout: the id of the source it came from (0: not known)
@@ -177,7 +178,8 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "restarts"):
+                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "restarts",
+                     "run_starts"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
         snap.skipped_iterations = dict(self.skipped_iterations)

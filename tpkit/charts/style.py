@@ -17,6 +17,7 @@ PHASE_COLORS: dict[str, str] = {
     "comm": "#393b79",  # blocked in collectives (waiting for other ranks)
     "eval": "#aec7e8",  # evaluation inside the slice: a paler forward
     "save": "#637939",  # checkpoints written inside the slice
+    "setup": "#c7c7c7",  # a trainer's setup inside the slice: a paler other
     "tpkit": "#e7ba52",  # tpkit's own probe work
     "other": "#b0b0b0",
 }

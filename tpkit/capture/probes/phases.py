@@ -380,7 +380,7 @@ class PhaseProbe:
         if not gaps:
             return ""
         return (f"; each later run's setup (from the run before's end to its first batch: {', '.join(gaps)}) is "
-                "other time in the step it falls in")
+                "setup time (setup_s) of the step it falls in, with the run before's end, left out of the verdict")
 
     # -- the loop's thread --------------------------------------------------------------------
     def _adopt(self, tid: int, at_step: bool) -> bool:
@@ -982,6 +982,8 @@ class PhaseProbe:
         def run(trainer: Any, *args: Any, **kwargs: Any) -> Any:
             if _compiling() or threading.get_ident() != rec.thread_id:
                 return fn(trainer, *args, **kwargs)
+            if rec.slice_steps is None:
+                rec.run_starts.append(perf_counter_ns())  # its setup: capture/setups.py
             failed = True
             try:
                 out = fn(trainer, *args, **kwargs)
