@@ -537,7 +537,7 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     if several > 1 and rec.explicit_steps:
         rec.note(f"{several} optimizers stepped; steps end at tp.step() (once it is called, no "
                  "optimizer's step() ends one)")
-    elif several > 1:
+    elif several > 1 and not probe.steps_in_backward:  # (its note says how steps end then)
         rec.note(f"{several} optimizers stepped; steps end at the first one's step(), and a "
                  "step's loss is everything backpropagated since the previous one (with the first optimizer "
                  "stepping before the others' backward, a step holds their losses of the iteration before)")

@@ -181,6 +181,10 @@ class PhaseProbe:
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
         self.run_ends: list[int] = []  # when each of them ended (ns)
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
+        # the lead optimizer stepped inside backward (optimizers in gradient hooks): the step ends
+        # when that backward returns, its every hook's update done (``_opt_post``)
+        self._step_in_backward: torch.optim.Optimizer | None = None
+        self.steps_in_backward = 0
         # outermost module calls inside backward: activation checkpointing recomputing its forward
         self.recomputed_calls = 0
         self.grad_calls = 0  # torch.autograd.grad calls timed as backward
@@ -327,6 +331,11 @@ class PhaseProbe:
                        "called again before it was full, or a Trainer's auto_find_batch_size trying again at a "
                        "smaller batch after an out-of-memory error), in order: each run's first optimizer ends "
                        f"its steps{self._setups()}")
+        if self.steps_in_backward:
+            out.append(f"optimizer.step() ran inside backward ({self.steps_in_backward} step(s); "
+                       f"{self.most_optimizers} optimizer(s), as in gradient hooks stepping each parameter's own): "
+                       "a step ends when that backward returns; the updates' time is optimizer, the rest "
+                       "of the pass backward")
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
@@ -563,6 +572,13 @@ class PhaseProbe:
             if not self._worked and self._ever_worked and self.rec.step_ends:
                 self.merged_steps += 1
                 return
+            if self.rec.is_open("backward"):
+                # an optimizer per parameter, stepped as its gradient is ready: the step ending here
+                # had split the backward across two steps (phases summed to 124-129% of a step) and
+                # the slice's stop left the other parameters' updates undone
+                self._step_in_backward = opt
+                self.steps_in_backward += 1
+                return
             self._end_step(opt)
 
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
@@ -788,11 +804,15 @@ class PhaseProbe:
                 probe._add_losses(tensors, args, kwargs)
             token = rec.enter("backward", "autograd")
             try:
-                return fn(tensors, *args, **kwargs)
+                out = fn(tensors, *args, **kwargs)
             finally:
                 rec.exit(token)
                 if not probe._opt_tokens:
                     probe._note_versions()
+            if probe._step_in_backward is not None and not rec.is_open("backward"):
+                opt, probe._step_in_backward = probe._step_in_backward, None
+                probe._end_step(opt)  # may raise StopSlice: every hook's update is done
+            return out
 
         backward.__wrapped__ = fn  # type: ignore[attr-defined]
         backward.__doc__ = fn.__doc__
