@@ -446,7 +446,7 @@ def test_training_shares_leave_an_evaluation_out():
         assert row(c, metric, "evaluating")["value"] == pytest.approx(row(c, metric, "plain")["value"])
         assert row(c, metric, "evaluating")["significant"] == cmp.NO_DIFFERENCE
     assert row(c, "eval_share", "evaluating")["value"] == pytest.approx(20.0)
-    assert any(w.startswith("evaluation or checkpoint saving ran inside the slice ('plain': none; "
+    assert any(w.startswith("what interrupts training ran inside the slice ('plain': none; "
                             "'evaluating': evaluation 20%") for w in c.warnings), c.warnings
 
 
