@@ -689,3 +689,24 @@ def test_a_first_step_that_pays_one_time_setup_is_said_to_with_warmup_0():
     first = float(said[0].split(" took ")[1].split(" s")[0])
     assert 0.4 < first < 0.4 + 3 * (sleepy.FORWARD_S + sleepy.BACKWARD_S + sleepy.OPTIMIZER_S + 2 * sleepy.SAMPLE_S)
     assert not any(n.startswith("the first measured step took") for n in warm.notes)
+
+
+def test_the_run_names_every_model_the_loop_trains(one_thread):
+    """A CLIP-style loop trains two towers called one after the other, beside a frozen teacher
+    called without grad: the run's model is both towers, with all their parameters (the larger
+    tower alone had been the model, 144 of 257 parameters), the teacher none of it."""
+    torch.manual_seed(0)
+    image, text = torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh())
+    teacher = torch.nn.Linear(8, 16).eval()
+    opt = torch.optim.SGD([*image.parameters(), *text.parameters()], lr=0.01)
+    with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0) as prof:
+        for _ in range(10):
+            x, t = torch.randn(5, 8), torch.randn(5, 4)
+            with torch.no_grad():
+                target = teacher(x)
+            loss = ((image(x) - text(t)) ** 2).mean() + ((image(x) - target) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    trained = sum(p.numel() for p in [*image.parameters(), *text.parameters()])
+    assert prof.run.meta["model"] == {"class": "Linear + Sequential", "parameters": trained, "trainable": trained}

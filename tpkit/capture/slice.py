@@ -552,14 +552,30 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     trained = fw.model() if fw is not None else None
     if fw is not None:
         out["framework"] = fw.name
-    candidates = [trained] if isinstance(trained, torch.nn.Module) else probe.models.live()
-    if candidates:
-        model = max(candidates, key=lambda m: sum(p.numel() for p in m.parameters()))
-        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model inside
-        params = {id(p): p for p in model.parameters()}.values()
-        out["model"] = {"class": type(model).__name__, "parameters": int(sum(p.numel() for p in params)),
+    models = [trained] if isinstance(trained, torch.nn.Module) else _trained_models(rec, probe.models.live())
+    if models:
+        params = {id(p): p for m in models for p in m.parameters()}.values()
+        out["model"] = {"class": " + ".join(type(m).__name__ for m in models),
+                        "parameters": int(sum(p.numel() for p in params)),
                         "trainable": int(sum(p.numel() for p in params if p.requires_grad))}
     return out
+
+
+def _trained_models(rec: _rec.Recorder, called: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The models the loop trained, largest first: each outermost module called with grad in
+    training mode that is no part of another (the two towers of a CLIP-style loop, a multi-task
+    loop's models: the largest alone had been the run's model, 144 of 257 parameters); the
+    largest called module where none was (a loop tpkit saw train nothing)."""
+    inner = [getattr(m, "_orig_mod", m) for m in called]  # torch.compile's wrapper: the model inside
+    trained = [m for m, c in zip(inner, called) if id(c) in rec.trained_modules or id(m) in rec.trained_modules]
+    if not trained:
+        return [max(inner, key=_size)] if inner else []
+    parts = {id(sub) for m in trained for sub in m.modules() if sub is not m}
+    return sorted({id(m): m for m in trained if id(m) not in parts}.values(), key=_size, reverse=True)
+
+
+def _size(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None = None, *,
