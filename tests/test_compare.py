@@ -103,9 +103,12 @@ def test_separated_runs_are_significant_with_direction():
     assert thr["value"] == pytest.approx(10 * 10 / noise.sum() * 2)
     assert thr["delta_pct"] == pytest.approx(100.0)
     assert thr["significant"] == cmp.SIGNIFICANT and thr["direction"] == "better"
-    # the same share of data wait in both: the intervals coincide
+    # the same share of data wait in both: shown, not judged; the wait itself halved
     assert row(c, "data_stall_share", "fast")["value"] == pytest.approx(25.0)
-    assert row(c, "data_stall_share", "fast")["significant"] == cmp.NO_DIFFERENCE
+    assert row(c, "data_stall_share", "fast")["significant"] == cmp.NOT_TESTED
+    wait = row(c, "data_wait_time", "fast")
+    assert wait["value"] == pytest.approx(0.25 * noise.mean() / 2 * 1e3) and wait["unit"] == "ms/step"
+    assert wait["significant"] == cmp.SIGNIFICANT and wait["direction"] == "better"
 
 
 def test_values_exclude_warmup_and_cover_loss_memory_energy():
@@ -204,7 +207,9 @@ def test_idle_phase_shares_are_left_out_but_data_stall_stays():
     c = cmp.compare(make_run("a", [0.1, 0.1], data_share=0.0), make_run("b", [0.1, 0.1], data_share=0.0))
     metrics = set(c.table["metric"])
     assert {"data_stall_share", "forward_share", "backward_share"} <= metrics
+    assert {"data_wait_time", "forward_time", "backward_time"} <= metrics
     assert not metrics & {"h2d_share", "optimizer_share", "offload_share", "other_share"}
+    assert not metrics & {"h2d_time", "optimizer_time", "offload_time", "other_time"}
     assert "significant (better)" in cmp.compare(make_run("a", [0.2, 0.21, 0.19, 0.2, 0.2]),
                                                  make_run("b", [0.1, 0.11, 0.09, 0.1, 0.1])).to_text()
 
@@ -267,6 +272,8 @@ def test_shared_resamples_give_the_same_intervals_as_bootstrap_ci():
     lo, hi = st.bootstrap_ci(pairs, st.ratio_of_sums, 400, 5)
     assert metrics["data_stall_share"].ci == pytest.approx((lo * 100, hi * 100), rel=1e-12)
     assert lo < metrics["data_stall_share"].value / 100 < hi
+    lo, hi = st.bootstrap_ci(m["forward_s"].to_numpy(), "mean", 400, 5)  # a phase's time: its mean per step
+    assert metrics["forward_time"].ci == pytest.approx((lo * 1e3, hi * 1e3), rel=1e-12)
 
 
 def test_long_runs_use_fewer_resamples():
@@ -426,14 +433,47 @@ def test_a_phase_share_that_rises_because_the_step_got_faster_is_not_called_wors
     assert row(c, "step_time_p50", "fast")["direction"] == "better"
     other = row(c, "other_share", "fast")
     assert other["value"] > 3 * row(c, "other_share", "slow")["value"] * 0.9
-    assert other["significant"] == cmp.SIGNIFICANT and other["direction"] == ""  # a change, not "worse"
+    assert other["significant"] == cmp.NOT_TESTED  # a share is shown, not judged
+    other = row(c, "other_time", "fast")
+    assert other["value"] == pytest.approx(3.0) and other["delta"] == pytest.approx(0.0)
+    assert other["significant"] == cmp.NO_DIFFERENCE
+
+
+def test_a_forward_change_is_called_in_forward_only():
+    """20 ms more forward a step, the other phases' times alike: forward +20 ms and the step
+    are significant, backward and optimizer are not (their shares fell 10 and 5 points, and
+    had been called significant), the shares are shown unjudged."""
+    jitter = np.array([0.0, 0.4, -0.3, 0.2, -0.4, 0.1, -0.1, 0.3, -0.2, 0.0] * 2) * 1e-3  # +-0.4 ms
+    phases_s = {"data_wait_s": 0.0003, "forward_s": 0.020, "backward_s": 0.022, "optimizer_s": 0.011}
+
+    def loop(name: str, extra_forward_s: float) -> Run:
+        p = dict(phases_s, forward_s=phases_s["forward_s"] + extra_forward_s)
+        run = make_run(name, np.full(20, sum(p.values())))
+        for col, sec in p.items():
+            run.steps[col] = sec + jitter[::-1] if col == "backward_s" else sec + jitter
+        run.steps["duration_s"] = run.steps[list(p)].sum(axis=1)
+        return run
+
+    c = cmp.compare(loop("base", 0.0), loop("fwd+20ms", 0.020))
+    fwd = row(c, "forward_time", "fwd+20ms")
+    assert fwd["delta"] == pytest.approx(20.0) and fwd["value"] == pytest.approx(40.0)
+    assert fwd["significant"] == cmp.SIGNIFICANT and fwd["direction"] == "worse"
+    assert row(c, "step_time_p50", "fwd+20ms")["significant"] == cmp.SIGNIFICANT
+    for phase in ("backward", "optimizer", "data_wait"):
+        r = row(c, f"{phase}_time", "fwd+20ms")
+        assert r["delta"] == pytest.approx(0.0, abs=1e-9) and r["significant"] == cmp.NO_DIFFERENCE, phase
+    assert row(c, "backward_share", "fwd+20ms")["delta"] < -10  # the share moved...
+    assert {row(c, f"{p}_share", "fwd+20ms")["significant"] for p in ("forward", "backward", "optimizer")} \
+        == {cmp.NOT_TESTED}  # ...and is not judged
+    called = set(c.table[c.table["significant"] == cmp.SIGNIFICANT]["metric"])
+    assert called == {"throughput", "step_time_p50", "forward_time"}
 
 
 def test_training_shares_leave_an_evaluation_out():
     """Two runs that train alike, one evaluating inside the slice (eval 20% of its steps): the
-    training phases' shares are of training time, so they agree (forward read -9 pp,
-    "significant", against the run without), the evaluation's own share is of the whole step,
-    and the comparison says how it counted."""
+    training phases' times per step agree, and so do their shares, of training time (forward
+    read -9 pp, "significant", against the run without); the evaluation's own share is of the
+    whole step, its time is called; the comparison says how it counted."""
     noise = np.array([0.100, 0.104, 0.096, 0.102, 0.098, 0.101, 0.099, 0.103, 0.097, 0.100])
     plain = make_run("plain", noise)
     evaluating = make_run("evaluating", noise / 0.8)  # the same training, plus 20% evaluation
@@ -444,8 +484,12 @@ def test_training_shares_leave_an_evaluation_out():
     c = cmp.compare(plain, Run(steps=steps, meta={"name": "evaluating"}))
     for metric in ("data_stall_share", "forward_share", "backward_share"):
         assert row(c, metric, "evaluating")["value"] == pytest.approx(row(c, metric, "plain")["value"])
+    for metric in ("data_wait_time", "forward_time", "backward_time"):
+        assert row(c, metric, "evaluating")["value"] == pytest.approx(row(c, metric, "plain")["value"])
         assert row(c, metric, "evaluating")["significant"] == cmp.NO_DIFFERENCE
     assert row(c, "eval_share", "evaluating")["value"] == pytest.approx(20.0)
+    assert row(c, "eval_time", "evaluating")["value"] == pytest.approx(noise.mean() / 0.8 * 0.2 * 1e3)
+    assert row(c, "eval_time", "evaluating")["significant"] == cmp.SIGNIFICANT
     assert any(w.startswith("what interrupts training ran inside the slice ('plain': none; "
                             "'evaluating': evaluation 20%") for w in c.warnings), c.warnings
 

@@ -5,27 +5,34 @@ bootstrap 95% confidence interval where the metric comes from per-step numbers, 
 against the baseline (default: the first run) with a 95% interval of that change, and a
 verdict on the change, one of:
 
-- ``"significant"``: the interval of the change excludes zero **and** the change is larger
-  than a practical threshold: runs at least ``REL_THRESHOLD`` (2%) apart for times and
-  throughput (``|ln(b / a)| >= ln 1.02``, the same rule whichever run is the baseline), at
-  least ``SHARE_THRESHOLD_PP`` (1 percentage point) apart for shares of step time. A 0.2%
-  change that a long run measures precisely is real but not worth acting on, so it is not
-  called significant.
-- ``"no meaningful difference"``: the interval includes zero, or the change is below the
-  threshold.
+- ``"significant"``: both hold:
+
+  1. the interval of the change excludes zero;
+  2. the change is larger than a practical threshold: runs at least ``REL_THRESHOLD`` (2%)
+     apart for step time and throughput (``|ln(b / a)| >= ln 1.02``, the same rule whichever
+     run is the baseline); for a phase's time per step, a change of at least
+     ``SHARE_THRESHOLD_PP`` (1) percent of the longer run's mean step (a phase that moves the
+     step by less is not worth acting on).
+
+  The row's ``why`` says which of them a change that is not called failed.
+- ``"no meaningful difference"``: one of them fails.
 - ``"not enough data"``: either run has fewer than ``MIN_STEPS`` (5) measured steps, or the
   figure is unknown in either run (no samples counted, every duration NaN). Never a
   "-100% significant" from a run that did not count its samples.
-- ``"n/a"``: figures without an interval (peak memory, final loss, energy): the change is
-  shown, not judged.
+- ``"n/a"``: figures shown, not judged: peak memory, final loss, energy, and phase shares
+  of step time. A share moves when any other phase does (20 ms more forward read backward
+  -10 points and optimizer -5 points, "significant", their times unchanged), so the phases
+  are judged by their time per step (``forward_time``, ms a step), which only moves with the
+  phase itself; the shares stay as context.
 
 Conventions, chosen once:
 
 - Statistics use the measured steps only (warmup excluded). Steps with a NaN (or infinite)
   duration are dropped, with a warning that counts them; NaN phase times count as zero.
 - Ratio metrics (throughput, phase shares) are ratios of totals, ``sum(samples) /
-  sum(duration_s)``, and are bootstrapped by resampling whole steps, so a step's samples and
-  its duration stay together.
+  sum(duration_s)``, and a phase's time per step is its total over the steps; all are
+  bootstrapped by resampling whole steps, so a step's samples, phases and duration stay
+  together.
 - The interval of a change subtracts the two runs' independent bootstrap draws
   (``stats.diff_interval``). Each run's resamples are seeded from the seed and its own
   durations (``stats.content_seed``): results are reproducible, identical runs draw
@@ -71,7 +78,7 @@ if TYPE_CHECKING:
 
 TABLE_COLUMNS: tuple[str, ...] = ("metric", "label", "unit", "run", "value", "ci_low", "ci_high", "delta",
                                   "delta_pct", "delta_low", "delta_high", "delta_low_pct", "delta_high_pct", "significant",
-                                  "direction")
+                                  "direction", "why")
 
 
 @dataclass
@@ -83,9 +90,10 @@ class Metric:
     value: float
     ci: tuple[float, float] = (float("nan"), float("nan"))
     direction: str = ""  # which way is better: "higher", "lower" or "" (no judgement)
-    test: str = ""       # "ratio" (relative threshold), "share" (percentage points) or "" (not judged)
+    test: str = ""       # "ratio" (relative threshold), "time" (a phase's ms a step) or "" (not judged)
     draws: np.ndarray | None = field(default=None, repr=False)  # bootstrap draws of the value
     steps: int = 0       # measured steps behind the figure
+    step_ms: float = float("nan")  # the run's mean step (ms), the "time" test's scale
 
 
 def clean_measured(steps: pd.DataFrame) -> tuple[pd.DataFrame, int]:
@@ -119,28 +127,20 @@ def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
         parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((k, 0))
         s = content_seed(seed, dur) if seed_by_content else seed
         draws = step_resamples(samples, dur, parts, resamples_for(k, n), s)
-        # the training phases' shares are of training time: an evaluation or a save inside the
-        # slice (their own shares are of the whole step) had moved every other share (a run with
-        # an evaluation read forward -9 pp, "significant", against one without, training alike)
-        breaks = [j for j, c in enumerate(cols) if c in INTERRUPTIONS]
-        train_dur = dur - parts[:, breaks].sum(axis=1) if breaks else dur
-        train_total = float(train_dur.sum())
-        train_draws = (step_resamples(samples, train_dur, parts, resamples_for(k, n), s)["shares"]
-                       if breaks and train_total < total else draws["shares"])
         counted = samples.sum() > 0 and total > 0
         thr = float(samples.sum() / total) if counted else float("nan")
         thr_draws = draws["throughput"] if counted else np.full(len(draws["throughput"]), np.nan)
         out.append(Metric("throughput", "samples/s", thr, _ci(thr_draws), "higher", "ratio", thr_draws, k))
         med = draws["median_s"] * 1e3
         out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, _ci(med), "lower", "ratio", med, k))
+        step_ms = total / k * 1e3
         for j, col in enumerate(cols):
-            name = "data_stall_share" if col == "data_wait_s" else f"{col[:-2]}_share"
-            whole, of = (total, draws["shares"]) if col in INTERRUPTIONS else (train_total, train_draws)
-            share = float(parts[:, j].sum() / whole) * 100 if whole > 0 else float("nan")
-            d = of[:, j] * 100
-            # Only the data stall is better lower in itself: another phase's share rises when the
-            # rest of the step gets faster (other 1% -> 3% as the step runs 3x faster is not "worse").
-            out.append(Metric(name, "%", share, _ci(d), "lower" if col == "data_wait_s" else "", "share", d, k))
+            # a phase's own time per step: it moves with that phase only (its share moves
+            # whenever another phase does); more of it in the same step is worse
+            ms = draws["means"][:, j] * 1e3
+            out.append(Metric(f"{col[:-2]}_time", "ms/step", float(parts[:, j].mean()) * 1e3, _ci(ms), "lower",
+                              "time", ms, k, step_ms=step_ms))
+        out += phase_shares(samples, dur, parts, cols, draws["shares"], resamples_for(k, n), s)
     for key, nbytes in peak_memory_bytes(run.memory).items():
         out.append(Metric(f"peak_memory_{key}", "MiB", nbytes / MIB, direction="lower"))
     for device, per_sample_j in energy_per_sample_j(run).items():
@@ -159,6 +159,29 @@ def _ci(draws: np.ndarray, level: float = CI_LEVEL) -> tuple[float, float]:
     tail = (1.0 - level) / 2 * 100
     lo, hi = np.percentile(d, [tail, 100 - tail])
     return float(lo), float(hi)
+
+
+def phase_shares(samples: np.ndarray, dur: np.ndarray, parts: np.ndarray, cols: list[str], shares: np.ndarray,
+                 n: int, seed: int) -> list[Metric]:
+    """Each phase's share of step time (%), with its interval: shown beside the phase times,
+    not judged (``test=""``: a share moves whenever another phase does)."""
+    k, total = len(dur), float(dur.sum())
+    # the training phases' shares are of training time: an evaluation or a save inside the
+    # slice (their own shares are of the whole step) had moved every other share (a run with
+    # an evaluation read forward -9 pp against one without, training alike)
+    breaks = [j for j, c in enumerate(cols) if c in INTERRUPTIONS]
+    train_dur = dur - parts[:, breaks].sum(axis=1) if breaks else dur
+    train_total = float(train_dur.sum())
+    train_shares = (step_resamples(samples, train_dur, parts, n, seed)["shares"]
+                    if breaks and train_total < total else shares)
+    out = []
+    for j, col in enumerate(cols):
+        name = "data_stall_share" if col == "data_wait_s" else f"{col[:-2]}_share"
+        whole, of = (total, shares) if col in INTERRUPTIONS else (train_total, train_shares)
+        share = float(parts[:, j].sum() / whole) * 100 if whole > 0 else float("nan")
+        d = of[:, j] * 100
+        out.append(Metric(name, "%", share, _ci(d), draws=d, steps=k))
+    return out
 
 
 def peak_memory_bytes(memory: pd.DataFrame) -> dict[str, float]:
@@ -200,7 +223,8 @@ def energy_per_sample_j(run: "Run") -> dict[str, float]:
 
 @dataclass
 class Comparison:
-    """``table``: one row per (metric, run) (``TABLE_COLUMNS``); ``warnings``: reasons to read
+    """``table``: one row per (metric, run) (``TABLE_COLUMNS``; ``why``: what a change that is
+    not called significant fell short of); ``warnings``: reasons to read
     the table with care; ``steps`` and ``phases``: frames for the overlaid charts;
     ``baseline``: the label every change is measured against; ``counts``: measured steps per
     run (after NaN durations are dropped)."""
@@ -237,8 +261,9 @@ class Comparison:
 
     def to_text(self) -> str:
         lines = [f"tpkit comparison: {', '.join(self.labels)} (changes against '{self.baseline}'; "
-                 f"{CI_LEVEL:.0%} bootstrap intervals; significant = interval excludes 0 and at least "
-                 f"{REL_THRESHOLD:.0%} apart, {SHARE_THRESHOLD_PP:g} pp for shares)"]
+                 f"{CI_LEVEL:.0%} bootstrap intervals; significant = interval excludes 0, at least "
+                 f"{REL_THRESHOLD:.0%} apart ({SHARE_THRESHOLD_PP:g}% of the step for a phase's time); shares are "
+                 "not judged)"]
         lines += [f"  WARNING: {w}" for w in self.warnings]
         for (label, unit), g in self.table.groupby(["label", "unit"], sort=False):
             lines.append(f"  {label}" + (f" ({unit})" if unit else ""))
@@ -250,6 +275,7 @@ class Comparison:
                     txt += f"  {fmt_signed(r.delta)} ({fmt_signed(r.delta_pct)}%)"
                     if r.significant != NOT_TESTED:
                         txt += f"  {r.significant}" + (f" ({r.direction})" if r.direction else "")
+                        txt += f": {r.why}" if r.why else ""
                 lines.append(txt)
         return "\n".join(lines)
 
@@ -279,19 +305,29 @@ def unique_labels(runs: list["Run"]) -> list[str]:
 
 def judge(test: str, base: Metric, m: Metric, delta_low: float, delta_high: float) -> str:
     """The verdict on the change from ``base`` to ``m`` (see the module docstring)."""
+    return judgement(test, base, m, delta_low, delta_high)[0]
+
+
+def judgement(test: str, base: Metric, m: Metric, delta_low: float, delta_high: float) -> tuple[str, str]:
+    """``judge``'s verdict and why a change is not called (``""`` when it is, or untested)."""
     if not test:
-        return NOT_TESTED
-    if min(base.steps, m.steps) < MIN_STEPS or not (np.isfinite(base.value) and np.isfinite(m.value)) \
-            or not (np.isfinite(delta_low) and np.isfinite(delta_high)):
-        return NOT_ENOUGH_DATA
-    excludes_zero = delta_low > 0 or delta_high < 0
+        return NOT_TESTED, ""
+    if min(base.steps, m.steps) < MIN_STEPS:
+        return NOT_ENOUGH_DATA, f"fewer than {MIN_STEPS} measured steps in a run"
+    if not (np.isfinite(base.value) and np.isfinite(m.value) and np.isfinite(delta_low)
+            and np.isfinite(delta_high)) or (test == "ratio" and min(base.value, m.value) <= 0):
+        return NOT_ENOUGH_DATA, "unknown in a run"
+    if not (delta_low > 0 or delta_high < 0):
+        return NO_DIFFERENCE, f"the {CI_LEVEL:.0%} interval of the change includes 0"
     if test == "ratio":
-        if base.value <= 0 or m.value <= 0:
-            return NOT_ENOUGH_DATA
-        big = abs(math.log(m.value / base.value)) >= math.log1p(REL_THRESHOLD)
-    else:
-        big = abs(m.value - base.value) >= SHARE_THRESHOLD_PP
-    return SIGNIFICANT if excludes_zero and big else NO_DIFFERENCE
+        change, floor = abs(math.log(m.value / base.value)), math.log1p(REL_THRESHOLD)
+        if change < floor:
+            return NO_DIFFERENCE, f"under the {REL_THRESHOLD:.0%} threshold"
+        return SIGNIFICANT, ""
+    change, floor = abs(m.value - base.value), SHARE_THRESHOLD_PP / 100 * max(base.step_ms, m.step_ms)
+    if change < floor:
+        return NO_DIFFERENCE, f"under the threshold ({SHARE_THRESHOLD_PP:g}% of the step: {fmt_num(floor)} ms)"
+    return SIGNIFICANT, ""
 
 
 def comparison_table(per_run: list[list[Metric]], labels: list[str], base: int = 0) -> pd.DataFrame:
@@ -313,29 +349,32 @@ def comparison_table(per_run: list[list[Metric]], labels: list[str], base: int =
             if cand is None:
                 continue
             lo = hi = nan
+            why = ""
             if i == base:
                 delta, pct, sig = 0.0, 0.0, BASELINE
             elif b is None:
                 delta, pct, sig = nan, nan, NOT_ENOUGH_DATA if cand.test else NOT_TESTED
+                why = "not in the baseline" if cand.test else ""
             else:
                 delta = cand.value - b.value
                 pct = delta / b.value * 100 if b.value and np.isfinite(b.value) else nan
                 if cand.test and cand.draws is not None and b.draws is not None:
                     lo, hi = diff_interval(b.draws, cand.draws)
-                sig = judge(cand.test, b, cand, lo, hi)
+                sig, why = judgement(cand.test, b, cand, lo, hi)
             direction = ""
             if sig == SIGNIFICANT and cand.direction:
                 direction = "better" if (delta > 0) == (cand.direction == "higher") else "worse"
             scale = 100 / b.value if b is not None and b.value and np.isfinite(b.value) else nan
             rows.append((metric, metric_label(metric), unit, label, cand.value, cand.ci[0], cand.ci[1], delta, pct, lo, hi,
-                         lo * scale, hi * scale, sig, direction))
+                         lo * scale, hi * scale, sig, direction, why))
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
 def drop_idle_phases(table: pd.DataFrame) -> pd.DataFrame:
-    """Leave out phase-share and memory-category rows that are zero in every run (the data
-    stall share stays: 0% is the answer a user looks for)."""
-    share = table["metric"].str.endswith("_share") & (table["metric"] != "data_stall_share")
+    """Leave out phase-time, phase-share and memory-category rows that are zero in every run
+    (the data wait and stall stay: 0 is the answer a user looks for)."""
+    share = (table["metric"].str.endswith("_share") | table["metric"].str.endswith("_time")) \
+        & ~table["metric"].isin(["data_stall_share", "data_wait_time"])
     share |= table["metric"].str.startswith("peak_memory_")
     idle = table[share].groupby("metric")["value"].apply(lambda v: bool((v.fillna(0) == 0).all()))
     return table[~table["metric"].isin(idle[idle].index)].reset_index(drop=True)
@@ -377,18 +416,19 @@ def comparison_warnings(runs: list["Run"], labels: list[str], dropped: dict[str,
     if any(breaks.values()):
         held = "; ".join(f"'{k}': " + (", ".join(f"{w} {v:.0%}" for w, v in b.items()) or "none")
                          for k, b in breaks.items())
-        out.append(f"what interrupts training ran inside the slice ({held} of step time): the other phases' "
-                   "shares are of training time, theirs of the whole step; throughput and step time count them")
+        out.append(f"what interrupts training ran inside the slice ({held} of step time): throughput and step "
+                   "time count them; each phase's time per step is its own, the other phases' shares are of "
+                   "training time, theirs of the whole step")
     unseen = [label for r, label in zip(runs, labels)
               if any(UNSEEN_UPDATES_NOTE in str(n) for n in r.meta.get("notes", []))]
     if unseen and len(unseen) < len(runs):
         out.append(f"{', '.join(repr(k) for k in unseen)}: the optimizer's updates ran where tpkit cannot time them "
                    "(a compiled optimizer step: its time is other there, optimizer in the others): the optimizer and "
-                   "other shares differ for that reason; compare step time and their sum")
+                   "other times differ for that reason; compare step time and their sum")
     blind = [label for r, label in zip(runs, labels) if not batches_seen(clean_measured(r.steps)[0])]
     if blind and len(blind) < len(runs):
         out.append(f"{', '.join(repr(k) for k in blind)}: no batch was seen (a loader tpkit does not see: wrap it in "
-                   "tp.watch), so its wait for data is other there, data_wait in the others: the data stall and "
+                   "tp.watch), so its wait for data is other there, data_wait in the others: the data wait and "
                    "other differ for that reason")
     for r, label in zip(runs, labels):
         if not r.complete:
@@ -480,4 +520,4 @@ def compare(*runs: "Run", baseline: "int | str | Run | None" = None, n: int = BO
 
 __all__ = ["BASELINE", "MIN_STEPS", "NOT_ENOUGH_DATA", "NOT_TESTED", "NO_DIFFERENCE", "REL_THRESHOLD",
            "SHARE_THRESHOLD_PP", "SIGNIFICANT", "TABLE_COLUMNS", "Comparison", "Metric", "compare", "comparison_table",
-           "fmt_num", "fmt_signed", "judge", "run_metrics"]
+           "fmt_num", "fmt_signed", "judge", "judgement", "run_metrics"]

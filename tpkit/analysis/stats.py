@@ -1,6 +1,6 @@
 """Statistics for comparing runs: seeded percentile bootstrap intervals over measured steps.
 
-Ratio metrics (throughput, phase shares) are ratios of totals and are bootstrapped by
+Ratio metrics (throughput, phase shares) and phase times per step are ratios of totals and are bootstrapped by
 resampling whole steps, so a step's samples and its duration stay together. numpy only, so
 results are reproducible.
 """
@@ -24,7 +24,8 @@ NOT_TESTED = "n/a"
 MIN_STEPS = 5
 #: Smallest change in a time or a rate called significant: 2% (as ``|ln(b / a)| >= ln 1.02``).
 REL_THRESHOLD = 0.02
-#: Smallest change in a share of step time called significant: 1 percentage point.
+#: Smallest change in a phase's time per step called significant: 1 percentage point of the
+#: step time (of the longer mean step of the two runs). Shares of step time are shown, not judged.
 SHARE_THRESHOLD_PP = 1.0
 
 BOOTSTRAP_N = 2000
@@ -91,11 +92,13 @@ def step_resamples(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndar
     sum duration), ``median_s [n]`` (median step time) and ``shares [n, P]`` (sum of each
     column of ``parts_s [k, P]`` / sum duration). Sums over a resample come from its index
     counts times the values (one matrix product), so a 10,000-step run takes well under a
-    second. Kept whole so that two runs' draws can be subtracted (``diff_interval``)."""
+    second. Kept whole so that two runs' draws can be subtracted (``diff_interval``). Also
+    ``means [n, P]``: each column's mean per step (sum / k), a phase's time per step."""
     k = len(duration_s)
     x = np.column_stack([samples, duration_s, parts_s]).astype("float64")  # [k, 2 + P]
     thr, med = np.empty(n), np.empty(n)
     shares = np.empty((n, x.shape[1] - 2))
+    means = np.empty_like(shares)
     for lo, idx in _resample_indices(k, n, seed):
         b = len(idx)
         counts = np.bincount((idx + (np.arange(b) * k)[:, None]).ravel(), minlength=b * k).reshape(b, k)
@@ -103,8 +106,9 @@ def step_resamples(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndar
         with np.errstate(divide="ignore", invalid="ignore"):
             thr[lo:lo + b] = sums[:, 0] / sums[:, 1]
             shares[lo:lo + b] = sums[:, 2:] / sums[:, 1:2]
+        means[lo:lo + b] = sums[:, 2:] / k
         med[lo:lo + b] = np.median(duration_s[idx], axis=1)
-    return {"throughput": thr, "median_s": med, "shares": shares}
+    return {"throughput": thr, "median_s": med, "shares": shares, "means": means}
 
 
 def step_bootstrap(samples: np.ndarray, duration_s: np.ndarray, parts_s: np.ndarray, n: int = BOOTSTRAP_N,

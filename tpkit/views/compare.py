@@ -2,7 +2,7 @@
 
 The view: warnings, the rule that calls a change significant, the change charts (intervals
 first), then one row per run with metrics as columns (value; change against the baseline
-with its interval and verdict), phase shares and memory collapsed below. Six runs fit in
+with its interval and verdict), time per phase, phase shares and memory collapsed below. Six runs fit in
 about 1,000 px of height.
 """
 
@@ -22,8 +22,8 @@ from . import render
 if TYPE_CHECKING:
     from ..analysis.compare import Comparison
 
-#: The main table's columns, in order; phase shares and memory go in collapsed tables.
-MAIN_METRICS = ("throughput", "step_time_p50", "data_stall_share", "loss_final")
+#: The main table's columns, in order; phase times, phase shares and memory go in collapsed tables.
+MAIN_METRICS = ("throughput", "step_time_p50", "data_wait_time", "data_stall_share", "loss_final")
 
 
 def comparison_charts(c: "Comparison") -> list[tuple[str, Any]]:
@@ -70,7 +70,8 @@ def _cell(r: Any, baseline: str) -> str:
     if r.significant == cmp.SIGNIFICANT:
         cls = "tp-good" if r.direction == "better" else "tp-bad" if r.direction == "worse" else "tp-note"
         verdict += f", {r.direction}" if r.direction else ""
-    return value + f'<br><span class="tp-small {cls}">{html.escape(change_txt)} {html.escape(verdict)}</span>'
+    why = f' title="{html.escape(str(r.why))}"' if r.why else ""
+    return value + f'<br><span class="tp-small {cls}"{why}>{html.escape(change_txt)} {html.escape(verdict)}</span>'
 
 
 def _grid(c: "Comparison", metrics: list[str], first: str = "") -> str:
@@ -100,7 +101,8 @@ def comparison_html(c: "Comparison", charts: str = "svg", title: bool = True) ->
     warn = "".join(f'<div class="tp-bad">&#9888; {html.escape(w)}</div>' for w in c.warnings)
     rule = (f'<div class="tp-note">Changes against <b>{html.escape(c.baseline)}</b> with {CI_LEVEL:.0%} intervals. '
             f"<i>significant</i>: the interval excludes 0 and the runs are at least {cmp.REL_THRESHOLD:.0%} apart "
-            f"({cmp.SHARE_THRESHOLD_PP:g} percentage point for shares); <i>not enough data</i>: fewer than "
+            f"({cmp.SHARE_THRESHOLD_PP:g}% of the step for a phase's time per step; hover a verdict for why a "
+            f"change is not called); shares of step time are shown, not judged; <i>not enough data</i>: fewer than "
             f"{cmp.MIN_STEPS} measured steps or a figure unknown in a run.</div>")
     drawn = ""
     if charts != "none":
@@ -108,11 +110,14 @@ def comparison_html(c: "Comparison", charts: str = "svg", title: bool = True) ->
         drawn = '<div class="tp-row">' + "".join(draw(chart) for _, chart in comparison_charts(c)) + "</div>"
     metrics = list(dict.fromkeys(c.table["metric"]))
     main = _grid(c, [m for m in MAIN_METRICS if m in metrics], first="steps")
-    shares = [m for m in metrics if m.endswith("_share") and m != "data_stall_share"]
+    times = [m for m in metrics if m.endswith("_time") and m not in MAIN_METRICS]
+    shares = [m for m in metrics if m.endswith("_share") and m not in MAIN_METRICS]
     memory = [m for m in metrics if m.startswith("peak_memory_") or m.startswith("energy_per_sample")]
     more = ""
+    if times:
+        more += f"<details><summary>Time per phase (ms a step)</summary>{_grid(c, times)}</details>"
     if shares:
-        more += f"<details><summary>Share of step time per phase</summary>{_grid(c, shares)}</details>"
+        more += f"<details><summary>Share of step time per phase (not judged)</summary>{_grid(c, shares)}</details>"
     if memory:
         more += f"<details><summary>Peak memory and energy</summary>{_grid(c, memory)}</details>"
     head = f"<h3>Comparison of {len(c.labels)} runs</h3>" if title else ""
