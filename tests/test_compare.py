@@ -469,6 +469,36 @@ def test_a_forward_change_is_called_in_forward_only():
     assert called == {"throughput", "step_time_p50", "forward_time"}
 
 
+def drifting(name: str, scale: float, drift: float = 0.05) -> Run:
+    """20 steps of 100 ms (x ``scale``), the second half ``drift`` slower (a machine whose load
+    rose mid-run), +-0.5% jitter within each half."""
+    jitter = 1 + np.array([0.0, 0.005, -0.005, 0.003, -0.003, 0.004, -0.004, 0.002, -0.002, 0.001])
+    return make_run(name, 0.1 * scale * np.concatenate([jitter, jitter * (1 + drift)]))
+
+
+def test_a_difference_within_the_runs_own_drift_is_not_called():
+    """Two runs that drift 5% between their halves: 5% apart is what their own steps show
+    between halves, not called (a bootstrap over steps called it: its interval excludes 0);
+    20% apart is called. The verdict says why."""
+    base = drifting("a", 1.0)
+    c = cmp.compare(base, drifting("b", 1.05))
+    thr = row(c, "throughput", "b")
+    assert thr["delta_pct"] == pytest.approx(-100 / 21, rel=1e-6)  # 1 / 1.05 - 1
+    assert thr["delta_high"] < 0  # the steps' interval alone excludes 0...
+    assert thr["significant"] == cmp.NO_DIFFERENCE  # ...the runs' own drift does not
+    assert thr["why"] == ("within run-to-run drift: a run's own halves differ by up to 5.0%, "
+                          "so a change is called from 10.3%")
+    assert row(c, "step_time_p50", "b")["significant"] == cmp.NO_DIFFERENCE
+    assert "within run-to-run drift" in c.to_text()
+    c = cmp.compare(base, drifting("b", 1.20))
+    assert row(c, "throughput", "b")["significant"] == cmp.SIGNIFICANT
+    assert row(c, "step_time_p50", "b")["significant"] == cmp.SIGNIFICANT
+    assert row(c, "step_time_p50", "b")["why"] == ""
+    # runs steady within themselves keep the 2% rule: 5% apart is called
+    c = cmp.compare(drifting("a", 1.0, drift=0.0), drifting("b", 1.05, drift=0.0))
+    assert row(c, "throughput", "b")["significant"] == cmp.SIGNIFICANT
+
+
 def test_training_shares_leave_an_evaluation_out():
     """Two runs that train alike, one evaluating inside the slice (eval 20% of its steps): the
     training phases' times per step agree, and so do their shares, of training time (forward

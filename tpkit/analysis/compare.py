@@ -5,17 +5,23 @@ bootstrap 95% confidence interval where the metric comes from per-step numbers, 
 against the baseline (default: the first run) with a 95% interval of that change, and a
 verdict on the change, one of:
 
-- ``"significant"``: both hold:
+- ``"significant"``: all three hold:
 
   1. the interval of the change excludes zero;
   2. the change is larger than a practical threshold: runs at least ``REL_THRESHOLD`` (2%)
      apart for step time and throughput (``|ln(b / a)| >= ln 1.02``, the same rule whichever
      run is the baseline); for a phase's time per step, a change of at least
      ``SHARE_THRESHOLD_PP`` (1) percent of the longer run's mean step (a phase that moves the
-     step by less is not worth acting on).
+     step by less is not worth acting on);
+  3. the change is beyond run-to-run drift: more than ``DRIFT_FACTOR`` (2) times the larger
+     change either run shows between the first and second halves of its own measured steps
+     (the same figure computed on each half). The intervals resample steps within a run and
+     cannot see a machine's load moving between runs (two runs of the same loop on a loaded
+     machine read throughput +5.8% and -5.1%, "significant"); a run's halves are the evidence
+     of that drift its own steps hold.
 
   The row's ``why`` says which of them a change that is not called failed.
-- ``"no meaningful difference"``: one of them fails.
+- ``"no meaningful difference"``: one of the three fails.
 - ``"not enough data"``: either run has fewer than ``MIN_STEPS`` (5) measured steps, or the
   figure is unknown in either run (no samples counted, every duration NaN). Never a
   "-100% significant" from a run that did not count its samples.
@@ -32,7 +38,7 @@ Conventions, chosen once:
 - Ratio metrics (throughput, phase shares) are ratios of totals, ``sum(samples) /
   sum(duration_s)``, and a phase's time per step is its total over the steps; all are
   bootstrapped by resampling whole steps, so a step's samples, phases and duration stay
-  together.
+  together. The halves for the drift are the measured steps in order, split at the middle.
 - The interval of a change subtracts the two runs' independent bootstrap draws
   (``stats.diff_interval``). Each run's resamples are seeded from the seed and its own
   durations (``stats.content_seed``): results are reproducible, identical runs draw
@@ -57,6 +63,7 @@ from .stats import (
     BOOTSTRAP_N,
     BOOTSTRAP_SEED,
     CI_LEVEL,
+    DRIFT_FACTOR,
     MIN_STEPS,
     NO_DIFFERENCE,
     NOT_ENOUGH_DATA,
@@ -93,6 +100,9 @@ class Metric:
     test: str = ""       # "ratio" (relative threshold), "time" (a phase's ms a step) or "" (not judged)
     draws: np.ndarray | None = field(default=None, repr=False)  # bootstrap draws of the value
     steps: int = 0       # measured steps behind the figure
+    # the figure's change between the halves of the run's measured steps: |ln(second / first)|
+    # for "ratio", ms a step for "time" (NaN: not known)
+    drift: float = float("nan")
     step_ms: float = float("nan")  # the run's mean step (ms), the "time" test's scale
 
 
@@ -127,19 +137,22 @@ def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
         parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((k, 0))
         s = content_seed(seed, dur) if seed_by_content else seed
         draws = step_resamples(samples, dur, parts, resamples_for(k, n), s)
+        thr_drift, p50_drift, drift_ms = half_drifts(samples, dur, parts)
         counted = samples.sum() > 0 and total > 0
         thr = float(samples.sum() / total) if counted else float("nan")
         thr_draws = draws["throughput"] if counted else np.full(len(draws["throughput"]), np.nan)
-        out.append(Metric("throughput", "samples/s", thr, _ci(thr_draws), "higher", "ratio", thr_draws, k))
+        out.append(Metric("throughput", "samples/s", thr, _ci(thr_draws), "higher", "ratio", thr_draws, k,
+                          thr_drift))
         med = draws["median_s"] * 1e3
-        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, _ci(med), "lower", "ratio", med, k))
+        out.append(Metric("step_time_p50", "ms", float(np.median(dur)) * 1e3, _ci(med), "lower", "ratio", med, k,
+                          p50_drift))
         step_ms = total / k * 1e3
         for j, col in enumerate(cols):
             # a phase's own time per step: it moves with that phase only (its share moves
             # whenever another phase does); more of it in the same step is worse
             ms = draws["means"][:, j] * 1e3
             out.append(Metric(f"{col[:-2]}_time", "ms/step", float(parts[:, j].mean()) * 1e3, _ci(ms), "lower",
-                              "time", ms, k, step_ms=step_ms))
+                              "time", ms, k, float(drift_ms[j]), step_ms))
         out += phase_shares(samples, dur, parts, cols, draws["shares"], resamples_for(k, n), s)
     for key, nbytes in peak_memory_bytes(run.memory).items():
         out.append(Metric(f"peak_memory_{key}", "MiB", nbytes / MIB, direction="lower"))
@@ -182,6 +195,32 @@ def phase_shares(samples: np.ndarray, dur: np.ndarray, parts: np.ndarray, cols: 
         d = of[:, j] * 100
         out.append(Metric(name, "%", share, _ci(d), draws=d, steps=k))
     return out
+
+
+def half_drifts(samples: np.ndarray, dur: np.ndarray, parts: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """How far a run's figures move between the first and second halves of its measured
+    steps, in order (the middle step of an odd count in the second): throughput and median
+    step time as ``log_drift``, each phase's time per step in ms (``[P]``). NaN under 2 steps."""
+    k = len(dur)
+    if k < 2:
+        return float("nan"), float("nan"), np.full(parts.shape[1], np.nan)
+    first, second = slice(0, k // 2), slice(k // 2, k)
+    thr = [float(samples[h].sum() / dur[h].sum()) if dur[h].sum() > 0 else float("nan") for h in (first, second)]
+    p50 = [float(np.median(dur[h])) for h in (first, second)]
+    phases_ms = np.abs(parts[second].mean(axis=0) - parts[first].mean(axis=0)) * 1e3
+    return log_drift(*thr), log_drift(*p50), phases_ms
+
+
+def log_drift(first: float, second: float) -> float:
+    """``|ln(second / first)|``: how far apart a figure is between a run's halves; inf where
+    one half is 0 and the other is not, NaN where a half has no figure."""
+    if not (np.isfinite(first) and np.isfinite(second)) or min(first, second) < 0:
+        return float("nan")
+    if first == second:
+        return 0.0
+    if min(first, second) == 0:
+        return float("inf")
+    return abs(math.log(second / first))
 
 
 def peak_memory_bytes(memory: pd.DataFrame) -> dict[str, float]:
@@ -262,8 +301,8 @@ class Comparison:
     def to_text(self) -> str:
         lines = [f"tpkit comparison: {', '.join(self.labels)} (changes against '{self.baseline}'; "
                  f"{CI_LEVEL:.0%} bootstrap intervals; significant = interval excludes 0, at least "
-                 f"{REL_THRESHOLD:.0%} apart ({SHARE_THRESHOLD_PP:g}% of the step for a phase's time); shares are "
-                 "not judged)"]
+                 f"{REL_THRESHOLD:.0%} apart ({SHARE_THRESHOLD_PP:g}% of the step for a phase's time) and more than "
+                 f"{DRIFT_FACTOR:g}x the drift between a run's own halves; shares are not judged)"]
         lines += [f"  WARNING: {w}" for w in self.warnings]
         for (label, unit), g in self.table.groupby(["label", "unit"], sort=False):
             lines.append(f"  {label}" + (f" ({unit})" if unit else ""))
@@ -319,14 +358,22 @@ def judgement(test: str, base: Metric, m: Metric, delta_low: float, delta_high: 
         return NOT_ENOUGH_DATA, "unknown in a run"
     if not (delta_low > 0 or delta_high < 0):
         return NO_DIFFERENCE, f"the {CI_LEVEL:.0%} interval of the change includes 0"
+    drift = DRIFT_FACTOR * float(np.nanmax([base.drift, m.drift, 0.0]))
     if test == "ratio":
         change, floor = abs(math.log(m.value / base.value)), math.log1p(REL_THRESHOLD)
         if change < floor:
             return NO_DIFFERENCE, f"under the {REL_THRESHOLD:.0%} threshold"
+        if change <= drift:
+            return NO_DIFFERENCE, (f"within run-to-run drift: a run's own halves differ by up to "
+                                   f"{math.expm1(drift / DRIFT_FACTOR):.1%}, so a change is called from "
+                                   f"{math.expm1(drift):.1%}")
         return SIGNIFICANT, ""
     change, floor = abs(m.value - base.value), SHARE_THRESHOLD_PP / 100 * max(base.step_ms, m.step_ms)
     if change < floor:
         return NO_DIFFERENCE, f"under the threshold ({SHARE_THRESHOLD_PP:g}% of the step: {fmt_num(floor)} ms)"
+    if change <= drift:
+        return NO_DIFFERENCE, (f"within run-to-run drift: a run's own halves differ by up to "
+                               f"{fmt_num(drift / DRIFT_FACTOR)} ms a step, so a change is called from {fmt_num(drift)} ms")
     return SIGNIFICANT, ""
 
 
@@ -518,6 +565,6 @@ def compare(*runs: "Run", baseline: "int | str | Run | None" = None, n: int = BO
                       counts={label: len(clean_measured(r.steps)[0]) for r, label in zip(loaded, labels)})
 
 
-__all__ = ["BASELINE", "MIN_STEPS", "NOT_ENOUGH_DATA", "NOT_TESTED", "NO_DIFFERENCE", "REL_THRESHOLD",
+__all__ = ["BASELINE", "DRIFT_FACTOR", "MIN_STEPS", "NOT_ENOUGH_DATA", "NOT_TESTED", "NO_DIFFERENCE", "REL_THRESHOLD",
            "SHARE_THRESHOLD_PP", "SIGNIFICANT", "TABLE_COLUMNS", "Comparison", "Metric", "compare", "comparison_table",
            "fmt_num", "fmt_signed", "judge", "judgement", "run_metrics"]

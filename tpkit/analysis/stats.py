@@ -27,6 +27,11 @@ REL_THRESHOLD = 0.02
 #: Smallest change in a phase's time per step called significant: 1 percentage point of the
 #: step time (of the longer mean step of the two runs). Shares of step time are shown, not judged.
 SHARE_THRESHOLD_PP = 1.0
+#: A change is called only beyond this many times the larger drift either run shows between the
+#: first and second halves of its own measured steps. The halves are half a run apart, two runs
+#: at least a whole run: a machine's load that drifts with time moves runs further apart than
+#: halves (twice, not once: one pair of halves is a rough estimate of it).
+DRIFT_FACTOR = 2.0
 
 BOOTSTRAP_N = 2000
 BOOTSTRAP_SEED = 0

@@ -100,9 +100,11 @@ def comparison_html(c: "Comparison", charts: str = "svg", title: bool = True) ->
     anywhere), ``"vega"`` (live, needs ``render.bundle_html()`` on the page) or ``"none"``."""
     warn = "".join(f'<div class="tp-bad">&#9888; {html.escape(w)}</div>' for w in c.warnings)
     rule = (f'<div class="tp-note">Changes against <b>{html.escape(c.baseline)}</b> with {CI_LEVEL:.0%} intervals. '
-            f"<i>significant</i>: the interval excludes 0 and the runs are at least {cmp.REL_THRESHOLD:.0%} apart "
-            f"({cmp.SHARE_THRESHOLD_PP:g}% of the step for a phase's time per step; hover a verdict for why a "
-            f"change is not called); shares of step time are shown, not judged; <i>not enough data</i>: fewer than "
+            f"<i>significant</i>: the interval excludes 0, the runs are at least {cmp.REL_THRESHOLD:.0%} apart "
+            f"({cmp.SHARE_THRESHOLD_PP:g}% of the step for a phase's time per step) and further apart than "
+            f"{cmp.DRIFT_FACTOR:g}x the drift between the halves of either run's own steps (the intervals cannot "
+            f"see a machine's load moving between runs; hover a verdict for why a change is not called); shares "
+            f"of step time are shown, not judged; <i>not enough data</i>: fewer than "
             f"{cmp.MIN_STEPS} measured steps or a figure unknown in a run.</div>")
     drawn = ""
     if charts != "none":
