@@ -12,6 +12,7 @@ Truth: the losses the loop itself computed, and its clocks.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 
@@ -139,6 +140,43 @@ def test_the_slice_leaves_no_gradient_of_any_optimizer_behind():
             adamw.zero_grad()
     assert len(prof.run.steps) == N
     assert all(p.grad is None for p in model.parameters()), [n for n, p in model.named_parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("stage", ["unfreeze", "new_head"])
+def test_a_new_optimizer_partway_ends_the_steps_from_then_on(stage):
+    """Fine-tuning in stages: the head is trained first with its own optimizer, then a new
+    optimizer takes over at iteration 3 - over every parameter (the head's optimizer still
+    referenced, never stepped again), or over a new head that replaced the old one (the old
+    optimizer dropped; a collection frees it, as one does sooner or later). The old optimizer's
+    steps had ended every step: 3 steps recorded of the loop's 9 step() calls, "the loop ended
+    before the slice was full". Truth: the loop's own step() calls and losses."""
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+    model = torch.nn.Sequential(body, torch.nn.ReLU(), head)
+    opt = head_opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    losses, calls = [], 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="stages", progress=False, clock_hz=0) as prof:
+        for i in range(N + 2):
+            if i == 3 and stage == "unfreeze":
+                opt = torch.optim.SGD(model.parameters(), lr=0.001)
+            elif i == 3:
+                model[2] = torch.nn.Linear(16, 1)
+                opt = torch.optim.SGD(model[2].parameters(), lr=0.01)
+                del head, head_opt
+                gc.collect()
+            opt.zero_grad()
+            loss = F.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1))
+            loss.backward()
+            losses.append(loss.item())
+            calls += 1
+            opt.step()
+    run = prof.run
+    assert calls == N and len(run.steps) == N  # the slice ended inside the loop's N-th step()
+    truth.assert_losses(run.steps["loss"].tolist(), losses)
+    why = "parameters the SGD before it held" if stage == "unfreeze" else "the SGD before it was freed"
+    assert any(n.startswith("a new optimizer (SGD) ends the steps from the slice's step 4 on") and why in n
+               for n in run.meta["notes"]), run.meta["notes"]
+    assert not any("optimizers stepped" in n or "before the slice was full" in n for n in run.meta["notes"])
 
 
 def test_several_updates_in_a_step_marked_by_tp_step_are_no_skipped_iterations():

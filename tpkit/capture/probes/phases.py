@@ -11,7 +11,8 @@ What is hooked, and why this way:
   physics-informed model differentiating its output in its forward, a second-order optimizer).
 - optimizer: torch's global optimizer step pre/post hooks, plus ``Optimizer.zero_grad`` and
   ``Module.zero_grad``. The post hook of the *lead* optimizer (the first one that steps)
-  ends a step, unless the user marks steps with ``tp.step()``.
+  ends a step, unless the user marks steps with ``tp.step()``. A new optimizer takes the lead
+  where it replaces the lead (``_replaces_lead``: fine-tuning's next stage).
 - data_wait: ``__next__`` of torch's DataLoader iterators and ``DataLoader.__iter__`` (where
   workers start; torchdata's ``StatefulDataLoader`` too, ``LOADER_STARTS``); tpkit's loader
   and ``tp.watch`` report themselves. The batch's leading dimension counts the step's samples
@@ -171,13 +172,17 @@ class PhaseProbe:
         self._scaled: tuple[Any, torch.Tensor] | None = None  # (weakref to scaler.scale()'s output, its input)
         self.losses = LossSums(rec)
         self.lead_optimizer: int | None = None
+        self._lead_ref: weakref.ref | None = None  # the lead itself: its parameters, whether it lives
+        self._lead_params: set[int] = set()  # ids of its parameters
+        self._lead_rivals: weakref.WeakSet = weakref.WeakSet()  # others already asked (``_replaces_lead``)
+        self.lead_changes: list[tuple[int, str, str]] = []  # (raw step, new lead's type, why)
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
         self._paused = False  # a trainer's search or launcher runs (``SEARCHES``, ``LAUNCHERS``): the loop is not followed
         self.launches = 0  # Lightning's launches of processes that train (``LAUNCHERS``)
         self._run_optimizers: set[int] = set()  # those that stepped in this run of a trainer (or the loop)
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
-        self.most_optimizers = 0  # the most that stepped in one run
+        self._most_in_past_runs = 0  # the most optimizers that stepped in one trainer run before this one
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
         self.run_ends: list[int] = []  # when each of them ended (ns)
         self.merged_steps = 0  # lead step() calls with no forward/backward since the previous one
@@ -210,6 +215,11 @@ class PhaseProbe:
         self._start_tid = rec.thread_id  # the thread that started the slice
         self._early: tuple[str, int, int] | None = None  # (note, spans, samples) at an early adoption
         self._graph_breaks_at_start = _graph_breaks()
+
+    @property
+    def most_optimizers(self) -> int:
+        """The most optimizers that stepped in one run (one a new optimizer replaced not counted)."""
+        return max(self._most_in_past_runs, len(self._run_optimizers))
 
     @property
     def tid(self) -> int:
@@ -336,6 +346,9 @@ class PhaseProbe:
                        f"{self.most_optimizers} optimizer(s), as in gradient hooks stepping each parameter's own): "
                        "a step ends when that backward returns; the updates' time is optimizer, the rest "
                        "of the pass backward")
+        for step, name, why in self.lead_changes:
+            out.append(f"a new optimizer ({name}) ends the steps from the slice's step {step + 1} on (warmup steps "
+                       f"counted): {why} (one made partway, as fine-tuning's next stage does)")
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
@@ -523,9 +536,8 @@ class PhaseProbe:
             self._stepping.add(opt)
             self.rec.optimizers.add(opt)
             self.rec.optimizer_count = len(self._run_optimizers)
-            self.most_optimizers = max(self.most_optimizers, len(self._run_optimizers))
             if self.lead_optimizer is None:
-                self.lead_optimizer = key
+                self._set_lead(opt)
         if not self._opt_tokens:
             self._closure_evals = 0
         source = type(opt).__name__
@@ -565,6 +577,13 @@ class PhaseProbe:
         self.rec.exit(self._opt_tokens.pop()[0])
         self._opt_posts += 1
         self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
+        if id(opt) != self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
+            why = self._replaces_lead(opt)
+            if why is not None:
+                self.lead_changes.append((self.rec.step_index, type(opt).__name__, why))
+                self._run_optimizers.discard(self.lead_optimizer or 0)  # it steps no more
+                self.rec.optimizer_count = len(self._run_optimizers)
+                self._set_lead(opt)
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
             # step() twice per iteration (nothing between: no batch, zero_grad, forward or
             # backward) is one step, not two; a step with only other work before it (a loop
@@ -580,6 +599,34 @@ class PhaseProbe:
                 self.steps_in_backward += 1
                 return
             self._end_step(opt)
+
+    def _set_lead(self, opt: torch.optim.Optimizer) -> None:
+        """``opt``'s step() ends the steps from now on; the one it replaces never takes the lead back."""
+        old = self._lead_ref() if self._lead_ref is not None else None
+        self.lead_optimizer = id(opt)
+        self._lead_ref = weakref.ref(opt)
+        self._lead_params = {id(p) for g in opt.param_groups for p in g["params"]}
+        self._lead_rivals = weakref.WeakSet([old] if old is not None else [])
+
+    def _replaces_lead(self, opt: torch.optim.Optimizer) -> str | None:
+        """Why ``opt``, another optimizer than the lead, stepping on its own (not inside another's
+        step: SAM's or Lookahead's base optimizer), takes the lead now; None: it does not. A loop
+        that makes a new optimizer partway (fine-tuning: the head first, then everything; a head
+        replaced, with its optimizer) steps the old one no more: its steps had ended no step (30
+        step() calls read 3 steps, "the loop ended before the slice was full"). Either the lead
+        is gone, or ``opt`` steps a parameter the lead holds (asked at its first step only):
+        optimizers that step side by side (a GAN's D and G, a WGAN critic's n steps per
+        generator step, Muon and AdamW, one per parameter in gradient hooks) hold parameters of
+        their own, so the lead keeps ending the steps however often the others step."""
+        lead = self._lead_ref() if self._lead_ref is not None else None
+        if lead is None:
+            return f"the {self.optimizers.get(self.lead_optimizer or 0, 'optimizer')} before it was freed"
+        if opt in self._lead_rivals:
+            return None
+        self._lead_rivals.add(opt)
+        if any(id(p) in self._lead_params for g in opt.param_groups for p in g["params"]):
+            return f"it updates parameters the {type(lead).__name__} before it held"
+        return None
 
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
@@ -741,7 +788,7 @@ class PhaseProbe:
                     if key not in probe.optimizers:
                         probe.optimizers[key] = type(optimizer).__name__
                         if probe.lead_optimizer is None:
-                            probe.lead_optimizer = key
+                            probe._set_lead(optimizer)
                     if key == probe.lead_optimizer:
                         rec.skipped.add(rec.step_index)
                         probe.skipped_steps += 1
@@ -1030,7 +1077,8 @@ class PhaseProbe:
             return  # it trained no step (a run that failed at once, a nested search)
         self.trainer_runs += 1
         self.run_ends.append(perf_counter_ns())
-        self.lead_optimizer = None
+        self.lead_optimizer = self._lead_ref = None
+        self._most_in_past_runs = self.most_optimizers
         self._run_optimizers = set()
         rec.framework_looked = False  # the next run's trainer is looked for at its first step's end
 
