@@ -316,6 +316,9 @@ def hook_state() -> dict[str, Any]:
         "safetensors": {k: hasattr(getattr(sys.modules.get("safetensors.torch"), k, None), "__wrapped__")
                         for k in ("save_file", "save_model")},
         "gc.callbacks": tuple(gc.callbacks),
+        **({"torch.distributed.checkpoint": {k: getattr(sys.modules["torch.distributed.checkpoint"], k)
+                                             for k in ("save", "async_save")}}
+           if "torch.distributed.checkpoint" in sys.modules else {}),
         "torch profiler on": torch._C._autograd._profiler_enabled(),
         "compiling": torch.compiler.is_compiling(),
     }
