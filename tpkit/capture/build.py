@@ -122,10 +122,17 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # the step's loss, and the first step's batches read ahead (losses.py, read_ahead.py)
     slice_steps = min(past, len(ends))
     losses, loss_notes = step_losses(rec, slice_steps)
+    # batches whose forward raised, skipped by the loop: none of the rules below counts them again
+    skipped = {} if rec.samples_per_step is not None else \
+        read_ahead.failed(rec.failed_forwards, raw_spans, rec.handouts, ev.handouts, slice_steps)
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
-        read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps)
+        read_ahead.read_ahead(rec.handouts, ev.handouts | set(skipped), slice_steps)
     dropped = {} if rec.samples_per_step is not None else \
-        read_ahead.discarded(rec.restarts, raw_spans, rec.handouts, rec.handout_sources, ev.handouts, slice_steps)
+        read_ahead.discarded(rec.restarts, raw_spans, rec.handouts, rec.handout_sources,
+                             ev.handouts | set(skipped), slice_steps)
+    skipped_by_step: Counter[int] = Counter()
+    for k, step in skipped.items():
+        skipped_by_step[step] += rec.handouts[3 * k + 1]
     bounds = pd.DataFrame({
         "step": np.arange(len(ends), dtype="int64") - warmup_steps,
         "warmup": np.arange(len(ends)) < warmup_steps,
@@ -133,7 +140,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         "end_s": ends,
         "samples": np.array([n if rec.samples_per_step is not None else
                              n - ev.samples_by_step.get(i, 0) - (extra_samples if i == 0 else 0)
-                             - sum(dropped.get(i, ()))
+                             - sum(dropped.get(i, ())) - skipped_by_step[i]
                              for i, (_, n) in enumerate(rec.step_ends)], dtype="int64"),
         "loss": [losses.get(i, float("nan")) for i in range(len(ends))],
         "skipped": [i in rec.skipped for i in range(len(ends))],
@@ -157,6 +164,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     if dropped:
         full_meta["notes"].append(read_ahead.discarded_note(sum(len(v) for v in dropped.values()),
                                                             sum(sum(v) for v in dropped.values())))
+    if skipped:
+        full_meta["notes"].append(read_ahead.failed_note(len(skipped), sum(skipped_by_step.values())))
     if rec.loader_make_s > 0 and isinstance(full_meta.get("loader"), dict):
         full_meta["loader"]["make_cpu_share"] = min(1.0, rec.loader_cpu_s / rec.loader_make_s)
     trained = Counter(w for k, w in enumerate(rec.handout_workers)

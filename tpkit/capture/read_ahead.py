@@ -72,3 +72,36 @@ def discarded_note(batches: int, samples: int) -> str:
     return (f"{batches} batch(es) ({samples} samples) were read and dropped before any forward, their loader "
             "then starting again (zip() over loaders of different lengths, a break at the top of an epoch's "
             "loop): they are not counted as the steps' samples (their time stays data_wait)")
+
+
+def failed(failed_forwards: list[int], spans: list[tuple], handouts: list[int], eval_batches: set[int],
+           steps: int) -> dict[int, int]:
+    """Batches the loop skipped after their forward raised (a try/except around the forward,
+    then ``continue``): handed out since the backward before a forward that raised, with no
+    backward after it before the next batch. Counted, they were the step's samples (8 for 4
+    trained; in the first step a note blamed a prefetcher). A backward before the next batch
+    keeps them: the loop tried the batch again (an out-of-memory retry at a smaller batch).
+    ``failed_forwards`` flat as ``Recorder.failed_forwards``; returns {handout index: raw step}."""
+    if not failed_forwards:
+        return {}
+    backwards = sorted(s[1] for s in spans if s[0] == "backward")
+    times = handouts[0::3]
+    out: dict[int, int] = {}
+    for t in failed_forwards[0::2]:
+        b = bisect.bisect_right(backwards, t)
+        nxt = bisect.bisect_right(times, t)
+        if b < len(backwards) and (nxt == len(times) or backwards[b] < times[nxt]):
+            continue  # trained after all
+        since = bisect.bisect_right(times, backwards[b - 1]) if b else 0
+        for k in range(since, nxt):
+            step = handouts[3 * k + 2]
+            if k not in eval_batches and step < steps and handouts[3 * k + 1]:
+                out[k] = step
+    return out
+
+
+def failed_note(batches: int, samples: int) -> str:
+    """The run's note on batches whose forward raised and that the loop skipped."""
+    return (f"{batches} batch(es) ({samples} samples) went to a forward that raised and to no backward (the loop "
+            "skipped them: a try/except around the forward): they are not counted as the steps' samples (the "
+            "forward's time until it raised stays forward_s)")

@@ -125,6 +125,7 @@ class Recorder:
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
         self.handout_sources: list[int] = []  # per handout: the id of the source it came from (0: not known)
         self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, id of its dataset)
+        self.failed_forwards: list[int] = []  # outermost forwards that raised, flat: (ns, raw_step) (read_ahead.failed)
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
         self.trained_modules: set[int] = set()
@@ -179,7 +180,7 @@ class Recorder:
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
                      "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "restarts",
-                     "run_starts"):
+                     "run_starts", "failed_forwards"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
         snap.skipped_iterations = dict(self.skipped_iterations)

@@ -497,6 +497,10 @@ class PhaseProbe:
         try:
             module_calls.set_inside(tid)  # (inside the try: a Ctrl-C right after it still resets it)
             return module_calls._torch_call(module, *args, **kwargs)
+        except Exception:
+            if token is not None and gen == self._fwd_gen:  # a batch the loop may skip (read_ahead.failed)
+                rec.failed_forwards += (perf_counter_ns(), rec.step_index)
+            raise
         finally:
             if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
                 module_calls.set_inside(None)
@@ -1068,6 +1072,8 @@ class PhaseProbe:
         if failed and rec.slice_steps is None:
             # its unfinished iteration fed no step: a run tried again (auto_find_batch_size) starts afresh
             rec.samples = 0
+            while rec.failed_forwards and rec.failed_forwards[-1] == rec.step_index:
+                del rec.failed_forwards[-2:]  # their batches are out of the step's samples already
             self.losses.discard(rec.step_index)
         if rec.slice_steps is not None:
             if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.stopped_run_returned is not None:
