@@ -67,16 +67,73 @@ def test_evaluation_quiet_below_a_tenth():
 
 # -- data stalls ---------------------------------------------------------------------------------
 
-def test_data_stall_fires_with_amdahl_gain_and_doubles_workers():
+def test_data_stall_proposes_the_workers_that_hide_the_wait_with_their_gain():
+    # 2 workers kept a 100 ms step waiting 30 ms: each makes a batch in 2 x 100 = 200 ms; the loop's
+    # own work is 70 ms: ceil(200 / 70) = 3 workers make a batch every 66.7 ms, under the 70 ms of
+    # work: a step of 70 ms, 1.43x (here the wait removed too)
     run = make_run(data_wait=0.03, forward=0.04, backward=0.03, knobs={"num_workers": 2})
     recs = rc.data_stall(run)
     assert kinds(recs) == [("data-stall", "num_workers"), ("data-loader", "loader")]
     r = recs[0]
-    assert r.action == {"num_workers": 4}
+    assert r.action == {"num_workers": 3} and r.title == "Use 3 loader workers (now 2)"
     assert r.gain == pytest.approx(0.1 / 0.07) and r.gain_unit == "x"
     assert "30% of step time (30.00 ms per step of 100.00 ms) over 4 measured steps" in r.evidence
-    assert "1.43x" in r.expected_gain and "100.00 ms -> 70.00 ms" in r.expected_gain
-    assert recs[1].action == {"loader": "tpkit", "num_workers": 4}
+    assert "a batch takes about 200.00 ms to make (2 workers kept the loop waiting" in r.evidence
+    assert r.expected_gain.startswith("about 1.43x samples/s with 3 workers (100.00 ms -> 70.00 ms per step")
+    assert recs[1].action == {"loader": "tpkit", "num_workers": 3}
+
+
+@pytest.mark.parametrize("cores, workers, step_ms", [(2, 2, 60.0), (16, 16, 7.5), (32, 20, 6.0)])
+def test_data_stall_from_zero_workers_quotes_the_proposed_counts_gain(cores, workers, step_ms):
+    """0 workers, a 126 ms step of which 120 ms waits for the batch the loop makes itself: the
+    count that hides it is ceil(120 / 6) = 20, capped at the cores (a making that computes needs
+    one each); n workers make a batch every 120 / n ms, so a step takes max(6, 120 / n) ms. It
+    had said "Use 2 loader workers, up to 21x" (the wait removed; measured: 1.97x)."""
+    run = make_run(data_wait=0.12, forward=0.004, backward=0.002, knobs={"num_workers": 0})
+    run.meta["host"] = {"cpu_count": 64, "usable_cores": cores}
+    (r, *rest) = rc.data_stall(run)
+    assert r.action == {"num_workers": workers} and r.title == f"Use {workers} loader workers (now 0)"
+    assert r.gain == pytest.approx(126 / step_ms)
+    assert f"with {workers} workers (126.00 ms -> {step_ms:.2f} ms per step" in r.expected_gain
+    assert "the loop made each batch itself, one at a time" in r.evidence
+    if workers < 20:  # more would help a making that waits: tp.data.Loader measures which it is
+        assert f"capped at the host's {cores} cores" in r.expected_gain
+        (t,) = rest
+        assert t.action == {"loader": "tpkit", "num_workers": 20}
+        assert np.isnan(t.gain) and "about 21.00x samples/s with 20 workers" in t.expected_gain  # ranked last
+        assert t.title == "Load batches with tp.data.Loader and 20 workers if the making waits rather than computes"
+    else:
+        assert [x.action for x in rest] == [{"loader": "tpkit", "num_workers": 20}]
+
+
+def test_data_stall_with_workers_on_every_core_asks_only_for_tpkits_loader():
+    # 2 workers on 2 cores, 64 ms steps of which 62 ms wait: a batch takes 128 ms to make, 2 ms of
+    # work a step: 64 workers would hide it, if the making waits; no third worker finds a core
+    run = make_run(data_wait=0.062, forward=0.002, knobs={"num_workers": 2})
+    run.meta["host"] = {"cpu_count": 2, "usable_cores": 2}
+    (r,) = rc.data_stall(run)
+    assert (r.kind, r.action) == ("data-loader", {"loader": "tpkit", "num_workers": 64})
+    assert "about 32.00x samples/s with 64 workers (64.00 ms -> 2.00 ms per step" in r.expected_gain
+
+
+def test_data_stall_of_a_slow_dataset_quotes_what_the_proposed_workers_give():
+    """A torch DataLoader whose batches sleep 40 ms (its collate_fn), 0 workers: the advice for
+    2 cores is 2 workers, about 2x (a batch every 20 ms; the truth from the sleeps: 40 -> 20 ms).
+    It had quoted the whole wait removed, 30x or more."""
+    import time
+
+    import torch
+
+    def slow(items: list) -> torch.Tensor:
+        time.sleep(0.04)
+        return torch.ones(len(items), 1)
+
+    run = _linear_slice(torch.utils.data.DataLoader(range(64), batch_size=4, collate_fn=slow))
+    run.meta["host"] = {"cpu_count": 2, "usable_cores": 2}
+    (r, t) = rc.data_stall(run)
+    assert r.action == {"num_workers": 2} and r.title == "Use 2 loader workers (now 0)"
+    assert r.gain == pytest.approx(2.0, rel=0.1)
+    assert t.action["loader"] == "tpkit" and t.action["num_workers"] > 2
 
 
 def _linear_slice(batches, after_step=None):  # noqa: ANN001, ANN202
@@ -98,7 +155,7 @@ def _linear_slice(batches, after_step=None):  # noqa: ANN001, ANN202
     return prof.run
 
 def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
-    """The training batches' DataLoader had 4 workers: the advice is 8, "now 4" (it said "Use 2
+    """The training batches' DataLoader had 4 workers: the advice is more, "now 4" (it said "Use 2
     loader workers (now 0)": a torch DataLoader's workers were never read). A 0-worker evaluation
     loader read more often does not count."""
     import time
@@ -124,13 +181,17 @@ def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
 
     run = _linear_slice(train, after_step=evaluate)
     assert run.meta["torch_loader"] == {"num_workers": 4, "batches": 5}
+    # 4 x 12.5 ms to make a batch, ~1 ms of work (under 10 ms: more than 5 workers hide it): 5 cores
+    run.meta["host"] = {"cpu_count": 5, "usable_cores": 5}
     (r, *_) = rc.data_stall(run)
-    assert r.title == "Use 8 loader workers (now 4)" and r.action == {"num_workers": 8}
+    assert r.title == "Use 5 loader workers (now 4)" and r.action == {"num_workers": 5}
 
 
-def test_data_stall_from_zero_workers_asks_for_two():
-    run = make_run(data_wait=0.02, forward=0.08)
-    assert rc.data_stall(run)[0].action == {"num_workers": 2}
+def test_data_stall_from_zero_workers_asks_for_one_where_one_hides_the_wait():
+    # the loop makes a batch in 20 ms and works 80 ms: one worker makes it during the work
+    (r, _) = rc.data_stall(make_run(data_wait=0.02, forward=0.08))
+    assert r.action == {"num_workers": 1} and r.gain == pytest.approx(0.1 / 0.08)
+    assert r.title == "Use 1 loader worker (the loader's own count not known)"
 
 
 def test_data_stall_quiet_below_threshold_and_ignores_warmup():
@@ -147,6 +208,8 @@ def test_data_stall_with_tpkit_loader_uses_its_measured_rate():
     assert kinds(recs) == [("data-stall", "num_workers")]  # already on tpkit's loader
     assert recs[0].action == {"num_workers": 3}
     assert "a batch takes 20.00 ms to make per worker: 3 workers keep up" in recs[0].evidence
+    # 3 workers make a batch every 6.67 ms, under the 10 ms of work: 20 -> 10 ms a step
+    assert recs[0].gain == pytest.approx(2.0) and "20.00 ms -> 10.00 ms per step" in recs[0].expected_gain
     # one source of worker advice: the loader verdict (loader tab, report) says the same count
     v = rc.loader_advice(run)
     assert v.verdict == "queue empty" and v.workers == recs[0].action["num_workers"] == 3
@@ -379,7 +442,7 @@ def test_recommendations_ranked_by_gain_and_quiet_for_a_healthy_run():
     assert recs[0].gain > recs[2].gain
     df = rc.recommendations_frame(recs)
     assert list(df["knob"]) == ["num_workers", "loader", "pin_memory"] and df.loc[0, "gain_unit"] == "x"
-    assert "try: num_workers=2" in recs[0].to_text()
+    assert "try: num_workers=1" in recs[0].to_text()  # 50 ms to make a batch, 50 ms of work
 
 
 def test_a_failing_rule_is_skipped_with_a_warning(monkeypatch):

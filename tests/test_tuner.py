@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import html
 import time
 
 import pytest
 
 import tpkit as tp
+from tpkit.analysis import recommend as rc
 from tpkit.analysis import tuning
 
 
@@ -100,7 +102,9 @@ def test_apply_is_offered_only_for_knobs_the_tuner_has():
                                                                 if hasattr(x, "children")])
     assert t.controls["workers_ms"].style.description_width == "initial"  # "workers_ms", never cut
     summary = t.summary.children
-    assert len(summary) == 1 and "Top recommendation: Use 2 loader workers" in summary[0].outputs[0]["data"]["text/html"]
+    top = rc.data_stall(t.runs[-1])[0]  # ceil(30 / 4) = 8 workers, capped at the host's cores
+    assert top.action == {"num_workers": min(8, rc.host_cores(t.runs[-1].meta))}
+    assert len(summary) == 1 and f"Top recommendation: {html.escape(top.title)}" in summary[0].outputs[0]["data"]["text/html"]
 
 
 def test_the_summary_tab_applies_the_top_recommendation_when_the_tuner_has_its_knob():
@@ -113,9 +117,10 @@ def test_the_summary_tab_applies_the_top_recommendation_when_the_tuner_has_its_k
     t = tp.tune(fn, knobs={"num_workers": [0]}, steps=2, warmup=0, memory=False, clock_hz=0, replicates=1)
     t.run_slice()
     button = t.summary.children[-1]
-    assert button.description == "Apply num_workers=2 and rerun"
+    n = min(8, rc.host_cores(t.runs[-1].meta))  # ceil(30 ms to make a batch / 4 ms of work), at most the cores
+    assert button.description == f"Apply num_workers={n} and rerun"
     button.click()
-    assert calls == [0, 2] and t.runs[-1].meta["knobs"] == {"num_workers": 2}
+    assert calls == [0, n] and t.runs[-1].meta["knobs"] == {"num_workers": n}
 
 
 def test_a_failing_setting_is_shown_and_changes_nothing():

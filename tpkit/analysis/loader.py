@@ -32,6 +32,8 @@ IDLE_CORES_MIN = 0.5
 #: Below this share of a batch's making spent on a core (the rest waiting: storage, a network,
 #: a sleep), more workers overlap the waits whether or not a core is free.
 CPU_BOUND_SHARE = 0.5
+#: The most workers a verdict (or a recommendation, tpkit/analysis/recommend.py) asks for.
+MAX_WORKERS = 64
 
 VERDICTS = ("healthy", "queue empty", "workers starved", "transfer-bound", "no free core")
 COLUMNS = ("batch", "worker", "fetch_s", "collate_s", "queue_wait_s", "transfer_s")
@@ -124,7 +126,7 @@ def loader_verdict(loader: pd.DataFrame, step_s: float | None = None,
     make_s = float((loader["fetch_s"] + loader["collate_s"]).median())
     transfer_s = float(loader["transfer_s"].median())
     ready = float((loader["queue_wait_s"] > ready_wait_s).mean())
-    cap = max_workers if max_workers is not None else 64
+    cap = max_workers if max_workers is not None else MAX_WORKERS
     per_batch_s = make_s + transfer_s
     # Workers needed so batches come at least as fast as the loop takes them (+20% margin).
     need = max(1, math.ceil(1.2 * per_batch_s / step_s)) if step_s and step_s > 0 else None

@@ -14,8 +14,9 @@ name are changed in place): ``num_workers``, ``loader`` ("tpkit"), ``pin_memory`
 
 Speedup estimates are upper bounds from Amdahl's law on the measured totals: removing a
 phase that takes ``p`` of ``d`` seconds gives at most ``d / (d - p)``; a phase made ``f`` times
-faster gives ``d / (d - p + p / f)``. Factors that cannot be measured from the run are named
-constants below, each with where it comes from.
+faster gives ``d / (d - p + p / f)``. More loader workers are the exception: the gain quoted
+is the proposed count's (``data_stall``), not the wait removed. Factors that cannot be
+measured from the run are named constants below, each with where it comes from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from ..schema import MIB, PHASE_COLUMNS
+from .loader import CPU_BOUND_SHARE
+from .loader import MAX_WORKERS as MAX_LOADER_WORKERS
 from .steps import INPUT_LIMITED, INTERRUPTIONS, OPTIMIZER_BOUND, OVERHEAD_BOUND, measured
 
 if TYPE_CHECKING:
@@ -156,38 +159,136 @@ def loader_advice(run: "Run") -> "LoaderVerdict | None":
                           make_cpu_share=share if isinstance(share, (int, float)) else None)
 
 
+def host_cores(meta: dict) -> int | None:
+    """The cores this process could run on during the slice (``meta['host']``: its affinity
+    mask's ``usable_cores``, else the host's ``cpu_count``); None where the run does not say."""
+    host = meta.get("host") or {}
+    for key in ("usable_cores", "cpu_count"):
+        n = host.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class _Making:
+    """How long one batch takes to make, one at a time, and how the run knows it."""
+
+    batch_s: float
+    how: str
+    cpu_bound: bool | None  # its making mostly on a core (tp.data.Loader measures it); None: not measured
+
+
+def _making(run: "Run", t: _Totals, workers: int, v: "LoaderVerdict | None") -> _Making:
+    """A batch's making time: tp.data.Loader's measured fetch + collate + transfer; with 0
+    workers, the loop's wait (it made each batch itself, one at a time); with ``workers``
+    that kept the loop waiting, ``workers`` x the step (each made one batch per that many steps)."""
+    step_s, wait_s = t.total_s / t.steps, t.phase_s["data_wait_s"] / t.steps
+    if v is not None:
+        share = (run.meta.get("loader") or {}).get("make_cpu_share")
+        cpu = share >= CPU_BOUND_SHARE if isinstance(share, (int, float)) else None
+        return _Making(v.make_s + v.transfer_s, "tpkit's loader measured it", cpu)
+    if workers == 0:
+        return _Making(wait_s, "the loop made each batch itself, one at a time: its wait", None)
+    return _Making(workers * step_s, f"{workers} workers kept the loop waiting: each made a batch every "
+                   f"{workers} steps of {_ms(step_s)}", None)
+
+
+def workers_to_hide(making_s: float, compute_s: float) -> int:
+    """Workers that together make a batch while the loop computes one step:
+    ceil(making / compute), at most ``MAX_LOADER_WORKERS``."""
+    if compute_s <= 0:
+        return MAX_LOADER_WORKERS
+    return max(1, min(MAX_LOADER_WORKERS, math.ceil(making_s / compute_s - 1e-9)))
+
+
+def step_with_workers(workers: int, making_s: float, compute_s: float) -> float:
+    """A step's time with ``workers`` making batches side by side: the loop's own time, or a
+    batch every making / workers where that is longer (each worker needing a core of its own
+    where the making computes: the caller caps ``workers`` at the cores)."""
+    return max(compute_s, making_s / workers)
+
+
+def _workers_gain(t: _Totals, workers: int, making: _Making, compute_s: float, assumes: str) -> tuple[str, float]:
+    """The speedup ``workers`` give, in words and as a number."""
+    step_s = t.total_s / t.steps
+    new_s = step_with_workers(workers, making.batch_s, compute_s)
+    speedup = step_s / new_s if new_s > 0 else float("inf")
+    return (f"about {speedup:.2f}x samples/s with {_count(workers, 'worker')} ({_ms(step_s)} -> {_ms(new_s)} per step: "
+            f"a batch every {_ms(making.batch_s / workers)}, the loop's own work {_ms(compute_s)}; {assumes})",
+            speedup)
+
+
 def data_stall(run: "Run") -> list[Recommendation]:
-    """The loop waits for batches: more workers (with tpkit's loader, exactly as many as its
-    verdict says: ``loader_advice``), or tpkit's loader when the run used another."""
+    """The loop waits for batches: the worker count that hides the wait (with tpkit's loader,
+    exactly as many as its verdict says: ``loader_advice``), or tpkit's loader when the run used
+    another. The gain quoted is that count's, not the whole wait's: with ``n`` workers a step
+    takes about max(the loop's own work, making / n) (it had quoted the wait removed outright,
+    51x, for 2 workers that gave 1.97x)."""
     t = _totals(run.steps)
     share = t.share("data_wait_s")
     if t.steps == 0 or share < DATA_STALL_SHARE:
         return []
-    wait = t.phase_s["data_wait_s"]
-    speedup = amdahl(t.total_s, wait)
-    knobs = _knobs(run.meta)
     known = current_workers(run.meta)
     cur_n = known or 0
-    workers = cur_n * 2 if cur_n else 2
+    compute_s = (t.total_s - t.phase_s["data_wait_s"]) / t.steps
     evidence = (f"data wait is {share:.0%} of step time ({t.per_step_ms('data_wait_s')} per step of "
                 f"{_ms(t.total_s / t.steps)}) over {t.steps} measured steps")
-    gain = f"up to {speedup:.2f}x samples/s if the wait disappears ({_ms(t.total_s / t.steps)} -> " \
-           f"{_ms((t.total_s - wait) / t.steps)} per step)"
     v = loader_advice(run)
+    making = _making(run, t, cur_n, v)
     if v is not None:
         evidence += (f"; tpkit's loader: {v.verdict}, a batch takes {_ms(v.make_s)} to make per worker: "
                      f"{v.workers} workers keep up")
         if v.workers <= cur_n:  # more workers would not help: say what the loader verdict says
             return [Recommendation("data-loader", "loader", f"Loader {v.verdict}: {v.reason}", evidence,
                                    "more workers would not help; the gain depends on the fix", float("nan"), "x", {})]
-        workers = v.workers
-    now = f"now {cur_n}" if known is not None else "the loader's own count not known"
-    out = [Recommendation("data-stall", "num_workers", f"Use {workers} loader workers ({now})",
-                          evidence, gain, speedup, "x", {"num_workers": workers})]
-    if v is None and knobs.get("loader") != "tpkit":
-        out.append(Recommendation(
-            "data-loader", "loader", "Load batches with tp.data.Loader (shared-memory slots, threads or processes)",
-            evidence, gain, speedup, "x", {"loader": "tpkit", "num_workers": workers}))
+        gain, speedup = _workers_gain(t, v.workers, making, compute_s, "the loader's verdict chose the count")
+        return [Recommendation("data-stall", "num_workers", f"Use {_count(v.workers, 'loader worker')} ({_now(known)})",
+                               evidence, gain, speedup, "x", {"num_workers": v.workers})]
+    evidence += f"; a batch takes about {_ms(making.batch_s)} to make ({making.how})"
+    return _workers_for_another_loader(run, t, known, making, compute_s, evidence)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
+def _now(known: int | None) -> str:
+    return f"now {known}" if known is not None else "the loader's own count not known"
+
+
+def _workers_for_another_loader(run: "Run", t: _Totals, known: int | None, making: _Making, compute_s: float,
+                                evidence: str) -> list[Recommendation]:
+    """A loader tpkit did not measure (a torch DataLoader): whether its making computes or
+    waits is not known. The count that hides the wait, capped at the cores (making that
+    computes needs a core per worker); where more would help a making that waits (storage, a
+    network), tp.data.Loader with that count: its run measures the making's share on a core."""
+    cur_n = known or 0
+    need = max(workers_to_hide(making.batch_s, compute_s), min(cur_n + 1, MAX_LOADER_WORKERS))
+    cores = host_cores(run.meta)
+    capped = min(need, cores) if cores is not None else need
+    out = []
+    if capped > cur_n:
+        assumes = (f"making that computes needs a core per worker: capped at the host's {cores} cores" if capped < need
+                   else "if each worker finds a core or its making waits" if cores is None
+                   else f"within the host's {cores} cores")
+        gain, speedup = _workers_gain(t, capped, making, compute_s, assumes)
+        out.append(Recommendation("data-stall", "num_workers", f"Use {_count(capped, 'loader worker')} ({_now(known)})",
+                                  evidence, gain, speedup, "x", {"num_workers": capped}))
+    if _knobs(run.meta).get("loader") == "tpkit":
+        return out
+    if capped < need:  # a figure under an assumption the run cannot check: in words, ranked after the rest
+        gain, _ = _workers_gain(t, need, making, compute_s, "if the making waits (storage, a network) rather "
+                                "than computes; tp.data.Loader's run measures which")
+        speedup = float("nan")
+        title = f"Load batches with tp.data.Loader and {need} workers if the making waits rather than computes"
+    elif out:
+        gain, speedup, title = out[0].expected_gain, out[0].gain, \
+            "Load batches with tp.data.Loader (shared-memory slots, threads or processes)"
+    else:
+        return out
+    out.append(Recommendation("data-loader", "loader", title, evidence, gain, speedup, "x",
+                              {"loader": "tpkit", "num_workers": need if capped < need else capped}))
     return out
 
 
