@@ -65,6 +65,45 @@ def test_replicates_pool_into_one_setting_with_an_interval_and_stored_names(tmp_
         tp.tune(train_fn, knobs={"workers_ms": [1]}, replicates=0)
 
 
+def test_a_slice_times_the_loaders_steady_rate_not_the_batches_it_queued():
+    """2 workers each make a batch of 2 in 60 ms (a sleep): steady, a batch every 30 ms, 66.7
+    samples/s. The loop's first step takes 300 ms (a model's first call): the workers fill their
+    queue (2 x prefetch_factor 4 = 8 batches) meanwhile. The slice's warmup is 2 + those 8, so
+    its window starts once they are read (with 2 warmup steps it had timed them: the window
+    began with ~6 batches ready and the rate read several times the steady one)."""
+    import torch
+
+    def collate(items: list) -> torch.Tensor:
+        time.sleep(0.06)
+        return torch.ones(len(items), 1)
+
+    def fn(num_workers, prefetch_factor):
+        model = torch.nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(range(10_000), batch_size=2, num_workers=num_workers,
+                                             prefetch_factor=prefetch_factor, collate_fn=collate)
+        for k, x in enumerate(loader):
+            if k == 0:
+                time.sleep(0.3)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    t = tp.tune(fn, knobs={"num_workers": [2], "prefetch_factor": [4]}, steps=8, warmup=2, memory=False,
+                clock_hz=0, replicates=1)
+    run = t.run_slice()
+    assert run.meta["warmup_requested"] == 2 + 2 * 4
+    assert run.summary().throughput == pytest.approx(2 * 2 / 0.06, rel=0.1)
+
+
+def test_queued_batches_are_workers_times_prefetch_from_the_knobs():
+    queued = tp.views.tuner.queued_batches
+    assert queued({"num_workers": 4}) == 8  # torch's prefetch_factor 2
+    assert queued({"num_workers": 4, "prefetch_factor": 3}) == queued({"num_workers": 4, "prefetch": 3}) == 12
+    assert queued({"num_workers": 4, "loader": "tpkit"}) == 32  # tp.data.Loader's small batches: 8 each
+    assert queued({"num_workers": 0}) == queued({}) == queued({"num_workers": "auto"}) == 0
+
+
 def test_best_is_chosen_from_replicate_means_not_single_slices():
     import numpy as np
 
