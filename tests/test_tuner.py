@@ -66,11 +66,12 @@ def test_replicates_pool_into_one_setting_with_an_interval_and_stored_names(tmp_
 
 
 def test_a_slice_times_the_loaders_steady_rate_not_the_batches_it_queued():
-    """2 workers each make a batch of 2 in 60 ms (a sleep): steady, a batch every 30 ms, 66.7
+    """4 workers each make a batch of 2 in 60 ms (a sleep): steady, 4 batches every 60 ms, 133
     samples/s. The loop's first step takes 300 ms (a model's first call): the workers fill their
-    queue (2 x prefetch_factor 4 = 8 batches) meanwhile. The slice's warmup is 2 + those 8, so
+    queue (4 x prefetch_factor 3 = 12 batches) meanwhile. The slice's warmup is 2 + those 12, so
     its window starts once they are read (with 2 warmup steps it had timed them: the window
-    began with ~6 batches ready and the rate read several times the steady one)."""
+    began with ~10 batches ready); and its 6 steps become 8, two whole bursts of 4 batches (6
+    held one or two of the waits for a burst: 200 or 100 samples/s)."""
     import torch
 
     def collate(items: list) -> torch.Tensor:
@@ -89,19 +90,22 @@ def test_a_slice_times_the_loaders_steady_rate_not_the_batches_it_queued():
             opt.step()
             opt.zero_grad()
 
-    t = tp.tune(fn, knobs={"num_workers": [2], "prefetch_factor": [4]}, steps=8, warmup=2, memory=False,
+    t = tp.tune(fn, knobs={"num_workers": [4], "prefetch_factor": [3]}, steps=6, warmup=2, memory=False,
                 clock_hz=0, replicates=1)
     run = t.run_slice()
-    assert run.meta["warmup_requested"] == 2 + 2 * 4
-    assert run.summary().throughput == pytest.approx(2 * 2 / 0.06, rel=0.1)
+    assert (run.meta["warmup_requested"], run.meta["steps_requested"]) == (2 + 4 * 3, 8)
+    assert run.summary().throughput == pytest.approx(4 * 2 / 0.06, rel=0.1)
 
 
-def test_queued_batches_are_workers_times_prefetch_from_the_knobs():
+def test_the_queue_and_the_window_of_a_setting_come_from_its_knobs():
     queued = tp.views.tuner.queued_batches
     assert queued({"num_workers": 4}) == 8  # torch's prefetch_factor 2
     assert queued({"num_workers": 4, "prefetch_factor": 3}) == queued({"num_workers": 4, "prefetch": 3}) == 12
     assert queued({"num_workers": 4, "loader": "tpkit"}) == 32  # tp.data.Loader's small batches: 8 each
     assert queued({"num_workers": 0}) == queued({}) == queued({"num_workers": "auto"}) == 0
+    window = tp.views.tuner.window_steps
+    assert window(10, {"num_workers": 4}) == 12 and window(8, {"num_workers": 4}) == 8
+    assert window(10, {"num_workers": 1}) == window(10, {}) == window(10, {"num_workers": "auto"}) == 10
 
 
 def test_best_is_chosen_from_replicate_means_not_single_slices():
