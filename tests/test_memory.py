@@ -1473,3 +1473,46 @@ def test_batches_from_worker_processes_are_data_while_the_loop_holds_them(keep):
         exits = data_rows[(data_rows["phase"] == "data_wait") & (data_rows["event"] == "exit")]["bytes"].tolist()
         # iter() starting the workers, then each next(): the first batch alone, then two
         assert exits == [0, batch] + [2 * batch] * 6, exits
+
+
+def _storage_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+@pytest.mark.parametrize("hold", ["zip", "collect"])
+def test_worker_batches_held_with_others_are_data_every_step(hold):
+    """A worker's batch held together with other batches: zipped with an in-process loader's, or
+    n micro-batches collected from a worker loader before their forwards (dynamic
+    accumulation). Data at each step's forwards is every batch the loop holds, to the byte. A
+    worker batch was taken for one made in another thread when an earlier batch at its address
+    had died by the slice's end, and ended at the next hand-out: every other step had read the
+    in-process batch alone (144 B of 720 held), 5 micro-batches 1728 B of 2880."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
+    workers = torch.utils.data.DataLoader(data, batch_size=16, num_workers=1)
+    counts = [2, 5, 3, 1, 4, 2, 6, 3, 3]  # micro-batches a step ("collect")
+    held: list[int] = []  # bytes of the batches the loop holds at each step's forwards
+    with tp.profile(steps=5, warmup=2, progress=False, clock_hz=0) as prof:
+        if hold == "zip":
+            in_process = torch.utils.data.DataLoader(data, batch_size=4)
+            for (x1, y1), (x2, y2) in zip(workers, in_process):
+                held.append(_storage_bytes(x1, y1, x2, y2))
+                loss = torch.nn.functional.mse_loss(model(x1), y1) + torch.nn.functional.mse_loss(model(x2), y2)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        else:
+            it = iter(workers)
+            for s in range(len(counts)):
+                batches = [next(it) for _ in range(counts[s])]
+                held.append(_storage_bytes(*(t for b in batches for t in b)))
+                for x, y in batches:
+                    (torch.nn.functional.mse_loss(model(x), y) / len(batches)).backward()
+                opt.step()
+                opt.zero_grad()
+    m = prof.run.memory
+    rows = m[(m["category"] == "data") & (m["device"] == "cpu") & (m["phase"] == "forward") & (m["event"] == "enter")]
+    at_forward = rows.groupby("step")["bytes"].max().tolist()
+    assert at_forward == held[:7], (at_forward, held[:7])

@@ -423,6 +423,10 @@ def host_capacity_bytes() -> int | None:
 _BOUND, _OBS, _GRAD_SET, _GONE = 0, 1, 2, 3
 #: The gradients are alive at the first enter of one of ``_LOOK_AT`` after an exit of ``_LOOK_AFTER``.
 _LOOK_AFTER, _LOOK_AT = "backward", ("optimizer", "forward")
+#: In an observation, the slot of a ``data`` storage watched from there on (a worker's batch in
+#: shared memory: its end is a ``_GONE`` marker); others have -1. Said in the observation itself,
+#: as of when the batch was seen: a watched batch dies, and its address comes back for the next.
+_WATCHED = -2
 #: With tpkit's counter, the counter is the phase listener (``allocator_counter.cpp``): a boundary
 #: is one C call. False puts the probe's Python listener (``_on_phase``, as with torch's stream)
 #: in its place: the peer ``benchmarks/overhead.py`` measures it against.
@@ -559,7 +563,8 @@ class MemoryProbe:
         self._pool: list[tuple[Any, int, int, int]] = []
         #: every marker storage allocated, in stream order: ptr, bytes
         self._pool_flat: list[int] = []
-        #: CPU storages seen at each observation: ptr, bytes, category, parameter slot (or -1), ...
+        #: CPU storages seen at each observation: ptr, bytes, category, parameter slot (or -1;
+        #: ``_WATCHED`` for a watched batch storage), ...
         self.observations: list[list[Any]] = []
         #: boundary -> known sets walked there (no CPU stream, or CUDA devices in use)
         self.walks: dict[int, dict[tuple[str, str], int]] = {}
@@ -588,7 +593,6 @@ class MemoryProbe:
         self._grads_seen_at: list[int] = []  # observations that looked at every gradient
         self._grads_watched: set[int] = set()  # parameter slots whose first gradient is watched
         self._finalizers: list[weakref.finalize] = []
-        self._watched: set[int] = set()  # addresses of the watched storages: their end comes from _GONE
         self.gone: list[tuple[int, int]] = []  # (ptr, bytes) of watched CPU tensors that died  # rec.own_tensors already observed
         self._grads_new = False  # a backward ended since the known sets were last observed
         self._dev_names: dict[torch.device, str] = {}
@@ -994,7 +998,8 @@ class MemoryProbe:
 
     def _storages(self, tensors: Iterable[torch.Tensor], category: str,
                   watch: bool = False, watch_shared: bool = False) -> list[tuple[str, int, int, str, int]]:
-        """``(device, ptr, bytes, category, parameter slot)`` of the tensors' storages. With
+        """``(device, ptr, bytes, category, slot)`` of the tensors' storages (slot ``_WATCHED``
+        for a watched one, else -1). With
         ``watch``, each CPU tensor's death cuts the stream too: the stream has no free event
         for a block allocated before the slice (or in another thread), so that is how the
         replay learns when such a known storage ended. ``watch_shared``: watch the tensors in
@@ -1015,10 +1020,11 @@ class MemoryProbe:
             except Exception:  # meta, fake or exotic tensor subclasses: nothing allocated to count
                 continue
             if nbytes:
-                out.append((dev, ptr, nbytes, category, -1))
                 if dev == "cpu" and (watch or (watch_shared and s.is_shared())):  # (the tensor's: 3.6 us)
                     self._watch(t, ptr, nbytes)
-                    self._watched.add(ptr)
+                    out.append((dev, ptr, nbytes, category, _WATCHED))
+                else:
+                    out.append((dev, ptr, nbytes, category, -1))
         return out
 
     def _watch(self, t: torch.Tensor, ptr: int, nbytes: int) -> None:
@@ -1030,7 +1036,6 @@ class MemoryProbe:
         self._finalizers.append(f)
 
     def _gone(self, ptr: int, nbytes: int) -> None:
-        self._watched.discard(ptr)  # a later block at this address is no batch of a worker's
         if self._streaming():
             self.gone.append((ptr, nbytes))
             self._mark(_GONE, len(self.gone) - 1)
@@ -1327,7 +1332,10 @@ class MemoryProbe:
                             tag.append(cat)
                             alloc_at.append(-1)
                             known_at.append((wait_exit if wait_exit >= 0 else i) if cat == "data" else -1)
-                            if cat == "data" and optr not in self._watched:
+                            # watched as of when it was seen (_storages): asked after the
+                            # slice, a dead worker batch's address was no longer watched, and the
+                            # batch had read ended at the next hand-out (720 B held read 432 B)
+                            if cat == "data" and slot != _WATCHED:
                                 outside_data[a] = optr
                         elif tag[a] is None and size[a] == onb:
                             tag[a] = cat
