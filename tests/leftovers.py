@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 import warnings
 from typing import Any
@@ -53,6 +54,7 @@ def snapshot() -> dict[str, Any]:
         # tpkit's CPU allocation counter stays in front of the allocator once in (its module
         # docstring), passing through: no thread may still record after a slice
         "cpu_counter_recording": allocator_counter._module is not None and allocator_counter._module.recording(),
+        "dynamo_compile_callbacks": _dynamo_callbacks(),
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.distributed's deprecated aliases warn when touched
@@ -60,6 +62,14 @@ def snapshot() -> dict[str, Any]:
             name = getattr(place, "__name__", repr(place))
             out.update({f"{name}.{k}": id(v) for k, v in list(vars(place).items()) if callable(v)})
     return out
+
+
+def _dynamo_callbacks() -> int:
+    """dynamo's compile start and end callbacks (0 where dynamo is not imported)."""
+    callback = sys.modules.get("torch._dynamo.callback")
+    if callback is None:
+        return 0
+    return len(callback.callback_handler.start_callbacks) + len(callback.callback_handler.end_callbacks)
 
 
 def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -69,6 +69,9 @@ def shares(**kw):
     (dict(eval=0.20, other=0.23, forward=0.57), "compute-bound"),  # 0.2875 of training
     (dict(eval=0.20, other=0.25, forward=0.55), "overhead-bound"),  # 0.3125 of training
     (dict(save=0.20, other=0.23, forward=0.57), "compute-bound"),  # a save counted as other made this overhead
+    (dict(compile=0.30, data_wait=0.3, forward=0.4), "compile-bound"),
+    # a recompile counted as forward made this input-limited: 0.16 of the step is 0.2133 of training
+    (dict(compile=0.25, data_wait=0.16, forward=0.59), "input-bound"),
 ])
 def test_verdict_rules(kw, kind):
     assert analysis.verdict(shares(**kw)).kind == kind

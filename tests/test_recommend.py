@@ -20,7 +20,7 @@ def make_run(n: int = 4, warmup: int = 1, samples: int = 32, devices=("cpu: test
     rows = warmup + n
     cols = {c: np.full(rows, phase_s.get(c[:-2], 0.0)) for c in ("data_wait_s", "h2d_s", "forward_s", "backward_s",
                                                                    "optimizer_s", "offload_s", "eval_s",
-                                                                   "save_s")}
+                                                                   "save_s", "compile_s")}
     covered = sum(cols.values())
     d = np.asarray(durations, dtype="float64") if durations is not None else covered + phase_s.get("other", 0.0)
     d = np.broadcast_to(d, (rows,)).astype("float64")
@@ -58,6 +58,14 @@ def test_checkpoint_saving_names_the_trainers_interval():
     assert r.evidence == "checkpoint saving takes 20% of step time (20.00 ms per step)"
     assert r.gain == pytest.approx(0.1 / 0.08) and "save_steps" in r.expected_gain
     assert rc.saving(make_run(save=0.0099, forward=0.0901)) == []
+
+
+def test_a_recompile_inside_the_measured_steps_names_the_dynamic_shapes_knob():
+    (r,) = rc.compilation(make_run(compile=0.05, forward=0.04, backward=0.01))
+    assert (r.kind, r.knob, r.action) == ("compilation", "dynamic_shapes", {})
+    assert r.evidence == "compilation (torch.compile) takes 50% of step time (50.00 ms per step)"
+    assert r.gain == pytest.approx(2.0) and "mark_dynamic" in r.expected_gain
+    assert rc.compilation(make_run(compile=0.0099, forward=0.0901)) == []
 
 
 def test_evaluation_quiet_below_a_tenth():

@@ -21,9 +21,11 @@ import pandas as pd
 #: run inside the slice: the trained model called without grad in eval mode, and the batches read
 #: for it (capture/evaluation.py); its samples are not the step's. ``setup`` is a trainer's setup
 #: inside the slice: from the previous run's last step (or the slice's start) to a new run's first
-#: batch, what no other phase covered there (capture/setups.py).
+#: batch, what no other phase covered there (capture/setups.py). ``compile`` is torch.compile's
+#: compilations inside the slice (dynamo's, and a backward graph's at its first run), taken out of
+#: the forward or backward they ran in (capture/probes/compile.py).
 BUILTIN_PHASES: tuple[str, ...] = ("data_wait", "h2d", "forward", "backward", "optimizer", "offload", "comm",
-                                   "eval", "save", "setup", "tpkit")
+                                   "eval", "save", "setup", "compile", "tpkit")
 #: Time no built-in phase covered.
 OTHER = "other"
 #: Every phase in the order a step usually runs, ``other`` last.
@@ -41,7 +43,8 @@ UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 PHASE_NAMES: dict[str, str] = {
     "data_wait": "waiting for data", "h2d": "copy to device", "forward": "forward", "backward": "backward",
     "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation",
-    "save": "saving checkpoints", "setup": "a trainer's setup", "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
+    "save": "saving checkpoints", "setup": "a trainer's setup", "compile": "compilation (torch.compile)",
+    "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
 }
 
 # -- memory ---------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "forward_s": "float64", "backward_s": "float64", "optimizer_s": "float64",
         "offload_s": "float64", "tpkit_s": "float64", "other_s": "float64", "throughput": "float64", "loss": "float64",
         "skipped": "bool", "comm_s": "float64", "eval_s": "float64", "save_s": "float64",
-        "setup_s": "float64",
+        "setup_s": "float64", "compile_s": "float64",
     },
     "spans": {
         "step": "int64", "phase": "object", "start_s": "float64", "end_s": "float64",
@@ -159,7 +162,7 @@ ADDED_TABLES: tuple[str, ...] = ("ops",)
 #: rows built by hand) has none. They come last in their table, so positional rows of the
 #: older layout still line up.
 DEFAULTS: dict[str, dict[str, Any]] = {"steps": {"skipped": False, "comm_s": 0.0, "eval_s": 0.0, "save_s": 0.0,
-                                           "setup_s": 0.0}}
+                                           "setup_s": 0.0, "compile_s": 0.0}}
 #: Version of the saved-run layout (``meta.json``'s ``tpkit_format``).
 FORMAT_VERSION = 1
 
@@ -227,6 +230,7 @@ VERDICTS: dict[str, str] = {
     "eval-bound": "EVAL-BOUND",
     "save-bound": "SAVE-BOUND",
     "setup-bound": "SETUP-BOUND",
+    "compile-bound": "COMPILE-BOUND",
     "input-bound": "INPUT-BOUND",
     "input-limited": "INPUT-LIMITED",
     "copy-bound": "COPY-BOUND",

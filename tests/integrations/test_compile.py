@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 import truth
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, get_compilation_metrics
 from truth import STEPS, WARMUP
 
 import tpkit as tp
@@ -99,10 +100,14 @@ def test_first_compile_inside_the_slice_is_unchanged(eager_plain, eager_sliced):
 
 
 def test_compiled_call_is_timed_as_forward_and_hooks_are_removed(eager_sliced):
+    """The compiled call is forward, its first compilation (in the first warmup step) compile;
+    no measured step compiles."""
     run = eager_sliced["run"]
     truth.assert_hooks_removed(eager_sliced["before"])
     assert len(run.steps) == STEPS + WARMUP and run.complete
-    truth.assert_phases(run, eager_sliced["truth"], phases=("forward",))
+    truth.assert_phases(run, eager_sliced["truth"], phases=("forward",), compiled=True)
+    compile_s = run.steps.set_index("step")["compile_s"]
+    assert compile_s[-WARMUP] > 0.05 and (compile_s.drop(-WARMUP) == 0).all()
     assert run.meta["model"]["parameters"] == sum(p.numel() for p in eager_sliced["model"].parameters())
 
 
@@ -117,6 +122,7 @@ def test_warm_compiled_model_keeps_its_graph(eager_warm):
     truth.assert_hooks_removed(eager_warm["before"])
     assert eager_warm["new_graphs"] == 0 and eager_warm["recompiles"] == 0
     truth.assert_phases(eager_warm["run"], eager_warm["truth"], phases=("forward",))
+    assert (eager_warm["run"].steps["compile_s"] == 0).all()
 
 
 def test_warm_compiled_model_has_no_graph_break(eager_warm):
@@ -131,8 +137,183 @@ def test_a_model_compiled_in_place_is_timed_as_forward():
     sliced = compiled_loop("eager", profile=True, in_place=True)
     truth.assert_hooks_removed(sliced["before"])
     assert sliced["breaks"] == 0 and sliced["graphs"] == plain["graphs"] == 1
-    truth.assert_phases(sliced["run"], sliced["truth"], phases=("forward",))
+    truth.assert_phases(sliced["run"], sliced["truth"], phases=("forward",), compiled=True)
     assert not any("no module's forward" in n for n in sliced["run"].meta["notes"])
+
+
+VOCAB = 32
+FORWARD_SLEEP_S = 0.02  # the known part of each forward, outside the compiled region
+RECOMPILE_AT = 2  # the measured step whose batch is longer: dynamo compiles the model again there
+
+
+class Tagger(torch.nn.Module):
+    """(B, T) tokens -> (B, T, VOCAB) with a compiled inside: its forward sleeps a known
+    ``FORWARD_SLEEP_S``, then calls the compiled part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.compile(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)),
+                                   backend="aot_eager")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        time.sleep(FORWARD_SLEEP_S)
+        return self.inner(idx)
+
+
+def dynamo_patched() -> None:
+    """dynamo patches ``nn.Module`` at its first compilation in the process: done before a slice
+    whose hooks are checked, where this file's test runs alone."""
+    torch.compile(torch.nn.Linear(1, 1), backend="eager")(torch.ones(1, 1))
+
+
+def recompile_loop(profile: bool) -> dict:
+    """A loop whose batches grow from 8 to 12 tokens at measured step ``RECOMPILE_AT``
+    (``dynamic=None``: dynamo compiles again there). Truth: the loop's clock around each forward,
+    dynamo's own record of each compilation, the losses and the parameters it ends with."""
+    dynamo_patched()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward_s: list[float] = []
+    losses: list[float] = []
+    known = [id(r) for r in get_compilation_metrics()]
+
+    def step(i: int) -> None:
+        length = 8 if i < WARMUP + RECOMPILE_AT else 12
+        idx = torch.randint(0, VOCAB, (4, length), generator=torch.Generator().manual_seed(i))
+        t = time.perf_counter()
+        out = model(idx)
+        forward_s.append(time.perf_counter() - t)
+        loss = F.cross_entropy(out.reshape(-1, VOCAB), idx.reshape(-1))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()  # (the slice's last one ends it)
+        opt.zero_grad()
+
+    run, before = None, truth.hook_state()
+    if profile:
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="recompile", progress=False, clock_hz=0) as prof:
+            for i in range(100):
+                step(i)
+        run = prof.run
+    else:
+        for i in range(STEPS + WARMUP):
+            step(i)
+    records = [r for r in get_compilation_metrics() if id(r) not in known and r.is_forward]
+    out = dict(run=run, before=before, forward_s=forward_s, losses=losses, records=records,
+               params=[p.detach().clone() for p in model.parameters()])
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.fixture(scope="module")
+def recompiled():
+    return recompile_loop(profile=True)
+
+
+def test_a_recompile_inside_the_measured_steps_is_compile_time_not_forward(recompiled):
+    """The step where the batch grows holds dynamo's second compilation: its ``compile_s`` is
+    dynamo's own time for it, and its forward what the loop's clock read less that (the known
+    sleep and the compiled call), as in the steps around it. It had been all forward (3.7 s of
+    aot_eager, 18.8 s of inductor in a 0.1 s step), with no word."""
+    run = recompiled["run"]
+    truth.assert_hooks_removed(recompiled["before"])
+    steps = run.steps.set_index("step")
+    first, again = recompiled["records"]  # dynamo's compilations: the first call's, the longer batch's
+    assert first.recompile_reason is None and "size mismatch" in again.recompile_reason
+    dynamo_s = (again.end_time_us - again.start_time_us) / 1e6
+    assert abs(steps.compile_s[RECOMPILE_AT] - dynamo_s) <= 0.05 * dynamo_s + 0.01, (steps.compile_s, dynamo_s)
+    loop_forward_s = recompiled["forward_s"][WARMUP + RECOMPILE_AT]
+    assert abs(steps.forward_s[RECOMPILE_AT] - (loop_forward_s - dynamo_s)) <= 0.05 * dynamo_s + 0.01
+    others = steps.forward_s[steps.index >= 0].drop(RECOMPILE_AT)
+    assert FORWARD_SLEEP_S <= steps.forward_s[RECOMPILE_AT] <= others.max() + 0.02, steps.forward_s
+    measured = steps.compile_s[steps.index >= 0]
+    assert steps.compile_s[-WARMUP] > 0 and (measured.drop(RECOMPILE_AT) == 0).all()
+    note = next(n for n in run.meta["notes"] if n.startswith("torch.compile compiled"))
+    assert f"step {RECOMPILE_AT}: 1 (" in note and "size mismatch" in note and "1 in the measured steps" in note
+    summary = run.summary()
+    assert (summary.verdict.kind == "compile-bound") == (summary.phase_share["compile_s"] >= 0.30)
+
+
+def test_a_recompile_under_tpkit_trains_as_without_it(recompiled):
+    plain = recompile_loop(profile=False)
+    assert recompiled["losses"] == plain["losses"]
+    assert recompiled["run"].steps["loss"].tolist() == pytest.approx(plain["losses"], rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(recompiled["params"], plain["params"]))
+
+
+class Broken(torch.nn.Module):
+    """(B, 8) -> (B, 1) with a graph break between its layers (dynamo's own marker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+BREAK_LINE = Broken.forward.__code__.co_firstlineno + 2
+
+
+def test_a_model_compiled_with_a_graph_break_before_the_slice_is_noted():
+    """Compiled and run before the slice (a second ``%%tp_profile`` of the cell): dynamo counts a
+    break when it compiles, so none is counted while the slice runs and the run said nothing; the
+    note names the break's line. A Ctrl-C in the loop after a compilation leaves none of the compile
+    callbacks behind. The same model reaching dynamo's recompile limit inside the slice (no
+    compilation runs there: dynamo runs the frame eager from then on) is said, with its step. A
+    ``torch._dynamo.reset()`` inside the slice clears the callbacks: the next compilation is seen
+    all the same."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Broken()
+    cmodel = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loop(rows: int = 4, rank_up_at: int | None = None, stop_at: int | None = None,
+             reset_at: int | None = None) -> None:
+        for i in range(100):
+            if i == stop_at:
+                raise KeyboardInterrupt
+            x = torch.randn(rows, 8)
+            cmodel(x.unsqueeze(1) if rank_up_at is not None and i >= rank_up_at else x).sum().backward()
+            if i == reset_at:
+                torch._dynamo.reset()  # (it clears dynamo's compile callbacks: tpkit's too)
+            opt.step()
+            opt.zero_grad()
+
+    for _ in range(2):
+        cmodel(torch.randn(4, 8))
+    before = truth.hook_state()
+    with tp.profile(steps=3, warmup=1, name="warm-break", progress=False, clock_hz=0) as prof:
+        loop()
+    truth.assert_hooks_removed(before)
+    notes = prof.run.meta["notes"]
+    assert any(f"has 1 graph break(s), made when dynamo compiled it before the slice (at test_compile.py:{BREAK_LINE})"
+               in n for n in notes), notes
+    assert (prof.run.steps["compile_s"] == 0).all()
+    with pytest.raises(KeyboardInterrupt), tp.profile(steps=5, warmup=1, progress=False, clock_hz=0):
+        loop(rows=6, stop_at=2)  # a new batch size: compiled again, then interrupted
+    truth.assert_hooks_removed(before)
+    assert tp.last_run().steps["compile_s"].sum() > 0
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            tp.profile(steps=3, warmup=1, name="limit", progress=False, clock_hz=0) as prof:
+        loop(rank_up_at=2)  # raw step 2: measured step 1
+    truth.assert_hooks_removed(before)
+    notes = prof.run.meta["notes"]
+    assert any("reached its recompile limit (torch._dynamo.config.recompile_limit = 1)" in n and "at step 1" in n
+               for n in notes), notes
+    assert (prof.run.steps["compile_s"] == 0).all()
+    with tp.profile(steps=3, warmup=1, name="reset", progress=False, clock_hz=0) as prof:
+        loop(reset_at=1)  # the model compiled anew at raw step 2: measured step 1
+    truth.assert_hooks_removed(before)
+    compile_s = prof.run.steps.set_index("step")["compile_s"]
+    assert compile_s[1] > 0 and (compile_s.drop(1) == 0).all()
+    torch._dynamo.reset()
 
 
 def _c_compiler() -> str | None:

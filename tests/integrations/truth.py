@@ -233,17 +233,20 @@ SLEEPS = {"forward": FORWARD_S, "backward": BACKWARD_S, "optimizer": OPTIMIZER_S
 
 
 def assert_phases(run: Any, truth: Truth, phases: tuple[str, ...] = ("forward", "backward", "optimizer", "data_wait"),
-                  tol: float = TOLERANCE) -> None:
+                  tol: float = TOLERANCE, compiled: bool = False) -> None:
     """Each phase's seconds over the whole slice (``run.steps``, warmup included) equal the
-    truth's within ``tol``; the truth itself holds its sleeps (a check of the check)."""
+    truth's within ``tol``; the truth itself holds its sleeps (a check of the check).
+    ``compiled``: the truth's forward times a compiled call, its compilations (``compile_s``) included."""
     bad = []
     for phase in phases:
         want, calls = truth.seconds[phase], truth.calls[phase]
         assert calls and want >= SLEEPS[phase], (phase, dict(truth.calls), dict(truth.seconds))
         got = float(run.steps[f"{phase}_s"].sum())
+        if compiled and phase == "forward":
+            got += float(run.steps["compile_s"].sum())
         if abs(got - want) > tol * want:
             bad.append(f"{phase}: tpkit {got * 1e3:.1f} ms, truth {want * 1e3:.1f} ms in {calls} calls")
-    cols = ["step", "duration_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s"]
+    cols = ["step", "duration_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "compile_s", "other_s"]
     assert not bad, "; ".join(bad) + f" (±{tol:.0%})\n{run.steps[cols]}"
 
 
@@ -321,12 +324,21 @@ def hook_state() -> dict[str, Any]:
            if "torch.distributed.checkpoint" in sys.modules else {}),
         "torch profiler on": torch._C._autograd._profiler_enabled(),
         "compiling": torch.compiler.is_compiling(),
+        "dynamo compile callbacks": _dynamo_callbacks(),
     }
     for cls in _class_attrs():  # what each attribute resolves to (a framework copying an
         # inherited slot into the class, as Lightning does with DataLoader.__delattr__, is no change)
         state[cls.__qualname__ + f" ({cls.__module__})"] = {
             k: id(inspect.getattr_static(cls, k)) for k in dir(cls)}
     return state
+
+
+def _dynamo_callbacks() -> tuple[tuple, tuple]:
+    """dynamo's compile start and end callbacks (none where dynamo is not imported)."""
+    callback = sys.modules.get("torch._dynamo.callback")
+    if callback is None:
+        return (), ()
+    return tuple(callback.callback_handler.start_callbacks), tuple(callback.callback_handler.end_callbacks)
 
 
 def tpkit_threads() -> list[threading.Thread]:

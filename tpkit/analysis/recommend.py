@@ -322,6 +322,12 @@ def saving(run: "Run") -> list[Recommendation]:
                          "Save checkpoints less often, or in the background")
 
 
+def compilation(run: "Run") -> list[Recommendation]:
+    """torch.compile compiling inside the measured steps (a recompile on a new input shape)."""
+    return _interruption(run, "compile_s", "compilation", "dynamic_shapes",
+                         "Keep torch.compile's recompiles out of training")
+
+
 def copies(run: "Run") -> list[Recommendation]:
     """Host-to-device copies take a visible share: pinned memory and non-blocking copies let
     them overlap with compute."""
@@ -511,7 +517,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
 
 
 #: Every rule, in the order their advice usually pays off.
-RULES = (data_stall, copies, host_step, evaluation, saving, memory_pressure, throttled_clocks, launch_bound)
+RULES = (data_stall, copies, host_step, evaluation, saving, compilation, memory_pressure, throttled_clocks, launch_bound)
 
 
 def recommendations(run: "Run") -> list[Recommendation]:

@@ -36,6 +36,10 @@ INTERRUPTIONS: dict[str, tuple[str, str, str]] = {
     "setup_s": ("setup-bound", "a trainer's setup",
                 "a trainer's run began inside the slice (a sweep's next Trainer, a run tried again): profile "
                 "one run, its setup in the warmup steps (more warmup, or one slice per train() / fit())"),
+    "compile_s": ("compile-bound", "compilation (torch.compile)",
+                  "a compiled model compiled again inside the measured steps (a new input shape, a changed flag): "
+                  "mark the changing dimension dynamic (torch._dynamo.mark_dynamic(x, dim), or "
+                  "torch.compile(dynamic=True)), pad inputs to a few shapes, or warm up past it"),
 }
 
 

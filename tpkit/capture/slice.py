@@ -478,6 +478,15 @@ def ops_steps(ops: bool | int, steps: int) -> int:
     return min(n, steps)
 
 
+def _compile_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
+    from .probes.compile import CompileProbe  # imports no part of dynamo
+
+    return CompileProbe(rec)
+
+
+PROBE_FACTORIES.append(_compile_probe)
+
+
 def _ops_probe(rec: _rec.Recorder, cfg: SliceConfig) -> Any:
     """torch.profiler over the last measured steps, only when ``ops`` asks for it."""
     n = ops_steps(cfg.ops, cfg.steps)

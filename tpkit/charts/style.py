@@ -18,6 +18,7 @@ PHASE_COLORS: dict[str, str] = {
     "eval": "#aec7e8",  # evaluation inside the slice: a paler forward
     "save": "#637939",  # checkpoints written inside the slice
     "setup": "#c7c7c7",  # a trainer's setup inside the slice: a paler other
+    "compile": "#ce6dbd",  # torch.compile compiling inside the slice: apart from every training colour
     "tpkit": "#e7ba52",  # tpkit's own probe work
     "other": "#b0b0b0",
 }
