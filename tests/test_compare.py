@@ -487,7 +487,7 @@ def test_a_difference_within_the_runs_own_drift_is_not_called():
     assert thr["delta_high"] < 0  # the steps' interval alone excludes 0...
     assert thr["significant"] == cmp.NO_DIFFERENCE  # ...the runs' own drift does not
     assert thr["why"] == ("within run-to-run drift: a run's own halves differ by up to 5.0%, "
-                          "so a change is called from 10.3%")
+                          "so a change is called from 10.0%")
     assert row(c, "step_time_p50", "b")["significant"] == cmp.NO_DIFFERENCE
     assert "within run-to-run drift" in c.to_text()
     c = cmp.compare(base, drifting("b", 1.20))
@@ -497,6 +497,36 @@ def test_a_difference_within_the_runs_own_drift_is_not_called():
     # runs steady within themselves keep the 2% rule: 5% apart is called
     c = cmp.compare(drifting("a", 1.0, drift=0.0), drifting("b", 1.05, drift=0.0))
     assert row(c, "throughput", "b")["significant"] == cmp.SIGNIFICANT
+
+
+def test_a_run_that_trends_within_itself_still_has_its_real_change_called():
+    """A steady 100 ms run against one slowing from 100 to 140 ms (a device throttling): its
+    halves are 24% apart, but drift excuses at most 10% (DRIFT_CAP): its -17% throughput is
+    called (twice its halves had read "no meaningful difference"), with a warning that the run
+    was not steady."""
+    steady = make_run("steady", np.full(20, 0.1) * (1 + np.tile([0.002, -0.002], 10)))
+    slowing = make_run("slowing", np.linspace(0.100, 0.140, 20))
+    c = cmp.compare(steady, slowing)
+    thr = row(c, "throughput", "slowing")
+    assert thr["delta_pct"] == pytest.approx(100 * (20 / np.linspace(0.100, 0.140, 20).sum() / 10 - 1), rel=1e-3)
+    assert thr["significant"] == cmp.SIGNIFICANT and thr["direction"] == "worse"
+    assert any(w.startswith("'slowing' was not steady: its training throughput differs by") for w in c.warnings)
+    assert not any(w.startswith("'steady' was not steady") for w in c.warnings)
+
+
+def test_a_setup_in_one_half_is_no_drift():
+    """A trainer's setup (setup_s, 0.8 s) in one step of the baseline's first half is no load
+    drift: the halves are judged on training time, so the other run's 2x throughput is called
+    (it had read "within run-to-run drift: halves differ by up to 134%")."""
+    d = np.full(12, 0.1) * (1 + np.tile([0.002, -0.002], 6))
+    base = make_run("base", d)
+    steps = base.steps.copy()
+    steps.loc[3, "duration_s"] += 0.8
+    steps.loc[3, "setup_s"] = 0.8
+    faster = make_run("faster", d / 2)
+    c = cmp.compare(Run(steps=steps, meta={"name": "base"}), faster)
+    assert row(c, "throughput", "faster")["significant"] == cmp.SIGNIFICANT
+    assert not any("was not steady" in w for w in c.warnings)
 
 
 def test_training_shares_leave_an_evaluation_out():

@@ -63,6 +63,7 @@ from .stats import (
     BOOTSTRAP_N,
     BOOTSTRAP_SEED,
     CI_LEVEL,
+    DRIFT_CAP,
     DRIFT_FACTOR,
     MIN_STEPS,
     NO_DIFFERENCE,
@@ -137,7 +138,9 @@ def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
         parts = m[cols].to_numpy(dtype="float64") if cols else np.empty((k, 0))
         s = content_seed(seed, dur) if seed_by_content else seed
         draws = step_resamples(samples, dur, parts, resamples_for(k, n), s)
-        thr_drift, p50_drift, drift_ms = half_drifts(samples, dur, parts)
+        breaks = [j for j, c in enumerate(cols) if c in INTERRUPTIONS]
+        training = dur - parts[:, breaks].sum(axis=1) if breaks else dur
+        thr_drift, p50_drift, drift_ms = half_drifts(samples, training, parts)
         counted = samples.sum() > 0 and total > 0
         thr = float(samples.sum() / total) if counted else float("nan")
         thr_draws = draws["throughput"] if counted else np.full(len(draws["throughput"]), np.nan)
@@ -200,15 +203,30 @@ def phase_shares(samples: np.ndarray, dur: np.ndarray, parts: np.ndarray, cols: 
 def half_drifts(samples: np.ndarray, dur: np.ndarray, parts: np.ndarray) -> tuple[float, float, np.ndarray]:
     """How far a run's figures move between the first and second halves of its measured
     steps, in order (the middle step of an odd count in the second): throughput and median
-    step time as ``log_drift``, each phase's time per step in ms (``[P]``). NaN under 2 steps."""
+    step time as ``log_drift``, each phase's time per step in ms (``[P]``). NaN under 2 steps.
+    ``dur``: the steps' training time (what interrupts training taken out: a setup or an
+    evaluation in one half is no load). Each half's figure is its steps' trimmed mean
+    (``_trimmed``): a few odd steps (a queue's last batches, a slow first one) move it little."""
     k = len(dur)
     if k < 2:
         return float("nan"), float("nan"), np.full(parts.shape[1], np.nan)
     first, second = slice(0, k // 2), slice(k // 2, k)
-    thr = [float(samples[h].sum() / dur[h].sum()) if dur[h].sum() > 0 else float("nan") for h in (first, second)]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = np.where(dur > 0, samples / dur, np.nan)
+    thr = [_trimmed(rate[h]) for h in (first, second)]
     p50 = [float(np.median(dur[h])) for h in (first, second)]
-    phases_ms = np.abs(parts[second].mean(axis=0) - parts[first].mean(axis=0)) * 1e3
-    return log_drift(*thr), log_drift(*p50), phases_ms
+    phases_ms = np.abs(np.array([_trimmed(c) for c in parts[second].T]) -
+                       np.array([_trimmed(c) for c in parts[first].T])) * 1e3
+    return log_drift(*thr), log_drift(*p50), phases_ms.reshape(parts.shape[1])
+
+
+def _trimmed(values: np.ndarray, cut: float = 0.25) -> float:
+    """The mean of ``values`` without their lowest and highest ``cut`` (NaN dropped)."""
+    v = np.sort(values[np.isfinite(values)])
+    if not len(v):
+        return float("nan")
+    k = int(len(v) * cut)
+    return float(v[k:len(v) - k].mean())
 
 
 def log_drift(first: float, second: float) -> float:
@@ -358,22 +376,24 @@ def judgement(test: str, base: Metric, m: Metric, delta_low: float, delta_high: 
         return NOT_ENOUGH_DATA, "unknown in a run"
     if not (delta_low > 0 or delta_high < 0):
         return NO_DIFFERENCE, f"the {CI_LEVEL:.0%} interval of the change includes 0"
-    drift = DRIFT_FACTOR * float(np.nanmax([base.drift, m.drift, 0.0]))
+    halves = float(np.nanmax([base.drift, m.drift, 0.0]))
     if test == "ratio":
         change, floor = abs(math.log(m.value / base.value)), math.log1p(REL_THRESHOLD)
         if change < floor:
             return NO_DIFFERENCE, f"under the {REL_THRESHOLD:.0%} threshold"
-        if change <= drift:
+        bar = min(DRIFT_FACTOR * halves, math.log1p(DRIFT_CAP))
+        if change <= bar:
             return NO_DIFFERENCE, (f"within run-to-run drift: a run's own halves differ by up to "
-                                   f"{math.expm1(drift / DRIFT_FACTOR):.1%}, so a change is called from "
-                                   f"{math.expm1(drift):.1%}")
+                                   f"{math.expm1(halves):.1%}, so a change is called from {math.expm1(bar):.1%}")
         return SIGNIFICANT, ""
-    change, floor = abs(m.value - base.value), SHARE_THRESHOLD_PP / 100 * max(base.step_ms, m.step_ms)
+    step_ms = max(base.step_ms, m.step_ms)
+    change, floor = abs(m.value - base.value), SHARE_THRESHOLD_PP / 100 * step_ms
     if change < floor:
         return NO_DIFFERENCE, f"under the threshold ({SHARE_THRESHOLD_PP:g}% of the step: {fmt_num(floor)} ms)"
-    if change <= drift:
+    bar = min(DRIFT_FACTOR * halves, DRIFT_CAP * step_ms)
+    if change <= bar:
         return NO_DIFFERENCE, (f"within run-to-run drift: a run's own halves differ by up to "
-                               f"{fmt_num(drift / DRIFT_FACTOR)} ms a step, so a change is called from {fmt_num(drift)} ms")
+                               f"{fmt_num(halves)} ms a step, so a change is called from {fmt_num(bar)} ms")
     return SIGNIFICANT, ""
 
 
@@ -425,6 +445,21 @@ def drop_idle_phases(table: pd.DataFrame) -> pd.DataFrame:
     share |= table["metric"].str.startswith("peak_memory_")
     idle = table[share].groupby("metric")["value"].apply(lambda v: bool((v.fillna(0) == 0).all()))
     return table[~table["metric"].isin(idle[idle].index)].reset_index(drop=True)
+
+
+def unsteady_warnings(per_run: list[list[Metric]], labels: list[str]) -> list[str]:
+    """Runs whose training throughput moved more than ``DRIFT_CAP`` between the halves of their
+    own steps: a change up to that is read as drift, a larger one is called, and either way such
+    a run's figures depend on where it was cut."""
+    out = []
+    for metrics, label in zip(per_run, labels):
+        drift = next((m.drift for m in metrics if m.metric == "throughput"), float("nan"))
+        if np.isfinite(drift) and drift > math.log1p(DRIFT_CAP):
+            out.append(f"'{label}' was not steady: its training throughput differs by {math.expm1(drift):.0%} between the "
+                       "halves of its measured steps (a loader's queue draining, throttling, a load that came or went): "
+                       f"changes up to {DRIFT_CAP:.0%} are read as drift, larger ones are called; a longer slice "
+                       "or more warmup steadies it")
+    return out
 
 
 def comparison_warnings(runs: list["Run"], labels: list[str], dropped: dict[str, int] | None = None) -> list[str]:
@@ -560,11 +595,12 @@ def compare(*runs: "Run", baseline: "int | str | Run | None" = None, n: int = BO
                        + ", ".join(f"{k}: {v}" for k, v in dropped.items() if v) + ")", RuntimeWarning, stacklevel=2)
     per_run = [run_metrics(r, n, seed, seed_by_content=True) for r in loaded]
     table = drop_idle_phases(comparison_table(per_run, labels, base))
-    return Comparison(runs=loaded, labels=labels, table=table, warnings=comparison_warnings(loaded, labels, dropped),
+    warnings = comparison_warnings(loaded, labels, dropped) + unsteady_warnings(per_run, labels)
+    return Comparison(runs=loaded, labels=labels, table=table, warnings=warnings,
                       steps=steps_frame(loaded, labels), phases=phases_frame(loaded, labels), baseline=labels[base],
                       counts={label: len(clean_measured(r.steps)[0]) for r, label in zip(loaded, labels)})
 
 
-__all__ = ["BASELINE", "DRIFT_FACTOR", "MIN_STEPS", "NOT_ENOUGH_DATA", "NOT_TESTED", "NO_DIFFERENCE", "REL_THRESHOLD",
+__all__ = ["BASELINE", "DRIFT_CAP", "DRIFT_FACTOR", "MIN_STEPS", "NOT_ENOUGH_DATA", "NOT_TESTED", "NO_DIFFERENCE", "REL_THRESHOLD",
            "SHARE_THRESHOLD_PP", "SIGNIFICANT", "TABLE_COLUMNS", "Comparison", "Metric", "compare", "comparison_table",
            "fmt_num", "fmt_signed", "judge", "judgement", "run_metrics"]

@@ -32,6 +32,12 @@ SHARE_THRESHOLD_PP = 1.0
 #: at least a whole run: a machine's load that drifts with time moves runs further apart than
 #: halves (twice, not once: one pair of halves is a rough estimate of it).
 DRIFT_FACTOR = 2.0
+#: The most run-to-run drift may excuse: a change larger than this (10%, as ``ln 1.10``; for a
+#: phase, 10% of the longer mean step) is called whatever a run's halves show. A run whose own
+#: steps trend (a loader's queue draining, a device throttling, a setup in one half) had its
+#: halves 40-130% apart, and a real +34% throughput or -85% data wait read "no meaningful
+#: difference"; the comparison warns about such a run instead.
+DRIFT_CAP = 0.10
 
 BOOTSTRAP_N = 2000
 BOOTSTRAP_SEED = 0
