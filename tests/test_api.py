@@ -692,19 +692,20 @@ def test_a_first_step_that_pays_one_time_setup_is_said_to_with_warmup_0():
 
 
 def test_the_run_names_every_model_the_loop_trains(one_thread):
-    """A CLIP-style loop trains two towers called one after the other, beside a frozen teacher
-    called without grad: the run's model is both towers, with all their parameters (the larger
-    tower alone had been the model, 144 of 257 parameters), the teacher none of it."""
+    """A CLIP-style loop trains two towers called one after the other (the text tower in eval
+    mode, fine-tuned all the same), beside a frozen teacher called without grad and a loss
+    module: the run's model is both towers, with all their parameters (the larger tower alone
+    had been the model, 144 of 224 parameters), the teacher and the loss none of it."""
     torch.manual_seed(0)
-    image, text = torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh())
-    teacher = torch.nn.Linear(8, 16).eval()
+    image, text = torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh()).eval()
+    teacher, crit = torch.nn.Linear(8, 16).eval(), torch.nn.MSELoss()
     opt = torch.optim.SGD([*image.parameters(), *text.parameters()], lr=0.01)
     with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0) as prof:
         for _ in range(10):
             x, t = torch.randn(5, 8), torch.randn(5, 4)
             with torch.no_grad():
                 target = teacher(x)
-            loss = ((image(x) - text(t)) ** 2).mean() + ((image(x) - target) ** 2).mean()
+            loss = crit(image(x), text(t)) + crit(image(x), target)
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -89,3 +89,29 @@ def test_steps_in_backward_end_with_it_and_every_parameter_is_updated():
     for mine, theirs in zip(model.parameters(), alone.parameters()):
         assert torch.equal(mine, theirs)
     assert any("inside backward" in n for n in run.meta["notes"])
+
+
+def test_a_hook_raising_after_an_update_still_ends_the_step():
+    """In iteration 4 the second gradient hook raises after the first parameter's optimizer
+    stepped; the loop catches it and goes on: that iteration is a step of its own (the pending
+    step had held two iterations: 7 steps for 8), and the loop's exception is what it caught."""
+    model, loader = make()
+    calls, caught = [0], []
+
+    def boom(_p: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("hook failed")
+
+    model.l1.weight.register_post_accumulate_grad_hook(boom)  # after l2's parameters (the lead) stepped
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="in-backward-raise", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                caught.append(str(e))
+    run = prof.run
+    assert caught == ["hook failed"] and calls[0] == STEPS + WARMUP
+    assert len(run.steps) == STEPS + WARMUP and (run.steps["samples"] == 4).all()
+    assert (run.steps["forward_s"] < 1.5 * truth.FORWARD_S).all()  # one forward a step

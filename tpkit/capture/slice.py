@@ -571,12 +571,19 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
 
 
 def _trained_models(rec: _rec.Recorder, called: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The models the loop trained, largest first: each outermost module called with grad in
-    training mode that is no part of another (the two towers of a CLIP-style loop, a multi-task
-    loop's models: the largest alone had been the run's model, 144 of 257 parameters); the
-    largest called module where none was (a loop tpkit saw train nothing)."""
+    """The models the loop trained, largest first: each outermost module called in the loop that
+    holds parameters an optimizer stepped (where none was seen: that was called with grad in
+    training mode) and is no part of another. The two towers of a CLIP-style loop, a multi-task
+    loop's models: the largest alone had been the run's model (144 of 257 parameters). A module
+    with no parameter (a loss) or none of the stepped ones (a frozen teacher) is none of it; an
+    encoder trained in eval mode is. The largest called module where none qualifies."""
     inner = [getattr(m, "_orig_mod", m) for m in called]  # torch.compile's wrapper: the model inside
-    trained = [m for m, c in zip(inner, called) if id(c) in rec.trained_modules or id(m) in rec.trained_modules]
+    stepped = {id(p) for opt in rec.optimizers.live() for group in opt.param_groups for p in group["params"]}
+    if stepped:
+        trained = [m for m in inner if any(id(p) in stepped for p in m.parameters())]
+    else:
+        trained = [m for m, c in zip(inner, called) if (id(c) in rec.trained_modules or id(m) in rec.trained_modules)
+                   and next(m.parameters(), None) is not None]
     if not trained:
         return [max(inner, key=_size)] if inner else []
     parts = {id(sub) for m in trained for sub in m.modules() if sub is not m}

@@ -854,12 +854,21 @@ class PhaseProbe:
             if probe._closure_depth == 0 or probe._closure_evals <= 1:
                 probe._add_losses(tensors, args, kwargs)
             token = rec.enter("backward", "autograd")
+            raised = True
             try:
                 out = fn(tensors, *args, **kwargs)
+                raised = False
             finally:
                 rec.exit(token)
                 if not probe._opt_tokens:
                     probe._note_versions()
+                if raised and probe._step_in_backward is not None and not rec.is_open("backward"):
+                    # a hook raised after an optimizer stepped in it: the step ends here all the
+                    # same (a loop that catches it goes on to its next iteration; the pending
+                    # step had held two), and the loop's exception is the one that propagates
+                    opt, probe._step_in_backward = probe._step_in_backward, None
+                    with contextlib.suppress(StopSlice):
+                        probe._end_step(opt)
             if probe._step_in_backward is not None and not rec.is_open("backward"):
                 opt, probe._step_in_backward = probe._step_in_backward, None
                 probe._end_step(opt)  # may raise StopSlice: every hook's update is done
