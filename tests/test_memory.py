@@ -548,6 +548,52 @@ def test_no_grad_forward_saves_nothing():
     assert (rows(run, "forward", "peak", "activations") >= B * H * 4).all()
 
 
+def test_a_forward_without_grad_neither_opens_nor_ends_the_loss_stretch():
+    """A forward run without grad makes no loss to backpropagate. An evaluation at the top of
+    the step (``model.eval()``, ``torch.no_grad()``) followed by the loop's own batch copy (a
+    loader tpkit does not see): the copy is ``other`` at the training forward's enter, to the
+    byte (it had read activations, the stretch after a forward being where the loss is made).
+    A teacher's forward without grad between the student's forward and the loss: the loss made
+    after it (kl_div saves the log-softmax and the teacher's probabilities, [B, C] each) is
+    still activations at backward's enter."""
+    torch.manual_seed(0)
+    C = 1024
+    student, teacher = torch.nn.Linear(D, C), torch.nn.Linear(D, C).eval()
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    batches = iter([torch.randn(B, D, dtype=torch.float64) for _ in range(4)])
+    xv = torch.randn(8, D)
+
+    def step():
+        student.eval()
+        with torch.no_grad():
+            student(xv)
+        student.train()
+        x = next(batches).float()  # B x D x 4 bytes, made by the loop
+        s = student(x)
+        with torch.no_grad():
+            t = teacher(x)
+        loss = torch.nn.functional.kl_div(s.log_softmax(-1), t.softmax(-1), reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=3, warmup=1, progress=False, clocks=False)
+    m = run.memory
+    enters = m[(m["phase"] == "forward") & (m["event"] == "enter") & (m["device"] == "cpu")].sort_values("t_s")
+
+    def at_student_forward(category: str) -> list[int]:
+        """Each step's first forward enter: the student's (the evaluation's reads eval, the teacher's comes after)."""
+        return enters[enters["category"] == category].groupby("step")["bytes"].nth(0).tolist()
+
+    assert at_student_forward("activations") == [0] * 4
+    assert at_student_forward("other") == [B * D * 4] * 4
+    exits = m[(m["phase"] == "forward") & (m["event"] == "exit") & (m["device"] == "cpu")
+              & (m["category"] == "activations")].sort_values("t_s")
+    at_teacher_exit = exits.groupby("step")["bytes"].last()
+    loss_made = rows(run, "backward", "enter", "activations") - at_teacher_exit
+    assert (loss_made >= 2 * B * C * 4).all(), loss_made.tolist()
+
+
 def test_peak_early_in_backward_is_split_at_its_instant():
     """Linear 1024 -> 4096 + GELU, loss ``out.pow(2).mean()``, batch 512. Forward saves h = xW^T+b
     (for GELU) and g = gelu(h) (for pow): 2 x [512, 4096] fp32. The slice's peak is in

@@ -1302,6 +1302,8 @@ class MemoryProbe:
         j = 0
         bwd_depth = fwd_depth = 0
         loss_gap = False  # from a forward's exit to the next backward (or another phase): the loss is made
+        no_grad = self._no_grad_forward_enters(bounds)
+        gap_at_no_grad: bool | None = None  # the gap as it was when the open forward (one without grad) began
         gap_paused = False  # an optimizer span (zero_grad) entered inside that gap
         wait_exit = -1  # the stream index of a data_wait exit when it is the last boundary passed
         for i, (ptr, sz) in enumerate(events):
@@ -1314,8 +1316,17 @@ class MemoryProbe:
                     # outside the stream is data at that exit already (beside the one before it)
                     wait_exit = i if (phase == "data_wait" and event == "exit") else -1
                     if phase == "forward":
-                        fwd_depth += 1 if event == "enter" else -1
-                        loss_gap = event == "exit" and fwd_depth == 0
+                        # a forward without grad (an evaluation, a teacher's targets) makes no loss:
+                        # it neither opens the gap (the loop's batch copies after an evaluation had
+                        # read activations) nor ends one (the loss made after a teacher's forward)
+                        if event == "enter":
+                            fwd_depth += 1
+                            gap_at_no_grad = loss_gap if idx in no_grad else None
+                            loss_gap = False
+                        else:
+                            fwd_depth -= 1
+                            loss_gap = (gap_at_no_grad is None or gap_at_no_grad) and fwd_depth == 0
+                            gap_at_no_grad = None
                     elif event == "enter" and phase in _ENDS_LOSS_GAP:
                         # a zero_grad() between the forward and the loss (Lightning's closure,
                         # loops that zero there) pauses the gap, never ends it: the loss made
@@ -1505,6 +1516,22 @@ class MemoryProbe:
         if k_open is not None and best is not None:
             seg[k_open] = best
         return levels, seg, at_bound
+
+    def _no_grad_forward_enters(self, bounds: list[tuple[str, str, int, int]]) -> set[int]:
+        """The boundaries that began a forward run without grad: each one's is the last forward
+        enter noted before the phase probe's stamp (``Recorder.no_grad_forwards``, taken right
+        after the enter; the counter's clock is perf_counter_ns's)."""
+        stamps = self.rec.no_grad_forwards
+        if not stamps:
+            return set()
+        enters = [k for k, b in enumerate(bounds) if b[0] == "forward" and b[1] == "enter"]
+        times = [bounds[k][3] for k in enters]
+        out = set()
+        for t in stamps:
+            f = bisect.bisect_right(times, t) - 1
+            if f >= 0:
+                out.add(enters[f])
+        return out
 
     def _stream_cuda_peaks(self, at_bound: dict[int, int]) -> None:
         """Each stretch between two boundaries found one after the other in the stream gets its
