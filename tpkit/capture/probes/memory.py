@@ -782,6 +782,27 @@ class MemoryProbe:
         if torch.compiler.is_compiling():
             return  # inlined into a compiled step: dynamo would guard on the registry (a recompile each new one)
         self.optimizers.add(opt)
+        if self.rec.is_open("backward") and self._streaming():
+            self._observe_stepped_gradients(opt)
+
+    def _observe_stepped_gradients(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer stepped inside backward (one per parameter, stepped in a post-accumulate-grad
+        hook that then drops the gradient: PyTorch's recipe): its parameters' gradients are
+        observed at each such step, the only time they are alive. The look after the backward
+        finds none of them, and tpkit's own grad-set hook runs after the loop's (registered
+        later): they had read other at the step (4 MiB of a 1024 x 1024 weight's). Each counts as
+        gradients from here at the latest (``_replay``)."""
+        items: list[Any] = []
+        slots = self._slots
+        for group in opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or not g.is_cpu or g.layout is not torch.strided:
+                    continue
+                s = _local(g).untyped_storage()
+                if s.nbytes():
+                    items.extend((s.data_ptr(), s.nbytes(), "gradients", slots.get(id(p), -1)))
+        self._add_observation(items)
 
     def _streaming(self) -> bool:
         """Whether what happens now is in the CPU stream: it is on, no other profiler took it
@@ -1282,6 +1303,9 @@ class MemoryProbe:
         outside_data: dict[int, int] = {}  # batch blocks not in the stream -> their address
         freed_at: dict[int, int] = {}  # block -> position of its free
         freed_in_backward: set[int] = set()  # blocks a backward pass freed (what it consumed)
+        # gradient block -> the last boundary before the observation that found it (or its allocation)
+        grad_seen_at: dict[int, int] = {}
+        last_bound = -1  # position of the last boundary marker passed
         # backward passes: [enter, the look after it, blocks allocated], the look being the next
         # optimizer or forward enter: gradients made after the backward (an fp32 master copy's,
         # set by hand) are the pass's too
@@ -1311,6 +1335,7 @@ class MemoryProbe:
                 _, _, kind, idx, _ = marks[j]
                 j += 1
                 if kind == _BOUND:
+                    last_bound = i
                     phase, event = bounds[idx][0], bounds[idx][1]
                     # the loaders report a batch right after their data_wait closes: one made
                     # outside the stream is data at that exit already (beside the one before it)
@@ -1396,6 +1421,7 @@ class MemoryProbe:
                             if cat == "gradients":
                                 slot_of[a] = slot
                                 known_at[a] = first_hook(slot, alloc_at[a])
+                                grad_seen_at[a] = max(alloc_at[a], last_bound)
                 continue
             if sz > 0:
                 old = live.get(ptr)
@@ -1426,6 +1452,12 @@ class MemoryProbe:
                     freed_at[a] = i
                     if bwd_depth > 0:
                         freed_in_backward.add(a)
+        for a, seen in grad_seen_at.items():
+            # in .grad from the boundary before the observation that found it, at the latest (the
+            # observation of an optimizer stepped in backward comes right after its enter): a
+            # hook of the loop's that ran before tpkit's and dropped the gradient left tpkit's
+            # grad-set marker after its free
+            known_at[a] = min(first_hook(slot_of[a], alloc_at[a]), seen)
         self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
 
         # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest of the forward
@@ -1587,8 +1619,8 @@ class MemoryProbe:
         ordered = sorted(patterns.items(), key=lambda kv: -len(kv[0]))
         missed = 0
         for (_, end, blocks), seen in zip(spans, looked):
-            if seen:
-                continue
+            if seen or any(tag[a] == "gradients" for a in blocks):
+                continue  # looked at, or its gradients observed inside it (_observe_stepped_gradients)
             alive = [a for a in blocks if tag[a] is None and freed_at.get(a, 1 << 62) > end]
             for sizes, slots in ordered:
                 if not sizes:
@@ -1656,10 +1688,10 @@ class MemoryProbe:
         # forward and backward hold beyond it (docs/GPU_RUNS.md)
         held: dict[str, int] = {}
 
-        def rows(lv: _Levels, event: str, dev: str, phase: str, raw_step: int, t_ns: int) -> None:
+        def rows(lv: _Levels, event: str, dev: str, phase: str, raw_step: int, t_ns: int, in_backward: bool) -> None:
             rest: dict[str, int] = {}
             if lv.rest is not None:
-                if phase in ACTIVATION_PHASES:
+                if phase in ACTIVATION_PHASES or in_backward:
                     base = min(held.get(dev, 0), lv.rest)
                     rest = {"activations": lv.rest - base, "temporaries": lv.rest_backward,
                             "other": base + lv.rest_elsewhere}
@@ -1675,13 +1707,17 @@ class MemoryProbe:
         for dev, how in self._bounded.items():
             self.rec.note(f"memory: {dev} peaks are lower bounds in {how}")
         stack: list[int] = []
+        in_backward = 0  # backward spans open: a boundary inside one (an optimizer stepped in
+        # backward) has backward's activations and temporaries alive
         for k, (phase, event, raw_step, t_ns) in enumerate(bounds):
             for dev in devices:
                 lv = level(k, dev)
                 if lv is not None:
                     if dev != "cpu" and phase == "forward" and event == "enter" and lv.rest is not None:
                         held[dev] = lv.rest
-                    rows(lv, event, dev, phase, raw_step, t_ns)
+                    rows(lv, event, dev, phase, raw_step, t_ns, in_backward > 0)
+            if phase == "backward":
+                in_backward += 1 if event == "enter" else -1
             if event == "enter":
                 stack.append(k)
                 continue
@@ -1693,7 +1729,7 @@ class MemoryProbe:
             for dev in devices:
                 pk = self._peak(k0, k, dev, level, seg)
                 if pk is not None:
-                    rows(pk, "peak", dev, phase, bounds[k0][2], t_ns)
+                    rows(pk, "peak", dev, phase, bounds[k0][2], t_ns, in_backward > 0)
 
     def _peak(self, k0: int, k1: int, dev: str, level: Any, seg: dict[int, _Levels]) -> _Levels | None:
         """The levels at the highest instant of the span from boundary k0 to k1. CPU: the
