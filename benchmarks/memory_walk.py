@@ -35,14 +35,14 @@ def before_known_sets(probe: Any) -> dict:
     key = (probe._params_version, probe._opt_fingerprint(), len(probe.rec.own_tensors))
     if probe._static_key != key:
         probe._static_key = key
-        items: list = [(p, "parameters") for p in probe._params]
+        items: list = [(p, "parameters") for p in probe._live_params()]
         items += [(t, "optimizer_state") for t in probe._opt_state_tensors()]
-        items += [(b, None) for b in probe._buffers]
+        items += [(b, None) for b in probe._live_buffers()]
         items += [(t, mem._OWN) for t in probe.rec.own_tensors]
         probe._static_seen = set()
         probe._static_known = probe._count(items, probe._static_seen, {})
         probe._grads_key = ()  # the current walk's cache is built on these
-    items = [(g, "gradients") for p in probe._params if (g := p.grad) is not None]
+    items = [(g, "gradients") for p in probe._live_params() if (g := p.grad) is not None]
     items += [(t, "data") for r in probe._batch if (t := r()) is not None]
     return probe._count(items, set(probe._static_seen) if items else probe._static_seen,
                         dict(probe._static_known))
@@ -73,7 +73,7 @@ def main() -> None:
     probe.optimizers[id(opt)] = opt
     assert probe._known_sets() == before_known_sets(probe)  # the same bytes either way
     print(f"{machine()};", f"load average at start {' / '.join(f'{x:.2f}' for x in load_avg())};", versions())
-    print(f"GPT-2 small from a config: {len(probe._params)} parameters with gradients, AdamW state; "
+    print(f"GPT-2 small from a config: {len(probe._live_params())} parameters with gradients, AdamW state; "
           f"{args.repeats} rounds of {args.calls} calls each, in turns")
     walks = {"before (every gradient at every boundary)": lambda: before_known_sets(probe),
              "now (gradients again only when one changed)": probe._known_sets}

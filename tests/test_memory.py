@@ -548,6 +548,52 @@ def test_no_grad_forward_saves_nothing():
     assert (rows(run, "forward", "peak", "activations") >= B * H * 4).all()
 
 
+def test_a_forward_without_grad_neither_opens_nor_ends_the_loss_stretch():
+    """A forward run without grad makes no loss to backpropagate. An evaluation at the top of
+    the step (``model.eval()``, ``torch.no_grad()``) followed by the loop's own batch copy (a
+    loader tpkit does not see): the copy is ``other`` at the training forward's enter, to the
+    byte (it had read activations, the stretch after a forward being where the loss is made).
+    A teacher's forward without grad between the student's forward and the loss: the loss made
+    after it (kl_div saves the log-softmax and the teacher's probabilities, [B, C] each) is
+    still activations at backward's enter."""
+    torch.manual_seed(0)
+    C = 1024
+    student, teacher = torch.nn.Linear(D, C), torch.nn.Linear(D, C).eval()
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    batches = iter([torch.randn(B, D, dtype=torch.float64) for _ in range(4)])
+    xv = torch.randn(8, D)
+
+    def step():
+        student.eval()
+        with torch.no_grad():
+            student(xv)
+        student.train()
+        x = next(batches).float()  # B x D x 4 bytes, made by the loop
+        s = student(x)
+        with torch.no_grad():
+            t = teacher(x)
+        loss = torch.nn.functional.kl_div(s.log_softmax(-1), t.softmax(-1), reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=3, warmup=1, progress=False, clocks=False)
+    m = run.memory
+    enters = m[(m["phase"] == "forward") & (m["event"] == "enter") & (m["device"] == "cpu")].sort_values("t_s")
+
+    def at_student_forward(category: str) -> list[int]:
+        """Each step's first forward enter: the student's (the evaluation's reads eval, the teacher's comes after)."""
+        return enters[enters["category"] == category].groupby("step")["bytes"].nth(0).tolist()
+
+    assert at_student_forward("activations") == [0] * 4
+    assert at_student_forward("other") == [B * D * 4] * 4
+    exits = m[(m["phase"] == "forward") & (m["event"] == "exit") & (m["device"] == "cpu")
+              & (m["category"] == "activations")].sort_values("t_s")
+    at_teacher_exit = exits.groupby("step")["bytes"].last()
+    loss_made = rows(run, "backward", "enter", "activations") - at_teacher_exit
+    assert (loss_made >= 2 * B * C * 4).all(), loss_made.tolist()
+
+
 def test_peak_early_in_backward_is_split_at_its_instant():
     """Linear 1024 -> 4096 + GELU, loss ``out.pow(2).mean()``, batch 512. Forward saves h = xW^T+b
     (for GELU) and g = gelu(h) (for pow): 2 x [512, 4096] fp32. The slice's peak is in
@@ -1438,6 +1484,59 @@ def test_what_the_loop_lets_go_tpkit_does_not_keep(memory):
         assert (state.iloc[1:] <= 2 * one + 64).all(), state.to_dict()  # one AdamW's moments (+ step scalars)
         assert (params.iloc[1:] <= one).all(), params.to_dict()
         assert not any("grew by" in n for n in prof.run.summary().notes), prof.run.summary().notes
+
+
+class RegrowingBuffer(torch.nn.Module):
+    """A scratch buffer registered again, bigger, when the input grows (older HF rotary caches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.register_buffer("scratch", torch.zeros(8, 64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scratch.shape[0] < x.shape[0]:
+            self.register_buffer("scratch", torch.zeros(x.shape[0], 64), persistent=False)
+        return self.lin(x) + self.scratch[: x.shape[0]]
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_a_buffer_registered_anew_or_a_replaced_head_goes_when_the_loop_lets_it_go(profiled):
+    """tpkit held the parameters and buffers it had read until the model set or the parameter
+    count changed: a buffer registered again bigger, or a head replaced by a fresh layer of the
+    same shape with a new optimizer, stayed alive to the slice's end (25 MB of buffers alive
+    against 16 MB without tpkit), and the old head's weights read parameters. The same loop
+    without tpkit (profiled=False) is the truth: each is freed at once."""
+    import contextlib
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(RegrowingBuffer(), torch.nn.ReLU(), torch.nn.Linear(64, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    old_buffer = old_head = None
+    alive = []
+    ctx = tp.profile(steps=5, warmup=2, progress=False, clock_hz=0) if profiled else contextlib.nullcontext()
+    with ctx:
+        for i in range(7):
+            if i == 3:
+                old_head = weakref.ref(model[2].weight)
+                model[2] = torch.nn.Linear(64, 256)
+                opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            x = torch.randn(8 if i < 3 else 32, 64)
+            if i == 3:
+                old_buffer = weakref.ref(model[0].scratch)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            gc.collect()
+            alive.append((old_buffer is not None and old_buffer() is not None,
+                          old_head is not None and old_head() is not None))
+    assert len(alive) >= 5 and set(alive) == {(False, False)}, alive  # (the slice may stop the loop at its end)
+    if profiled:
+        params = sum(p.numel() * 4 for p in model.parameters())
+        exits = rows(ctx.run, "optimizer", "exit", "parameters")
+        assert (exits == params).all(), exits.to_dict()
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -394,3 +394,55 @@ def test_a_loss_made_after_zero_grad_is_activations():
     between, before = loop(True), loop(False)
     assert len(between) == 4 and between == before, (between, before)
     assert min(between) >= 512 * 1024 * 4  # the log-softmax output the loss saves
+
+
+def test_an_optimizer_stepped_inside_backward_sees_the_gradient_and_what_backward_holds():
+    """One Adam per parameter, stepped and zeroed (``set_to_none``) in a post-accumulate-grad
+    hook (PyTorch's recipe): at each such step, inside backward, the gradient being stepped is
+    alive and so is what backward still holds. Truth, taken in the hook: that ``.grad``'s bytes,
+    and the storages autograd saved (``saved_tensors_hooks``) still alive, less the parameters
+    and the batch. tpkit had read the gradient and the saved tensors as other there (gradients
+    0, activations 0 at the slice's peak, in an optimizer phase)."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+    opts = {p: torch.optim.Adam([p], lr=1e-3, foreach=False) for p in model.parameters()}
+    x, y = torch.randn(256, 256), torch.randn(256, 1024)
+    not_saved = {t.untyped_storage().data_ptr() for t in [*model.parameters(), x, y]}
+    saved: list[tuple[weakref.ref, int, int]] = []
+    at_hook: list[tuple[int, int]] = []  # (.grad bytes, saved bytes alive) at each parameter's step
+
+    def hook(p: torch.Tensor) -> None:
+        alive = {ptr: nb for r, ptr, nb in saved if r() is not None and ptr not in not_saved}
+        at_hook.append((p.grad.untyped_storage().nbytes(), sum(alive.values())))
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=True)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
+    with tp.profile(steps=4, warmup=1, name="in-backward", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            saved.clear()
+            at_hook.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = F.mse_loss(model(x), y)
+            loss.backward()
+    for h in handles:
+        h.remove()
+    m = prof.run.memory
+    enters = m[(m["phase"] == "optimizer") & (m["event"] == "enter") & (m["device"] == "cpu") & (m["step"] >= 0)]
+    steps_seen = enters.pivot_table(index="t_s", columns="category", values="bytes").sort_index()
+    # each parameter's step and then its zero_grad enter an optimizer span, the gradient alive at both
+    per_step = [g for g, _ in at_hook for _ in (0, 1)]
+    assert steps_seen["gradients"].tolist() == per_step * 4
+    assert (steps_seen["other"] == 0).all(), steps_seen["other"].tolist()
+    # the saved tensors alive, and the loss the loop holds (a view of mse's [256, 1024] element-wise buffer)
+    loss_bytes = 256 * 1024 * 4
+    truth_saved = [s + loss_bytes for _, s in at_hook for _ in (0, 1)] * 4
+    assert steps_seen["activations"].tolist() == truth_saved
+    peak = prof.run.memory_peak("cpu").set_index("category")["bytes"]
+    assert peak["gradients"] == 1024 * 1024 * 4 and peak["activations"] > 0 and peak["other"] == 0, peak.to_dict()

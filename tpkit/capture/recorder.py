@@ -128,6 +128,9 @@ class Recorder:
         self.failed_forwards: list[int] = []  # outermost forwards that raised, flat: (ns, raw_step) (read_ahead.failed)
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
+        # when each forward run without grad began (ns, right after its enter boundary): it makes
+        # no loss to backpropagate (the memory probe's replay)
+        self.no_grad_forwards: list[int] = []
         self.trained_modules: set[int] = set()
         self.param_free_modules: set[int] = set()
         self.skipped: set[int] = set()  # raw steps whose update a GradScaler skipped (inf/NaN grads)

@@ -576,9 +576,14 @@ class MemoryProbe:
         # lets it go: held here, it had read as a growing optimizer_state)
         self.optimizers = rec.optimizers  # the phase probe notes each before its step is entered
         self._batch: list[weakref.ref] = []
-        self._params: list[torch.Tensor] = []
-        self._buffers: list[torch.Tensor] = []
+        # the model's parameters and buffers, held weakly (_refresh_params): a buffer registered
+        # anew or a layer replaced goes when the loop lets it go
+        self._params: list[weakref.ref[torch.Tensor]] = []
+        self._buffers: list[weakref.ref[torch.Tensor]] = []
+        self._known_ids: set[int] = set()  # id() of the parameters in _params
+        self._died: list[int] = []  # id() of parameters and buffers of _params/_buffers that died since
         self._slots: dict[int, int] = {}  # id(parameter) -> slot
+        self._slots_made = 0
         self._grad_hooks: list[Any] = []
         self._seen_key: tuple[int, int] = (-1, -1)  # (models, optimizer parameters) last counted
         self._seen_opts = -1  # optimizers when last counted
@@ -777,6 +782,27 @@ class MemoryProbe:
         if torch.compiler.is_compiling():
             return  # inlined into a compiled step: dynamo would guard on the registry (a recompile each new one)
         self.optimizers.add(opt)
+        if self.rec.is_open("backward") and self._streaming():
+            self._observe_stepped_gradients(opt)
+
+    def _observe_stepped_gradients(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer stepped inside backward (one per parameter, stepped in a post-accumulate-grad
+        hook that then drops the gradient: PyTorch's recipe): its parameters' gradients are
+        observed at each such step, the only time they are alive. The look after the backward
+        finds none of them, and tpkit's own grad-set hook runs after the loop's (registered
+        later): they had read other at the step (4 MiB of a 1024 x 1024 weight's). Each counts as
+        gradients from here at the latest (``_replay``)."""
+        items: list[Any] = []
+        slots = self._slots
+        for group in opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or not g.is_cpu or g.layout is not torch.strided:
+                    continue
+                s = _local(g).untyped_storage()
+                if s.nbytes():
+                    items.extend((s.data_ptr(), s.nbytes(), "gradients", slots.get(id(p), -1)))
+        self._add_observation(items)
 
     def _streaming(self) -> bool:
         """Whether what happens now is in the CPU stream: it is on, no other profiler took it
@@ -943,16 +969,25 @@ class MemoryProbe:
 
     # -- the known sets ---------------------------------------------------------------------
     def _refresh_params(self, force: bool = False) -> bool:
-        if (not force and not self._groups_grew and len(self.rec.models) == self._seen_key[0]
+        """Read the parameters and buffers anew where the model set, the optimizers or their
+        groups changed, or one read before died; ``force`` (the slice's end): always. They are
+        held weakly, each with a callback that notes its death: held here, a buffer registered
+        again bigger (older HF rotary caches) or a head replaced by a fresh layer stayed alive
+        to the slice's end (25 MB of buffers alive against 16 MB without tpkit)."""
+        if (not force and not self._groups_grew and not self._died and len(self.rec.models) == self._seen_key[0]
                 and len(self.optimizers) == self._seen_opts):
             return False  # the same model set, optimizers and groups (checked at every look: keep it cheap)
         self._groups_grew = False
         self._seen_opts = len(self.optimizers)  # (ever seen: a new one in a dead one's place counts)
         opts = self.optimizers.live()
         key = (len(self.rec.models), sum(len(g["params"]) for o in opts for g in o.param_groups))
-        if key == self._seen_key:
-            return False
+        if (not force and not self._died and key == self._seen_key
+                and all(id(p) in self._known_ids for o in opts for g in o.param_groups for p in g["params"])):
+            return False  # a new optimizer over the same parameters
         self._seen_key = key
+        for i in self._died:  # an id may be a new tensor's now: it gets a slot of its own
+            self._slots.pop(i, None)
+        self._died.clear()  # (in place: the callbacks append to this list)
         params: dict[int, torch.Tensor] = {}
         buffers: dict[int, torch.Tensor] = {}
         for model in self.rec.models.live():
@@ -967,14 +1002,16 @@ class MemoryProbe:
             for group in opt.param_groups:
                 for p in group["params"]:
                     params.setdefault(id(p), p)
-        self._params = list(params.values())
-        self._buffers = list(buffers.values())
+        self._params = [self._weak(p) for p in params.values()]
+        self._buffers = [self._weak(b) for b in buffers.values()]
+        self._known_ids = set(params)
         self._params_new = True
         self._params_version += 1
-        for p in self._params:
+        for p in params.values():
             if id(p) in self._slots:
                 continue
-            slot = self._slots[id(p)] = len(self._slots)
+            slot = self._slots[id(p)] = self._slots_made
+            self._slots_made += 1
             try:
                 hookable = (p.is_cpu and p.requires_grad and p.is_leaf
                             and _local(p).untyped_storage().nbytes() >= GRAD_HOOK_MIN_BYTES)
@@ -983,9 +1020,35 @@ class MemoryProbe:
             if hookable and self.cpu.active:
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, slot=slot: self._on_grad_set(slot)))
-        for d in {t.device.index for t in self._params + self._buffers if t.device.type == "cuda"}:
+        for d in {t.device.index for t in [*params.values(), *buffers.values()] if t.device.type == "cuda"}:
             self._cuda_in_use.add(d or 0)
         return True
+
+    def _weak(self, t: torch.Tensor) -> weakref.ref[torch.Tensor]:
+        """A weak reference to a parameter or buffer whose death is noted in ``_died`` (a list
+        append: the callback may run inside any of the probe's own calls) and, for a CPU one, in
+        the stream (``_gone``, as a gradient's): a storage from before the slice has no free
+        event there, and a replaced head's weights had still read parameters (9.4 MB for 5.3)."""
+        died, i = self._died, id(t)
+        try:
+            s = _local(t).untyped_storage()
+            ptr, nbytes = (s.data_ptr(), s.nbytes()) if t.is_cpu else (0, 0)
+        except Exception:  # a sparse, meta or fake tensor: nothing to end in the stream
+            ptr = nbytes = 0
+        gone = self._gone
+
+        def dead(_ref: Any) -> None:
+            died.append(i)
+            if nbytes:
+                gone(ptr, nbytes)
+
+        return weakref.ref(t, dead)
+
+    def _live_params(self) -> list[torch.Tensor]:
+        return [p for r in self._params if (p := r()) is not None]
+
+    def _live_buffers(self) -> list[torch.Tensor]:
+        return [b for r in self._buffers if (b := r()) is not None]
 
     def _device(self, t: torch.Tensor) -> str:
         dev = t.device
@@ -1057,7 +1120,7 @@ class MemoryProbe:
         if states != self._opt_states_seen:
             self._opt_states_seen = states
             return True
-        return (self._params_new or len(self.optimizers) != self._seen_opts
+        return (self._params_new or bool(self._died) or len(self.optimizers) != self._seen_opts
                 or len(self.rec.models) != self._seen_key[0] or len(self.rec.own_tensors) > self._own_seen)
 
     def _opt_state_tensors(self) -> list[torch.Tensor]:
@@ -1102,11 +1165,11 @@ class MemoryProbe:
         self._refresh_params(force=final)  # parameter groups added mid-slice are found at the end
         if self._params_new or final:
             self._params_new = False
-            add(self._storages(self._params, "parameters"))
-            add(self._storages(self._buffers, _BUFFER))
+            add(self._storages(self._live_params(), "parameters"))
+            add(self._storages(self._live_buffers(), _BUFFER))
         if grads or final:
             slots, watched = self._slots, self._grads_watched
-            for p in self._params:
+            for p in self._live_params():
                 g = _local(p.grad) if p.grad is not None else None
                 if g is not None and g.is_cpu:
                     for part in ((g,) if g.layout is torch.strided else _parts(g)):
@@ -1163,13 +1226,13 @@ class MemoryProbe:
         key = (self._params_version, self._opt_fingerprint(), len(self.rec.own_tensors))
         if self._static_key != key:
             self._static_key = key
-            items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in self._params]
+            items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in self._live_params()]
             items += [(t, "optimizer_state") for t in self._opt_state_tensors()]
-            items += [(b, None) for b in self._buffers]
+            items += [(b, None) for b in self._live_buffers()]
             items += [(t, _OWN) for t in self.rec.own_tensors]
             self._static_seen = set()
             self._static_known = self._count(items, self._static_seen, {})
-        grads = [g for p in self._params if (g := p.grad) is not None]
+        grads = [g for r in self._params if (p := r()) is not None and (g := p.grad) is not None]
         try:  # the same tensors at the same addresses hold the same storages
             grads_key: tuple | None = (key, list(map(id, grads)),
                                        [(g if type(g) is torch.Tensor else _local(g)).data_ptr() for g in grads])
@@ -1240,6 +1303,9 @@ class MemoryProbe:
         outside_data: dict[int, int] = {}  # batch blocks not in the stream -> their address
         freed_at: dict[int, int] = {}  # block -> position of its free
         freed_in_backward: set[int] = set()  # blocks a backward pass freed (what it consumed)
+        # gradient block -> the last boundary before the observation that found it (or its allocation)
+        grad_seen_at: dict[int, int] = {}
+        last_bound = -1  # position of the last boundary marker passed
         # backward passes: [enter, the look after it, blocks allocated], the look being the next
         # optimizer or forward enter: gradients made after the backward (an fp32 master copy's,
         # set by hand) are the pass's too
@@ -1260,6 +1326,8 @@ class MemoryProbe:
         j = 0
         bwd_depth = fwd_depth = 0
         loss_gap = False  # from a forward's exit to the next backward (or another phase): the loss is made
+        no_grad = self._no_grad_forward_enters(bounds)
+        gap_at_no_grad: bool | None = None  # the gap as it was when the open forward (one without grad) began
         gap_paused = False  # an optimizer span (zero_grad) entered inside that gap
         wait_exit = -1  # the stream index of a data_wait exit when it is the last boundary passed
         for i, (ptr, sz) in enumerate(events):
@@ -1267,13 +1335,23 @@ class MemoryProbe:
                 _, _, kind, idx, _ = marks[j]
                 j += 1
                 if kind == _BOUND:
+                    last_bound = i
                     phase, event = bounds[idx][0], bounds[idx][1]
                     # the loaders report a batch right after their data_wait closes: one made
                     # outside the stream is data at that exit already (beside the one before it)
                     wait_exit = i if (phase == "data_wait" and event == "exit") else -1
                     if phase == "forward":
-                        fwd_depth += 1 if event == "enter" else -1
-                        loss_gap = event == "exit" and fwd_depth == 0
+                        # a forward without grad (an evaluation, a teacher's targets) makes no loss:
+                        # it neither opens the gap (the loop's batch copies after an evaluation had
+                        # read activations) nor ends one (the loss made after a teacher's forward)
+                        if event == "enter":
+                            fwd_depth += 1
+                            gap_at_no_grad = loss_gap if idx in no_grad else None
+                            loss_gap = False
+                        else:
+                            fwd_depth -= 1
+                            loss_gap = (gap_at_no_grad is None or gap_at_no_grad) and fwd_depth == 0
+                            gap_at_no_grad = None
                     elif event == "enter" and phase in _ENDS_LOSS_GAP:
                         # a zero_grad() between the forward and the loss (Lightning's closure,
                         # loops that zero there) pauses the gap, never ends it: the loss made
@@ -1343,6 +1421,7 @@ class MemoryProbe:
                             if cat == "gradients":
                                 slot_of[a] = slot
                                 known_at[a] = first_hook(slot, alloc_at[a])
+                                grad_seen_at[a] = max(alloc_at[a], last_bound)
                 continue
             if sz > 0:
                 old = live.get(ptr)
@@ -1373,6 +1452,12 @@ class MemoryProbe:
                     freed_at[a] = i
                     if bwd_depth > 0:
                         freed_in_backward.add(a)
+        for a, seen in grad_seen_at.items():
+            # in .grad from the boundary before the observation that found it, at the latest (the
+            # observation of an optimizer stepped in backward comes right after its enter): a
+            # hook of the loop's that ran before tpkit's and dropped the gradient left tpkit's
+            # grad-set marker after its free
+            known_at[a] = min(first_hook(slot_of[a], alloc_at[a]), seen)
         self._template_gradients(spans, looked, size, tag, known_at, alloc_at, slot_of, freed_at, first_hook)
 
         # pass 2: running totals in c = [parameters, gradients, optimizer_state, data, rest of the forward
@@ -1464,6 +1549,22 @@ class MemoryProbe:
             seg[k_open] = best
         return levels, seg, at_bound
 
+    def _no_grad_forward_enters(self, bounds: list[tuple[str, str, int, int]]) -> set[int]:
+        """The boundaries that began a forward run without grad: each one's is the last forward
+        enter noted before the phase probe's stamp (``Recorder.no_grad_forwards``, taken right
+        after the enter; the counter's clock is perf_counter_ns's)."""
+        stamps = self.rec.no_grad_forwards
+        if not stamps:
+            return set()
+        enters = [k for k, b in enumerate(bounds) if b[0] == "forward" and b[1] == "enter"]
+        times = [bounds[k][3] for k in enters]
+        out = set()
+        for t in stamps:
+            f = bisect.bisect_right(times, t) - 1
+            if f >= 0:
+                out.add(enters[f])
+        return out
+
     def _stream_cuda_peaks(self, at_bound: dict[int, int]) -> None:
         """Each stretch between two boundaries found one after the other in the stream gets its
         CUDA peak from the allocator's own reports in it (``CpuAllocatorStream.cuda_levels``):
@@ -1518,8 +1619,8 @@ class MemoryProbe:
         ordered = sorted(patterns.items(), key=lambda kv: -len(kv[0]))
         missed = 0
         for (_, end, blocks), seen in zip(spans, looked):
-            if seen:
-                continue
+            if seen or any(tag[a] == "gradients" for a in blocks):
+                continue  # looked at, or its gradients observed inside it (_observe_stepped_gradients)
             alive = [a for a in blocks if tag[a] is None and freed_at.get(a, 1 << 62) > end]
             for sizes, slots in ordered:
                 if not sizes:
@@ -1587,10 +1688,10 @@ class MemoryProbe:
         # forward and backward hold beyond it (docs/GPU_RUNS.md)
         held: dict[str, int] = {}
 
-        def rows(lv: _Levels, event: str, dev: str, phase: str, raw_step: int, t_ns: int) -> None:
+        def rows(lv: _Levels, event: str, dev: str, phase: str, raw_step: int, t_ns: int, in_backward: bool) -> None:
             rest: dict[str, int] = {}
             if lv.rest is not None:
-                if phase in ACTIVATION_PHASES:
+                if phase in ACTIVATION_PHASES or in_backward:
                     base = min(held.get(dev, 0), lv.rest)
                     rest = {"activations": lv.rest - base, "temporaries": lv.rest_backward,
                             "other": base + lv.rest_elsewhere}
@@ -1606,13 +1707,17 @@ class MemoryProbe:
         for dev, how in self._bounded.items():
             self.rec.note(f"memory: {dev} peaks are lower bounds in {how}")
         stack: list[int] = []
+        in_backward = 0  # backward spans open: a boundary inside one (an optimizer stepped in
+        # backward) has backward's activations and temporaries alive
         for k, (phase, event, raw_step, t_ns) in enumerate(bounds):
             for dev in devices:
                 lv = level(k, dev)
                 if lv is not None:
                     if dev != "cpu" and phase == "forward" and event == "enter" and lv.rest is not None:
                         held[dev] = lv.rest
-                    rows(lv, event, dev, phase, raw_step, t_ns)
+                    rows(lv, event, dev, phase, raw_step, t_ns, in_backward > 0)
+            if phase == "backward":
+                in_backward += 1 if event == "enter" else -1
             if event == "enter":
                 stack.append(k)
                 continue
@@ -1624,7 +1729,7 @@ class MemoryProbe:
             for dev in devices:
                 pk = self._peak(k0, k, dev, level, seg)
                 if pk is not None:
-                    rows(pk, "peak", dev, phase, bounds[k0][2], t_ns)
+                    rows(pk, "peak", dev, phase, bounds[k0][2], t_ns, in_backward > 0)
 
     def _peak(self, k0: int, k1: int, dev: str, level: Any, seg: dict[int, _Levels]) -> _Levels | None:
         """The levels at the highest instant of the span from boundary k0 to k1. CPU: the

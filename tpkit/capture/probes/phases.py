@@ -483,12 +483,17 @@ class PhaseProbe:
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
             if self._versions_at_backward is not None:
                 self._forward_coming()
+            no_grad_boundary = False  # a forward without grad whose enter is a phase boundary
             if torch.is_grad_enabled():
                 if module.training and id(module) not in rec.trained_modules:
                     rec.trained_modules.update(_same_model(module))
-            elif self._param_free(module) or not module.training:
-                no_grad_from = perf_counter_ns()
+            else:
+                no_grad_boundary = not rec.is_open("forward")  # (one open already had its boundary)
+                if self._param_free(module) or not module.training:
+                    no_grad_from = perf_counter_ns()
             token = rec.enter("forward", type(module).__name__)
+            if no_grad_boundary:
+                rec.no_grad_forwards.append(perf_counter_ns())
             self._worked = self._ever_worked = True
             self.models.add(module)
         elif rec.is_open("backward"):
