@@ -37,9 +37,11 @@ INTERRUPTIONS: dict[str, tuple[str, str, str]] = {
                 "a trainer's run began inside the slice (a sweep's next Trainer, a run tried again): profile "
                 "one run, its setup in the warmup steps (more warmup, or one slice per train() / fit())"),
     "compile_s": ("compile-bound", "compilation (torch.compile)",
-                  "a compiled model compiled again inside the measured steps (a new input shape, a changed flag): "
-                  "mark the changing dimension dynamic (torch._dynamo.mark_dynamic(x, dim), or "
-                  "torch.compile(dynamic=True)), pad inputs to a few shapes, or warm up past it"),
+                  "torch.compile compiled inside the measured steps (the run's notes give dynamo's reason): for a "
+                  "new input shape, mark the changing dimension dynamic (torch._dynamo.mark_dynamic(x, dim), or "
+                  "torch.compile(dynamic=True)) or pad inputs to a few shapes; for an evaluation (grad mode or "
+                  "eval mode changed, a validation step's first call), run one evaluation in the warmup steps; "
+                  "else warm up past it"),
 }
 
 

@@ -44,8 +44,9 @@ from ..recorder import Recorder
 
 COMPILE = "compile"  # the phase (schema.BUILTIN_PHASES)
 #: What the run says to do about compilations inside the measured steps.
-KNOBS = ("mark the changing dimension dynamic (torch._dynamo.mark_dynamic(x, dim), or torch.compile(dynamic=True)), "
-         "pad inputs to a few shapes, or warm up past it")
+KNOBS = ("for a new input shape, mark the changing dimension dynamic (torch._dynamo.mark_dynamic(x, dim), or "
+         "torch.compile(dynamic=True)) or pad inputs to a few shapes; for an evaluation (grad_mode or training "
+         "changed, a validation step's first call), run one evaluation in the warmup steps; else warm up past it")
 LIMIT_REASON = "recompile limit"  # in the failure of a compilation dynamo refused (convert_frame.py)
 
 
