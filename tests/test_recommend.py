@@ -91,6 +91,22 @@ def test_data_stall_proposes_the_workers_that_hide_the_wait_with_their_gain():
     assert recs[1].action == {"loader": "tpkit", "num_workers": 3}
 
 
+def test_a_step_with_no_duration_is_left_out_of_every_figure():
+    """One of 4 measured steps has a NaN duration (the other 3: 100 ms, 30 ms of it waiting for
+    2 workers): the advice is the 3 steps', as above (it had read the NaN step's phases but not
+    its duration: 40%, 30 ms per step of 75 ms, a 150 ms making, 4 workers, 1.67x)."""
+    run = make_run(data_wait=0.03, forward=0.04, backward=0.03, knobs={"num_workers": 2})
+    run.steps.loc[2, "duration_s"] = np.nan
+    r = rc.data_stall(run)[0]
+    assert "30% of step time (30.00 ms per step of 100.00 ms) over 3 measured steps" in r.evidence
+    assert "a batch takes about 200.00 ms to make" in r.evidence
+    assert r.action == {"num_workers": 3} and r.gain == pytest.approx(0.1 / 0.07)
+    run = make_run(eval=0.04, forward=0.04, backward=0.02)
+    run.steps.loc[2, "duration_s"] = np.nan
+    (e,) = rc.evaluation(run)
+    assert e.evidence == "evaluation takes 40% of step time (40.00 ms per step)" and e.gain == pytest.approx(0.1 / 0.06)
+
+
 @pytest.mark.parametrize("cores, workers, step_ms", [(2, 2, 60.0), (16, 16, 7.5), (32, 20, 6.0)])
 def test_data_stall_from_zero_workers_quotes_the_proposed_counts_gain(cores, workers, step_ms):
     """0 workers, a 126 ms step of which 120 ms waits for the batch the loop makes itself: the
