@@ -108,6 +108,47 @@ def test_the_queue_and_the_window_of_a_setting_come_from_its_knobs():
     assert window(10, {"num_workers": 1}) == window(10, {}) == window(10, {"num_workers": "auto"}) == 10
 
 
+def test_the_queues_warmup_is_at_most_twice_the_window():
+    from tpkit.views.tuner import queue_warmup as warm
+
+    assert warm(6, {"num_workers": 4, "prefetch_factor": 3}) == 12  # the whole queue: under 2 x 8
+    assert warm(10, {"num_workers": 2, "prefetch_factor": 8}) == 16
+    assert warm(10, {"num_workers": 16, "loader": "tpkit"}) == 32  # 128 queued, a window of 16: 2 x 16
+    assert warm(3, {"num_workers": 2, "prefetch_factor": 8}) == 8  # a window of 4
+    assert warm(10, {}) == 0
+
+
+def test_a_setting_whose_loop_ended_before_the_window_filled_is_short_and_never_best():
+    """``train_fn`` trains one finite epoch: 3 batches, fewer than the 4 steps asked. Its slice
+    is marked short in the frame, the table and the status, and the other setting (4 of 4
+    steps, 8 ms a batch: slower than 1 ms) is best (the short one had been best: complete, and
+    its 3 steps faster)."""
+    def fn(batches, wait_ms):
+        for _ in tp.watch([[0] * 4] * batches if wait_ms == 1 else _slow(batches, wait_ms)):
+            time.sleep(0.004)
+            tp.step()
+
+    def _slow(n, ms):
+        for _ in range(n):
+            time.sleep(ms / 1000)
+            yield [0] * 4
+
+    t = tp.tune(fn, knobs={"batches": [3, 100], "wait_ms": [1, 8]}, steps=4, warmup=0, memory=False, clock_hz=0,
+                replicates=1)
+    short = t.run_slice(batches=3, wait_ms=1)
+    status = t.status.value
+    full = t.run_slice(batches=100, wait_ms=8)
+    df = t.results()
+    assert df.loc[0, "throughput"] > df.loc[1, "throughput"]  # faster, but 3 steps of 4
+    assert df["best"].tolist() == [False, True]
+    assert df["short"].tolist() == [True, False] and df["complete"].tolist() == [True, True]
+    assert tuning.short_of_steps(short) == (3, 4) and tuning.short_of_steps(full) is None
+    assert "tune-1 measured 3 of the 4 steps asked" in status and "not ranked as best" in status
+    assert "short" not in t.status.value
+    assert tuning.results_frame(t.runs)["best"].tolist() == [False, True]
+    assert t.table.value.count("(short: fewer steps than asked, not ranked)") == 1
+
+
 def test_best_is_chosen_from_replicate_means_not_single_slices():
     import numpy as np
 

@@ -4,7 +4,10 @@ interval), one row per run, and the best setting chosen from the replicates.
 A single short slice is noisy (the same setting measured 93, 118 and 102 samples/s), so the
 tuner runs each setting several times and ``settings_frame`` judges the mean of the
 replicates' throughputs with its Student t interval; ``best`` is the complete setting with the
-highest mean, and ``clear`` says whether its interval is above every other setting's.
+highest mean, and ``clear`` says whether its interval is above every other setting's. A run
+that measured fewer steps than its slice asked (``short``: the loop ended first, a finite
+epoch shorter than warmup + steps) is never ``best``: a 7-step window of a 10-step request had
+been ranked with the full ones.
 
 Pure functions over Runs (no widgets, no drawing), used by ``tpkit.views.tuner`` and by
 anyone comparing a list of runs by hand.
@@ -25,13 +28,25 @@ from .stats import mean_interval
 if TYPE_CHECKING:
     from ..run import Run
 
-RESULT_COLUMNS = ("run", "throughput", "step_p50_ms", "data_stall_pct", "peak_mib", "verdict", "complete", "best")
+RESULT_COLUMNS = ("run", "throughput", "step_p50_ms", "data_stall_pct", "peak_mib", "verdict", "complete", "short",
+                  "best")
+
+
+def short_of_steps(run: "Run") -> tuple[int, int] | None:
+    """(measured steps, steps asked) where the run measured fewer steps than its slice asked
+    (``meta["steps_requested"]``); None where it measured them all or does not say."""
+    asked = run.meta.get("steps_requested")
+    if not isinstance(asked, int) or isinstance(asked, bool) or run.steps.empty:
+        return None
+    got = int((~run.steps["warmup"].astype(bool)).sum())
+    return (got, asked) if got < asked else None
 
 
 def results_frame(runs: Iterable["Run"]) -> pd.DataFrame:
     """One row per run: its knobs (one column each), throughput (samples/s), step p50 (ms),
     data-stall share (%), peak memory (MiB, NaN without memory rows), verdict, and ``best``
-    (True on the complete run with the highest throughput)."""
+    (True on the complete run with the highest throughput, of those not ``short`` of the steps
+    asked: ``short_of_steps``)."""
     rows = []
     for run in runs:
         s = run.summary()
@@ -39,11 +54,11 @@ def results_frame(runs: Iterable["Run"]) -> pd.DataFrame:
         knobs = {k: v for k, v in run.meta.get("knobs", {}).items()}
         rows.append({"run": run.name, **knobs, "throughput": s.throughput, "step_p50_ms": s.step_p50_s * 1e3,
                      "data_stall_pct": s.data_stall_share * 100, "peak_mib": peak / MIB,
-                     "verdict": s.verdict.kind, "complete": s.complete})
+                     "verdict": s.verdict.kind, "complete": s.complete, "short": short_of_steps(run) is not None})
     df = pd.DataFrame(rows)
     if df.empty:
         return pd.DataFrame(columns=list(RESULT_COLUMNS))
-    ok = df["complete"] & df["throughput"].notna()
+    ok = df["complete"] & ~df["short"] & df["throughput"].notna()
     df["best"] = False
     if ok.any():
         df.loc[df.loc[ok, "throughput"].idxmax(), "best"] = True
@@ -65,7 +80,7 @@ def grid(options: dict[str, list[Any]], limit: int = 16) -> list[dict[str, Any]]
 
 
 SETTING_COLUMNS = ("run", "replicates", "throughput", "throughput_low", "throughput_high", "step_p50_ms",
-                   "data_stall_pct", "peak_mib", "verdict", "complete", "best", "clear", "runs")
+                   "data_stall_pct", "peak_mib", "verdict", "complete", "short", "best", "clear", "runs")
 
 
 def setting_key(knobs: dict[str, Any]) -> tuple:
@@ -78,7 +93,8 @@ def settings_frame(runs: Iterable["Run"]) -> pd.DataFrame:
     replicate slices ran, the mean throughput over them with its 95% interval, the median step
     p50, the mean data-stall share, the largest peak memory, the verdict of the replicate
     nearest the mean (``run``: that replicate's name, ``runs``: every replicate's), whether
-    every replicate completed, ``best`` (the complete setting with the highest mean) and
+    every replicate completed, whether any measured fewer steps than asked (``short``),
+    ``best`` (the complete setting, none of its replicates short, with the highest mean) and
     ``clear`` (True on the best when its interval's low end is above every other setting's
     high end: the ranking is not noise)."""
     per = results_frame(runs)
@@ -97,9 +113,9 @@ def settings_frame(runs: Iterable["Run"]) -> pd.DataFrame:
                      "throughput": mean, "throughput_low": lo, "throughput_high": hi,
                      "step_p50_ms": float(g["step_p50_ms"].median()), "data_stall_pct": float(g["data_stall_pct"].mean()),
                      "peak_mib": float(g["peak_mib"].max()), "verdict": g.loc[near, "verdict"],
-                     "complete": bool(g["complete"].all()), "runs": list(g["run"])})
+                     "complete": bool(g["complete"].all()), "short": bool(g["short"].any()), "runs": list(g["run"])})
     df = pd.DataFrame(rows)
-    ok = df["complete"] & df["throughput"].notna()
+    ok = df["complete"] & ~df["short"] & df["throughput"].notna()
     df["best"] = False
     df["clear"] = False
     if ok.any():

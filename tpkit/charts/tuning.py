@@ -8,7 +8,7 @@ import pandas as pd
 
 #: Columns of the tuner's frames that are not knobs.
 NOT_KNOBS = ("run", "replicates", "throughput", "throughput_low", "throughput_high", "step_p50_ms", "data_stall_pct",
-             "peak_mib", "verdict", "complete", "best", "clear", "runs")
+             "peak_mib", "verdict", "complete", "short", "best", "clear", "runs")
 
 
 def setting_labels(results: pd.DataFrame) -> list[str]:

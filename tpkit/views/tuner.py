@@ -17,6 +17,10 @@ run's steady rate was 252). The drain steps take the loop's own time only, so th
 costs little where the loader is the bottleneck. Where the loop's own work is a good share of
 the loader's pace, the queue drains slower than a batch a step and some of it can remain; name
 ``num_workers`` (and ``prefetch_factor``) among the knobs, or the tuner cannot know the queue.
+The queue's warmup is at most twice the measured steps (``queue_warmup``), so a slice is at most
+``warmup`` + 3 x the window long; a deeper queue is partly in the window. A ``train_fn`` whose
+loop ends before the slice is full (one finite epoch) measures fewer steps than asked: that run
+is marked short in the table and the status, and never chosen best (``tuning.short_of_steps``).
 Its measured steps are a whole number of ``num_workers`` (``window_steps``): workers started
 together make their batches in step, and the loop gets them in bursts of that many.
 """
@@ -57,6 +61,13 @@ def queued_batches(knobs: dict[str, Any]) -> int:
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch <= 0:
         prefetch = DEEP_PREFETCH if knobs.get("loader") == "tpkit" else TORCH_PREFETCH
     return workers * prefetch
+
+
+def queue_warmup(steps: int, knobs: dict[str, Any]) -> int:
+    """The warmup steps added for the loader's queue: ``queued_batches``, at most twice the
+    window (``window_steps``). Without a cap, 16 workers of tp.data.Loader (8 batches each) would
+    warm up for 128 steps before a 10-step window, and a one-epoch ``train_fn`` would end first."""
+    return min(queued_batches(knobs), 2 * window_steps(steps, knobs))
 
 
 def window_steps(steps: int, knobs: dict[str, Any]) -> int:
@@ -178,7 +189,7 @@ class Tuner(w.VBox):
             error: Exception | None = None
             with self.progress:  # (an Output widget swallows exceptions under IPython: catch inside)
                 try:
-                    with profile(steps=window_steps(self.steps, knobs), warmup=self.warmup + queued_batches(knobs),
+                    with profile(steps=window_steps(self.steps, knobs), warmup=self.warmup + queue_warmup(self.steps, knobs),
                                  name=label, knobs=knobs, memory=self.memory, clock_hz=self.clock_hz) as prof:
                         self.train_fn(**knobs)
                 except Exception as e:  # shown in the panel; earlier runs and the controls are untouched
@@ -204,7 +215,7 @@ class Tuner(w.VBox):
         n = int(row["replicates"]) if row is not None else len(done)
         self.status.value = (f"<b>{html.escape(', '.join(r.name for r in done))}</b>: this setting "
                              f"{thr:,.1f}{spread} samples/s over {n} slice{'s' if n != 1 else ''}, step p50 "
-                             f"{p50:.2f} ms; {html.escape(rep.summary().verdict.text)}")
+                             f"{p50:.2f} ms; {html.escape(rep.summary().verdict.text)}{_short_html(done)}")
         self.refresh()
         return rep
 
@@ -332,10 +343,21 @@ def results_html(df: Any) -> str:
         cells = [f"{i}: {html.escape(str(d['run']))}", *[html.escape(str(d[k])) for k in knobs], str(d["replicates"]),
                  thr, f"{d['step_p50_ms']:,.2f}", f"{d['data_stall_pct']:.1f}",
                  "n/a" if d["peak_mib"] != d["peak_mib"] else fmt_bytes(d["peak_mib"] * MIB),
-                 html.escape(str(d["verdict"])) + ("" if d["complete"] else " (incomplete)"), best]
+                 html.escape(str(d["verdict"])) + ("" if d["complete"] else " (incomplete)")
+                 + (" (short: fewer steps than asked, not ranked)" if d.get("short") else ""), best]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return (f'<table class="tp-grid tp-results"><thead><tr>{head}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table>')
+
+
+def _short_html(runs: list["Run"]) -> str:
+    """A warning naming the runs that measured fewer steps than asked, or ""."""
+    short = [(r.name, n) for r in runs if (n := tuning.short_of_steps(r)) is not None]
+    if not short:
+        return ""
+    which = ", ".join(f"{html.escape(name)} measured {got} of the {asked} steps asked" for name, (got, asked) in short)
+    return (f'<br><span style="color:#b00020"><b>short</b>: {which} (the loop ended first: a finite epoch '
+            "shorter than warmup + steps); not ranked as best. Give train_fn more batches or ask fewer steps</span>")
 
 
 def _fmt(knobs: dict[str, Any]) -> str:
