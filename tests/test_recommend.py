@@ -107,6 +107,41 @@ def test_a_step_with_no_duration_is_left_out_of_every_figure():
     assert e.evidence == "evaluation takes 40% of step time (40.00 ms per step)" and e.gain == pytest.approx(0.1 / 0.06)
 
 
+def _epochs_run(iter_spans: bool = True, knobs=None) -> "Run":
+    """2 workers, 8 measured steps of 30 ms of loop work; the loader starts its workers at steps
+    0 and 4 (its iter(), each epoch of 4 batches), where the loop waits 125 ms; 5 ms elsewhere."""
+    run = make_run(n=8, forward=0.02, backward=0.01, knobs=knobs or {"num_workers": 2})
+    wait = np.where(np.isin(np.arange(8), [0, 4]), 0.125, 0.005)
+    run.steps.loc[1:, "data_wait_s"] = wait
+    run.steps.loc[1:, "duration_s"] = wait + 0.03
+    if iter_spans:
+        run.spans = _frame("spans", [(k, "data_wait", 0.0, 0.1, 0.1, 0, "DataLoader.__iter__") for k in (0, 4)]
+                           + [(k, "data_wait", 0.0, 0.005, 0.005, 0, "DataLoader.__next__") for k in range(8)])
+    return run
+
+
+def test_a_wait_at_the_loaders_epoch_starts_asks_for_persistent_workers():
+    """The wait sits in the 2 steps that started the workers: 2 x (125 - 5) = 240 ms of the 280
+    ms of wait, over 520 ms of steps: persistent_workers removes it, 520 / 280 = 1.86x. The other
+    6 steps wait 5 ms of 35: 2 workers make a batch in 2 x 35 = 70 ms, 3 hide it under the 30 ms
+    of work, 35 -> 30 ms. It had read the mean step, a 130 ms making, 'Use 5 loader workers, about
+    2.17x' (measured on such a loop, 4 workers: 0.76x; 2 persistent: 1.5x)."""
+    p, w = rc.data_stall(_epochs_run())[:2]
+    assert (p.kind, p.knob, p.action) == ("data-restart", "persistent_workers", {"persistent_workers": True})
+    assert p.gain == pytest.approx(0.52 / 0.28)
+    assert ("54% of step time over 8 measured steps, 86% of it beyond a typical step's 5.00 ms in the 2 steps where "
+            "the loader started its workers") in p.evidence and "steps 0, 4): 120.00 ms a start" in p.evidence
+    assert w.action == {"num_workers": 3} and w.gain == pytest.approx(0.035 / 0.03)
+    assert "14% of step time (5.00 ms per step of 35.00 ms) over the 6 measured steps without a loader start" \
+        in w.evidence and "a batch takes about 70.00 ms to make" in w.evidence
+    # already persistent: no such advice, the count still from the typical steps
+    w2 = rc.data_stall(_epochs_run(knobs={"num_workers": 2, "persistent_workers": True}))[0]
+    assert w2.action == {"num_workers": 3} and w2.gain == pytest.approx(0.035 / 0.03)
+    # the same waits with no loader start in those steps (bursts of workers): the mean step, as before
+    b = rc.data_stall(_epochs_run(iter_spans=False))[0]
+    assert b.action == {"num_workers": 5} and "a batch takes about 130.00 ms to make" in b.evidence
+
+
 @pytest.mark.parametrize("cores, workers, step_ms", [(2, 2, 60.0), (16, 16, 7.5), (32, 20, 6.0)])
 def test_data_stall_from_zero_workers_quotes_the_proposed_counts_gain(cores, workers, step_ms):
     """0 workers, a 126 ms step of which 120 ms waits for the batch the loop makes itself: the
