@@ -267,7 +267,7 @@ def test_a_model_compiled_with_a_graph_break_before_the_slice_is_noted():
     callbacks behind. The same model reaching dynamo's recompile limit inside the slice (no
     compilation runs there: dynamo runs the frame eager from then on) is said, with its step. A
     ``torch._dynamo.reset()`` inside the slice clears the callbacks: the next compilation is seen
-    all the same."""
+    all the same, in the reset's own step too."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Broken()
@@ -275,10 +275,12 @@ def test_a_model_compiled_with_a_graph_break_before_the_slice_is_noted():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def loop(rows: int = 4, rank_up_at: int | None = None, stop_at: int | None = None,
-             reset_at: int | None = None) -> None:
+             reset_at: int | None = None, reset_top: int | None = None) -> None:
         for i in range(100):
             if i == stop_at:
                 raise KeyboardInterrupt
+            if i == reset_top:
+                torch._dynamo.reset()  # the compile it causes comes in this very step
             x = torch.randn(rows, 8)
             cmodel(x.unsqueeze(1) if rank_up_at is not None and i >= rank_up_at else x).sum().backward()
             if i == reset_at:
@@ -313,6 +315,13 @@ def test_a_model_compiled_with_a_graph_break_before_the_slice_is_noted():
     truth.assert_hooks_removed(before)
     compile_s = prof.run.steps.set_index("step")["compile_s"]
     assert compile_s[1] > 0 and (compile_s.drop(1) == 0).all()
+    for _ in range(2):
+        cmodel(torch.randn(4, 8))
+    with tp.profile(steps=3, warmup=1, name="reset-top", progress=False, clock_hz=0) as prof:
+        loop(reset_top=2)  # at raw step 2's top, its forward compiling anew: measured step 1
+    truth.assert_hooks_removed(before)
+    compile_s = prof.run.steps.set_index("step")["compile_s"]
+    assert compile_s[1] > 0 and (compile_s.drop(1) == 0).all()  # (it had been forward, compile_s 0)
     torch._dynamo.reset()
 
 

@@ -333,12 +333,14 @@ def hook_state() -> dict[str, Any]:
     return state
 
 
-def _dynamo_callbacks() -> tuple[tuple, tuple]:
-    """dynamo's compile start and end callbacks (none where dynamo is not imported)."""
+def _dynamo_callbacks() -> tuple[tuple, tuple, tuple]:
+    """dynamo's compile start and end callbacks, and a ``clear`` of the handler's own (tpkit's,
+    while a slice runs) (none where dynamo is not imported)."""
     callback = sys.modules.get("torch._dynamo.callback")
     if callback is None:
-        return (), ()
-    return tuple(callback.callback_handler.start_callbacks), tuple(callback.callback_handler.end_callbacks)
+        return (), (), ()
+    handler = callback.callback_handler
+    return tuple(handler.start_callbacks), tuple(handler.end_callbacks), tuple(k for k in ("clear",) if k in handler.__dict__)
 
 
 def tpkit_threads() -> list[threading.Thread]:

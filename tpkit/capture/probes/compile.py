@@ -58,6 +58,7 @@ class CompileProbe:
         self._warmup_of: Callable[[], int | None] = lambda: None
         self._handler: Any = None  # dynamo's callback handler, once the callbacks went in
         self._on_start, self._on_end = self._start, self._end  # one object each: removed by identity
+        self._on_clear = self._cleared
         self._open: Compilation | None = None  # the compilation under way (its end not known yet)
         self.compiles: list[Compilation] = []
         self._records_before: list[Any] = []  # dynamo's compilation records at the start (held: ids stay theirs)
@@ -82,6 +83,8 @@ class CompileProbe:
             self.rec.step_listeners.remove(self._at_step)
         handler, self._handler = self._handler, None
         if handler is not None:
+            if handler.__dict__.get("clear") is self._on_clear:
+                del handler.__dict__["clear"]  # the class's own again
             if self._on_start in handler.start_callbacks:
                 handler.remove_start_callback(self._on_start)
             if self._on_end in handler.end_callbacks:
@@ -93,10 +96,24 @@ class CompileProbe:
         from torch._dynamo.callback import callback_handler
 
         self._handler = callback_handler
+        if "clear" not in callback_handler.__dict__:
+            # torch._dynamo.reset() clears every callback: ours go back at once, or a compile
+            # later in the same step (a reset at an epoch's or a sweep's next run's top) had
+            # been its forward (0.92 s of forward, compile_s 0)
+            callback_handler.__dict__["clear"] = self._on_clear
         if self._on_start not in callback_handler.start_callbacks:
             callback_handler.register_start_callback(self._on_start)
         if self._on_end not in callback_handler.end_callbacks:
             callback_handler.register_end_callback(self._on_end)
+
+    def _cleared(self) -> None:
+        """dynamo's ``callback_handler.clear()`` (``torch._dynamo.reset()``), then ours back in."""
+        handler = self._handler
+        if handler is None:
+            return
+        type(handler).clear(handler)
+        handler.register_start_callback(self._on_start)
+        handler.register_end_callback(self._on_end)
 
     def _at_step(self, _raw_step: int, _end_ns: int) -> None:
         if "torch._dynamo.callback" in sys.modules and (
