@@ -44,15 +44,24 @@ def exclusive_phase_times(spans: pd.DataFrame) -> pd.DataFrame:
     if not steps:
         return pd.DataFrame(columns=["step", *cols])
     rows: dict[int, dict[str, float]] = {k: dict.fromkeys(BUILTIN_PHASES, 0.0) for k in steps}
-    for step, group in builtin_spans.groupby("step", sort=True):
+    # the columns once, grouped by step with numpy (a pandas group per step had cost 1.6 s of a
+    # 2,000-step slice's build: ~8,000 column lookups)
+    by_step = builtin_spans["step"].to_numpy()
+    order = np.argsort(by_step, kind="stable")  # within a step, the spans' own order
+    all_starts = builtin_spans["start_s"].to_numpy(dtype="float64")[order]
+    all_ends = builtin_spans["end_s"].to_numpy(dtype="float64")[order]
+    all_depths = builtin_spans["depth"].to_numpy()[order]
+    all_phases = builtin_spans["phase"].to_numpy()[order]
+    keys, firsts = np.unique(by_step[order], return_index=True)
+    for n, step in enumerate(keys):
+        lo, hi = firsts[n], firsts[n + 1] if n + 1 < len(firsts) else len(order)
         acc = rows[int(step)]
         # boundaries in time order, ends before starts at the same instant
         marks: list[tuple[float, int, int]] = []
-        starts, depths = group["start_s"].to_numpy(), group["depth"].to_numpy()
-        phases = group["phase"].to_numpy()
-        for i, (a, b) in enumerate(zip(starts, group["end_s"].to_numpy())):
+        starts, depths, phases = all_starts[lo:hi], all_depths[lo:hi], all_phases[lo:hi]
+        for i, (a, b) in enumerate(zip(starts.tolist(), all_ends[lo:hi].tolist())):
             if b > a:
-                marks += [(float(a), 1, i), (float(b), 0, i)]
+                marks += [(a, 1, i), (b, 0, i)]
         marks.sort()
         open_: set[int] = set()
         last = None
