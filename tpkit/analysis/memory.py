@@ -325,11 +325,19 @@ def across_steps(memory: pd.DataFrame, device: str | None = None) -> pd.DataFram
     if w.empty:
         return pd.DataFrame(columns=cols)
     levels = w[w["event"] != "peak"]
-    last = levels.groupby(["device", "step"], sort=True).tail(1).set_index(["device", "step"])
-    peak = w.groupby(["device", "step"])["total_bytes"].max()
-    rows = [(dev, int(step), c, int(r[c]), int(r["total_bytes"]), int(peak.loc[(dev, step)]))
-            for (dev, step), r in last.iterrows() for c in MEMORY_CATEGORIES]
-    return pd.DataFrame(rows, columns=cols)
+    last = levels.groupby(["device", "step"], sort=True).tail(1)
+    peak = w.groupby(["device", "step"], as_index=False)["total_bytes"].max().rename(columns={"total_bytes": "peak_bytes"})
+    last = last[["device", "step", "total_bytes", *MEMORY_CATEGORIES]].merge(peak, on=["device", "step"], how="left")
+    last["_row"] = np.arange(len(last))
+    # one row per category, in the order the steps' last boundaries came (it had been a Python
+    # loop over the rows: 2 s of a 2,000-step run's report, called twice)
+    out = last.melt(id_vars=["_row", "device", "step", "total_bytes", "peak_bytes"], value_vars=list(MEMORY_CATEGORIES),
+                    var_name="category", value_name="bytes")
+    out["_cat"] = out["category"].map({c: i for i, c in enumerate(MEMORY_CATEGORIES)})
+    out = out.sort_values(["_row", "_cat"], kind="stable").reset_index(drop=True)
+    for c in ("step", "bytes", "total_bytes", "peak_bytes"):
+        out[c] = out[c].astype("int64")
+    return out[cols]
 
 
 def thin_across(across: pd.DataFrame, max_steps: int = 400) -> pd.DataFrame:
