@@ -65,7 +65,7 @@ from ...schema import UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
-from .batches import handed_out
+from .batches import forward_identity, handed_out
 from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
@@ -508,7 +508,7 @@ class PhaseProbe:
             return module_calls._torch_call(module, *args, **kwargs)
         except Exception:
             if token is not None and gen == self._fwd_gen:  # a batch the loop may skip (read_ahead.failed)
-                rec.failed_forwards += (perf_counter_ns(), rec.step_index)
+                rec.failed_forwards += (perf_counter_ns(), forward_identity(args, kwargs), rec.step_index)
             raise
         finally:
             if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
@@ -1125,7 +1125,7 @@ class PhaseProbe:
             # its unfinished iteration fed no step: a run tried again (auto_find_batch_size) starts afresh
             rec.samples = 0
             while rec.failed_forwards and rec.failed_forwards[-1] == rec.step_index:
-                del rec.failed_forwards[-2:]  # their batches are out of the step's samples already
+                del rec.failed_forwards[-3:]  # their batches are out of the step's samples already
             self.losses.discard(rec.step_index)
         if rec.slice_steps is not None:
             if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.stopped_run_returned is not None:
