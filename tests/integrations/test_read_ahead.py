@@ -224,3 +224,86 @@ def test_a_batch_tried_again_after_its_forward_raised_is_the_steps():
     run = prof.run
     assert run.steps["samples"].tolist() == [4] * (STEPS + WARMUP)
     assert not any("forward that raised" in n for n in run.meta["notes"])
+
+
+def test_a_skipped_batch_in_a_loop_reading_one_ahead_is_the_failed_one():
+    """A loop that takes its next batch before the forward on this one (a CUDA prefetcher's
+    recipe): when that forward raises, the batch handed out since the last backward is the next
+    one. It had been counted out instead of the failed one (a 5-sample batch out, the note said
+    5 samples for a skipped 3; the steps read 2 samples fewer than the loop trained). The failed
+    batch is told by its first tensor. Truth: the batches the loop trained on, 4 samples each,
+    and the one it skipped, 3."""
+    torch.manual_seed(0)
+    sizes = [4, 4, 4, 4, 3, 5, 4, 4, 4, 4, 4, 4]  # the 5th batch (3 samples) fails, the 6th has 5
+    data = [(torch.randn(n, 8), torch.randn(n, 1)) for n in sizes]
+    model = Flaky({5})
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    trained: list[int] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="skip-ahead", progress=False, clock_hz=0) as prof:
+        batches = iter(torch.utils.data.DataLoader(data, batch_size=None))
+        nxt = next(batches)
+        while nxt is not None:
+            x, y = nxt
+            nxt = next(batches, None)  # read ahead, before the forward
+            try:
+                loss = F.mse_loss(model(x), y)
+            except ValueError:
+                continue
+            loss.backward()
+            trained.append(len(x))
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    samples, want = run.steps["samples"].tolist(), trained[: len(run.steps)]
+    assert want == [4, 4, 4, 4, 5, 4, 4]
+    # each step counts the batch handed out in it, the next one (read_ahead.py): the skipped
+    # 3 was handed out in step 3 and is counted out of step 4, whose forward it failed in
+    assert samples == [4, 4, 4, 3, 6, 4, 4] and sum(samples) == sum(want)
+    assert "1 batch(es) (3 samples) went to a forward that raised" in " ".join(run.meta["notes"])
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_skipped_batch_changed_before_its_forward(ahead):
+    """The loop normalizes the batch before the forward (a new tensor, as a move to the GPU
+    is): tpkit cannot tell the batch from its first tensor. Taking each batch after the last
+    backward, the loop skipped the one handed out since: it is counted out (a guard: as before).
+    Reading one batch ahead, that one is the next batch: nothing is counted out and a note says
+    tpkit could not tell (it had counted out the next batch, the skipped one staying counted,
+    with a note that said it was out). Truth: the samples of the batches the loop trained on,
+    4 each; reading ahead, step 3 was handed two batches (the skipped one and the next)."""
+    torch.manual_seed(0)
+    model = Flaky({4})  # the 4th forward: step 3's first
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=4)
+    trained: list[int] = []
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        try:
+            loss = F.mse_loss(model((x - x.mean()) / 2), y)
+        except ValueError:
+            return
+        loss.backward()
+        trained.append(len(x))
+        opt.step()
+        opt.zero_grad()
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="skip-changed", progress=False, clock_hz=0) as prof:
+        batches = iter(loader)
+        nxt = next(batches) if ahead else None
+        for _ in range(STEPS + WARMUP + 2):  # a batch skipped, one to spare
+            if ahead:
+                (x, y), nxt = nxt, next(batches)
+            else:
+                x, y = next(batches)
+            train(x, y)
+    run = prof.run
+    want = trained[: len(run.steps)]
+    notes = " ".join(run.meta["notes"])
+    if ahead:
+        assert run.steps["samples"].tolist() == [4, 4, 4, 8, 4, 4, 4] and want == [4] * 7
+        assert "1 forward(s) raised and the loop went on without a backward" in notes
+        assert "went to a forward that raised" not in notes
+    else:
+        assert run.steps["samples"].tolist() == want == [4] * 7
+        assert "1 batch(es) (4 samples) went to a forward that raised" in notes
+        assert "tpkit could not tell" not in notes

@@ -149,7 +149,10 @@ def test_a_new_optimizer_partway_ends_the_steps_from_then_on(stage):
     referenced, never stepped again), or over a new head that replaced the old one (the old
     optimizer dropped; a collection frees it, as one does sooner or later). The old optimizer's
     steps had ended every step: 3 steps recorded of the loop's 9 step() calls, "the loop ended
-    before the slice was full". Truth: the loop's own step() calls and losses."""
+    before the slice was full". An unfreezing optimizer shares the head's parameters, so it
+    takes over only at its second step() with none of the old one's between (one stepping
+    beside it would step in between): its first two iterations are one step. Truth: the
+    loop's own step() calls and losses."""
     torch.manual_seed(0)
     body, head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
     model = torch.nn.Sequential(body, torch.nn.ReLU(), head)
@@ -171,12 +174,80 @@ def test_a_new_optimizer_partway_ends_the_steps_from_then_on(stage):
             calls += 1
             opt.step()
     run = prof.run
-    assert calls == N and len(run.steps) == N  # the slice ended inside the loop's N-th step()
+    if stage == "unfreeze":  # the new optimizer's first step() (iteration 3) ended no step
+        losses[3:5] = [losses[3] + losses[4]]
+        calls -= 1
+    assert calls == N and len(run.steps) == N  # the slice ended inside the loop's N-th step
     truth.assert_losses(run.steps["loss"].tolist(), losses)
     why = "parameters the SGD before it held" if stage == "unfreeze" else "the SGD before it was freed"
     assert any(n.startswith("a new optimizer (SGD) ends the steps from the slice's step 4 on") and why in n
+               and ("its first two iterations are one step" in n) == (stage == "unfreeze")
                for n in run.meta["notes"]), run.meta["notes"]
     assert not any("optimizers stepped" in n or "before the slice was full" in n for n in run.meta["notes"])
+
+
+def test_optimizers_sharing_parameters_and_stepping_every_iteration_keep_the_first_as_lead():
+    """A multi-task loop: opt_a steps a shared encoder and head a, opt_b (made before the loop
+    too) the encoder and head b, each after its own task's backward, every iteration. opt_b
+    had taken over ending the steps at its first step() (a parameter of the lead's), inside
+    the first iteration: a step of half an iteration and 0 samples, and a note that a new
+    optimizer ends the steps. The lead steps between opt_b's steps: it stays the lead. Truth:
+    the loop's iterations, 4 samples each."""
+    torch.manual_seed(0)
+    enc, head_a, head_b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+    opt_a = torch.optim.SGD([*enc.parameters(), *head_a.parameters()], lr=0.01)
+    opt_b = torch.optim.Adam([*enc.parameters(), *head_b.parameters()], lr=0.001)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=4)
+    iterations = 0
+    with tp.profile(steps=STEPS, warmup=0, name="tasks", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            iterations += 1
+            for opt, head in ((opt_a, head_a), (opt_b, head_b)):
+                opt.zero_grad()
+                F.mse_loss(head(enc(x)), y).backward()
+                opt.step()
+    run = prof.run
+    assert iterations == STEPS and len(run.steps) == STEPS  # each step one iteration, ended by opt_a
+    assert run.steps["samples"].tolist() == [4] * STEPS
+    assert not any("a new optimizer" in n for n in run.meta["notes"]), run.meta["notes"]
+
+
+@pytest.mark.parametrize("loop", ["per_iteration", "reptile"])
+def test_an_optimizer_made_anew_every_iteration_is_said_in_one_note(loop):
+    """A loop making its optimizer anew every iteration (a tutorial's scheduled lr): the old
+    one is freed and the new takes over at its first step, with one note and a count (there had
+    been one note per step). Reptile-style: a fresh inner SGD for 3 steps per task, then a meta
+    Adam step over the same parameters; the Adam had taken over at its first step and the next
+    task's SGD taken it back (a 0-sample step of the meta update alone). Truth: the loop's
+    inner step() calls, 4 samples each."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    meta = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = iter(torch.utils.data.DataLoader(truth.Regression(), batch_size=4))
+    inner_steps = 1 if loop == "per_iteration" else 3
+    calls = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="anew", progress=False, clock_hz=0) as prof:
+        for _ in range(N):
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for _ in range(inner_steps):
+                x, y = next(batches)
+                F.mse_loss(model(x), y).backward()
+                calls += 1
+                opt.step()
+                opt.zero_grad()
+            if loop == "reptile":
+                F.mse_loss(model(x), y).backward()
+                meta.step()
+                meta.zero_grad()
+    run = prof.run
+    assert len(run.steps) == N and calls >= N  # every inner step() ended a step
+    assert run.steps["samples"].tolist() == [4] * N
+    # a new SGD at each iteration's (task's) first step after the first, within the N steps
+    anew = len(range(inner_steps, N, inner_steps))
+    changes = [n for n in run.meta["notes"] if "a new optimizer" in n]
+    assert len(changes) == 1 and changes[0].startswith(
+        f"a new optimizer (SGD) took over ending the steps {anew} times"), changes
+    assert "the SGD before it was freed" in changes[0]
 
 
 def test_several_updates_in_a_step_marked_by_tp_step_are_no_skipped_iterations():

@@ -132,10 +132,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     slice_steps = min(past, len(ends))
     losses, loss_notes = step_losses(rec, slice_steps)
     # batches whose forward raised, skipped by the loop: none of the rules below counts them again
-    skipped = {} if rec.samples_per_step is not None else \
-        read_ahead.failed(rec.failed_forwards, raw_spans, rec.handouts, ev.handouts, slice_steps)
+    skipped, unmatched = ({}, []) if rec.samples_per_step is not None else \
+        read_ahead.failed(rec.failed_forwards, raw_spans, rec.handouts, rec.handout_ids, ev.handouts, slice_steps)
     extra_batches, extra_samples = (0, 0) if rec.samples_per_step is not None else \
-        read_ahead.read_ahead(rec.handouts, ev.handouts | set(skipped), slice_steps)
+        read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps, Counter([*skipped.values(), *unmatched]))
     dropped = {} if rec.samples_per_step is not None else \
         read_ahead.discarded(rec.restarts, raw_spans, rec.handouts, rec.handout_sources,
                              ev.handouts | set(skipped), slice_steps)
@@ -175,6 +175,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
                                                             sum(sum(v) for v in dropped.values())))
     if skipped:
         full_meta["notes"].append(read_ahead.failed_note(len(skipped), sum(skipped_by_step.values())))
+    if unmatched:
+        full_meta["notes"].append(read_ahead.unmatched_note(len(unmatched)))
     if rec.loader_make_s > 0 and isinstance(full_meta.get("loader"), dict):
         full_meta["loader"]["make_cpu_share"] = min(1.0, rec.loader_cpu_s / rec.loader_make_s)
     trained = Counter(w for k, w in enumerate(rec.handout_workers)

@@ -124,8 +124,10 @@ class Recorder:
         self.loader_cpu_s = self.loader_make_s = 0.0  # tpkit's loader: CPU and wall time making batches
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
         self.handout_sources: list[int] = []  # per handout: the id of the source it came from (0: not known)
+        self.handout_ids: list[int] = []  # per handout: batches.identity of its leading tensor (0: none)
         self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, id of its dataset)
-        self.failed_forwards: list[int] = []  # outermost forwards that raised, flat: (ns, raw_step) (read_ahead.failed)
+        # outermost forwards that raised, flat: (ns, batches.forward_identity of their batch, raw_step) (read_ahead.failed)
+        self.failed_forwards: list[int] = []
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
         # when each forward run without grad began (ns, right after its enter boundary): it makes
@@ -182,7 +184,7 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "restarts",
+                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "handout_ids", "restarts",
                      "run_starts", "failed_forwards"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
@@ -262,15 +264,16 @@ class Recorder:
     def add_samples(self, n: int) -> None:
         self.samples += n
 
-    def handed_out(self, n: int, workers: int = -1, source: int = 0) -> None:
+    def handed_out(self, n: int, workers: int = -1, source: int = 0, ident: int = 0) -> None:
         """A loader handed the loop a batch of ``n`` samples (0: not known): counted in the step,
         and noted with its time (a batch read for evaluation is taken out when the Run is built)
-        and its torch DataLoader's ``num_workers`` (-1: another loader) and the iterator it came
-        from (``source``, an id; 0: not known)."""
+        and its torch DataLoader's ``num_workers`` (-1: another loader), the iterator it came
+        from (``source``, an id; 0: not known) and its identity (``batches.identity``; 0: none)."""
         self.samples += n
         self.handouts += (perf_counter_ns(), n, self.step_index)
         self.handout_workers.append(workers)
         self.handout_sources.append(source)
+        self.handout_ids.append(ident)
         if self.batch_after_reset is not None:
             self.batch_after_reset()
 

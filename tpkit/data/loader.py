@@ -23,6 +23,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from tpkit.capture import recorder as _rec
 
 from ..capture.interrupts import held_sigint
+from ..capture.probes.batches import batch_identity
 from .autotune import AutoProbe, choose_workers, initial_workers
 from .engines import InlineEngine, ThreadEngine
 from .errors import LoaderArgumentError, WorkerError
@@ -537,7 +538,7 @@ class _LoaderIter:
             if self._told is None or self._told() is not rec:
                 self._told = weakref.ref(rec)
                 rec.loader_used(self._config())
-            rec.handed_out(item.n_samples, source=id(self))
+            rec.handed_out(item.n_samples, source=id(self), ident=batch_identity(item.batch))
             rec.add_loader_batch(self.batches_done, item.worker, item.fetch_s, item.collate_s,
                                  item.queue_wait_s, item.transfer_s, item.cpu_s)
             if rec.batch_listeners and tok is not None:

@@ -24,36 +24,72 @@ def batch_size_of(batch: Any) -> int | None:
     to a tuple of images whose first dimension is their channels, at any batch size), a list of
     tuples (the samples as a dataset returns them, with ``collate_fn=lambda b: b``), lists of
     words of different lengths (pre-tokenized texts), or tensors of different lengths (audio clips)."""
+    return _sized(batch)[0]
+
+
+def identity(tensor: Any) -> int:
+    """A cheap identity of the batch ``tensor`` leads (``_sized``'s tensor): its data's address,
+    the same in the forward the batch is given to unless the loop made a new tensor of it (moved
+    it to another device, cast it); 0 where it has none (no tensor, an array of another library,
+    a tensor without storage)."""
+    if not isinstance(tensor, torch.Tensor):
+        return 0
+    try:
+        return int(tensor.data_ptr())
+    except Exception:  # noqa: BLE001 - a tensor subclass without storage: no identity
+        return 0
+
+
+def batch_identity(batch: Any) -> int:
+    """``identity`` of ``batch``'s leading tensor (a loader that counts its own samples)."""
+    try:
+        return identity(_sized(batch)[1])
+    except Exception:  # noqa: BLE001 - a batch tpkit cannot read: no identity
+        return 0
+
+
+def forward_identity(args: tuple, kwargs: dict) -> int:
+    """``identity`` of the batch a forward was given: its first argument's leading tensor
+    (``model(x)``, ``model(batch)``), or its keywords' (``model(**inputs)``)."""
+    try:
+        return identity(_sized(args[0] if args else kwargs)[1])
+    except Exception:  # noqa: BLE001 - an argument tpkit cannot read: no identity
+        return 0
+
+
+def _sized(batch: Any) -> tuple[int | None, Any]:
+    """``batch_size_of``'s answer and the tensor it read it from (None: none, or a count of
+    records)."""
     in_mapping = False  # the sequence at hand is a mapping's value (a list of per-sample tensors there)
     for _ in range(8):  # bounded descent into nested containers
         if _is_array(batch):
-            return int(batch.shape[0]) if _ndim(batch) > 0 else 1
+            return (int(batch.shape[0]) if _ndim(batch) > 0 else 1), batch
         if isinstance(batch, (dict, Mapping)):
             if not batch:
-                return None
+                return None, None
             values = list(batch.values())
             array = next((v for v in values if _is_array(v) and _ndim(v) > 0), None)
             if array is not None:
-                return int(array.shape[0])
+                return int(array.shape[0]), array
             batch, in_mapping = next((v for v in values if not _is_scalar(v)), None), True
             continue
         if isinstance(batch, (list, tuple)):
             if not batch:
-                return None
+                return None, None
             if all(isinstance(e, (str, bytes, int, float)) for e in batch):
-                return len(batch)  # texts, numbers: one per sample
+                return len(batch), None  # texts, numbers: one per sample
             n = _per_sample(batch, in_mapping)
             if n is not None:
-                return n
+                return n, None
             batch, in_mapping = next((e for e in batch if not _is_scalar(e)), None), False
         elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
             fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
             batch, in_mapping = next((v for v in fields if v is not None and not _is_scalar(v)), None), False
         else:
             attrs = getattr(batch, "__dict__", None)
-            return batch_size_of(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
-                if isinstance(attrs, dict) else None
-    return None
+            return _sized(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
+                if isinstance(attrs, dict) else (None, None)
+    return None, None
 
 
 def _is_array(x: Any) -> bool:
@@ -110,11 +146,11 @@ def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) ->
     ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of
     the iterator it came from (0: not known)."""
     try:
-        n = batch_size_of(batch)
+        n, lead = _sized(batch)
     except Exception:  # noqa: BLE001 - a batch tpkit cannot read is uncounted, never the loop's error
-        n = None
+        n, lead = None, None
     if n is None and rec.uncounted is None:
         rec.uncounted = type(batch).__qualname__
-    rec.handed_out(n or 0, workers, source)
+    rec.handed_out(n or 0, workers, source, identity(lead))
     if rec.batch_listeners:
         rec.yielded(batch)

@@ -65,7 +65,7 @@ from ...schema import UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
-from .batches import handed_out
+from .batches import forward_identity, handed_out
 from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
@@ -148,6 +148,9 @@ def _leaves_host(args: tuple, kwargs: dict) -> bool:
     return torch.device(dev).type != "cpu"
 
 
+_STOPPED = "it updates parameters"  # ``_replaces_lead``'s reason for a replacement decided at its second step
+
+
 class PhaseProbe:
     """Installs the phase hooks for one Recorder; ``remove()`` undoes all of it."""
 
@@ -174,7 +177,10 @@ class PhaseProbe:
         self.lead_optimizer: int | None = None
         self._lead_ref: weakref.ref | None = None  # the lead itself: its parameters, whether it lives
         self._lead_params: set[int] = set()  # ids of its parameters
-        self._lead_rivals: weakref.WeakSet = weakref.WeakSet()  # others already asked (``_replaces_lead``)
+        self._lead_steps = 0  # the lead's step() calls (``_replaces_lead`` asks whether it still steps)
+        self._lead_rivals: weakref.WeakSet = weakref.WeakSet()  # others that never take the lead (``_replaces_lead``)
+        # others sharing a parameter with the lead -> the lead's step() count at their last step
+        self._lead_sharers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.lead_changes: list[tuple[int, str, str]] = []  # (raw step, new lead's type, why)
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
@@ -346,9 +352,7 @@ class PhaseProbe:
                        f"{self.most_optimizers} optimizer(s), as in gradient hooks stepping each parameter's own): "
                        "a step ends when that backward returns; the updates' time is optimizer, the rest "
                        "of the pass backward")
-        for step, name, why in self.lead_changes:
-            out.append(f"a new optimizer ({name}) ends the steps from the slice's step {step + 1} on (warmup steps "
-                       f"counted): {why} (one made partway, as fine-tuning's next stage does)")
+        out.extend(self._lead_notes())
         if self.merged_steps:
             out.append(f"optimizer.step() was called {self.merged_steps} more time(s) with no forward or "
                        "backward since the previous call: each such call is part of the same step")
@@ -504,7 +508,7 @@ class PhaseProbe:
             return module_calls._torch_call(module, *args, **kwargs)
         except Exception:
             if token is not None and gen == self._fwd_gen:  # a batch the loop may skip (read_ahead.failed)
-                rec.failed_forwards += (perf_counter_ns(), rec.step_index)
+                rec.failed_forwards += (perf_counter_ns(), forward_identity(args, kwargs), rec.step_index)
             raise
         finally:
             if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
@@ -594,6 +598,7 @@ class PhaseProbe:
                 self.rec.optimizer_count = len(self._run_optimizers)
                 self._set_lead(opt)
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
+            self._lead_steps += 1
             # step() twice per iteration (nothing between: no batch, zero_grad, forward or
             # backward) is one step, not two; a step with only other work before it (a loop
             # that sleeps, or calls the model through code tpkit does not see) is a step
@@ -616,6 +621,7 @@ class PhaseProbe:
         self._lead_ref = weakref.ref(opt)
         self._lead_params = {id(p) for g in opt.param_groups for p in g["params"]}
         self._lead_rivals = weakref.WeakSet([old] if old is not None else [])
+        self._lead_sharers = weakref.WeakKeyDictionary()
 
     def _replaces_lead(self, opt: torch.optim.Optimizer) -> str | None:
         """Why ``opt``, another optimizer than the lead, stepping on its own (not inside another's
@@ -623,19 +629,50 @@ class PhaseProbe:
         that makes a new optimizer partway (fine-tuning: the head first, then everything; a head
         replaced, with its optimizer) steps the old one no more: its steps had ended no step (30
         step() calls read 3 steps, "the loop ended before the slice was full"). Either the lead
-        is gone, or ``opt`` steps a parameter the lead holds (asked at its first step only):
-        optimizers that step side by side (a GAN's D and G, a WGAN critic's n steps per
-        generator step, Muon and AdamW, one per parameter in gradient hooks) hold parameters of
-        their own, so the lead keeps ending the steps however often the others step."""
+        is gone, or ``opt`` steps a parameter the lead holds (asked once) and the lead did not step
+        between ``opt``'s last step and this one: optimizers that step side by side (a GAN's D
+        and G, a WGAN critic's n steps per generator step, Muon and AdamW, one per parameter in
+        gradient hooks) hold parameters of their own, and those that share some with the lead
+        and step beside it (a multi-task loop's per-task optimizers over a shared encoder, a
+        Reptile-style meta step after inner steps) see the lead step between theirs, so the lead
+        keeps ending the steps however often the others step. Taking the lead at its first
+        step had swapped it inside the first iteration of such loops (a half-iteration step of
+        0 samples). The price: a replacement's first step() ends no step, so its first
+        iteration and its second are one step (said in ``notes()``)."""
         lead = self._lead_ref() if self._lead_ref is not None else None
         if lead is None:
             return f"the {self.optimizers.get(self.lead_optimizer or 0, 'optimizer')} before it was freed"
         if opt in self._lead_rivals:
             return None
-        self._lead_rivals.add(opt)
-        if any(id(p) in self._lead_params for g in opt.param_groups for p in g["params"]):
-            return f"it updates parameters the {type(lead).__name__} before it held"
+        lead_steps_then = self._lead_sharers.get(opt)
+        if lead_steps_then is None:
+            if not any(id(p) in self._lead_params for g in opt.param_groups for p in g["params"]):
+                self._lead_rivals.add(opt)
+                return None
+        elif lead_steps_then == self._lead_steps:
+            return f"{_STOPPED} the {type(lead).__name__} before it held (that one stepped no more)"
+        self._lead_sharers[opt] = self._lead_steps
         return None
+
+    def _lead_notes(self) -> list[str]:
+        """One note per kind of lead change (new optimizer's type, why), with a count where the
+        loop changed it again and again (an optimizer made anew every iteration)."""
+        kinds: dict[tuple[str, str], list[int]] = {}
+        for step, name, why in self.lead_changes:
+            kinds.setdefault((name, why), []).append(step + 1)
+        out = []
+        for (name, why), steps in kinds.items():
+            merged = (" Its first step() ended no step: tpkit tells an optimizer that replaces the one before it "
+                      "from one stepping beside it at its second step(), so its first two iterations are one step"
+                      if why.startswith(_STOPPED) else "")
+            if len(steps) == 1:
+                out.append(f"a new optimizer ({name}) ends the steps from the slice's step {steps[0]} on (warmup "
+                           f"steps counted): {why} (one made partway, as fine-tuning's next stage does).{merged}")
+            else:
+                out.append(f"a new optimizer ({name}) took over ending the steps {len(steps)} times, at the slice's "
+                           f"steps {steps[0]} to {steps[-1]} (warmup steps counted): each time {why} (an "
+                           f"optimizer made anew, as a loop making one every iteration does).{merged}")
+        return out
 
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
@@ -799,6 +836,7 @@ class PhaseProbe:
                         if probe.lead_optimizer is None:
                             probe._set_lead(optimizer)
                     if key == probe.lead_optimizer:
+                        probe._lead_steps += 1
                         rec.skipped.add(rec.step_index)
                         probe.skipped_steps += 1
                         probe._end_step(optimizer)
@@ -1087,7 +1125,7 @@ class PhaseProbe:
             # its unfinished iteration fed no step: a run tried again (auto_find_batch_size) starts afresh
             rec.samples = 0
             while rec.failed_forwards and rec.failed_forwards[-1] == rec.step_index:
-                del rec.failed_forwards[-2:]  # their batches are out of the step's samples already
+                del rec.failed_forwards[-3:]  # their batches are out of the step's samples already
             self.losses.discard(rec.step_index)
         if rec.slice_steps is not None:
             if fw is not None and fw.stop_requested and fw.trainer is trainer and rec.stopped_run_returned is not None:
