@@ -357,6 +357,39 @@ def test_tied_weights_count_once():
     assert (rows(run, "backward", "exit", "gradients") == 4 * unique).all()
 
 
+def test_parameters_that_are_views_of_one_flat_buffer_count_it_once():
+    """Two weights that are views of one flat buffer made before the slice (a flat-parameter
+    layout), one of them made a new Parameter over the same data mid-slice: the buffer is held
+    all along and counts once at every boundary. The first Parameter's death had ended the
+    buffer, which the next look found again and counted from the slice's start beside the
+    ended one (1,050,624 B of parameters for 526,336 up to the replacement)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, H))
+    flat = torch.zeros(2 * H * H)
+    model[0].weight = torch.nn.Parameter(flat[: H * H].view(H, H))
+    model[2].weight = torch.nn.Parameter(flat[H * H:].view(H, H))
+    del flat
+    x = torch.randn(B, H)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    i = 0
+
+    def step():
+        nonlocal opt, i
+        if i == 3:
+            model[0].weight = torch.nn.Parameter(model[0].weight.data)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        i += 1
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=5, warmup=1, progress=False, clocks=False)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == 4 * (2 * H * H + 2 * H) == 2 * 1024 * 1024 + 4096
+    params = run.memory[(run.memory["category"] == "parameters") & (run.memory["device"] == "cpu")]
+    assert len(params) > 40 and (params["bytes"] == sum(storages.values())).all(), params["bytes"].value_counts()
+
+
 def test_parameters_found_through_the_optimizer_when_no_module_runs():
     w = torch.randn(D, H, requires_grad=True)
     opt = torch.optim.SGD([w], lr=0.1)
