@@ -390,6 +390,46 @@ def test_parameters_that_are_views_of_one_flat_buffer_count_it_once():
     assert len(params) > 40 and (params["bytes"] == sum(storages.values())).all(), params["bytes"].value_counts()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("cast_at", [1, 3])
+def test_a_model_cast_mid_slice_reads_its_new_parameters_only(dtype, cast_at):
+    """``model.half()`` / ``.double()`` between two steps replaces each parameter's ``.data``;
+    the Parameters live on, so no weakref tells. From that step on the parameters are the new
+    storages only: the fp32 ones (from before the slice, no free event in the stream) had never
+    ended (half: 789,504 B for 263,168 of a 256-wide two-layer MLP). Cast at the second call,
+    the look at the gradients after it finds the move; at the fourth, between two looks at the
+    gradients, the slice's end does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, H))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(B, H)
+    i = 0
+
+    def step():
+        nonlocal i, x
+        if i == cast_at:
+            model.to(dtype)
+            x = x.to(dtype)
+        i += 1
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = tp.profile_fn(step, steps=5, warmup=1, progress=False, clocks=False)
+    fp32 = 4 * (2 * H * H + 2 * H)
+    after = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert after == fp32 * dtype.itemsize // 4
+    params = run.memory[(run.memory["category"] == "parameters") & (run.memory["device"] == "cpu")]
+    # cast at the top of a call, before its forward (a step ends at opt.step(), so the
+    # zero_grad before the cast is in the cast's step)
+    forwards = params[(params["phase"] == "forward") & (params["event"] == "enter")]["t_s"].sort_values()
+    cast_s = forwards.iloc[cast_at]
+    before_cast = params[params["t_s"] < cast_s]["bytes"]
+    after_cast = params[params["t_s"] >= cast_s]["bytes"]
+    assert len(before_cast) > 5 and (before_cast == fp32).all(), before_cast.value_counts()
+    assert len(after_cast) > 10 and (after_cast == after).all(), after_cast.value_counts()
+
+
 def test_parameters_found_through_the_optimizer_when_no_module_runs():
     w = torch.randn(D, H, requires_grad=True)
     opt = torch.optim.SGD([w], lr=0.1)

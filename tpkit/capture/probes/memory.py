@@ -23,7 +23,8 @@ of a small storage allocated ahead of time (for the slice's steps when the strea
 Python loop over parameters runs there, and the hot path keeps only ints and strings in flat
 lists (nothing the gc tracks). The known sets are *observed* now and then: gradients at the
 first optimizer (or forward) boundary after the first ``GRAD_LOOKS_FIRST`` backward passes and
-then after every ``GRAD_LOOK_EVERY``-th, parameters and buffers when the model set changes,
+then after every ``GRAD_LOOK_EVERY``-th, parameters and buffers when the model set changes
+(or, found at a look at the gradients, a parameter's ``.data`` was replaced: ``model.half()``),
 optimizer state when its cheap fingerprint changes, each batch when a loader hands it out, and once at the end; each
 observation is a marker too. After the slice the stream is replayed twice: pass 1 gives every
 block allocated in the slice a category from the observations that found it alive (a known
@@ -188,6 +189,20 @@ def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout in (torch.sparse_csc, torch.sparse_bsc):
         return (t.ccol_indices(), t.row_indices(), t.values())
     return (t,)
+
+
+def _addresses(tensors: list[torch.Tensor]) -> list[int]:
+    """``data_ptr()`` of each tensor (-1 where it has none to read: a sparse or fake one)."""
+    try:
+        return [t.data_ptr() for t in tensors]
+    except Exception:
+        out = []
+        for t in tensors:
+            try:
+                out.append(t.data_ptr())
+            except Exception:
+                out.append(-1)
+        return out
 
 
 class CpuAllocatorStream:
@@ -590,6 +605,7 @@ class MemoryProbe:
         self._opt_key: tuple = ()
         self._state_replaced = False  # an optimizer makes its state tensors anew at its steps
         self._params_new = False  # parameters refreshed since the last observation
+        self._param_addresses: list[int] = []  # data_ptr() of the parameters in _params when read
         self._own_seen = 0
         self._opt_states_seen = 0  # optimizer states counted at the last check (_known_sets_grew)
         self._groups_seen = 0  # optimizers' parameter groups counted then (add_param_group adds one)
@@ -1006,6 +1022,7 @@ class MemoryProbe:
         self._params = [self._weak(p, holders) for p in params.values()]
         self._buffers = [self._weak(b, holders) for b in buffers.values()]
         self._known_ids = set(params)
+        self._param_addresses = _addresses(self._live_params())
         self._params_new = True
         self._params_version += 1
         for p in params.values():
@@ -1024,6 +1041,11 @@ class MemoryProbe:
         for d in {t.device.index for t in [*params.values(), *buffers.values()] if t.device.type == "cuda"}:
             self._cuda_in_use.add(d or 0)
         return True
+
+    def _params_moved(self) -> bool:
+        """Whether a parameter read before holds other memory now: its ``.data`` was replaced
+        (``model.half()``, ``.double()``), which no weakref tells (the Parameter lives on)."""
+        return _addresses(self._live_params()) != self._param_addresses
 
     def _weak(self, t: torch.Tensor, holders: dict[int, int]) -> weakref.ref[torch.Tensor]:
         """A weak reference to a parameter or buffer whose death is noted in ``_died`` (a list
@@ -1171,10 +1193,16 @@ class MemoryProbe:
                 if dev == "cpu":
                     items.extend((ptr, nb, c, -1))
 
-        self._refresh_params(force=final)  # parameter groups added mid-slice are found at the end
+        # parameter groups added mid-slice are found at the end; a parameter whose .data was
+        # replaced (model.half()) at a look at the gradients, which walks them anyway
+        self._refresh_params(force=final or (grads and self._params_moved()))
         if self._params_new or final:
             self._params_new = False
-            add(self._storages(self._live_params(), "parameters"))
+            slots = self._slots
+            for p in self._live_params():  # with its slot: the replay follows a slot's storage
+                for dev, ptr, nb, c, _ in self._storages((p,), "parameters"):
+                    if dev == "cpu":
+                        items.extend((ptr, nb, c, slots.get(id(p), -1)))
             add(self._storages(self._live_buffers(), _BUFFER))
         if grads or final:
             slots, watched = self._slots, self._grads_watched
@@ -1314,6 +1342,8 @@ class MemoryProbe:
         freed_in_backward: set[int] = set()  # blocks a backward pass freed (what it consumed)
         # gradient block -> the last boundary before the observation that found it (or its allocation)
         grad_seen_at: dict[int, int] = {}
+        # parameter slot -> (its storage's block, address, the observation's position) as last found
+        param_at: dict[int, tuple[int, int, int]] = {}
         last_bound = -1  # position of the last boundary marker passed
         # backward passes: [enter, the look after it, blocks allocated], the look being the next
         # optimizer or forward enter: gradients made after the backward (an fp32 master copy's,
@@ -1406,6 +1436,7 @@ class MemoryProbe:
                                 if live.get(dptr) == a:
                                     del live[dptr]
                                     ends.setdefault(i, []).append(a)
+                    moved: list[tuple[int, int, int, int]] = []  # (the block before, its address, seen at, the new one)
                     for q in range(0, len(items), 4):
                         optr, onb, cat, slot = items[q:q + 4]
                         if not onb:
@@ -1431,6 +1462,19 @@ class MemoryProbe:
                                 slot_of[a] = slot
                                 known_at[a] = first_hook(slot, alloc_at[a])
                                 grad_seen_at[a] = max(alloc_at[a], last_bound)
+                        if cat == "parameters" and slot >= 0:
+                            before = param_at.get(slot)
+                            param_at[slot] = (a, optr, i)
+                            if before is not None and before[0] != a:
+                                moved.append((*before, a))
+                    for was, optr, seen, now in moved:
+                        # a parameter's .data replaced (model.half()): its storage from before the
+                        # slice, which has no free event, ends where the new one was made (at the
+                        # look that last found it, if later), unless a parameter still holds it
+                        if (alloc_at[was] < 0 <= alloc_at[now] and live.get(optr) == was
+                                and all(b[0] != was for b in param_at.values())):
+                            del live[optr]
+                            ends.setdefault(max(alloc_at[now], seen), []).append(was)
                 continue
             if sz > 0:
                 old = live.get(ptr)
