@@ -349,3 +349,27 @@ def test_losses_backpropagated_together_are_the_steps_loss():
                        for n in prof.run.meta["notes"]), prof.run.meta["notes"]
         else:
             assert steps["loss"].tolist() == pytest.approx(logged[:N], rel=1e-6), how
+
+
+def test_an_optimizer_made_anew_every_iteration_while_the_old_ones_are_kept():
+    """The same per-iteration optimizer, the old ones kept in a list (as accelerate's prepare()
+    keeps every optimizer it prepared): none is freed, so each takes over once the one before
+    stepped no more, at the step() after another sharer's with no lead step between: from the
+    third iteration on each is a step, the second and third one step (said). It had read 1
+    step for 8 iterations: a new optimizer's first step() only noted the lead's count."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    batches = iter(torch.utils.data.DataLoader(truth.Regression(), batch_size=4))
+    kept = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="anew-kept", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 1):
+            kept.append(torch.optim.SGD(model.parameters(), lr=0.01))
+            x, y = next(batches)
+            F.mse_loss(model(x), y).backward()
+            kept[-1].step()
+            kept[-1].zero_grad()
+    run = prof.run
+    assert len(run.steps) == N
+    assert run.steps["samples"].tolist() == [4, 8] + [4] * (N - 2)
+    changes = [n for n in run.meta["notes"] if "a new optimizer" in n]
+    assert len(changes) == 1 and "first two iterations are one step" in changes[0], changes

@@ -179,8 +179,8 @@ class PhaseProbe:
         self._lead_params: set[int] = set()  # ids of its parameters
         self._lead_steps = 0  # the lead's step() calls (``_replaces_lead`` asks whether it still steps)
         self._lead_rivals: weakref.WeakSet = weakref.WeakSet()  # others that never take the lead (``_replaces_lead``)
-        # others sharing a parameter with the lead -> the lead's step() count at their last step
-        self._lead_sharers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lead_sharers: weakref.WeakSet = weakref.WeakSet()  # others sharing a parameter with the lead
+        self._sharer_at: int | None = None  # the lead's step() count at the last step() of any of them
         self.lead_changes: list[tuple[int, str, str]] = []  # (raw step, new lead's type, why)
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
@@ -597,6 +597,7 @@ class PhaseProbe:
                 self._run_optimizers.discard(self.lead_optimizer or 0)  # it steps no more
                 self.rec.optimizer_count = len(self._run_optimizers)
                 self._set_lead(opt)
+                self._sharer_at = self._lead_steps + 1  # its own step, counted below: a sharer's last
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
             self._lead_steps += 1
             # step() twice per iteration (nothing between: no batch, zero_grad, forward or
@@ -621,7 +622,8 @@ class PhaseProbe:
         self._lead_ref = weakref.ref(opt)
         self._lead_params = {id(p) for g in opt.param_groups for p in g["params"]}
         self._lead_rivals = weakref.WeakSet([old] if old is not None else [])
-        self._lead_sharers = weakref.WeakKeyDictionary()
+        self._lead_sharers = weakref.WeakSet()
+        self._sharer_at = None
 
     def _replaces_lead(self, opt: torch.optim.Optimizer) -> str | None:
         """Why ``opt``, another optimizer than the lead, stepping on its own (not inside another's
@@ -644,14 +646,17 @@ class PhaseProbe:
             return f"the {self.optimizers.get(self.lead_optimizer or 0, 'optimizer')} before it was freed"
         if opt in self._lead_rivals:
             return None
-        lead_steps_then = self._lead_sharers.get(opt)
-        if lead_steps_then is None:
+        if opt not in self._lead_sharers:
             if not any(id(p) in self._lead_params for g in opt.param_groups for p in g["params"]):
                 self._lead_rivals.add(opt)
                 return None
-        elif lead_steps_then == self._lead_steps:
+            self._lead_sharers.add(opt)
+        # no step of the lead's since the last step() of an optimizer sharing its parameters (this
+        # one's or one made just before it: an optimizer made anew every iteration while the old
+        # ones stay referenced, by a list or accelerate's prepare(), had ended 1 step in 8)
+        if self._sharer_at == self._lead_steps:
             return f"{_STOPPED} the {type(lead).__name__} before it held (that one stepped no more)"
-        self._lead_sharers[opt] = self._lead_steps
+        self._sharer_at = self._lead_steps
         return None
 
     def _lead_notes(self) -> list[str]:
