@@ -679,6 +679,13 @@ class PhaseProbe:
                            f"optimizer made anew, as a loop making one every iteration does).{merged}")
         return out
 
+    def _end_step_in_backward(self) -> None:
+        """The step the lead optimizer stepped inside backward ends, once no backward is open."""
+        opt = self._step_in_backward
+        if opt is not None and not self.rec.is_open("backward"):
+            self._step_in_backward = None
+            self._end_step(opt)
+
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
         self._worked = False
@@ -910,16 +917,14 @@ class PhaseProbe:
                 rec.exit(token)
                 if not probe._opt_tokens:
                     probe._note_versions()
-                if raised and probe._step_in_backward is not None and not rec.is_open("backward"):
+                if raised and probe._step_in_backward is not None:
                     # a hook raised after an optimizer stepped in it: the step ends here all the
                     # same (a loop that catches it goes on to its next iteration; the pending
                     # step had held two), and the loop's exception is the one that propagates
-                    opt, probe._step_in_backward = probe._step_in_backward, None
                     with contextlib.suppress(StopSlice):
-                        probe._end_step(opt)
-            if probe._step_in_backward is not None and not rec.is_open("backward"):
-                opt, probe._step_in_backward = probe._step_in_backward, None
-                probe._end_step(opt)  # may raise StopSlice: every hook's update is done
+                        probe._end_step_in_backward()
+            if probe._step_in_backward is not None:
+                probe._end_step_in_backward()  # may raise StopSlice: every hook's update is done
             return out
 
         backward.__wrapped__ = fn  # type: ignore[attr-defined]
