@@ -137,6 +137,10 @@ def test_a_wait_at_the_loaders_epoch_starts_asks_for_persistent_workers():
     # already persistent: no such advice, the count still from the typical steps
     w2 = rc.data_stall(_epochs_run(knobs={"num_workers": 2, "persistent_workers": True}))[0]
     assert w2.action == {"num_workers": 3} and w2.gain == pytest.approx(0.035 / 0.03)
+    # ... as the training batches' DataLoader says, with no knob (it had been asked to set it)
+    said = _epochs_run()
+    said.meta["torch_loader"] = {"num_workers": 2, "batches": 9, "persistent_workers": True}
+    assert "persistent_workers" not in [r.knob for r in rc.data_stall(said)]
     # the same waits with no loader start in those steps (bursts of workers): the mean step, as before
     b = rc.data_stall(_epochs_run(iter_spans=False))[0]
     assert b.action == {"num_workers": 5} and "a batch takes about 130.00 ms to make" in b.evidence
@@ -239,7 +243,8 @@ def test_data_stall_says_the_workers_of_the_loops_own_dataloader():
         model.train()
 
     run = _linear_slice(train, after_step=evaluate)
-    assert run.meta["torch_loader"] == {"num_workers": 4, "batches": 5}
+    assert run.meta["torch_loader"] == {"num_workers": 4, "batches": 5, "persistent_workers": False,
+                                        "pin_memory": False, "prefetch_factor": 2, "batch_size": 4}  # train's, not val's
     # 4 x 12.5 ms to make a batch, ~1 ms of work (under 10 ms: more than 5 workers hide it): 5 cores
     run.meta["host"] = {"cpu_count": 5, "usable_cores": 5}
     (r, *_) = rc.data_stall(run)

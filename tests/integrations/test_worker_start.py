@@ -50,6 +50,10 @@ def test_starting_the_workers_is_data_wait(persistent, loader_class):
     assert len(run.steps) == STEPS + WARMUP == len(want)
     for step, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= TOLERANCE * w + 0.002, f"step {step}: data_wait {g * 1e3:.1f} ms, truth {w * 1e3:.1f} ms"
+    # the loader's own settings, as the advice reads them (it had asked a persistent loader for
+    # persistent_workers=True: the run did not say)
+    assert run.meta["torch_loader"] == {"num_workers": 2, "batches": STEPS + WARMUP, "persistent_workers": persistent,
+                                        "pin_memory": False, "prefetch_factor": 2, "batch_size": 8}
 
 
 @pytest.mark.parametrize("loader_class", LOADERS)

@@ -104,6 +104,15 @@ def _knobs(meta: dict) -> dict[str, Any]:
     return dict(k) if isinstance(k, dict) else {}
 
 
+def _persistent(meta: dict) -> bool:
+    """Whether the run's loader keeps its workers between epochs: its ``persistent_workers``
+    knob, else what the training batches' DataLoader said (``meta["torch_loader"]``). A
+    persistent loader's epochs still begin with a batch made from nothing (its workers stop at
+    an epoch's last index): advice had asked it to set ``persistent_workers=True``."""
+    return _knobs(meta).get("persistent_workers") is True \
+        or (meta.get("torch_loader") or {}).get("persistent_workers") is True
+
+
 def on_gpu(meta: dict) -> bool:
     """Whether the slice ran with a CUDA device (``meta['devices']`` lists ``cuda:N: name``)."""
     return any(str(d).startswith("cuda") for d in meta.get("devices") or [])
@@ -287,7 +296,7 @@ def _restart_advice(run: "Run", t: _Totals, m: pd.DataFrame, starts: list[int]) 
                 f"step{'s' if len(starts) != 1 else ''} {', '.join(map(str, starts))}): "
                 f"{_ms(excess_s / len(starts))} a start")
     known = current_workers(run.meta)
-    if _knobs(run.meta).get("persistent_workers") is True or known == 0:
+    if _persistent(run.meta) or known == 0:
         return []  # already kept, or no workers to keep: what restarts is the user's own
     speedup = amdahl(t.total_s, excess_s)
     return [Recommendation("data-restart", "persistent_workers",

@@ -179,11 +179,13 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         full_meta["notes"].append(read_ahead.unmatched_note(len(unmatched)))
     if rec.loader_make_s > 0 and isinstance(full_meta.get("loader"), dict):
         full_meta["loader"]["make_cpu_share"] = min(1.0, rec.loader_cpu_s / rec.loader_make_s)
-    trained = Counter(w for k, w in enumerate(rec.handout_workers)
-                      if w >= 0 and k not in ev.handouts and rec.handouts[3 * k + 2] < past)
+    trained_at = [k for k, w in enumerate(rec.handout_workers)
+                  if w >= 0 and k not in ev.handouts and rec.handouts[3 * k + 2] < past]
+    trained = Counter(rec.handout_workers[k] for k in trained_at)
     if trained:  # the training batches' torch DataLoader (the one most of them came from)
         workers, batches = trained.most_common(1)[0]
-        full_meta["torch_loader"] = {"num_workers": workers, "batches": batches}
+        full_meta["torch_loader"] = {"num_workers": workers, "batches": batches,
+                                     **_training_loader_settings(rec, trained_at, workers)}
     uncounted = sum(1 for i in range(0, len(rec.handouts), 3) if rec.handouts[i + 1] == 0 and rec.handouts[i + 2] < past)
     if uncounted and rec.samples_per_step is None and rec.uncounted is not None:
         full_meta["notes"].append(f"{uncounted} batch(es) read in the slice held samples tpkit could not count "
@@ -213,3 +215,17 @@ def _gpu_step_ends(spans: pd.DataFrame, host_ends: list[float], warmup_steps: in
     resolved) or its last optimizer span ends there, whichever is later."""
     opt = spans[spans["phase"] == "optimizer"].groupby("step")["end_s"].max()
     return [float(max(h, opt.get(i - warmup_steps, h))) for i, h in enumerate(host_ends)]
+
+
+def _training_loader_settings(rec: Recorder, trained_at: list[int], workers: int) -> dict[str, Any]:
+    """The settings (``batches.loader_settings``) of the DataLoader the training batches came
+    from: the one whose dataset most of them were read from, else (a framework's fetcher hands
+    them out: Lightning) the DataLoaders iterated in the slice with that worker count where they
+    all agree; {} where none says."""
+    settings = rec.loader_settings
+    by_source = Counter(rec.handout_sources[k] for k in trained_at if rec.handout_sources[k] in settings)
+    if by_source:
+        return dict(settings[by_source.most_common(1)[0][0]])
+    same = [s for s in settings.values() if s.get("num_workers") == workers]
+    return dict(same[0]) if same and all(s == same[0] for s in same) else {}
+

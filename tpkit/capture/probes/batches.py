@@ -141,6 +141,18 @@ def _records(seq: list | tuple) -> bool:
     return all(set(e) == keys for e in seq)
 
 
+def loader_settings(loader: Any) -> dict[str, Any]:
+    """A torch DataLoader's settings the advice depends on (``meta["torch_loader"]``): advice had
+    asked a loader with ``persistent_workers=True`` to set it, its epochs' first batch read as a
+    restart of its workers."""
+    out: dict[str, Any] = {}
+    for name in ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor", "batch_size"):
+        value = getattr(loader, name, None)
+        if value is None or isinstance(value, (bool, int)):
+            out[name] = value
+    return out
+
+
 def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) -> None:
     """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
     ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of

@@ -65,7 +65,7 @@ from ...schema import UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
-from .batches import forward_identity, handed_out
+from .batches import forward_identity, handed_out, loader_settings
 from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
@@ -1227,7 +1227,10 @@ class PhaseProbe:
             if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
                 return fn(loader)
             token = rec.enter("data_wait", f"{source}.__iter__")
-            rec.restarts += (perf_counter_ns(), id(getattr(loader, "dataset", loader)))
+            key = id(getattr(loader, "dataset", loader))
+            rec.restarts += (perf_counter_ns(), key)
+            if key not in rec.loader_settings and isinstance(loader, _dl.DataLoader):
+                rec.loader_settings[key] = loader_settings(loader)
             try:
                 return fn(loader)
             finally:
