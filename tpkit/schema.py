@@ -37,6 +37,11 @@ GC_PHASE = "gc"
 #: Collectives in flight behind compute (not waited for): spans kept in ``run.spans`` for the
 #: timeline and trace exports, never charged to a step's phases.
 COMM_OVERLAPPED = "comm_overlapped"
+#: Files read in the loop's thread outside a wait for data (``torch.load``, safetensors): spans
+#: of their own, whose time stays ``other_s`` (a checkpoint read back, or batches read with no
+#: loader: tpkit cannot tell which), and a note says how much (capture/probes/phases.py). A
+#: resume's 127 ms had been other with no word.
+FILE_LOAD = "load"
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.
@@ -45,6 +50,7 @@ PHASE_NAMES: dict[str, str] = {
     "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation",
     "save": "saving checkpoints", "setup": "a trainer's setup", "compile": "compilation (torch.compile)",
     "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
+    FILE_LOAD: "files loaded (torch.load; in other)",
 }
 
 # -- memory ---------------------------------------------------------------------------------

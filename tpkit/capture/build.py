@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from ..run import Run
-from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
+from ..schema import BUILTIN_PHASES, FILE_LOAD, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
 from . import evaluation, read_ahead
 from .losses import step_losses
 from .recorder import Recorder
@@ -168,6 +168,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     full_meta["warmup_steps"] = warmup_steps
     full_meta["notes"] = list(rec.notes) + list(full_meta.get("notes", []))
     full_meta["notes"] += loss_notes
+    loads = _file_load_note(spans)
+    if loads:
+        full_meta["notes"].append(loads)
     if extra_batches:
         full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
     if dropped:
@@ -228,4 +231,24 @@ def _training_loader_settings(rec: Recorder, trained_at: list[int], workers: int
         return dict(settings[by_source.most_common(1)[0][0]])
     same = [s for s in settings.values() if s.get("num_workers") == workers]
     return dict(same[0]) if same and all(s == same[0] for s in same) else {}
+
+
+def _file_load_note(spans: pd.DataFrame) -> str | None:
+    """What the loop's own file reads (``schema.FILE_LOAD`` spans: ``torch.load``, safetensors)
+    took in the measured steps, and how much of it is ``other`` (no built-in phase open around
+    it): a checkpoint read back mid-slice (127 ms) had been other with no word."""
+    loads = spans[(spans["phase"] == FILE_LOAD) & (spans["step"] >= 0)]
+    if loads.empty:
+        return None
+    inner = spans[spans["phase"].isin(set(BUILTIN_PHASES) - {"tpkit"}) & (spans["step"] >= 0)]
+    other_s = 0.0
+    for s, e in zip(loads["start_s"].to_numpy(), loads["end_s"].to_numpy()):
+        around = inner[(inner["start_s"] <= s) & (inner["end_s"] >= e)]
+        other_s += 0.0 if len(around) else float(e - s)
+    steps = sorted({int(k) for k in loads["step"]})
+    shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    return (f"files were read in the loop {len(loads)} time(s) in the measured steps ({', '.join(sorted(set(loads['source'])))}; "
+            f"step{'s' if len(steps) != 1 else ''} {shown}): {float(loads['duration_s'].sum()) * 1e3:.1f} ms, "
+            f"{other_s * 1e3:.1f} ms of it counted in other (a checkpoint read back, or batches read with no "
+            "loader: tpkit cannot tell which; the timeline shows them as 'load')")
 

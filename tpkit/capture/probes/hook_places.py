@@ -16,13 +16,25 @@ SAVERS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint"),
     ("safetensors.torch", "", "save_file"),
     ("safetensors.torch", "", "save_model"),
-    # torch.distributed.checkpoint, as a loop calls it (``dcp.save``, ``dcp.async_save``: the
-    # package's names; one bound by ``from ... import save`` before the slice is not seen): only the
+    # torch.distributed.checkpoint, as a loop calls it (``dcp.save``, ``dcp.async_save``): only the
     # torch.save calls inside had been save, its planning, metadata and fsync other (~50 of ~100 ms
     # a save), and async_save's whole blocking part other (OVERHEAD-BOUND 35%). An async save's
     # writes in its own thread are not the loop's; its wait on the future is other, as any wait.
     ("torch.distributed.checkpoint", "", "save"),
     ("torch.distributed.checkpoint", "", "async_save"),
+    # ... and the parts both look up in their module at each call, for a loop that bound them by
+    # ``from torch.distributed.checkpoint import save`` before the slice (the package's names are
+    # patched, not the loop's): the state dict's gathering, the save itself, async_save's staging
+    # (dcp's logging around the call, and async_save's upload thread's start, stay other there)
+    ("torch.distributed.checkpoint.state_dict_saver", "", "_stateful_to_state_dict"),
+    ("torch.distributed.checkpoint.state_dict_saver", "", "_save_state_dict"),
+    ("torch.distributed.checkpoint.staging", "DefaultStager", "stage"),
+)
+
+#: Files read whole, as ``SAVERS`` (besides ``torch.load``): ``schema.FILE_LOAD`` spans, in other.
+FILE_LOADERS: tuple[tuple[str, str, str], ...] = (
+    ("safetensors.torch", "", "load_file"),
+    ("safetensors.torch", "", "load_model"),
 )
 
 #: Weight averaging after the optimizer's step, as ``SAVERS``: ``optimizer`` time, the update's

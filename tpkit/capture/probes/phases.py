@@ -61,7 +61,7 @@ import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
-from ...schema import UNSEEN_UPDATES_NOTE
+from ...schema import FILE_LOAD, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
@@ -70,6 +70,7 @@ from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
     EVALUATORS,
+    FILE_LOADERS,
     LAUNCHERS,
     LOADER_SHUTDOWNS,
     LOADER_STARTS,
@@ -280,6 +281,9 @@ class PhaseProbe:
                 if isinstance(shard, type) and "__iter__" in shard.__dict__:  # only if the loop imported it
                     self._patched.set(shard, "__iter__", self._wrap_read_ahead(shard.__dict__["__iter__"]))
             self._patched.set(torch, "save", self._wrap_whole(torch.save, "save", "torch.save"))
+            self._patched.set(torch, "load", self._wrap_whole(torch.load, FILE_LOAD, "torch.load"))
+            self._patch_each(FILE_LOADERS, lambda fn, module, owner, attr:
+                             self._wrap_whole(fn, FILE_LOAD, f"{module}.{attr}"))
             for phase, places in (("save", SAVERS), ("eval", EVALUATORS), ("optimizer", AVERAGERS)):
                 self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
                                  self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
