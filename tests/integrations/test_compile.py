@@ -536,3 +536,52 @@ def test_the_unseen_update_rule_on_loops_around_it(loop):
         if "SAM" in loop:
             assert (run.steps["samples"] == 8).all() and run.steps["loss"].tolist() == pytest.approx(
                 losses[:STEPS + WARMUP], rel=1e-5)
+
+
+def test_a_model_compiled_in_another_thread_leaves_the_loop_profiled():
+    """A compile session holds torch's process-wide compiling flag: a model compiled in another
+    thread (a backend taking 1.5 s here) had turned every hook off for the loop too (a
+    background compile of 12-14 s left 4 of 40 steps recorded and the slice unended). The flag
+    counts for the thread whose session it is now. Truth: the loop's iterations (the slice ends
+    after exactly warmup + steps of them) and its clock around each forward."""
+    import threading
+
+    def slow_backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        time.sleep(1.5)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(torch.nn.Linear(2, 2), backend="eager")(torch.randn(1, 2))  # dynamo's one-time set-up
+    other = torch.compile(torch.nn.Linear(8, 8), backend=slow_backend)
+    compiling = threading.Event()
+
+    def compile_in_background() -> None:
+        compiling.set()
+        other(torch.randn(4, 8))
+
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    forwards: list[float] = []
+    before = truth.hook_state()
+    worker = threading.Thread(target=compile_in_background)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="background-compile", progress=False, clock_hz=0) as prof:
+        worker.start()
+        compiling.wait()
+        time.sleep(0.2)  # inside its session now
+        for _ in range(100):
+            t = time.perf_counter()
+            out = model(x)
+            forwards.append(time.perf_counter() - t)
+            F.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+    worker.join()
+    torch._dynamo.reset()
+    truth.assert_hooks_removed(before)
+    run = prof.run
+    assert len(forwards) == STEPS + WARMUP == len(run.steps)  # every iteration a step, and the slice ended
+    assert run.meta["complete"] and run.steps["compile_s"].sum() == 0  # not the loop's compile
+    for step, (got, want) in enumerate(zip(run.steps["forward_s"], forwards)):
+        assert abs(got - want) <= truth.TOLERANCE * want + 0.002, f"step {step}: forward {got:.4f} s, truth {want:.4f}"

@@ -107,6 +107,7 @@ from ...schema import (
 from ..recorder import Recorder, WeakRegistry
 from . import allocator_counter
 from .allocator_counter import CpuAllocatorCounter
+from .compiling import compiling
 from .patching import Patches
 from .phases import has_accelerator
 
@@ -795,7 +796,7 @@ class MemoryProbe:
 
     # -- hooks (the hot path) ---------------------------------------------------------------
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
+        if compiling():
             return  # inlined into a compiled step: dynamo would guard on the registry (a recompile each new one)
         self.optimizers.add(opt)
         if self.rec.is_open("backward") and self._streaming():
@@ -965,7 +966,7 @@ class MemoryProbe:
                 known[(dev, "data")] = known.get((dev, "data"), 0) + nb
 
     def _on_grad_set(self, slot: int) -> None:
-        if torch.compiler.is_compiling():
+        if compiling():
             return  # traced by compiled autograd: nothing of tpkit's may enter the graph
         if self._streaming():
             self._mark(_GRAD_SET, slot)

@@ -24,6 +24,9 @@ static PyObject *outer_call = NULL;
  * runs this Python eagerly: then every call goes to torch_call, as the Python route does. */
 static PyObject *compiler_dict = NULL;
 static PyObject *compiling_flag_name = NULL;
+/* While that flag is up: compiling.compiling(), which says whether it is this thread's session
+ * (the flag is the process's: a model compiled in another thread had turned the probe off). */
+static PyObject *thread_compiles = NULL;
 /* The thread whose outermost call is running (its inner calls go to torch_call). */
 static unsigned long inside_tid = 0;
 static int inside = 0;
@@ -35,7 +38,17 @@ static int compiling(void) {
         PyErr_Clear();
         return 0;
     }
-    return flag == Py_True;
+    if (flag != Py_True) return 0;
+    if (thread_compiles == NULL) return 1;
+    PyObject *here = PyObject_CallNoArgs(thread_compiles);
+    if (here == NULL) { /* cannot tell: as compiling, torch's call */
+        PyErr_Clear();
+        return 1;
+    }
+    int yes = PyObject_IsTrue(here);
+    Py_DECREF(here);
+    if (yes < 0) PyErr_Clear();
+    return yes != 0;
 }
 
 typedef struct {
@@ -124,18 +137,22 @@ static PyTypeObject RouteType = {
     .tp_dealloc = route_dealloc,
 };
 
-/* route(torch_call, outer_call or None, torch.compiler.__dict__): where calls go from now on. */
+/* route(torch_call, outer_call or None, torch.compiler.__dict__, thread_compiles): where calls
+ * go from now on. */
 static PyObject *set_route(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "route(torch_call, outer_call, compiler_dict) takes 3 arguments");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "route(torch_call, outer_call, compiler_dict, thread_compiles) takes 4 arguments");
         return NULL;
     }
     if (!PyCallable_Check(args[0]) || (args[1] != Py_None && !PyCallable_Check(args[1])) ||
-        !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "route(torch_call, outer_call, compiler_dict): two callables "
-                                         "(the second may be None) and a dict");
+        !PyDict_Check(args[2]) || !PyCallable_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "route(torch_call, outer_call, compiler_dict, thread_compiles): a "
+                                         "callable, a callable or None, a dict and a callable");
         return NULL;
     }
+    Py_INCREF(args[3]);
+    Py_XSETREF(thread_compiles, args[3]);
     Py_INCREF(args[0]);
     Py_XSETREF(torch_call, args[0]);
     if (args[1] == Py_None) {
@@ -172,8 +189,8 @@ static PyObject *state(PyObject *module, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"route", (PyCFunction)(void (*)(void))set_route, METH_FASTCALL,
-     "route(torch_call, outer_call, compiler_dict): where module calls go from now on (outer_call "
-     "None: all to torch_call)"},
+     "route(torch_call, outer_call, compiler_dict, thread_compiles): where module calls go from now on "
+     "(outer_call None: all to torch_call)"},
     {"inside", set_inside, METH_O, "inside(tid or None): the thread whose outermost module call runs"},
     {"state", state, METH_NOARGS, "state() -> (outer_call or None, inside thread id or None)"},
     {NULL, NULL, 0, NULL},

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from . import native
+from .compiling import compiling, skipped_by_dynamo
 from .patching import Patches
 
 #: Use the C route when it can be built; False: the Python route (the benchmark's peer).
@@ -45,8 +46,8 @@ C_ROUTE = True
 SOURCE = Path(__file__).with_name("module_calls.c")
 EXTENSION_NAME = "tpkit_module_calls"
 
-#: True while dynamo traces (torch.compile): the route then returns torch's call at once.
-_compiling = torch.compiler.is_compiling
+#: True while torch.compile works in this thread: the route then returns torch's call at once.
+_compiling = compiling
 
 #: ``nn.Module.__call__`` as it was when a probe took it over (torch's own, unless something else
 #: had replaced it): every call the probe does not handle goes there.
@@ -76,22 +77,7 @@ def _module_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return outer(self, *args, **kwargs)
 
 
-def _skipped_by_dynamo(fn: Callable[..., Any]) -> None:
-    """Dynamo compiles no frame of ``fn``'s own when it runs (the frames it calls are compiled as
-    ever). While a compiled module runs, its ``super().__call__`` (torch.compile's wrapper,
-    an FX ``GraphModule``) reads ``nn.Module.__call__`` and runs ``_module_call``: dynamo took it
-    for user code and compiled it, a graph of its own (aot_eager: 2 graphs for 1, 4 for 1 with 12
-    layers, seconds of compiling). Torch's own call is skipped so. Inlining while dynamo traces
-    a caller is not affected. Set through torch's C hook (no import of ``torch._dynamo``)."""
-    try:
-        from torch._C._dynamo import eval_frame as ef
-
-        ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.DEFAULT))
-    except Exception:  # noqa: BLE001 - another torch: the frame is compiled as before
-        pass
-
-
-_skipped_by_dynamo(_module_call)
+skipped_by_dynamo(_module_call)
 
 
 def _c_route() -> tuple[Any, str | None]:
@@ -120,7 +106,7 @@ def take(owner: Any, outer: Callable[..., Any], patches: Patches) -> str | None:
     else:
         route, why = None, "the Python route was asked for (module_calls.C_ROUTE = False)"
     if route is not None:
-        _ext.route(_torch_call, outer, vars(torch.compiler))
+        _ext.route(_torch_call, outer, vars(torch.compiler), compiling)
         _ext.inside(None)
     _route, _outer, _inside, _owner = route, outer, None, owner
     patches.set(torch.nn.Module, "__call__", route if route is not None else _module_call)
@@ -135,7 +121,7 @@ def release(owner: Any) -> None:
         return
     _owner, _outer, _inside = None, None, None
     if _ext is not None:
-        _ext.route(_torch_call, None, vars(torch.compiler))
+        _ext.route(_torch_call, None, vars(torch.compiler), compiling)
 
 
 def set_inside(tid: int | None) -> None:

@@ -66,6 +66,7 @@ from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import module_calls
 from .batches import forward_identity, handed_out, loader_settings
+from .compiling import compiling, watch_sessions
 from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
@@ -89,8 +90,8 @@ GC_SPAN_MIN_NS = 1_000_000
 #: recomputation in backward, a module used inside an optimizer).
 _NOT_FORWARD = ("data_wait", "backward", "optimizer", "offload")
 
-#: True while dynamo traces (torch.compile): tpkit's hooks then do nothing at all.
-_compiling = torch.compiler.is_compiling
+#: True while torch.compile works in this thread: tpkit's hooks then do nothing at all.
+_compiling = compiling
 
 
 def _same_model(module: torch.nn.Module) -> list[int]:
@@ -240,6 +241,7 @@ class PhaseProbe:
         self.installed = True
         self.rec.batch_coming = self._batch_coming
         try:
+            watch_sessions(self._patched)  # first: the module-call route reads whose session it is
             why = module_calls.take(self, self._outer_call, self._patched)
             if why is not None:
                 self.rec.note(f"module calls went through tpkit's Python route ({why}; its C route needs "
