@@ -214,3 +214,20 @@ def test_hta_reads_the_ddp_launch(launched, tmp_path):
             for m in re.finditer(r"^(\d)\s+\d\s+((?:[\d.]+\s+){6}[\d.]+)$", p.stdout, re.M)}
     # idle, compute, non-compute, kernel (us), then idle %, compute %, non-compute %
     assert rows[0][6] >= 75 and rows[1][4] >= 75, p.stdout
+
+
+def test_fsdp2s_unsharded_parameters_are_parameters(tmp_path):
+    """FSDP2 all-gathers a block's parameters before its forward (and its backward); with
+    ``reshard_after_forward=False`` it keeps them from forward to backward. They are parameters:
+    they had read activations (126,976 B at a 2-rank forward's exit, exactly the unsharded
+    parameters kept), so a user would have reached for activation checkpointing. Truth: the
+    bytes of FSDP2's own all-gather outputs alive after each forward, read in the worker."""
+    torchrun("fsdp_memory_worker.py", 2, str(tmp_path), timeout_s=300)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        kept, resharded = got["False"], got["True"]
+        assert set(resharded["kept"]) == {0} and len(set(kept["kept"])) == 1 and kept["kept"][0] > 0
+        assert resharded["parameters"] == resharded["shard"]  # the local shards alone
+        assert kept["parameters"] == kept["shard"] + kept["kept"][0]  # shards and the unsharded, to the byte
+        assert kept["activations"] == resharded["activations"]  # what forward saved, the same both ways
+        assert any(n.startswith("FSDP2's unsharded parameters") for n in kept["notes"])

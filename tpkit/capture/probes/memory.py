@@ -82,8 +82,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import operator
 import os
+import sys
 import weakref
 from collections import UserDict
 from dataclasses import dataclass
@@ -619,6 +621,8 @@ class MemoryProbe:
         self._grads_new = False  # a backward ended since the known sets were last observed
         self._dev_names: dict[torch.device, str] = {}
         self._handle: Any = None
+        self._fsdp = Patches()  # FSDP2's unshard, while the probe is installed (_watch_fsdp_unshards)
+        self.fsdp_unshards = 0  # unshards observed (their parameters counted as parameters)
         self._history = False
         self._cpu_note: str | None = None
         self._stream_lost_at: int | None = None
@@ -663,6 +667,7 @@ class MemoryProbe:
             elif self.cpu.active:  # the counter's markers are written, not freed
                 self._refill(min(MARKERS_AHEAD_MAX, MARKERS_PER_STEP_AHEAD * self.steps_ahead))
             self._observe()  # what exists already (a model seen before, its optimizer's state)
+            self._watch_fsdp_unshards()
             for i in sorted(self._cuda_in_use):
                 # the baseline: the first stretch's peak is measured from here
                 self._cuda_baseline[f"cuda:{i}"] = self._read_cuda(i)
@@ -700,6 +705,7 @@ class MemoryProbe:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._fsdp.restore()
         if self.installed and not self._finished:
             self._observe(final=True)
         for h in self._grad_hooks:
@@ -740,6 +746,11 @@ class MemoryProbe:
             self._finished = True
             if self._cpu_note:
                 self.rec.note(self._cpu_note)
+            if self.fsdp_unshards:
+                self.rec.note(f"FSDP2's unsharded parameters (all-gathered before a block's forward and again before "
+                              f"its backward, {self.fsdp_unshards} times in the slice) count as parameters from "
+                              "their all-gather to their reshard; kept from forward to backward with "
+                              "reshard_after_forward=False")
             self._emit(events)
             self._batch = []
             self.optimizers = WeakRegistry()
@@ -801,6 +812,44 @@ class MemoryProbe:
         self.optimizers.add(opt)
         if self.rec.is_open("backward") and self._streaming():
             self._observe_stepped_gradients(opt)
+
+    def _watch_fsdp_unshards(self) -> None:
+        """FSDP2 all-gathers a block's parameters before its forward and again before its backward
+        (``FSDPParamGroup.wait_for_unshard``), into storages it allocates then and frees at the
+        reshard (with ``reshard_after_forward=False`` they are kept from forward to backward):
+        those are parameters. Allocated inside forward they had read activations (126,976 B at
+        a 2-rank forward's exit, exactly the unsharded parameters kept), inside backward
+        temporaries. Each unshard in the loop's thread is an observation of them: they count as
+        parameters from their allocation to their free. Only where the loop imported FSDP2."""
+        group_mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+        group = getattr(group_mod, "FSDPParamGroup", None)
+        wait = vars(group).get("wait_for_unshard") if isinstance(group, type) else None
+        if not callable(wait):
+            return
+        probe = self
+
+        def wait_for_unshard(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            out = wait(self_, *args, **kwargs)
+            if not compiling() and probe._streaming():
+                probe._observe_unsharded(getattr(self_, "fsdp_params", ()))
+            return out
+
+        self._fsdp.set(group, "wait_for_unshard", functools.update_wrapper(wait_for_unshard, wait))
+
+    def _observe_unsharded(self, fsdp_params: Iterable[Any]) -> None:
+        items: list[Any] = []
+        for fp in fsdp_params:
+            for t in getattr(fp, "all_gather_outputs", ()) or ():
+                try:
+                    s = t.untyped_storage()
+                    ptr, nbytes = s.data_ptr(), s.nbytes()
+                except Exception:  # noqa: BLE001 - a storage FSDP2 freed or swapped: nothing alive
+                    continue
+                if nbytes and t.is_cpu:
+                    items.extend((ptr, nbytes, "parameters", -1))
+        if items:
+            self.fsdp_unshards += 1
+            self._add_observation(items)
 
     def _observe_stepped_gradients(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer stepped inside backward (one per parameter, stepped in a post-accumulate-grad
