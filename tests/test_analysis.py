@@ -102,13 +102,18 @@ def test_a_run_that_saw_no_batch_says_other_may_be_its_loader():
     v = analysis.summarize(steps, {"name": "x"}).verdict
     assert v.text == ("OVERHEAD-BOUND: 71% of step time is outside every known phase; no loader was seen "
                       "(data_wait 0, no batch counted), so other may be waiting for data: wrap the loader in "
-                      "tp.watch(...); else Python between phases, logging, .item() syncs")
+                      "tp.watch(...), or the function that makes the batches (get_batch = tp.watch(get_batch)); "
+                      "else Python between phases, logging, .item() syncs")
     steps["forward_s"], steps["other_s"] = 0.8, 0.2
     assert analysis.summarize(steps, {"name": "x"}).verdict.advice == (
         "no loader was seen (data_wait 0, no batch counted), so other may be waiting for data: wrap the loader "
-        "in tp.watch(...) to time it")
+        "in tp.watch(...), or the function that makes the batches (get_batch = tp.watch(get_batch)) to time it")
     steps["samples"] = 8  # batches seen, counted: the advice as ever
     assert analysis.summarize(steps, {"name": "x"}).verdict.advice == "the input pipeline keeps up"
+    assert analysis.summarize(steps, {"name": "x", "batches_seen": 3}).verdict.advice == "the input pipeline keeps up"
+    # the samples samples_per_step filled in, no batch handed out: still none seen
+    assert analysis.summarize(steps, {"name": "x", "samples_per_step": 8, "batches_seen": 0}).verdict.advice \
+        .startswith("no loader was seen")
     steps["forward_s"], steps["other_s"], steps["samples"], steps["data_wait_s"] = 0.19, 0.71, 0, 0.1
     assert analysis.summarize(steps, {"name": "x"}).verdict.advice == "Python between phases, logging, .item() syncs"
 

@@ -107,6 +107,66 @@ def test_a_loop_over_a_loader_tpkit_does_not_see_is_told_to_watch_it():
     assert verdicts["watched"].kind == "input-bound"
 
 
+def _batch_fn_loop(get_batch, clock: list[float], samples_per_step: int | None):
+    """nanoGPT's loop: batches from a function (random rows, no loader), the next one fetched
+    between the forward and the backward; ``clock``: the loop's own time in each fetch."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False,
+                    samples_per_step=samples_per_step) as prof:
+        x, y = get_batch("train", rows=6)
+        for _ in range(6):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            t = time.perf_counter()
+            x, y = get_batch("train", rows=6)
+            clock.append(time.perf_counter() - t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.run
+
+
+def _get_batch(split: str, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch made by a function, 40 ms each (nanoGPT's slices of a memmap)."""
+    time.sleep(0.04)
+    return torch.randn(rows, 8), torch.randn(rows, 1)
+
+
+def test_a_batch_function_unseen_is_told_to_watch_it_with_samples_per_step_too():
+    """Batches from a function tpkit does not see: 40 ms of a step that does little else. The
+    verdict says no loader was seen, with samples_per_step given too (the samples it fills in
+    are no batch seen: the hint had gone, "Python between phases, logging, .item() syncs" with
+    the fetch at 96% of the step), and says how to watch a function."""
+    for sps in (None, 6):
+        clock: list[float] = []
+        run = _batch_fn_loop(_get_batch, clock, sps)
+        v = run.summary().verdict
+        assert v.kind == "overhead-bound", (sps, v)
+        assert v.advice.startswith("no loader was seen (data_wait 0, no batch counted), so other may be waiting "
+                                   "for data: wrap the loader in tp.watch(...), or the function that makes the "
+                                   "batches (get_batch = tp.watch(get_batch))"), (sps, v.advice)
+        assert run.meta["batches_seen"] == 0
+
+
+def test_watch_times_each_call_of_a_batch_function():
+    """``get_batch = tp.watch(get_batch)``: each call in the loop is data_wait (the loop's own
+    clock around it, step by step) and its batch counted (6 rows, passed by keyword); the run is
+    INPUT-BOUND. Outside a slice the function is called as it is."""
+    watched = tp.watch(_get_batch)
+    assert watched.__name__ == "_get_batch"
+    x, y = watched("val", rows=3)  # free and transparent outside a slice
+    assert x.shape == (3, 8) and y.shape == (3, 1)
+    for sps in (None, 6):
+        clock: list[float] = []
+        run = _batch_fn_loop(watched, clock, sps)
+        m = run.steps[~run.steps["warmup"]]
+        # step k's fetch is the loop's k-th (the first, before the loop, is the warmup step's)
+        assert _close(m["data_wait_s"], clock[1:5]), (m["data_wait_s"].tolist(), clock)
+        assert (run.steps["samples"] == 6).all(), run.steps["samples"].tolist()
+        assert run.summary().verdict.kind == "input-bound"
+        assert run.meta["batches_seen"] == 1 + len(clock)  # and the one before the loop
+
+
 def test_tp_step_right_after_an_optimizer_step_marks_the_same_step():
     """A loop that calls ``tp.step()`` after ``opt.step()``: the first optimizer step ends a step
     before any tp.step() was seen; the first tp.step() right after it marks that same step (it

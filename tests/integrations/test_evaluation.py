@@ -431,6 +431,141 @@ def test_an_evaluation_after_the_steps_batch_was_read(every):
 
 
 
+# -- an evaluation that fetches its batches or samples between calls by itself -------------------
+FETCH_S, EVAL_ITERS = 0.03, 3
+
+
+def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's ``get_batch``: random rows of a memmap, no loader; here a known sleep."""
+    time.sleep(FETCH_S)
+    return torch.randn(BATCH, 8), torch.randn(BATCH, 1)
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["get_batch", "tp.watch(get_batch)"])
+def test_an_evaluation_that_fetches_its_batches_itself(watched):
+    """nanoGPT: ``estimate_loss()`` under no_grad, in eval mode, calls ``get_batch('val')`` and
+    the model EVAL_ITERS times. The time between its model calls (a fetch, 30 ms each) is eval:
+    it had been training's other (eval_s held the model calls alone). Unwatched, the fetch
+    before its first call stays other; with ``get_batch = tp.watch(get_batch)`` every fetch of
+    the evaluation is eval, and the training fetches, nanoGPT's between forward and backward,
+    are data_wait. Truth: the loop's clocks."""
+    fetch = tp.watch(get_batch) if watched else get_batch
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    clock: dict[str, float] = defaultdict(float)
+
+    @torch.no_grad()
+    def estimate_loss() -> None:
+        t0 = time.perf_counter()
+        model.eval()
+        for k in range(EVAL_ITERS):
+            x, y = fetch("val")
+            t = time.perf_counter()
+            F.mse_loss(model(x), y)
+            if k == 0:
+                first = t
+        clock["between_first_and_last_call"] += time.perf_counter() - first
+        model.train()
+        clock["eval"] += time.perf_counter() - t0
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="estimate-loss", progress=False, clock_hz=0) as prof:
+        x, y = fetch("train")
+        for step in range(N):
+            if step % EVERY == 1:
+                estimate_loss()
+            loss = F.mse_loss(model(x), y)
+            t = time.perf_counter()
+            x, y = fetch("train")  # nanoGPT fetches the next batch before the backward
+            clock["train_fetch"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    evaluations = len([s for s in range(N) if s % EVERY == 1])
+    assert run.meta["evaluation"]["calls"] == EVAL_ITERS * evaluations
+    glue = run.spans[run.spans["source"] == "between evaluation calls"]
+    assert len(glue) == (EVAL_ITERS - 1) * evaluations
+    if watched:
+        close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (estimate_loss() whole)")
+        close(float(run.steps["data_wait_s"].sum()), clock["train_fetch"], "data_wait (the training fetches)")
+        assert run.meta["evaluation"]["batches"] == EVAL_ITERS * evaluations
+        assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    else:
+        close(float(run.steps["eval_s"].sum()), clock["between_first_and_last_call"],
+              "eval (from estimate_loss()'s first model call to its last)")
+        other = float(run.steps["other_s"].sum())
+        assert other >= clock["train_fetch"] + evaluations * FETCH_S, "the unseen fetches are other"
+    note = next(n for n in run.meta["notes"] if n.startswith("evaluation ran inside the slice"))
+    assert f"so is the time between consecutive calls with no training work between them " \
+           f"({(EVAL_ITERS - 1) * evaluations} stretch(es)" in note, note
+    assert "Before an evaluation's first call and after its last" in note, note
+
+
+def test_sampling_between_the_calls_of_generate_is_eval():
+    """minGPT's callback after a step: ``generate()`` in eval mode without grad, the model called
+    once a token with the sampling (argmax, cat; here 20 ms) between calls. That time is eval;
+    it had been other. Truth: the loop's clock from generate's first call to its last call's end."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, _ = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+
+    @torch.no_grad()
+    def generate(x: torch.Tensor, tokens: int) -> None:
+        t = time.perf_counter()
+        for _ in range(tokens):
+            out = model(x)
+            time.sleep(0.02)  # sample the next token and append it
+            x = x + out
+        clock["generate"] += time.perf_counter() - t - 0.02  # (the sampling after the last call)
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="generate", progress=False, clock_hz=0) as prof:
+        for step, (x, y) in zip(range(N), train):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                model.eval()
+                generate(x[:1], 3)
+                model.train()
+    run = prof.run
+    close(float(run.steps["eval_s"].sum()), clock["generate"], "eval (generate's calls and its sampling)")
+
+
+def test_a_metric_in_eval_mode_every_micro_batch_leaves_training_alone():
+    """A loop that computes a metric with the model in eval mode without grad after each
+    micro-batch's backward (two a step, gradient accumulation): between two such calls run a
+    training forward and backward, so nothing between them is eval; the logging after each
+    (20 ms) stays other. Truth: the model's calls by grad mode (forward hooks)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    calls = CallClock(model)
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, _ = train_and_val()
+    logged = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="metric", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for _ in range(N):
+            for _micro in range(2):
+                x, y = next(it)
+                F.mse_loss(model(x), y).backward()
+                model.eval()
+                with torch.no_grad():
+                    F.mse_loss(model(x), y)
+                model.train()
+                t = time.perf_counter()
+                time.sleep(0.02)  # log the metric
+                logged += time.perf_counter() - t
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert not (run.spans["source"] == "between evaluation calls").any()
+    close(float(run.steps["eval_s"].sum()), calls.seconds["eval"], "eval (the metric's model calls alone)")
+    assert float(run.steps["other_s"].sum()) >= logged
+
+
 def test_a_batch_pseudo_labelled_in_eval_mode_every_step_is_training():
     """Self-training (FixMatch written with ``model.eval()``): each step reads a labelled and an
     unlabelled batch, the model labels the unlabelled one in eval mode without grad, then trains

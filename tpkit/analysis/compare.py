@@ -507,10 +507,10 @@ def comparison_warnings(runs: list["Run"], labels: list[str], dropped: dict[str,
         out.append(f"{', '.join(repr(k) for k in unseen)}: the optimizer's updates ran where tpkit cannot time them "
                    "(a compiled optimizer step: its time is other there, optimizer in the others): the optimizer and "
                    "other times differ for that reason; compare step time and their sum")
-    blind = [label for r, label in zip(runs, labels) if not batches_seen(clean_measured(r.steps)[0])]
+    blind = [label for r, label in zip(runs, labels) if not batches_seen(clean_measured(r.steps)[0], r.meta)]
     if blind and len(blind) < len(runs):
-        out.append(f"{', '.join(repr(k) for k in blind)}: no batch was seen (a loader tpkit does not see: wrap it in "
-                   "tp.watch), so its wait for data is other there, data_wait in the others: the data wait and "
+        out.append(f"{', '.join(repr(k) for k in blind)}: no batch was seen (a loader tpkit does not see: wrap it, or "
+                   "the function that makes the batches, in tp.watch), so its wait for data is other there, data_wait in the others: the data wait and "
                    "other differ for that reason")
     for r, label in zip(runs, labels):
         if not r.complete:

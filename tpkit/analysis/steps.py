@@ -147,12 +147,21 @@ def phase_shares(steps: pd.DataFrame) -> dict[str, float]:
 #: see (a torchdata.nodes Loader, a generator) waits inside ``other``. A loop spending 71% of
 #: each step in such a loader's next() had read "Python between phases, logging, .item() syncs".
 UNSEEN_LOADER = "no loader was seen (data_wait 0, no batch counted), so other may be waiting for data"
-WATCH_IT = "wrap the loader in tp.watch(...)"
+WATCH_IT = ("wrap the loader in tp.watch(...), or the function that makes the batches "
+            "(get_batch = tp.watch(get_batch))")
 
 
-def batches_seen(steps: pd.DataFrame) -> bool:
-    """Whether the slice saw any batch: a wait for one or a sample counted in some step."""
-    return steps.empty or float(steps["data_wait_s"].sum()) > 0 or int(steps["samples"].sum()) > 0
+def batches_seen(steps: pd.DataFrame, meta: dict | None = None) -> bool:
+    """Whether the slice saw any batch: a wait for one, or a batch handed out
+    (``meta["batches_seen"]``). Samples are no sign where ``samples_per_step`` (or DeepSpeed's
+    engine) filled them in: a nanoGPT ``get_batch()`` taking 96% of the step lost the "no loader
+    was seen" advice once samples_per_step was given. A run saved before that key: a sample
+    counted in some step."""
+    if steps.empty or float(steps["data_wait_s"].sum()) > 0:
+        return True
+    if meta is not None and "batches_seen" in meta:
+        return int(meta["batches_seen"]) > 0
+    return int(steps["samples"].sum()) > 0
 
 
 def verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
@@ -274,7 +283,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         step_p95_s=float(np.percentile(dur, 95)) if dur.size else float("nan"),
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
-        verdict=verdict(shares, batches_seen(steps)),
+        verdict=verdict(shares, batches_seen(steps, meta)),
         notes=list(meta.get("notes", [])),
     )
     first = first_step_note(m, out.warmup_steps)

@@ -117,6 +117,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     spans = frame("spans", [
         (step - warmup_steps, relabel(ev, phase, s, e), at(s, sev), at(e, eev), 0.0, depth, source)
         for phase, s, e, depth, source, step, sev, eev in raw_spans + setup_spans(rec, ev.handouts, past)
+        + evaluation.glue_spans(ev)
         if step < past
     ])
     spans["duration_s"] = spans["end_s"] - spans["start_s"]
@@ -189,6 +190,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         workers, batches = trained.most_common(1)[0]
         full_meta["torch_loader"] = {"num_workers": workers, "batches": batches,
                                      **_training_loader_settings(rec, trained_at, workers)}
+    # batches a loader or tp.watch handed out: samples_per_step (or DeepSpeed's engine) fills in
+    # the samples where none was seen, and the verdict's "no loader was seen" reads this
+    full_meta["batches_seen"] = sum(1 for step in rec.handouts[2::3] if step < past)
     uncounted = sum(1 for i in range(0, len(rec.handouts), 3) if rec.handouts[i + 1] == 0 and rec.handouts[i + 2] < past)
     if uncounted and rec.samples_per_step is None and rec.uncounted is not None:
         full_meta["notes"].append(f"{uncounted} batch(es) read in the slice held samples tpkit could not count "

@@ -36,7 +36,18 @@ What is evaluation here:
   in eval mode and trained on in every step has no batch for evaluation alone: training).
   A batch read right after an evaluation's, from the same
   iterator, that holds no call at all (``if i == n: break`` at the top of an evaluation loop
-  reads one more) is the evaluation's too.
+  reads one more) is the evaluation's too;
+- the time between two consecutive evaluation calls of one step (of the trained model, or a
+  loss or metric after one) with no training work between them: no other forward, no
+  backward, optimizer or offload span, no training batch handed out. An evaluation that
+  fetches its batches through a function tpkit does not see (nanoGPT's ``estimate_loss()``
+  calling ``get_batch('val')``), or that samples between model calls (minGPT's ``generate()``:
+  its argmax and cat), had only its model calls counted as eval: 0.002 s of 0.336 s by the
+  loop's clock, the rest training's ``other``. It is charged as ``eval`` spans of their own
+  (``GLUE``), under every phase that opens inside it (an h2d copy stays h2d); inside a
+  trainer's whole evaluation nothing is added. Before an evaluation's first call and after its
+  last (``model.eval()``, a first batch fetched unseen, averaging the losses) it stays other:
+  nothing tells that time from the step's.
 
 The phase probe records what it takes (``Recorder.handouts``, ``no_grad_calls``,
 ``trained_modules``, ``param_free_modules``: a few integers a call or a batch); everything is decided here, after the
@@ -49,10 +60,15 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 #: The phase evaluation is counted as (``run.steps.eval_s``).
 EVAL = "eval"
+#: The source of the ``eval`` spans between consecutive evaluation calls (``EvalSplit.glue``).
+GLUE = "between evaluation calls"
+#: The phases that are training work: one of them between two evaluation calls keeps the time
+#: between them the step's (a loop that computes a metric in eval mode after every step).
+_TRAINING_WORK = frozenset({"backward", "optimizer", "offload"})
 
 
 @dataclass
@@ -69,6 +85,7 @@ class EvalSplit:
     helper_calls: int = 0  # and of a loss or a metric after them
     runs: dict[str, int] = field(default_factory=dict)  # a trainer's evaluations in the rows' steps, by who ran them
     rows: int = 0  # raw steps below this have a row in run.steps: what the note and describe count
+    glue: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, raw step) between calls
 
     def __bool__(self) -> bool:
         return bool(self.calls or self.ranges)
@@ -193,6 +210,7 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             out.samples_by_step[step] = out.samples_by_step.get(step, 0) + n
             out.batches += step < rows
             out.handouts.add(k)
+    out.glue = _glue(out, recorded, spans, others, [t for k, t in enumerate(times) if not eval_batch[k]], in_range)
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
     # ahead, as accelerate's does, hands the previous batch right after each read)
     for s in spans:
@@ -202,6 +220,32 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
         if in_range(s[1]) or (k < len(times) and eval_batch[k]):
             out.waits.add((s[1], s[2]))
     return out
+
+
+def _glue(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], others: list[int],
+          training_batches: list[int], in_range: Callable[[int], bool]) -> list[tuple[int, int, int]]:
+    """The stretches between consecutive evaluation calls (``split_.calls``) of one step that
+    hold no training work (``others``: the starts of the other forwards; ``training_batches``:
+    when the training batches were handed out) and are in no trainer's evaluation (``in_range``)."""
+    step_of = {a: step for a, _, _, step in recorded}
+    work = sorted([s[1] for s in spans if s[0] in _TRAINING_WORK] + others + training_batches)
+    out = []
+    for (a1, b1), (a2, _) in zip(split_.calls, split_.calls[1:]):
+        step = step_of.get(a1, -1)
+        if a2 <= b1 or step < 0 or step_of.get(a2, -1) != step:
+            continue  # overlapping, or across a step's end
+        if in_range(b1) or in_range(a2) or bisect.bisect_left(split_.ranges, (b1, -1)) < bisect.bisect_left(
+                split_.ranges, (a2, -1)):
+            continue  # a trainer's evaluation is eval whole already
+        if bisect.bisect_right(work, b1) < bisect.bisect_left(work, a2):
+            continue  # training work between them (a metric in eval mode after every step)
+        out.append((b1, a2, step))
+    return out
+
+
+def glue_spans(split_: EvalSplit) -> list[tuple]:
+    """Raw spans (as ``Recorder.spans``) of the time between consecutive evaluation calls."""
+    return [(EVAL, a, b, 0, GLUE, step, None, None) for a, b, step in split_.glue]
 
 
 def relabel_span(split_: EvalSplit, phase: str, start_ns: int, end_ns: int) -> str:
@@ -260,9 +304,17 @@ def note(split_: EvalSplit, eval_s: float) -> str:
     runs = ", ".join(f"{n} by {who}" for who, n in split_.runs.items())
     whole = (f"; {sum(split_.runs.values())} evaluation(s) ran by a trainer ({runs}), all of their time is eval, "
              "metrics and the gathering of predictions included" if runs else "")
+    glue = [(a, b) for a, b, step in split_.glue if step < split_.rows]
+    between = (f"; so is the time between consecutive calls with no training work between them ({len(glue)} "
+               f"stretch(es), {sum(b - a for a, b in glue) / 1e9:.3f} s: batches fetched where tpkit sees no loader, "
+               "sampling between calls as generate() does)" if glue else "")
+    plain = split_.model_calls + split_.helper_calls > 0 and not split_.runs
+    rest = (". Before an evaluation's first call and after its last (model.eval(), a first batch fetched where tpkit "
+            "sees no loader: wrap the function in tp.watch, averaging the losses) the time stays other: nothing tells "
+            "it from the step's" if plain else "")
     return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it, "
             f"or of a model only called without grad, on batches that fed no training) without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
-            f"forward or data_wait, and their samples are not the steps' (samples/s is training's){whole}. A call of "
+            f"forward or data_wait, and their samples are not the steps' (samples/s is training's){between}{whole}{rest}. A call of "
             "the trained model without grad in eval mode that is part of training (targets it makes for itself) is "
             "counted as eval too")
 

@@ -1,9 +1,11 @@
-"""``tp.watch``: any iterable's ``next()`` (and ``iter()``) timed as ``data_wait`` while a slice runs."""
+"""``tp.watch``: any iterable's ``next()`` (and ``iter()``), or each call of a function that
+makes a batch, timed as ``data_wait`` while a slice runs."""
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..recorder import Recorder
 from .batches import handed_out
@@ -15,7 +17,16 @@ def watch(iterable: Any, name: str = "watch") -> Any:
     DataLoader's (``_wrap_iter``; a torchdata.nodes Loader's ~50 ms each epoch had been other).
 
     >>> for batch in tp.watch(my_generator()): ...
+
+    A function that is not iterable (nanoGPT's ``get_batch(split)``: random slices of a memmap,
+    no loader) is wrapped instead: each of its calls in the loop's thread is a ``data_wait`` and
+    its result a batch handed out (its samples counted; evaluation's told apart as a loader's
+    are), with whatever arguments; outside a slice the call goes straight through.
+
+    >>> get_batch = tp.watch(get_batch)
     """
+    if callable(iterable) and not _iterable(iterable):
+        return _timed_call(iterable, name)
     rec = _loop_reading()
     if rec is None:
         return _timed_iter(iter(iterable), name)
@@ -25,6 +36,42 @@ def watch(iterable: Any, name: str = "watch") -> Any:
     finally:
         rec.exit(token)
     return _timed_iter(it, name)
+
+
+def _iterable(obj: Any) -> bool:
+    """Whether ``iter(obj)`` would work (``__iter__``, or the old ``__getitem__`` protocol)."""
+    return hasattr(obj, "__iter__") or hasattr(obj, "__getitem__")
+
+
+def _timed_call(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` with each call in the loop's thread timed as ``data_wait`` and its result handed out."""
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        rec = _loop_reading()
+        if rec is None:
+            return fn(*args, **kwargs)
+        if rec.batch_coming is not None:
+            rec.batch_coming()
+        token = rec.enter("data_wait", name)
+        try:
+            batch = fn(*args, **kwargs)
+        finally:
+            rec.exit(token)
+        handed_out(rec, batch, source=_call_source(fn, args, kwargs))
+        return batch
+
+    return timed
+
+
+def _call_source(fn: Callable[..., Any], args: tuple, kwargs: dict) -> int:
+    """The source a call's batch came from: the function and its string arguments, so that
+    ``get_batch("train")`` and ``get_batch("val")`` are two sources, as a training and an
+    evaluation loader are (capture/evaluation.py tells an evaluation's batches by their source);
+    other arguments (an index, a generator) leave the source the function's."""
+    split = tuple(a for a in args if isinstance(a, str)) + tuple(
+        (k, v) for k, v in sorted(kwargs.items()) if isinstance(v, str))
+    return (hash((id(fn), split)) if split else id(fn)) or 1
 
 
 def _loop_reading() -> Recorder | None:
