@@ -1,0 +1,117 @@
+"""--kernels ab starts run B from run A's starting state wherever the loop keeps it: an
+optimizer in a dict or on an object, a hand LR warmup's step counter, a GradScaler. With no
+module matching a kernel (a Linear-Dropout-Linear model) A and B run the same code, so the
+truth is B's losses = A's, exactly; and after the cell the user's state is a plain slice's.
+State that tpkit cannot put back is named, never called a loss drift."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.utils.capture import capture_output
+
+SETUP = """
+import numpy as np
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+{extra}
+"""
+LOOP = """
+for x, y in loader:
+    {before}
+    loss = torch.nn.functional.mse_loss({model}(x), y){plus}
+    {backward}
+    {opt}.zero_grad()
+    {after}
+"""
+WARMUP = "for g in _opt.param_groups: g['lr'] = 1e-2 * min(1.0, (global_step + 1) / 10)"
+CASES = {  # the loop's state where users keep it: (setup, LOOP's fields)
+    "optimizer in a dict": ("state = {'opt': _opt}", {"opt": "state['opt']"}),
+    "optimizer as an attribute": ("class S: pass\nstate = S(); state.opt = _opt", {"opt": "state.opt"}),
+    "hand LR warmup from a counter": ("global_step = 0", {"before": WARMUP, "after": "global_step += 1"}),
+    "model, optimizer and counter on a trainer object": (
+        "class Trainer: pass\ntr = Trainer(); tr.model, tr.opt, tr.step = model, _opt, 0\ndel model",
+        {"model": "tr.model", "opt": "tr.opt", "before": WARMUP.replace("global_step", "tr.step"),
+         "after": "tr.step += 1"}),
+}
+
+
+def loop(**fields: str) -> str:
+    base = {"before": "", "model": "model", "plus": "", "backward": "loss.backward()\n    {opt}.step()",
+            "opt": "_opt", "after": ""}
+    base.update(fields)
+    return LOOP.format(**{**base, "backward": base["backward"].format(opt=base["opt"])})
+
+
+def fresh(ip, setup: str) -> None:
+    ip.run_line_magic("reset", "-f")  # no state left by another test: what is restored is counted
+    ip.run_cell(SETUP.format(extra=setup))
+
+
+def run_ab(ip, setup: str, cell: str):
+    fresh(ip, setup)
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 4 --warmup 1 --kernels ab --quiet", cell)
+    return ip.user_ns.pop("_tp_ab")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_run_b_starts_from_run_a_state_wherever_the_loop_keeps_it(ip, case):
+    setup, fields = CASES[case]
+    ab = run_ab(ip, setup, loop(**fields))
+    assert ab.swapped == [] and "runs A and B ran the same code" in " ".join(ab.notes)
+    assert ab.verdict.ok and ab.verdict.message.startswith("loss matches"), ab.verdict.message
+    assert ab.losses["abs_diff"].max() == 0.0 and len(ab.losses) == 5
+    assert ab.losses["loss_a"].nunique() == 5  # five different batches: the model did train
+
+
+@pytest.mark.slow
+def test_a_grad_scaler_starts_run_b_at_run_a_starting_scale(ip):
+    setup = "opt = _opt\nscaler = torch.amp.GradScaler('cpu', init_scale=4.0, growth_interval=1)\nscales = []"
+    cell = loop(backward="scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()", opt="opt",
+                after="scales.append(scaler.get_scale())")  # the scale doubles at every finite step
+    fresh(ip, setup)
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 4 --warmup 1 --quiet", cell)  # the truth: one plain slice
+    plain = (ip.user_ns["scaler"].get_scale(), list(ip.user_ns["scales"]))
+    ab = run_ab(ip, setup, cell)
+    assert ab.verdict.ok and ab.losses["abs_diff"].max() == 0.0, ab.verdict.message
+    assert plain[1][0] == 8.0  # a plain slice starts at init_scale 4 and doubles
+    assert (ip.user_ns["scaler"].get_scale(), ip.user_ns["scales"]) == plain  # B started at 4, as A did
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, named", [("np_shift += 0.1", None), ("t_shift.add_(0.1)", "tensor t_shift")])
+def test_state_tpkit_cannot_restore_is_not_a_loss_drift(ip, change, named):
+    """A numpy array or a tensor the loop changes in place (tpkit copies neither) feeds the
+    loss: B starts 0.1 * steps higher. Same code in A and B: the verdict says the start was
+    not the same, what tpkit restored and, where it saw it, what it could not."""
+    setup = "np_shift = np.zeros(1)\nt_shift = torch.zeros(())"
+    ab = run_ab(ip, setup, loop(plus=" + float(np_shift[0]) + t_shift", after=change))
+    message = ab.verdict.message
+    assert not ab.verdict.ok and "LOSS DRIFT" not in message
+    assert message.startswith("NOT THE SAME START: runs A and B ran the same code"), message
+    assert "tpkit restored 1 model, 1 optimizer, " in message and "the RNGs (torch CPU, numpy, random" in message
+    if named:
+        assert named in message and any(n.startswith(named) for n in ab.notes)
+    else:
+        assert "numpy array changed in place" in message
+
+
+@pytest.mark.slow
+def test_with_kernels_swapped_what_could_not_be_restored_is_named_not_the_kernels(ip):
+    """An RMSNorm that the rms_norm kernel replaces in B, and a tensor the loop shifts in place
+    (tpkit does not copy it): the verdict names the tensor instead of calling it a drift."""
+    setup = ("from tpkit.demo.models import RMSNorm\nt_shift = torch.zeros(())\n"
+             "model = torch.nn.Sequential(torch.nn.Linear(8, 32), RMSNorm(32), torch.nn.Linear(32, 1))\n"
+             "_opt = torch.optim.Adam(model.parameters(), lr=1e-2)")
+    ab = run_ab(ip, setup, loop(plus=" + t_shift", after="t_shift.add_(0.1)"))
+    assert [s.rsplit("(", 1)[1] for s in ab.swapped] == ["rms_norm)"]
+    message = ab.verdict.message
+    assert not ab.verdict.ok and "LOSS DRIFT" not in message
+    assert message.startswith("NOT THE SAME START: run A changed what tpkit could not put back (tensor t_shift"), message
+    assert "the kernels need not be the cause" in message
