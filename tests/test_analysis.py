@@ -136,11 +136,13 @@ def test_summary_figures():
 
 
 @pytest.mark.parametrize("durations,expected", [
-    ([0.5, 0.1, 0.1, 0.1], True),
-    ([0.5, 0.1, 0.1], False),              # too few steps to judge
-    ([0.5, 0.2, 0.1, 0.1], False),
-    ([0.5, 0.3, 0.1, 0.11, 0.12], True),   # within 20% of the median
-    ([0.5, 0.3, 0.1, 0.11, 0.13], False),
+    ([0.5] + [0.1] * 5, True),
+    ([0.5] + [0.1] * 4, False),            # too few steps to judge
+    ([0.5, 0.2, 0.1, 0.1, 0.1, 0.1], False),
+    ([0.5, 0.3, 0.1, 0.11, 0.12, 0.1, 0.11], True),   # within 20% of the median
+    ([0.5, 0.3, 0.1, 0.11, 0.13, 0.1, 0.11], False),
+    ([0.085, 0.08, 0.08, 0.08, 0.08], False),  # four flat slow steps are not yet the loop's pace
+    ([0.085, 0.08, 0.08, 0.08, 0.08, 0.02], False),
 ])
 def test_warmup_settled_rule(durations, expected):
     assert slice_mod.settled(durations) is expected

@@ -162,6 +162,37 @@ def test_a_batch_it_cannot_count_is_said_with_its_type():
     assert not any("could not count" in n for n in given.meta["notes"])
 
 
+def test_a_given_samples_per_step_the_batches_contradict_is_kept_and_said():
+    """``samples_per_step`` overrides the count (documented), but where the batches tpkit counted
+    held another number the run says so: a given 5 for 16-row batches had read 237 samples/s for
+    759 with no word. Two 16-row batches a step (accumulation) are 32 a step; a figure that agrees
+    with them says nothing. Truth: the batch size the loader was built with."""
+    import tpkit as tp
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.zeros(400, 8), batch_size=16)
+
+    def train(given: int | None, per_step: int = 1) -> tp.Run:
+        with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0, memory=False, samples_per_step=given) as prof:
+            for i, x in enumerate(loader):
+                model(x).sum().backward()
+                if i % per_step == per_step - 1:
+                    opt.step()
+                    opt.zero_grad()
+        return prof.run
+
+    run = train(5)
+    assert run.steps["samples"].tolist() == [5] * 4  # the given figure is used
+    assert ("samples_per_step=5 given, and samples/s counts it; the batches handed out held 16 samples a step: "
+            "leave samples_per_step out for tpkit to count them") in run.meta["notes"]
+    run = train(5, per_step=2)
+    assert any("held 32 samples a step (batches of 16)" in n for n in run.meta["notes"])
+    for given, per_step in ((16, 1), (32, 2)):
+        assert not any(n.startswith("samples_per_step=") for n in train(given, per_step).meta["notes"])
+    assert not any(n.startswith("samples_per_step=") for n in train(None).meta["notes"])
+
+
 def test_two_different_mappings_are_not_records():
     """(inputs, targets) as two mappings with different keys: the inputs' leading dimension."""
     assert batch_size_of(({"ids": torch.zeros(B, 16)}, {"labels": torch.zeros(B)})) == B

@@ -556,6 +556,25 @@ def test_summary_lines_and_figures():
     assert ca.clock_summary(_frame([]), STEPS) is None
 
 
+def test_measured_steps_with_no_reading_inside_say_so_and_give_the_nearest():
+    """A slice shorter than the sampling period (0.2 s): every reading of the clock falls before
+    its measured steps. The summary and the dashboard had printed "mean nan MHz (steady)"; they
+    say there was no reading inside the steps, and the nearest one with its distance.
+    Truth: the readings' known times (0.0 and 0.2 s) and the steps' (0.30 to 0.34 s)."""
+    steps = pd.DataFrame({"step": [-1, 0, 1], "warmup": [True, False, False], "start_s": [0.25, 0.30, 0.32],
+                          "end_s": [0.30, 0.32, 0.34], "duration_s": [0.05, 0.02, 0.02], "samples": [8, 8, 8]})
+    clocks = _frame([(0.0, "cpu", "cpu_freq_mhz", 2596.0), (0.2, "cpu", "cpu_freq_mhz", 2596.0)])
+    s = analysis.summarize(_full(steps), {"name": "x", "warmup_steps": 1}, clocks)
+    assert s.clock_lines[0] == ("clock: cpu cpu_freq_mhz no reading inside the measured steps; the nearest, "
+                                f"0.10 s before them: 2,596 MHz ({ca.FLAT_CLOCK})")
+    assert s.clocks["nearest_gap_s"] == pytest.approx(-0.1)
+    run = Run(steps=_full(steps), clocks=clocks, meta={"name": "short", "warmup_steps": 1})
+    figures = dict(report.key_figures(run))
+    assert figures["CPU frequency (cpu)"] == "No reading inside the measured steps; the nearest, 0.10 s before them: 2,596 MHz"
+    assert "nan" not in " ".join(figures.values())
+    assert ca.clock_summary(clocks, STEPS).clock_text("MHz") == "mean 2,596 MHz"  # readings inside: their mean
+
+
 def test_trace_frame_downsamples_long_runs_and_keeps_flat_lines_flat():
     t = np.linspace(0, 100, 5000)
     clocks = _frame([(x, "cpu", "cpu_freq_mhz", 2596.0) for x in t] + [(x, "cpu", "cpu_util_pct", x % 7) for x in t]

@@ -216,6 +216,20 @@ def test_the_cli_says_what_is_wrong_in_one_line(args, code, says):
     assert says in out.stderr and "Traceback" not in out.stderr
 
 
+def test_the_demos_help_says_what_each_option_is_and_its_default(capsys):
+    """``python -m tpkit demo --help``: --steps, --batch-size, --name and --out had no help text
+    and no default shown. Truth: the defaults the parser uses."""
+    from tpkit.views.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--steps", "20"), ("--warmup", "3"), ("--batch-size", "16"), ("--workers", "0"),
+                            ("--cpu-ms", "0"), ("--name", "demo"), ("--out", "tpkit_report")):
+        after = text.split(f"{option} {option.lstrip('-').replace('-', '_').upper()} ", 1)[1]
+        assert f"default {default}" in after.split(" --", 1)[0], (option, after[:120])
+
+
 def test_magic_save_to_a_bad_path_is_refused_before_the_cell_runs(ip, tmp_path):
     from IPython.core.error import UsageError
 

@@ -63,3 +63,32 @@ def test_kernels_flag_needs_a_model_and_a_valid_mode(ip):
             ip.run_cell_magic("tp_profile", "--kernels ab --quiet", "x = 1")
     finally:
         ip.user_ns.update(saved)
+
+
+def test_kernels_on_and_off_are_in_the_run_and_say_when_nothing_changed(ip):
+    """``--kernels on`` is in the run as ``--kernels ab``'s B is: ``knobs["kernels"]`` and the
+    modules swapped for the slice in ``meta["kernels"]`` (the loop's own modules inside it are
+    the truth); where no module matches a kernel the run says so. It had left ``knobs`` {} and
+    no word (``--kernels ab`` said "no module matched a kernel")."""
+    ip.run_cell(SETUP)
+    loop = LOOP.replace("for b in loader:\n", "for b in loader:\n"
+                        "    inside = [n for n, m in model.named_modules() if 'Kernel' in type(m).__name__]\n")
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 1 --warmup 0 --kernels on --quiet", loop)
+    run = ip.user_ns["_tp"]
+    inside = ip.user_ns["inside"]
+    assert inside and run.meta["knobs"] == {"kernels": "on"}
+    assert [s.split(" (")[0] for s in run.meta["kernels"]["swapped"]] == [f"TinyTransformer.{n}" for n in inside]
+    assert run.meta["kernels"]["mode"] == "on" and not any("kernel" in n for n in run.meta["notes"])
+    assert not ip.user_ns["patched"](ip.user_ns["model"])  # taken out again
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 1 --warmup 0 --kernels off --quiet", loop)
+    assert ip.user_ns["_tp"].meta["kernels"] == {"mode": "off", "swapped": []}
+    assert "--kernels off: no model had tpkit's kernels in" in " ".join(ip.user_ns["_tp"].meta["notes"])
+    ip.run_cell("model = torch.nn.Sequential(torch.nn.Linear(8, 8)); opt = torch.optim.SGD(model.parameters(), lr=0.1)")
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 1 --warmup 0 --kernels on --quiet",
+                          "while True:\n    model(torch.randn(2, 8)).sum().backward()\n    opt.step()\n")
+    run = ip.user_ns["_tp"]
+    assert run.meta["knobs"] == {"kernels": "on"} and run.meta["kernels"]["swapped"] == []
+    assert "--kernels on: no module matched a kernel" in cap.stdout

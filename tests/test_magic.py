@@ -77,6 +77,24 @@ def test_error_mid_slice_keeps_partial_run_and_removes_hooks(ip):
     assert "INCOMPLETE" in cap.outputs[-1].data["text/plain"]
 
 
+def test_a_cell_with_a_syntax_error_starts_no_slice_and_keeps_no_run(ip, tmp_path):
+    """The cell is compiled before the slice starts: a syntax error is Python's own, and no run
+    is made. It had started a slice and kept an empty INCOMPLETE run under the name asked for
+    (tp.last_run() -> 'mine', 0 steps; the store held 'mine'), printed as "cut short by
+    SyntaxError after 0 steps", and the fixed cell was then stored as 'mine-2'."""
+    tp.set_store(tmp_path)
+    before, previous = sleepy.registries(), tp.last_run()
+    with pytest.raises(SyntaxError, match="never closed"):
+        with capture_output() as cap:
+            ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --name mine",
+                              LOOP.replace("loss = model(batch)", "loss = model(batch"))
+    assert sleepy.registries() == before
+    assert tp.last_run() is previous and cap.stdout == "" and not list(tmp_path.iterdir())
+    with capture_output():
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --name mine", LOOP)
+    assert tp.last_run().name == "mine" and [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
 def test_interrupt_mid_slice(ip):
     before = sleepy.registries()
     cell = LOOP.replace("    loss.backward()", "    loss.backward()\n    if iterations == 2: raise KeyboardInterrupt")

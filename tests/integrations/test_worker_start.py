@@ -111,3 +111,42 @@ def test_a_watched_loaders_start_each_epoch_is_data_wait():
     for step, (g, w) in enumerate(zip(got, waits)):
         assert abs(g - w) <= 0.15 * w + 0.002, f"step {step}: data_wait {g * 1e3:.1f} ms, truth {w * 1e3:.1f} ms"
     assert min(got[0::2]) >= 0.05  # each epoch's start
+
+
+
+def _slow_collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """40 ms a batch in its worker."""
+    time.sleep(0.04)
+    return torch.utils.data.default_collate(samples)
+
+
+def test_warmup_auto_waits_for_the_loaders_queue_to_drain():
+    """One worker queues 8 batches (prefetch_factor=8) while the first step is slow (400 ms): the
+    loop then takes ready batches at its own pace (12 ms) until the queue is empty, and only then
+    at the loader's (40 ms a batch). ``--warmup auto`` had settled on the drain's steps and
+    measured them (758 samples/s for a steady 440, with no word). The measured steps come after
+    the queue, at the pace the worker makes batches.
+    Truth: the loop's own clock at each step's end and the collate's known sleep."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(4096, 4), torch.randn(4096, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=1, prefetch_factor=8,
+                                         collate_fn=_slow_collate)
+    clocks: list[float] = []
+    with tp.profile(steps=6, warmup="auto", progress=False, clock_hz=0) as prof:
+        clocks.append(time.perf_counter())
+        for i, (x, y) in enumerate(loader):
+            time.sleep(0.4 if i == 0 else 0.012)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            clocks.append(time.perf_counter())
+    run = prof.run
+    loop = [b - a for a, b in zip(clocks, clocks[1:])]
+    drained = next((i for i in range(8, len(loop)) if loop[i] > 0.03), 8)  # its first step at the loader's pace
+    warmup = run.meta["warmup_steps"]
+    assert warmup > drained, f"warmup {warmup}, the loop's clocks: {[round(t * 1e3) for t in loop]}"
+    measured = run.measured_steps
+    assert measured.duration_s.median() > 0.04 * 0.8, measured.duration_s.tolist()
+    assert measured.samples.sum() / measured.duration_s.sum() <= 8 / 0.04 * 1.1  # the worker's pace at most
+    assert any(n.startswith(f"warmup auto: ended after {warmup} steps") for n in run.meta["notes"])

@@ -231,6 +231,22 @@ class ClockSummary:
     throttle_reasons: list[str] = field(default_factory=list)
     steps: int = 0
     flat_note: str = FLAT_CLOCK  # what a clock that did not move can and cannot tell
+    # where no reading of the clock lies inside the measured steps (``mean_clock`` NaN: a slice
+    # shorter than the sampling period): the nearest reading and its distance from them, in
+    # seconds, negative before them (NaN: no reading at all)
+    nearest_clock: float = float("nan")
+    nearest_gap_s: float = float("nan")
+
+    def clock_text(self, unit: str) -> str:
+        """The clock's figure as words: its mean over the measured steps, or, where no reading
+        lies inside them, the nearest one and how far it is (it had printed "mean nan MHz")."""
+        if self.mean_clock == self.mean_clock:
+            return f"mean {self.mean_clock:,.0f} {unit}".rstrip()
+        if self.nearest_clock != self.nearest_clock:
+            return "no reading inside the measured steps"
+        where = "before" if self.nearest_gap_s < 0 else "after"
+        return (f"no reading inside the measured steps; the nearest, {abs(self.nearest_gap_s):.2f} s {where} "
+                f"them: {self.nearest_clock:,.0f} {unit}").rstrip()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -240,7 +256,7 @@ class ClockSummary:
         out = []
         if self.metric is not None:
             unit = "MHz" if self.metric.endswith("_mhz") else ""
-            line = f"clock: {self.device} {self.metric} mean {self.mean_clock:,.0f} {unit}".rstrip()
+            line = f"clock: {self.device} {self.metric} {self.clock_text(unit)}"
             if not self.clock_moved:
                 line += f" ({self.flat_note})"
             elif self.correlation == self.correlation:
@@ -288,6 +304,11 @@ def clock_summary(clocks: pd.DataFrame, steps: pd.DataFrame, clock_meta: dict | 
         clock = per_step[(per_step["device"] == device) & (per_step["metric"] == metric)].set_index("step")["mean"]
         out.device, out.metric = device, metric
         out.mean_clock = float(np.nanmean(clock.to_numpy())) if clock.notna().any() else float("nan")
+        if out.mean_clock != out.mean_clock and t.size:  # every reading before or after the measured steps
+            first, last = float(m["start_s"].min()), float(m["end_s"].max())
+            gaps = np.where(t < first, t - first, np.where(t > last, t - last, 0.0))
+            near = int(np.argmin(np.abs(gaps)))
+            out.nearest_clock, out.nearest_gap_s = float(v[near]), float(gaps[near])
         out.clock_moved = bool(v.size and np.ptp(v) > 0)
         out.flat_note = flat_clock_note(metric, clock_meta)
         out.correlation = clock_correlation(m["duration_s"].to_numpy(), m["step"].map(clock).to_numpy())

@@ -35,6 +35,12 @@ from .probes.phases import PhaseProbe
 #: ``--warmup auto`` gives up waiting for step times to settle after this many steps.
 WARMUP_AUTO_CAP = 20
 
+#: Steps whose times must agree for ``--warmup auto`` to end (``settled``).
+SETTLE_WINDOW = 5
+
+#: Batches a torch DataLoader with workers queues per worker where it names no ``prefetch_factor``.
+TORCH_PREFETCH = 2
+
 #: The warmup every rank takes where ``warmup="auto"`` finds a process group of several ranks only
 #: after the slice started (Lightning's ``strategy="ddp"`` run from a script makes it inside
 #: ``fit``): the same count on every rank, so that all stop at the same step.
@@ -66,6 +72,10 @@ class SliceConfig:
     # Time collectives: None where the default process group has more than one rank, True at any
     # size (one rank included), False never.
     comm: bool | None = None
+    # what the caller set up around the slice, for the run: meta keys (the magic's
+    # ``meta["kernels"]``) and notes (e.g. "--kernels on: no module matched a kernel")
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def validate(self) -> "SliceConfig":
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
@@ -135,6 +145,9 @@ class Profile:
         rec = self.rec = _rec.Recorder(cfg.name or "run")
         rec.samples_per_step = cfg.samples_per_step
         rec.meta.update(_static_meta(cfg))
+        rec.meta.update(cfg.extra_meta)
+        for text in cfg.notes:
+            rec.note(text)
         # the slice's start on the wall clock, to the nanosecond: ranks' timelines line up by it
         rec.meta["start_unix_ns"] = time.time_ns() - (time.perf_counter_ns() - rec.t0_ns)
         rec.step_listeners.append(self._on_step)
@@ -234,9 +247,18 @@ class Profile:
                     "(each rank would settle after its own count and stop at a different step, leaving the "
                     f"others waiting in a collective): every rank took a fixed warmup of "
                     f"{max(done, RANKS_WARMUP)} steps; give warmup=N, the same on every rank, to choose it"))
-            elif settled(self._durations) or done >= WARMUP_AUTO_CAP:
-                how = "step times settled" if done < WARMUP_AUTO_CAP else "cap reached before step times settled"
-                self._decide_warmup(done, f"warmup auto: ended after {done} steps ({how})")
+            else:
+                queue, drained_at = queue_drain(self.rec) if self.rec is not None else (0, -1)
+                after_queue = drained_at is not None and done - SETTLE_WINDOW > drained_at
+                if done >= WARMUP_AUTO_CAP:
+                    how = "cap reached before step times settled" if after_queue else (
+                        f"cap reached while the loader's queue of {queue} batches (num_workers x "
+                        "prefetch_factor) could still be draining: the measured steps may be faster "
+                        "than its steady pace; give warmup=N past the queue")
+                    self._decide_warmup(done, f"warmup auto: ended after {done} steps ({how})")
+                elif after_queue and settled(self._durations):
+                    self._decide_warmup(done, f"warmup auto: ended after {done} steps (step times settled"
+                                        + (f", after the loader's queue of {queue} batches" if queue else "") + ")")
         if self._bar is not None:
             self._bar.update(1)
         for fn in self.on_step:
@@ -700,9 +722,46 @@ def step() -> None:
         rec.end_step()
 
 
-def settled(durations: list[float], window: int = 3, tolerance: float = 0.2) -> bool:
+def queue_drain(rec: _rec.Recorder) -> tuple[int, int | None]:
+    """``(queue, step)``: the batches the torch DataLoaders the loop read in its last step can hold
+    ready (``num_workers`` x ``prefetch_factor``, the deepest of them; 0: none with workers) and the
+    last raw step by which each had handed out that many since its latest ``iter()`` (None: not yet;
+    -1: no queue). Its workers fill the queue while the first steps are slow (a compile, a cache's
+    warm-up), and the loop then takes ready batches at its own pace, faster than they are made:
+    step times that look settled there are the drain's, not the loader's (1 worker, 8 queued
+    batches of 30 ms and a 600 ms first step: 6 ms steps, 758 samples/s for a steady 440).
+    ``--warmup auto`` times its settle window after that step, as the tuner warms up for
+    ``queued_batches`` (tpkit/views/tuner.py). A loop whose own work is most of the loader's pace
+    drains slower than a batch a step, and some of the queue can remain past it. Cost: a pass over
+    the slice's handouts at each step end while the warmup is undecided (at most the cap's)."""
+    handouts, sources = rec.handouts, rec.handout_sources
+    current = rec.step_index - 1  # the step that just ended
+    reading = {sources[j] for j in range(len(sources)) if handouts[3 * j + 2] == current}
+    last_iter = {rec.restarts[i + 1]: rec.restarts[i] for i in range(0, len(rec.restarts), 2)}
+    deepest, drained_at = 0, -1
+    for key, settings in rec.loader_settings.items():
+        workers = settings.get("num_workers") or 0
+        if key not in reading or key not in last_iter or workers <= 0:
+            continue
+        queue = workers * (settings.get("prefetch_factor") or TORCH_PREFETCH)
+        deepest = max(deepest, queue)
+        n, at = 0, None
+        for j, src in enumerate(sources):
+            if src == key and handouts[3 * j] >= last_iter[key]:
+                n += 1
+                if n == queue:
+                    at = handouts[3 * j + 2]
+                    break
+        if at is None:
+            return deepest, None
+        drained_at = max(drained_at, at)
+    return deepest, drained_at
+
+
+def settled(durations: list[float], window: int = SETTLE_WINDOW, tolerance: float = 0.2) -> bool:
     """Whether the last ``window`` step times agree within ``tolerance`` of their median
-    (the rule of ``--warmup auto``)."""
+    (the rule of ``--warmup auto``). Five, not three: four flat 80 ms steps before the loop's
+    20 ms ones had settled after three of them, and a slow step was measured (p95 57 ms for 26)."""
     if len(durations) < window + 1:  # the first step always pays one-time costs
         return False
     last = np.asarray(durations[-window:])

@@ -102,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpkit", description="Profile PyTorch training slices.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="profile the built-in tiny transformer on the CPU and write the dashboard")
-    d.add_argument("--steps", type=_count(1), default=20)
-    d.add_argument("--warmup", type=_warmup, default=3, help="a number or 'auto'")
-    d.add_argument("--batch-size", type=_count(1), default=16)
-    d.add_argument("--workers", type=_count(0), default=0, help="DataLoader workers")
-    d.add_argument("--cpu-ms", type=_nonnegative, default=0.0, help="busy work per sample, to make the loader slow")
-    d.add_argument("--name", default="demo")
-    d.add_argument("--out", default="tpkit_report")
+    d.add_argument("--steps", type=_count(1), default=20, help="measured optimizer steps, after warmup; default 20")
+    d.add_argument("--warmup", type=_warmup, default=3,
+                   help="steps flagged as warmup: a number, or 'auto' (until step times settle); default 3")
+    d.add_argument("--batch-size", type=_count(1), default=16, help="samples per batch; default 16")
+    d.add_argument("--workers", type=_count(0), default=0, help="DataLoader workers; default 0")
+    d.add_argument("--cpu-ms", type=_nonnegative, default=0.0,
+                   help="busy work per sample in ms, to make the loader slow; default 0")
+    d.add_argument("--name", default="demo", help="the run's name; default demo")
+    d.add_argument("--out", default="tpkit_report",
+                   help="the folder for the saved run (OUT/run) and the dashboard (OUT/report.html); "
+                        "default tpkit_report")
     d.set_defaults(fn=_demo)
     r = sub.add_parser("report", help="write the HTML dashboard of a saved run")
     r.add_argument("run_dir")

@@ -227,7 +227,13 @@ def key_figures(run: "Run", s: "analysis.Summary | None" = None) -> list[tuple[s
         name = re.sub(r"\s*\(.*\)$", "", CLOCK_METRICS.get(c["metric"], c["metric"]))
         unit = "MHz" if str(c["metric"]).endswith("_mhz") else ""
         moved = "" if c.get("clock_moved") else " (steady)"
-        out.append((f"{name}, mean ({c.get('device')})", f"{c['mean_clock']:,.0f} {unit}".rstrip() + moved))
+        if c["mean_clock"] == c["mean_clock"]:
+            out.append((f"{name}, mean ({c.get('device')})", f"{c['mean_clock']:,.0f} {unit}".rstrip() + moved))
+        else:  # no reading inside the measured steps (a slice shorter than the sampling period)
+            from ..analysis.clocks import ClockSummary
+
+            text = ClockSummary(**{k: v for k, v in c.items() if k in ClockSummary.__dataclass_fields__}).clock_text(unit)
+            out.append((f"{name} ({c.get('device')})", text[0].upper() + text[1:]))
     for device, e in (c.get("energy") or {}).items():
         out.append((f"energy per sample ({device})", f"{e['per_sample_j']:.3g} J"))
     if c.get("throttled_steps"):

@@ -10,6 +10,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from types import CodeType
 from typing import Any, Iterator, Literal
 
 from IPython.core.error import UsageError
@@ -90,21 +91,28 @@ class TpkitMagics(Magics):
         previous = last_run()
         code = self.ip.transform_cell(cell)
         filename = self.ip.compile.cache(code)
+        # compiled before the slice starts: a cell with a syntax error had started one and kept
+        # an empty, incomplete run under the name asked for ("cut short by SyntaxError after 0
+        # steps"), and the fixed cell was then stored as '<name>-2'. The SyntaxError is Python's
+        # own, raised with no run (IPython shows its line and caret).
+        compiled = compile(code, filename, "exec")
         if kernels == "ab":
-            return self._run_ab(config, code, filename, save_dir)
-        with _kernels_mode(kernels, self.ip.user_ns):
-            run, error = self._run(config, code, filename)
+            return self._run_ab(config, compiled, save_dir)
+        with _kernels_mode(kernels, self.ip.user_ns) as swaps:
+            if kernels is not None:
+                config = _with_kernels(config, kernels, swaps)
+            run, error = self._run(config, compiled)
         if run is not None:
             self._show(run, config, save_dir, compare_with=[previous] if previous is not None else [])
         if error is not None:
             raise error
 
-    def _run(self, config: SliceConfig, code: str, filename: str) -> tuple[Any, BaseException | None]:
-        """Run the cell's code as one slice; the Run (partial on error) and the error."""
+    def _run(self, config: SliceConfig, code: CodeType) -> tuple[Any, BaseException | None]:
+        """Run the cell's compiled code as one slice; the Run (partial on error) and the error."""
         prof = Profile(config)
         try:
             with prof:
-                exec(compile(code, filename, "exec"), self.ip.user_ns)  # noqa: S102 - the user's own cell
+                exec(code, self.ip.user_ns)  # noqa: S102 - the user's own cell
         except BaseException as e:  # shown with the partial run, then re-raised by the caller
             return prof.run, e
         return prof.run, None
@@ -120,11 +128,11 @@ class TpkitMagics(Magics):
         else:
             print(ab.to_text() if ab is not None else run.summary().to_text())
 
-    def _run_ab(self, config: SliceConfig, code: str, filename: str, save_dir: str | None) -> None:
+    def _run_ab(self, config: SliceConfig, code: CodeType, save_dir: str | None) -> None:
         from ..capture.ab import run_ab
 
         def run_slice(name: str, knobs: dict[str, Any]) -> Any:
-            run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code, filename)
+            run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code)
             if error is not None:
                 if run is not None:
                     self._show(run, config, None, [])
@@ -254,11 +262,12 @@ def _parse(magic: Any, line: str, prefix: str) -> Any:
 
 
 @contextmanager
-def _kernels_mode(mode: str | None, ns: dict[str, Any]) -> Iterator[None]:
+def _kernels_mode(mode: str | None, ns: dict[str, Any]) -> Iterator[list[str]]:
     """``on``: patch the notebook's models for the slice; ``off``: unpatch models the user had
-    patched, for the slice. Either way they are as before afterwards."""
+    patched, for the slice. Either way they are as before afterwards. Yields the swaps in place
+    for the slice (``on``) or taken out for it (``off``), as ``Class.module (kind)``."""
     if mode is None:
-        yield
+        yield []
         return
     from ..capture.ab import models_in
     from ..kernels import patch, patched, unpatch
@@ -267,15 +276,35 @@ def _kernels_mode(mode: str | None, ns: dict[str, Any]) -> Iterator[None]:
     if not models:
         raise UsageError(f"--kernels {mode}: no torch.nn.Module among the notebook's variables")
     before = {id(m): bool(patched(m)) for m in models}
+    swaps = []
     for m in models:
-        patch(m) if mode == "on" else unpatch(m)
+        if mode == "on":
+            patch(m)
+            swaps += [f"{type(m).__name__}.{s.name} ({s.kind})" for s in patched(m)]
+        else:
+            swaps += [f"{type(m).__name__}.{s.name} ({s.kind})" for s in unpatch(m)]
     try:
-        yield
+        yield swaps
     finally:
         for m in models:
             unpatch(m)
             if before[id(m)]:
                 patch(m)
+
+
+def _with_kernels(config: SliceConfig, mode: str, swaps: list[str]) -> SliceConfig:
+    """The slice's config with ``--kernels`` in its run: ``knobs["kernels"]`` (as the runs of
+    ``--kernels ab``), ``meta["kernels"]`` (the mode and the modules swapped, or unswapped for
+    ``off``), and a note where nothing changed. ``--kernels on`` had left no trace in the run,
+    and said nothing where no module of the notebook matched a kernel."""
+    if not swaps:
+        note = ("--kernels on: no module matched a kernel: the slice ran the models' own code" if mode == "on"
+                else "--kernels off: no model had tpkit's kernels in: the slice ran as without the option")
+    else:
+        note = None
+    return replace(config, knobs={**config.knobs, "kernels": mode},
+                   extra_meta={**config.extra_meta, "kernels": {"mode": mode, "swapped": list(swaps)}},
+                   notes=config.notes + ([note] if note else []))
 
 
 _COUNT = [0]
