@@ -184,6 +184,49 @@ def test_evaluating_the_model_inside_its_wrapper():
 
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # (SleepyNet reads a clock)
+def test_evaluating_through_a_compiled_wrapper_of_the_eagerly_trained_model():
+    """Trained eagerly, evaluated through ``eval_model = torch.compile(model)`` (compiled for
+    evaluation before the slice) on held validation tensors (no loader: no batch of its own to
+    tell it by): the wrapper is the trained model. Its calls had been the steps' forward (eval_s 0
+    for 0.49 s of evaluation, forward 5x its truth). Truth: the loop's clocks around the training
+    forward and around each evaluation."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    eval_model = torch.compile(model, backend="eager")
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, _ = train_and_val()
+    held = [torch.randn(EVAL_BATCH, 8) for _ in range(2)]
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            t = time.perf_counter()
+            for vx in held:
+                eval_model(vx)
+            seconds = time.perf_counter() - t
+        model.train()
+        return seconds
+
+    evaluate()  # its compilation for evaluation, before the slice
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="eval-wrapper", progress=False, clock_hz=0) as prof:
+        for step, (x, y) in enumerate(train):
+            t = time.perf_counter()
+            out = model(x)
+            clock["forward"] += time.perf_counter() - t
+            F.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1 and step < N - 1:  # (one after the slice's last step is no step's)
+                clock["eval"] += evaluate()
+    run = prof.run
+    assert len(run.steps) == N and run.steps["compile_s"].sum() == 0
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (the wrapper's calls)")
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (training)")
+    assert run.meta["evaluation"]["calls"] == 2 * len(range(EVERY - 1, N - 1, EVERY))
+
+
 class EncoderDecoder(torch.nn.Module):
     """Trained whole; evaluated part by part, as ``generate()`` runs an encoder once and its
     decoder token by token."""

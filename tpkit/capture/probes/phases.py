@@ -330,7 +330,9 @@ class PhaseProbe:
         """After the slice: a part of a trained model called on its own without grad is the trained
         model's (``generate()`` calls a sequence-to-sequence model's encoder directly), so that its
         calls count as evaluation. It had made every evaluation batch of a ``Seq2SeqTrainer`` with
-        ``predict_with_generate`` the step's: 3x the samples, and its waits data_wait."""
+        ``predict_with_generate`` the step's: 3x the samples, and its waits data_wait. So is a
+        wrapper of a trained model called only without grad: ``eval_model = torch.compile(model)``
+        for evaluation, the model trained eagerly (its evaluation had been the steps' forward)."""
         rec = self.rec
         alone = set(rec.no_grad_calls[2::4]) - rec.trained_modules
         if not alone:
@@ -338,6 +340,9 @@ class PhaseProbe:
         for model in self.models.live():
             if id(model) in rec.trained_modules:
                 rec.trained_modules.update(id(m) for m in model.modules() if id(m) in alone)
+        for model in self.models.live():
+            if id(model) in alone and any(i in rec.trained_modules for i in _same_model(model)[1:]):
+                rec.trained_modules.add(id(model))
 
     def says_why_no_step(self) -> bool:
         """Whether the run's notes already say why a slice recorded no step (the loop trained in
