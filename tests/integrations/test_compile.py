@@ -7,9 +7,13 @@ breaks), and the forward time the loop measures around each call of the compiled
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 from truth import STEPS, WARMUP
 
 import tpkit as tp
+from tpkit.analysis import recommend
 
 
 class Net(torch.nn.Module):
@@ -323,6 +328,80 @@ def test_a_model_compiled_with_a_graph_break_before_the_slice_is_noted():
     compile_s = prof.run.steps.set_index("step")["compile_s"]
     assert compile_s[1] > 0 and (compile_s.drop(1) == 0).all()  # (it had been forward, compile_s 0)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["call", "held"])
+def test_dynamo_first_imported_inside_the_slice_still_times_the_first_compile(how, tmp_path):
+    """A cell that compiles and trains, in a process that never imported dynamo: the callbacks
+    had gone in at the first step's end, after the first compile, which was all the first step's
+    forward (2.2 s, compile_s 0). ``call``: the ``torch.compile(...)`` call (which imports dynamo)
+    is compile time too, and the callbacks go in when it returns; ``held``: torch.compile called
+    through a reference taken before the slice, dynamo imported by the optimizer made inside it:
+    the compilation comes from dynamo's records after the slice. Truth: dynamo's records, the
+    loop's clocks around the call and around each forward."""
+    child = Path(__file__).with_name("fresh_compile_child.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tp.__file__).parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(child), how, str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch_compile_back"]
+    run = tp.load(str(tmp_path / "run"))
+    steps = run.steps.set_index("step")
+    dynamo_s = sum(r["seconds"] for r in got["records"])
+    assert len(got["records"]) == 1 and dynamo_s > 0.05
+    want = dynamo_s + got["call_s"]  # (held: the call is the library's, not seen: 0 here)
+    assert abs(steps.compile_s[-1] - want) <= 0.05 * want + 0.01, (steps.compile_s, want)
+    assert (steps.compile_s.drop(-1) == 0).all()
+    first_forward = got["forward_s"][0] - dynamo_s  # the compiled call less its compilation
+    assert abs(steps.forward_s[-1] - first_forward) <= truth.TOLERANCE * first_forward + 0.01
+    note = next(n for n in run.meta["notes"] if n.startswith("torch.compile compiled 1 time(s)"))
+    assert "step -1 (warmup): 1 (" in note
+    assert ("the torch.compile(...) calls themselves took" in note) == (how == "call")
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # (SleepyNet reads a clock)
+def test_an_evaluation_wrappers_first_compile_in_a_measured_step_is_said_to_be_evaluations():
+    """A model trained eagerly and evaluated through ``torch.compile(model)`` first called in a
+    measured step: its compilation is compile time (dynamo's record), the rest of the call eval;
+    the note says it ran without grad (an evaluation's: it had given no reason at all), and the
+    advice is about compilations, not recompiles only. Truth: dynamo's records, the loop's clock
+    around the evaluation call."""
+    torch._dynamo.reset()
+    dynamo_patched()
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    eval_model = torch.compile(model, backend="eager")
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    x, y, vx = torch.randn(16, 8), torch.randn(16, 1), torch.randn(64, 8)
+    known = {id(r) for r in get_compilation_metrics()}
+    eval_s = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="eval-compile", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            if i == WARMUP + 1:  # at the top of measured step 1
+                model.eval()
+                with torch.no_grad():
+                    t = time.perf_counter()
+                    eval_model(vx)
+                    eval_s = time.perf_counter() - t
+                model.train()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    records = [r for r in get_compilation_metrics() if id(r) not in known and r.start_time_us and r.end_time_us]
+    torch._dynamo.reset()
+    run = prof.run
+    dynamo_s = sum((r.end_time_us - r.start_time_us) / 1e6 for r in records)
+    steps = run.steps.set_index("step")
+    assert abs(steps.compile_s[1] - dynamo_s) <= 0.05 * dynamo_s + 0.01, (steps.compile_s, dynamo_s)
+    assert (steps.compile_s.drop(1) == 0).all()
+    assert abs(steps.eval_s[1] - (eval_s - dynamo_s)) <= truth.TOLERANCE * (eval_s - dynamo_s) + 0.01
+    note = next(n for n in run.meta["notes"] if n.startswith("torch.compile compiled"))
+    assert f"step 1: {len(records)} (" in note and f"{len(records)} of them without grad (an evaluation's" in note
+    (rec,) = [r for r in recommend.recommendations(run) if r.kind == "compilation"]
+    assert rec.title == "Keep torch.compile's compilations out of the measured steps"
+    assert "run one evaluation in the warmup steps" in rec.expected_gain
 
 
 def _c_compiler() -> str | None:

@@ -402,9 +402,10 @@ def saving(run: "Run") -> list[Recommendation]:
 
 
 def compilation(run: "Run") -> list[Recommendation]:
-    """torch.compile compiling inside the measured steps (a recompile on a new input shape)."""
+    """torch.compile compiling inside the measured steps (a recompile on a new input shape, an
+    evaluation's first call: not only recompiles, as its title had said)."""
     return _interruption(run, "compile_s", "compilation", "dynamic_shapes",
-                         "Keep torch.compile's recompiles out of training")
+                         "Keep torch.compile's compilations out of the measured steps")
 
 
 def copies(run: "Run") -> list[Recommendation]:

@@ -19,7 +19,14 @@ GPU the backward runs in autograd's device thread: a lazy backward compile there
 loop's backward is open is the loop's. The callbacks are put in with the slice's probes and
 taken out with them, exactly (``torch._dynamo.reset()`` clears them: they are put back at the
 next step's end). Where dynamo is not imported yet (``torch.compile`` first called inside the
-slice), they go in at the first step's end: importing it costs seconds.
+slice), they go in when ``torch.compile(...)`` returns (it imported dynamo), else at the first step's
+end: importing it costs seconds, nothing is imported for them. The ``torch.compile(...)`` call itself
+is ``compile`` too in the loop's thread (the first imports dynamo: 3-17 s of a first step had been
+other). Compilations dynamo recorded in the slice before the callbacks went in (dynamo imported by
+something else, an optimizer made in the slice, then compiling before the step's end) are read from
+its compilation records after the slice: every record since the slice began is the slice's there
+(no record says its thread), nested in what the loop had open (the first compile had been all its
+forward: 2.2 s of a first step, compile_s 0).
 
 The notes, after the slice: the compilations (which steps, how long, dynamo's recompile reason
 from its compilation records), a recompile limit reached (dynamo then runs the frame
@@ -48,6 +55,10 @@ KNOBS = ("for a new input shape, mark the changing dimension dynamic (torch._dyn
          "torch.compile(dynamic=True)) or pad inputs to a few shapes; for an evaluation (grad_mode or training "
          "changed, a validation step's first call), run one evaluation in the warmup steps; else warm up past it")
 LIMIT_REASON = "recompile limit"  # in the failure of a compilation dynamo refused (convert_frame.py)
+#: The ``torch.compile(...)`` calls' own time in the slice, said from ``CALLS_SAID_S``.
+CALLS_NOTE = ("the torch.compile(...) calls themselves took {:.2f} s (the first in a process imports torch._dynamo), "
+              "timed as compile_s too")
+CALLS_SAID_S = 0.05
 
 
 class CompileProbe:
@@ -63,15 +74,22 @@ class CompileProbe:
         self.compiles: list[Compilation] = []
         self._records_before: list[Any] = []  # dynamo's compilation records at the start (held: ids stay theirs)
         self._breaks_before: int | None = None  # dynamo's graph-break count at the start (None: not imported)
+        self._attached_wall_ns: int | None = None  # when the callbacks first went in (time.time_ns())
+        self._calls: list[tuple[int, float]] = []  # (raw step, seconds) of each torch.compile(...) call in the loop's thread
+        self._torch_compile: Any = None  # torch.compile as it was, while ours stands in for it
 
     # -- life cycle -------------------------------------------------------------------------
     def install(self) -> "CompileProbe":
+        import torch
+
         self.rec.step_listeners.append(self._at_step)
         if "torch._dynamo.callback" in sys.modules:
             utils = sys.modules["torch._dynamo.utils"]
             self._records_before = utils.get_compilation_metrics()
             self._breaks_before = int(sum(utils.counters["graph_break"].values()))
             self._attach()
+        self._torch_compile = torch.compile
+        torch.compile = self._timed_compile(torch.compile)
         return self
 
     def follow(self, warmup_of: Callable[[], int | None]) -> None:
@@ -81,6 +99,12 @@ class CompileProbe:
         """Idempotent, and exact: only what this probe registered comes out."""
         if self._at_step in self.rec.step_listeners:
             self.rec.step_listeners.remove(self._at_step)
+        original, self._torch_compile = self._torch_compile, None
+        if original is not None:
+            import torch
+
+            if getattr(torch.compile, "_tpkit_probe", None) is self:  # (not where the loop set its own since)
+                torch.compile = original
         handler, self._handler = self._handler, None
         if handler is not None:
             if handler.__dict__.get("clear") is self._on_clear:
@@ -96,6 +120,8 @@ class CompileProbe:
         from torch._dynamo.callback import callback_handler
 
         self._handler = callback_handler
+        if self._attached_wall_ns is None:
+            self._attached_wall_ns = time.time_ns()
         if "clear" not in callback_handler.__dict__:
             # torch._dynamo.reset() clears every callback: ours go back at once, or a compile
             # later in the same step (a reset at an epoch's or a sweep's next run's top) had
@@ -114,6 +140,35 @@ class CompileProbe:
         type(handler).clear(handler)
         handler.register_start_callback(self._on_start)
         handler.register_end_callback(self._on_end)
+
+    def _timed_compile(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.compile`` for the slice: the call, in the loop's thread, is a ``compile`` span
+        (the first imports dynamo: seconds), and the callbacks go in as soon as dynamo is
+        imported, before the compiled model's first call. Nothing is added to the calls of what
+        it returns. In decorator form (``torch.compile(fullgraph=True)``) the call that compiles
+        is the decorator's: it calls ``torch.compile`` again, timed there."""
+        probe = self
+
+        def timed_compile(*args: Any, **kwargs: Any) -> Any:
+            rec = probe.rec
+            ours = _rec.active() is rec and threading.get_ident() == rec.thread_id
+            timer = rec.cuda_timer if ours else None
+            start, start_event = perf_counter_ns(), timer.mark() if timer is not None else None
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end = perf_counter_ns()
+                if ours:
+                    rec.add_timed_span(COMPILE, start, end, "torch.compile (call)", None, start_event,
+                                       timer.mark() if timer is not None else None)
+                    probe._calls.append((rec.step_index, (end - start) / 1e9))
+                if probe._torch_compile is not None:  # (a wrapper kept past the slice attaches nothing)
+                    probe._at_step(0, 0)  # dynamo imported by it: the callbacks in now
+
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__", "__wrapped__"):
+            setattr(timed_compile, attr, getattr(original, attr, None) if attr != "__wrapped__" else original)
+        timed_compile._tpkit_probe = probe  # type: ignore[attr-defined]
+        return timed_compile
 
     def _at_step(self, _raw_step: int, _end_ns: int) -> None:
         if "torch._dynamo.callback" in sys.modules and (
@@ -136,7 +191,8 @@ class CompileProbe:
         rec, timer = self.rec, self.rec.cuda_timer
         now, wall = perf_counter_ns(), time.time_ns()
         self._open = Compilation(_began_ns(now, wall), now - wall, len(rec._stack), rec.step_index,
-                                 timer.mark() if timer is not None else None, 0, None, trigger, args.compile_id)
+                                 timer.mark() if timer is not None else None, 0, None, trigger, args.compile_id,
+                                 trigger == "DYNAMO" and not _grad_enabled())
 
     def _end(self, args: Any) -> None:
         opened, self._open = self._open, None
@@ -159,13 +215,15 @@ class CompileProbe:
         held = {id(r) for r in self._records_before}
         new = [r for r in utils.get_compilation_metrics() if id(r) not in held]
         done = [c._replace(end_ns=_ended_ns(c, new)) for c in self.compiles]
+        done = sorted(done + self._before_callbacks(new), key=lambda c: c.start_ns)
         for c in done:
             rec.add_timed_span(COMPILE, c.start_ns, c.end_ns, f"torch.compile ({c.trigger.lower()})",
                                c.depth, c.start_event, c.end_event, raw_step=c.raw_step)
         past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends) + 1
         warmup = self._warmup_of()
         warmup = len(rec.step_ends) if warmup is None else warmup
-        text = compilations_note([c for c in done if c.raw_step < past], new, warmup)
+        text = compilations_note([c for c in done if c.raw_step < past], new, warmup,
+                                 sum(s for step, s in self._calls if step < past))
         if text:
             rec.note(text)
         text = limit_note(new, rec, warmup)
@@ -177,6 +235,35 @@ class CompileProbe:
                 if text:
                     rec.note(text)
         return {}
+
+
+    def _before_callbacks(self, records: list[Any]) -> list["Compilation"]:
+        """The compilations dynamo recorded in the slice before the callbacks went in (all the
+        slice's: see the module docstring), outermost only, each nested in the spans that enclose
+        it and in the step it began in."""
+        rec = self.rec
+        began_unix_ns = rec.meta.get("start_unix_ns")
+        if began_unix_ns is None:
+            return []
+        perf_minus_wall = rec.t0_ns - began_unix_ns
+        until = self._attached_wall_ns if self._attached_wall_ns is not None else time.time_ns()
+        found: list[tuple[int, int, Any]] = []
+        for r in sorted(records, key=lambda r: r.start_time_us or 0):
+            if not (r.start_time_us and r.end_time_us) or getattr(r, "is_runtime", False):
+                continue
+            start, end = r.start_time_us * 1000, r.end_time_us * 1000
+            if start < began_unix_ns or start >= until or (found and end <= found[-1][1]):
+                continue  # not in the slice, seen by the callbacks, or inside the one before
+            found.append((start + perf_minus_wall, end + perf_minus_wall, r))
+        if not found:
+            return []
+        spans, ends = rec.spans, [e for e, _ in rec.step_ends]
+        out = []
+        for start, end, r in found:
+            depth = 1 + max((d for _, s, e, d, *_ in spans if s <= start and e >= end), default=-1)
+            out.append(Compilation(start, perf_minus_wall, depth, bisect.bisect_right(ends, start), None, end, None,
+                                   "LAZY_BACKWARD" if r.is_forward is False else "DYNAMO", str(r.compile_id)))
+        return out
 
 
 class Compilation(NamedTuple):
@@ -191,6 +278,7 @@ class Compilation(NamedTuple):
     end_event: Any
     trigger: str  # CallbackTrigger's name: DYNAMO, LAZY_BACKWARD
     compile_id: str
+    no_grad: bool = False  # began with grad off (an evaluation's, a model's called without grad); False: not known
 
     @property
     def seconds(self) -> float:
@@ -212,6 +300,12 @@ def _ended_ns(c: Compilation, records: list[Any]) -> int:
     return c.end_ns
 
 
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 def _began_ns(now_ns: int, wall_ns: int) -> int:
     """When dynamo began the compilation whose start callback runs now, on ``perf_counter_ns``'s
     clock: its metrics context opens (``time.time_ns()``) as it starts compiling, before the
@@ -230,27 +324,34 @@ def _step_name(raw_step: int, warmup: int) -> str:
     return f"{raw_step - warmup}" + (" (warmup)" if raw_step < warmup else "")
 
 
-def compilations_note(compiles: list["Compilation"], records: list[Any], warmup: int) -> str:
+def compilations_note(compiles: list["Compilation"], records: list[Any], warmup: int, calls_s: float = 0.0) -> str:
     """What the slice compiled: per step, how many and how long; the recompile reasons dynamo
-    gave (its compilation records of the slice, by compile id)."""
+    gave (its compilation records of the slice, by compile id); the ``torch.compile(...)`` calls'
+    time (``calls_s``), where it counts."""
     if not compiles:
-        return ""
+        return CALLS_NOTE.format(calls_s) if calls_s >= CALLS_SAID_S else ""
     reasons = {str(r.compile_id): r.recompile_reason for r in records
                if r.is_forward is not False and r.recompile_reason}
-    by_step: dict[int, list[tuple[str, str, float]]] = {}
+    by_step: dict[int, list[Compilation]] = {}
     for c in compiles:
-        by_step.setdefault(c.raw_step, []).append((c.trigger, c.compile_id, c.seconds))
+        by_step.setdefault(c.raw_step, []).append(c)
     parts = []
     for step, items in sorted(by_step.items()):
-        why = sorted({_first_line(reasons[cid]) for t, cid, _ in items if t == "DYNAMO" and cid in reasons})
-        lazy = sum(1 for t, _, _ in items if t == "LAZY_BACKWARD")
-        parts.append(f"step {_step_name(step, warmup)}: {len(items)} ({sum(s for _, _, s in items):.2f} s"
+        why = sorted({_first_line(reasons[c.compile_id]) for c in items
+                      if c.trigger == "DYNAMO" and c.compile_id in reasons})
+        lazy = sum(1 for c in items if c.trigger == "LAZY_BACKWARD")
+        no_grad = sum(1 for c in items if c.no_grad)
+        parts.append(f"step {_step_name(step, warmup)}: {len(items)} ({sum(c.seconds for c in items):.2f} s"
                      + (f", {lazy} of them backward graphs compiled at their first run" if lazy else "")
+                     + (f", {no_grad} of them without grad (an evaluation's, or a model's called without grad: "
+                        "its first call so, or grad mode or eval mode changed)" if no_grad else "")
                      + (f"; dynamo's recompile reason: {'; '.join(why)}" if why else "") + ")")
     total = sum(c.seconds for c in compiles)
     measured = [c for c in compiles if c.raw_step >= warmup]
     text = (f"torch.compile compiled {len(compiles)} time(s) inside the slice, {total:.2f} s in all, timed as "
             f"compile_s (not as the forward or backward it ran in): {', '.join(parts)}")
+    if calls_s >= CALLS_SAID_S:
+        text += "; " + CALLS_NOTE.format(calls_s)
     if measured:
         text += (f"; {len(measured)} in the measured steps ({sum(c.seconds for c in measured):.2f} s): the verdict "
                  f"judges it first (COMPILE-BOUND from 30% of step time), training's shares without it; {KNOBS}")

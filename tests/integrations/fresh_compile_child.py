@@ -1,0 +1,55 @@
+"""A cell that compiles a model and trains it, in a process where ``torch._dynamo`` was never
+imported before the slice; used by ``test_compile.py`` in a process of its own. argv: the way it
+compiles, the folder the run is saved to:
+
+- ``call``: ``torch.compile(model)`` inside the slice (it imports dynamo: seconds);
+- ``held``: through ``torch.compile`` as a library held it before the slice (tpkit does not see
+  the call), dynamo first imported inside the slice by making the optimizer.
+
+Prints one JSON line: the truth, from the loop's own clocks (around the ``torch.compile`` call
+and around each model call) and dynamo's compilation records (read after the slice)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tpkit as tp
+
+how, folder = sys.argv[1], sys.argv[2]
+assert "torch._dynamo" not in sys.modules
+held_compile = torch.compile  # (``held``: a library's reference, taken at its import)
+torch.set_num_threads(1)
+torch.manual_seed(0)
+forward_s: list[float] = []
+call_s = 0.0
+WARMUP, STEPS = 1, 3
+with tp.profile(steps=STEPS, warmup=WARMUP, name=f"fresh-{how}", progress=False, clock_hz=0) as prof:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    if how == "held":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)  # (it imports dynamo)
+        cmodel = held_compile(model, backend="eager")
+    else:
+        t = time.perf_counter()
+        cmodel = torch.compile(model, backend="eager")
+        call_s = time.perf_counter() - t
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(WARMUP + STEPS):
+        x, y = torch.randn(32, 16), torch.randn(32, 1)
+        time.sleep(0.03)
+        t = time.perf_counter()
+        out = cmodel(x)
+        forward_s.append(time.perf_counter() - t)
+        F.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+prof.run.save(folder)
+from torch._dynamo.utils import get_compilation_metrics  # noqa: E402
+
+records = [dict(forward=r.is_forward is not False, seconds=(r.end_time_us - r.start_time_us) / 1e6)
+           for r in get_compilation_metrics() if r.start_time_us and r.end_time_us]
+print(json.dumps(dict(call_s=call_s, forward_s=forward_s, records=records, torch_compile_back=torch.compile is held_compile)))
