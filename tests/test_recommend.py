@@ -20,7 +20,7 @@ def make_run(n: int = 4, warmup: int = 1, samples: int = 32, devices=("cpu: test
     rows = warmup + n
     cols = {c: np.full(rows, phase_s.get(c[:-2], 0.0)) for c in ("data_wait_s", "h2d_s", "forward_s", "backward_s",
                                                                    "optimizer_s", "offload_s", "eval_s",
-                                                                   "save_s", "compile_s")}
+                                                                   "save_s", "compile_s", "setup_s")}
     covered = sum(cols.values())
     d = np.asarray(durations, dtype="float64") if durations is not None else covered + phase_s.get("other", 0.0)
     d = np.broadcast_to(d, (rows,)).astype("float64")
@@ -66,6 +66,35 @@ def test_a_recompile_inside_the_measured_steps_names_the_dynamic_shapes_knob():
     assert r.evidence == "compilation (torch.compile) takes 50% of step time (50.00 ms per step)"
     assert r.gain == pytest.approx(2.0) and "mark_dynamic" in r.expected_gain
     assert rc.compilation(make_run(compile=0.0099, forward=0.0901)) == []
+
+
+def test_a_trainers_setup_inside_the_measured_steps_names_the_warmup():
+    """SETUP-BOUND had no advice of its own: evaluation, saving and compilation had a rule each."""
+    run = make_run(setup=0.08, data_wait=0.015, forward=0.005)
+    (r,) = rc.setup(run)
+    assert (r.kind, r.knob, r.action) == ("setup", "warmup", {})
+    assert r.evidence == "a trainer's setup takes 80% of step time (80.00 ms per step)"
+    assert r.gain == pytest.approx(0.1 / 0.02) and "one slice per train() / fit()" in r.expected_gain
+    assert "train() / fit()" in r.title
+    assert ("setup", "warmup") in kinds(rc.recommendations(run))
+    assert rc.setup(make_run(setup=0.0099, forward=0.0901)) == []
+
+
+def test_data_stall_judges_training_time_with_interruptions_left_out():
+    """As the verdict does (analysis/steps.py ``verdict``): a wait of 15 ms in steps of 100 ms that
+    are 80 ms a trainer's setup is 75% of training's 20 ms (it had read 15% of step time, "per step of
+    100 ms", and the making and the workers from the setup's steps); one of 5 ms in 90 ms of setup is
+    50% of training, not the 5% that had kept the rule quiet."""
+    run = make_run(setup=0.08, data_wait=0.015, forward=0.005)
+    r = rc.data_stall(run)[0]
+    assert ("data wait is 75% of training time (a trainer's setup 80% of the step left out) (15.00 ms per step of "
+            "20.00 ms) over 4 measured steps") in r.evidence
+    assert r.expected_gain.startswith("about 4.00x samples/s with 3 workers (20.00 ms -> 5.00 ms per step")
+    r = rc.data_stall(make_run(setup=0.09, data_wait=0.005, forward=0.005))[0]
+    assert r.evidence.startswith("data wait is 50% of training time (a trainer's setup 90% of the step left out)")
+    # without an interruption, as before
+    r = rc.data_stall(make_run(data_wait=0.015, forward=0.005))[0]
+    assert r.evidence.startswith("data wait is 75% of step time (15.00 ms per step of 20.00 ms)")
 
 
 def test_evaluation_quiet_below_a_tenth():

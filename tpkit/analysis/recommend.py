@@ -129,6 +129,12 @@ class _Totals:
     phase_s: dict[str, float]
     p50_s: float
     samples_per_step: float
+    left_out: str = ""  # the interruptions taken out of ``total_s`` (training time), with their shares of the step
+
+    @property
+    def of(self) -> str:
+        """What the shares are of, as the verdict says it (analysis/steps.py ``verdict``)."""
+        return f"training time ({self.left_out} of the step left out)" if self.left_out else "step time"
 
     def share(self, col: str) -> float:
         return self.phase_s.get(col, 0.0) / self.total_s if self.total_s > 0 else 0.0
@@ -137,16 +143,26 @@ class _Totals:
         return _ms(self.phase_s.get(col, 0.0) / self.steps) if self.steps else "n/a"
 
 
-def _totals(steps: pd.DataFrame) -> _Totals:
+def _totals(steps: pd.DataFrame, training: bool = False) -> _Totals:
     """The measured steps' sums, over the steps with a finite duration only (as ``compare``
     reads them): a NaN duration left out of the sum but counted in the steps and the phase sums
-    had read 1 NaN step of 4 at 100 ms with 30 ms waits as 30 ms of 75 ms, 40%."""
+    had read 1 NaN step of 4 at 100 ms with 30 ms waits as 30 ms of 75 ms, 40%. ``training``:
+    what interrupts training (``steps.INTERRUPTIONS``: evaluation, saving, a trainer's setup,
+    compilation) left out of the total and the phases, as the verdict judges training (a data
+    wait of 21% of steps that were 77% a trainer's setup is 91% of training's time)."""
     m, _ = clean_measured(steps)
     if m.empty:
         return _Totals(0, 0.0, {}, float("nan"), float("nan"))
-    return _Totals(len(m), float(m["duration_s"].sum()),
-                   {c: float(m[c].sum()) for c in PHASE_COLUMNS if c in m.columns},
-                   float(m["duration_s"].median()), float(m["samples"].median()))
+    total = float(m["duration_s"].sum())
+    phase_s = {c: float(m[c].sum()) for c in PHASE_COLUMNS if c in m.columns}
+    left_out = ""
+    if training:
+        away = {c: phase_s.pop(c) for c in INTERRUPTIONS if c in phase_s}
+        away_s = sum(away.values())
+        if away_s > 0 and total > away_s:
+            left_out = " and ".join(f"{INTERRUPTIONS[c][1]} {v / total:.0%}" for c, v in away.items() if v > 0)
+            total -= away_s
+    return _Totals(len(m), total, phase_s, float(m["duration_s"].median()), float(m["samples"].median()), left_out)
 
 
 # -- the rules ---------------------------------------------------------------------------------
@@ -245,7 +261,7 @@ def data_stall(run: "Run") -> list[Recommendation]:
     51x, for 2 workers that gave 1.97x). Where the wait sits in the steps a loader started its
     workers in (``_restart_steps``), ``persistent_workers=True`` first, and the worker count
     from the other steps only."""
-    t = _totals(run.steps)
+    t = _totals(run.steps, training=True)
     if t.steps == 0 or t.share("data_wait_s") < DATA_STALL_SHARE:
         return []
     m, _ = clean_measured(run.steps)
@@ -253,7 +269,7 @@ def data_stall(run: "Run") -> list[Recommendation]:
     if not starts:
         return _worker_advice(run, t, f"over {t.steps} measured steps")
     out = _restart_advice(run, t, m, starts)
-    typical = _totals(m[~m["step"].isin(starts)])
+    typical = _totals(m[~m["step"].isin(starts)], training=True)
     if typical.share("data_wait_s") >= DATA_STALL_SHARE:
         out += _worker_advice(run, typical, f"over the {typical.steps} measured steps without a loader start")
     return out
@@ -290,7 +306,7 @@ def _restart_advice(run: "Run", t: _Totals, m: pd.DataFrame, starts: list[int]) 
     rest = wait[~wait.index.isin(starts)]
     typical_s = float(rest.median()) if not rest.empty else 0.0
     excess_s = float((wait[wait.index.isin(starts)] - typical_s).clip(lower=0.0).sum())
-    evidence = (f"data wait is {t.share('data_wait_s'):.0%} of step time over {t.steps} measured steps, "
+    evidence = (f"data wait is {t.share('data_wait_s'):.0%} of {t.of} over {t.steps} measured steps, "
                 f"{excess_s / float(wait.sum()):.0%} of it beyond a typical step's {_ms(typical_s)} in the "
                 f"{_count(len(starts), 'step')} where the loader started its workers (its iter(), each epoch: "
                 f"step{'s' if len(starts) != 1 else ''} {', '.join(map(str, starts))}): "
@@ -311,7 +327,7 @@ def _worker_advice(run: "Run", t: _Totals, scope: str) -> list[Recommendation]:
     known = current_workers(run.meta)
     cur_n = known or 0
     compute_s = (t.total_s - t.phase_s["data_wait_s"]) / t.steps
-    evidence = (f"data wait is {share:.0%} of step time ({t.per_step_ms('data_wait_s')} per step of "
+    evidence = (f"data wait is {share:.0%} of {t.of} ({t.per_step_ms('data_wait_s')} per step of "
                 f"{_ms(t.total_s / t.steps)}) {scope}")
     v = loader_advice(run)
     making = _making(run, t, cur_n, v)
@@ -408,10 +424,19 @@ def compilation(run: "Run") -> list[Recommendation]:
                          "Keep torch.compile's compilations out of the measured steps")
 
 
+def setup(run: "Run") -> list[Recommendation]:
+    """A trainer's setup inside the measured steps (a sweep's next Trainer, train() / fit() called
+    again): the slice starts after it, or the warmup covers it. Had no rule: a SETUP-BOUND run
+    was told only to add loader workers."""
+    return _interruption(run, "setup_s", "setup", "warmup",
+                         "Keep the trainer's setup out of the measured steps (profile one train() / fit() "
+                         "call, its setup in the warmup)")
+
+
 def copies(run: "Run") -> list[Recommendation]:
     """Host-to-device copies take a visible share: pinned memory and non-blocking copies let
     them overlap with compute."""
-    t = _totals(run.steps)
+    t = _totals(run.steps, training=True)
     share = t.share("h2d_s")
     if t.steps == 0 or share < COPY_SHARE:
         return []
@@ -422,13 +447,13 @@ def copies(run: "Run") -> list[Recommendation]:
     speedup = amdahl(t.total_s, t.phase_s["h2d_s"])
     return [Recommendation(
         "copies", "pin_memory", "Pin host batches and copy them with non_blocking=True",
-        f"host-to-device copies take {share:.0%} of step time ({t.per_step_ms('h2d_s')} per step)",
+        f"host-to-device copies take {share:.0%} of {t.of} ({t.per_step_ms('h2d_s')} per step)",
         f"up to {speedup:.2f}x samples/s if the copies overlap completely with compute", speedup, "x", action)]
 
 
 def host_step(run: "Run") -> list[Recommendation]:
     """The optimizer (on the host, or offloaded) dominates: a faster kernel, then core binding."""
-    t = _totals(run.steps)
+    t = _totals(run.steps, training=True)
     if t.steps == 0:
         return []
     opt, off = t.share("optimizer_s"), t.share("offload_s")
@@ -438,7 +463,7 @@ def host_step(run: "Run") -> list[Recommendation]:
         return []
     part = t.phase_s.get("optimizer_s", 0.0) + t.phase_s.get("offload_s", 0.0)
     what = "offloaded optimizer step" if off >= opt else "host optimizer step"
-    evidence = (f"the {what} takes {(opt + off):.0%} of step time ({_ms(part / t.steps)} per step: "
+    evidence = (f"the {what} takes {(opt + off):.0%} of {t.of} ({_ms(part / t.steps)} per step: "
                 f"optimizer {opt:.0%}, offload {off:.0%})" + (f"; optimizers: {names}" if names else ""))
     knobs = _knobs(run.meta)
     out = []
@@ -556,7 +581,7 @@ def throttled_clocks(run: "Run") -> list[Recommendation]:
 def launch_bound(run: "Run") -> list[Recommendation]:
     """Steps so short, or so full of time outside every phase, that fixed per-step costs
     (kernel launches, Python) dominate: larger batches, and CUDA graphs on a GPU."""
-    t = _totals(run.steps)
+    t = _totals(run.steps, training=True)
     if t.steps == 0:
         return []
     gpu = on_gpu(run.meta)
@@ -572,7 +597,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
     if tiny:
         why.append(f"median step {_ms(t.p50_s)} on a GPU (below {_ms(LAUNCH_BOUND_P50_S)}: launch-bound)")
     if other >= OVERHEAD_SHARE:
-        why.append(f"{other:.0%} of step time is outside every phase ({t.per_step_ms('other_s')} per step)")
+        why.append(f"{other:.0%} of {t.of} is outside every phase ({t.per_step_ms('other_s')} per step)")
     evidence = "; ".join(why)
     # Doubling the batch keeps a fixed per-step cost o and doubles the rest: samples/s gains
     # 2d / (2d - o); a launch-bound step (o ~ d) gains up to 2x.
@@ -597,7 +622,8 @@ def launch_bound(run: "Run") -> list[Recommendation]:
 
 
 #: Every rule, in the order their advice usually pays off.
-RULES = (data_stall, copies, host_step, evaluation, saving, compilation, memory_pressure, throttled_clocks, launch_bound)
+RULES = (data_stall, copies, host_step, evaluation, saving, setup, compilation, memory_pressure, throttled_clocks,
+         launch_bound)
 
 
 def recommendations(run: "Run") -> list[Recommendation]:
