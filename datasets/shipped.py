@@ -3,7 +3,7 @@
     tp.datasets.samples()                  # ['images', 'tabular', 'tokens']
     arrays = tp.datasets.load_sample("tabular")     # {"x": float32[256, 8], "y": float32[256, 2]}
     ds = tp.datasets.sample_dataset("images")       # a map-style Dataset of {"x", "y"} tensors
-    tp.datasets.reference_runs()           # names of saved GPU runs (empty until one is measured)
+    tp.datasets.reference_runs()           # names of the GPU runs shipped (empty when none is)
     run = tp.datasets.load_reference_run(name)
 
 Everything is read through ``importlib.resources``, so it works from an installed wheel as

@@ -196,11 +196,35 @@ def test_compare_loads_store_names(tmp_path, monkeypatch):
     store.save(make_run("base", [0.2, 0.2]))
     import tpkit as tp
 
-    c = tp.compare("base", "base-2", baseline="base-2")
+    c = tp.compare(str(tmp_path / "base"), "base-2", baseline="base-2")
     assert c.labels == ["base", "base-2"] and c.baseline == "base-2"
     with pytest.raises(TypeError, match="tp.compare loads names"):
         cmp.compare("base", "base-2")  # the analysis function takes Runs only
     assert row(c, "step_time_p50", "base")["delta"] == pytest.approx(-100.0)
+
+
+def test_a_rerun_name_compares_the_run_just_measured_and_says_so(tmp_path, monkeypatch):
+    """Session 1 stored baseline (100 ms) and fast; session 2 reran both under the same names,
+    its baseline 300 ms and cut short: "baseline" is session 2's, the comparison says which
+    stored runs the names meant and that the baseline is incomplete."""
+    from tpkit import store
+
+    monkeypatch.setenv("TPKIT_RUNS", str(tmp_path))
+    monkeypatch.setattr(store, "_configured", [store._UNSET])
+    store.save(make_run("baseline", [0.1] * 6, start_unix_ns=1))
+    store.save(make_run("fast", [0.05] * 6, start_unix_ns=2))
+    store.save(make_run("baseline", [0.3] * 6, start_unix_ns=3, complete=False, stopped_by="error"))
+    store.save(make_run("fast", [0.05] * 6, start_unix_ns=4))
+    import tpkit as tp
+
+    c = tp.compare("baseline", "fast")
+    assert c.labels == ["baseline-2", "fast-2"] and c.baseline == "baseline-2"
+    assert row(c, "step_time_p50", "baseline-2")["value"] == pytest.approx(300.0)
+    assert c.warnings[0].startswith("'baseline' is the run stored as 'baseline-2', the newest of the 2 runs given that name "
+                                    f"(older: 'baseline' in {tmp_path / 'baseline'}")
+    assert c.warnings[1].startswith("'fast' is the run stored as 'fast-2'")
+    assert "'baseline-2' is incomplete (error)" in c.to_text()
+    assert not any("stored as" in w for w in tp.compare("baseline-2", "fast-2").warnings)  # exact names: one run each
 
 
 def test_idle_phase_shares_are_left_out_but_data_stall_stays():
@@ -252,6 +276,12 @@ def test_tp_compare_magic_displays_table_and_warnings(ip, tmp_path, monkeypatch)
     assert ip.user_ns["_tp_compare"].labels == ["base", "next", "mine"]
     with pytest.raises(UsageError, match=r"'nope'[\s\S]*known runs: base, next"):
         ip.run_line_magic("tp_compare", "base nope")
+    store.save(make_run("base", [0.3, 0.3, 0.3], model={"class": "A", "parameters": 1}))  # a rerun: base-2
+    with capture_output():
+        ip.run_line_magic("tp_compare", "base next")
+    c = ip.user_ns["_tp_compare"]
+    assert c.labels == ["base-2", "next"] and row(c, "step_time_p50", "base-2")["value"] == pytest.approx(300.0)
+    assert c.warnings[0].startswith("'base' is the run stored as 'base-2', the newest of the 2 runs")
     with pytest.raises(UsageError, match="%tp_compare"):
         ip.run_line_magic("tp_compare", "")
 

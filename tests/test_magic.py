@@ -173,6 +173,18 @@ def test_save_option_writes_a_loadable_run(ip, tmp_path):
     assert loaded.steps.equals(tp.last_run().steps)
 
 
+def test_a_rerun_under_a_taken_name_says_where_it_is_stored(ip):
+    cell = LOOP.replace("for batch in loader:", "for _, batch in zip(range(3), loader):")
+    with capture_output() as first:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 1 --quiet --name base", cell)
+    with capture_output() as again:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 1 --quiet --name base", cell)
+    assert "stored as" not in first.stdout and tp.last_run().name == "base-2"
+    assert (f"the store ({tp.store.store_path()}) already held a run named 'base': this one is stored as 'base-2'; "
+            "'base' in %tp_compare and tp.load means this run now") in again.stdout
+    assert tp.load("base").meta["start_unix_ns"] == tp.last_run().meta["start_unix_ns"]
+
+
 def test_stop_drops_the_last_steps_gradients(ip):
     """The slice stops after optimizer.step(), before the loop's zero_grad(): tpkit drops the
     consumed gradients as the loop's own zero_grad() does (None), so a rerun does not add onto

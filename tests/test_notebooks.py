@@ -20,6 +20,8 @@ import notebook_claims
 import pytest
 from notebook_claims import figure
 
+import tpkit.datasets as tds
+
 NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 sys.path.insert(0, str(NB_DIR))
 import nbtool  # noqa: E402
@@ -123,6 +125,12 @@ def test_03_memory_waterfall_and_offload(executed):
     assert figure(out, r"optimizer state = ([\d.]+) bytes per parameter") == pytest.approx(8.0, abs=0.01)
     assert figure(out, r"bf16 moments: optimizer state ([\d.]+)x of AdamW's") <= 0.55
     assert figure(out, r"host step [\d.]+ ms/step, (\d+)% of it overlapped backward") >= 50
+    # the offload peak is the end of backward: no activations alive there, the tied embedding/head
+    # weight's gradient in flight as three blocks of its size (its two shares and their sum)
+    assert "offload: peak during backward" in out
+    assert figure(out, r"offload peak: activations ([\d.]+) MiB") < 0.01
+    assert figure(out, r"= ([\d.]+)x the tied embedding/head weight") == pytest.approx(3.0, abs=0.01)
+    assert figure(out, r"gradients ([\d.]+)x it short") == pytest.approx(1.0, abs=0.01)
 
 
 @pytest.mark.slow
@@ -140,7 +148,27 @@ def test_05_clocks_and_energy(executed):
     assert "cpu_freq_mhz" in out and "cpu_util_pct" in out
     assert "unavailable" in out or "nvml" in out  # what the machine lacks is said, not faked
     assert figure(out, r"process CPU share while waiting on IO: ([\d.]+)x") < 0.8
-    assert "reference runs shipped:" in out
+    shipped = tds.reference_runs()
+    assert f"reference runs shipped: {shipped}" in out
+    for name in shipped:
+        assert f"  {name}: benchmarks/gpu_check.py" in out
+
+
+def test_clocks_notebook_prose_says_which_reference_runs_ship():
+    """05's prose on the GPU runs names what tpkit.datasets ships, measured where it says (it had
+    said none was measured yet while the cell printed three)."""
+    nb = nbformat.read(NB_DIR / "05_clocks_and_energy.ipynb", as_version=4)
+    prose = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    shipped = tds.reference_runs()
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
+    assert f"ships {words[len(shipped)]} reference runs, measured on one NVIDIA H200" in prose
+    for name in shipped:
+        assert f"`{name}`" in prose
+        run = tds.load_reference_run(name)
+        assert any("NVIDIA H200" in d for d in run.meta["devices"])
+        assert run.meta["reference"]["made_by"].startswith("benchmarks/gpu_check.py")
+    assert f"the first, `{shipped[0]}`" in prose
+    assert "None has been measured" not in prose
 
 
 @pytest.mark.slow
@@ -152,6 +180,11 @@ def test_06_deepspeed_and_ranks(executed):
     assert "2 ranks finished" in out and "<tpkit.RankRuns: 2/2 ranks" in out
     assert figure(out, r"rank 1 waits ([\d.]+) ms more per step for data") > 0
     assert figure(out, r"rank 0 waits ([\d.]+) ms more per step in collectives") > 0  # the comm phase
+    # DeepSpeed's all-reduce segment in /dev/shm (DeepSpeed never removes it): none of the
+    # kernel's left once it has exited
+    left = re.search(r"/dev/shm: 0 segment\(s\) named (deepspeed_allreduce_buffer_\d+_127\.0\.0\.1_\d+_)\*", out)
+    assert left, "the notebook did not check /dev/shm"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(left.group(1))]
 
 
 @pytest.mark.slow
@@ -167,3 +200,11 @@ def test_every_notebook_has_a_test():
     assert NOTEBOOKS == EXPECTED
     tested = {name[5:] for name in globals() if name.startswith("test_0")}
     assert tested == {n[:-6] for n in EXPECTED}
+
+
+def test_readme_lists_every_notebook_in_order():
+    """The README's Tutorials list ("to run in order") names each notebook once, numbered as its file."""
+    readme = (NB_DIR.parent / "README.md").read_text()
+    listed = re.findall(r"^(\d+)\. \[(\w+)\]\(notebooks/(\w+)\.ipynb\): \S", readme.split("## Tutorials", 1)[1], re.M)
+    assert [f"{stem}.ipynb" for _, _, stem in listed] == EXPECTED
+    assert all(int(n) == i + 1 and label == stem for i, (n, label, stem) in enumerate(listed))

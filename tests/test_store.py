@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import factories
 import numpy as np
 import pandas as pd
@@ -33,6 +36,39 @@ def test_rerun_gets_a_unique_name_and_meta_follows(tmp_store):
     assert (a.name, b.name, c.name) == ("baseline", "baseline-2", "baseline-3")
     assert store.load("baseline-2").name == "baseline-2"
     assert store.names() == ["baseline", "baseline-2", "baseline-3"]
+
+
+def test_a_name_means_the_newest_run_given_it_and_stored_names_stay_exact(tmp_store):
+    """Rerun ``--name baseline`` and "baseline" is the run just measured (stored as baseline-2),
+    by start time, not by suffix; a stored name no run was given is that run; a folder, any."""
+    first, second = make_run("baseline", [0.1, 0.1], start_unix_ns=1_000), make_run("baseline", [0.2, 0.2], start_unix_ns=2_000)
+    store.save(first)
+    store.save(second)
+    assert second.meta["name_requested"] == "baseline" and second.name == "baseline-2"
+    assert store.load("baseline").steps["duration_s"].tolist() == [0.2, 0.2]
+    assert store.load("baseline-2").steps["duration_s"].tolist() == [0.2, 0.2]
+    assert store.load(tmp_store / "baseline").steps["duration_s"].tolist() == [0.1, 0.1]
+    found = store.resolve("baseline")
+    assert (found.name, found.others) == ("baseline-2", (("baseline", tmp_store / "baseline"),))
+    assert "'baseline' is the run stored as 'baseline-2', the newest of the 2 runs" in found.describe()
+    assert store.resolve("baseline-2").others == ()                    # its own name: one run, nothing to say
+    store.save(make_run("baseline", [0.3, 0.3], start_unix_ns=3_000))  # baseline-3
+    shutil.rmtree(tmp_store / "baseline-2")
+    store.save(make_run("baseline", [0.4, 0.4], start_unix_ns=4_000))  # reuses baseline-2, the newest
+    assert store.load("baseline").steps["duration_s"].tolist() == [0.4, 0.4]
+    assert [n for n, _ in store.resolve("baseline").others] == ["baseline-3", "baseline"]
+
+
+def test_runs_stored_before_the_requested_name_was_kept_group_by_the_store_suffix(tmp_store):
+    for k, (name, sleep) in enumerate([("lr", 0.1), ("lr", 0.2), ("lr-3", 0.3), ("solo-2", 0.5)]):
+        store.save(make_run(name, [sleep], start_unix_ns=1_000 + k))
+    for folder in tmp_store.iterdir():  # as an older tpkit wrote them: no name_requested
+        meta = json.loads((folder / "meta.json").read_text())
+        del meta["name_requested"]
+        (folder / "meta.json").write_text(json.dumps(meta))
+    assert store.load("lr").name == "lr-3"      # lr-2 and lr-3 beside lr: the store's reruns of lr
+    assert store.load("lr-2").steps["duration_s"].tolist() == [0.2]
+    assert store.load("solo-2").name == "solo-2" and store.resolve("solo-2").others == ()  # no 'solo': its own name
 
 
 def test_unsafe_names_stay_inside_the_store(tmp_store):

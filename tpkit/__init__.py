@@ -66,14 +66,18 @@ def compare(*runs: Any, baseline: Any = None, **kwargs: Any) -> Comparison:
     first): ``tp.compare("base", "workers4", baseline="base")``. See
     ``tpkit.analysis.compare`` for the statistics and when a change is called significant."""
     from .analysis.compare import compare as _compare
-    from .store import load
+    from .store import load, load_resolved
 
     if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
         runs = tuple(runs[0])
-    loaded = [load(r) for r in runs]
+    pairs = [load_resolved(r) for r in runs]
+    loaded = [run for run, _ in pairs]
     if isinstance(baseline, str) and not any(baseline == r.name for r in loaded):
         baseline = load(baseline).name  # a folder or a store name given for one of the runs
-    return _compare(*loaded, baseline=baseline, **kwargs)
+    comparison = _compare(*loaded, baseline=baseline, **kwargs)
+    # a name several stored runs were given means the newest: say which one it was
+    comparison.warnings[:0] = list(dict.fromkeys(r.describe() for _, r in pairs if r is not None and r.others))
+    return comparison
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -163,7 +163,7 @@ class Run:
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "knobs": (dict,), "notes": (list,), "complete": (bool,), "warmup_steps": (int,),
     "devices": (list,), "versions": (dict,), "start_time": (str,), "model": (dict,), "memory": (dict,),
-    "clocks": (dict,), "ranks": (dict,), "error": (str,), "stopped_by": (str,), "loader": (dict,),
+    "clocks": (dict,), "ranks": (dict,), "error": (str,), "stopped_by": (str,), "loader": (dict,), "name_requested": (str,),
 }
 
 

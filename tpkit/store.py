@@ -5,8 +5,15 @@
 
 Where runs go, first match wins: ``set_store(...)``, the ``TPKIT_RUNS`` environment variable,
 then ``./tpkit_runs``. A store name is the run's name; a rerun under a name already taken gets
-the first free ``<name>-2``, ``<name>-3``... and ``run.meta["name"]`` is changed to match, so
-the name a user sees is always the name ``tp.load`` takes.
+the first free ``<name>-2``, ``<name>-3``... and ``run.meta["name"]`` is changed to match, while
+``run.meta["name_requested"]`` keeps the name the slice was given.
+
+A name given to ``tp.load`` / ``tp.compare`` / ``%tp_compare`` means the NEWEST run (by its start
+time) stored under that requested name: rerun ``--name baseline`` and ``"baseline"`` is the run
+just measured (stored as ``baseline-2``), not the one before it. A stored name no run was given
+(``"baseline-2"``) still names that one run exactly, and so does a folder path.
+``resolve(name)`` says which folder a name means and which other runs share it; ``tp.compare``
+puts that in the comparison's warnings whenever several runs share a name.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import re
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +95,7 @@ def save(run: Run, store: str | os.PathLike | None = None) -> Path:
             break
         except FileExistsError:
             n += 1
+    run.meta.setdefault("name_requested", run.name)  # kept through a later save elsewhere
     if n > 1:
         run.meta["name"] = f"{run.name}-{n}"
     run.save(folder)
@@ -140,22 +149,29 @@ def names(store: str | os.PathLike | None = None) -> list[str]:
 def load(name_or_path: str | os.PathLike | Run, store: str | os.PathLike | None = None) -> Run:
     """A stored run by name (``tp.load("baseline")``) or any folder ``run.save()`` wrote.
 
-    A plain name is looked up in the store first, then as a folder; anything with a path
-    separator is a folder (and ``Run.load``'s errors say what is wrong with it). A name
-    found nowhere raises ``RunFormatError`` listing the names the store has. A Run passes
-    through unchanged (so ``compare`` takes names and Runs alike).
+    A plain name is looked up in the store first (``resolve``: the newest run given that
+    name, else the run stored under it), then as a folder; anything with a path separator is a
+    folder (and ``Run.load``'s errors say what is wrong with it). A name found nowhere raises
+    ``RunFormatError`` listing the names the store has. A Run passes through unchanged (so
+    ``compare`` takes names and Runs alike).
     """
+    return load_resolved(name_or_path, store)[0]
+
+
+def load_resolved(name_or_path: str | os.PathLike | Run,
+                  store: str | os.PathLike | None = None) -> tuple[Run, Resolved | None]:
+    """``load``, and what a store name resolved to (None for a Run or a folder)."""
     if isinstance(name_or_path, Run):
-        return name_or_path
+        return name_or_path, None
     text = os.fspath(name_or_path)
     root = Path(store).expanduser() if store is not None else store_path()
     plain = isinstance(name_or_path, str) and os.sep not in text and "/" not in text
     if isinstance(name_or_path, str) and root is not None:
-        found = _find_stored(root, text, plain)
+        found = resolve(text, root, plain)
         if found is not None:
-            return Run.load(found)
+            return Run.load(found.folder), found
     if not plain or _exists(Path(text).expanduser()):
-        return Run.load(Path(text).expanduser())  # Run.load says what is wrong with a folder
+        return Run.load(Path(text).expanduser()), None  # Run.load says what is wrong with a folder
     known = names(root) if root is not None else []
     where = f"the store {root}" if root is not None else "the store (it is off)"
     listing = ", ".join(known) if known else "none"
@@ -169,7 +185,71 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _find_stored(root: Path, name: str, plain: bool) -> Path | None:
+@dataclass(frozen=True)
+class Resolved:
+    """What a store name means: ``folder`` holds the run ``name`` (its stored name) that the
+    name ``asked`` resolved to; ``others``: the older runs given the same name, newest first,
+    as (stored name, folder) (empty when the name is the run's own alone)."""
+
+    asked: str
+    folder: Path
+    name: str
+    others: tuple[tuple[str, Path], ...] = ()
+
+    def describe(self) -> str:
+        """One sentence for a comparison, when several runs share the name; "" otherwise."""
+        if not self.others:
+            return ""
+        older = ", ".join(f"{name!r} in {folder}" for name, folder in self.others)
+        return (f"{self.asked!r} is the run stored as {self.name!r}, the newest of the {len(self.others) + 1} runs "
+                f"given that name (older: {older}; to compare an older one, give its folder)")
+
+
+def resolve(name: str, store: str | os.PathLike | None = None, plain: bool = True) -> Resolved | None:
+    """The stored run a name means (None when the store holds none): the newest run (by its
+    ``start_unix_ns``, else when its ``meta.json`` was written) whose requested name is
+    ``name``; when no run was given that name, the run stored under it (its folder, or the run
+    whose ``meta["name"]`` it is). ``plain``: ``name`` may be taken as a folder name."""
+    root = Path(store).expanduser() if store is not None else store_path()
+    if root is None:
+        return None
+    stored = [(folder, meta) for folder in stored_folders(root) if (meta := _stored_meta(folder)) is not None]
+    named = {str(meta["name"]) for _, meta in stored}
+    given = [(folder, meta) for folder, meta in stored if _requested_name(meta, named) == name]
+    if given:
+        given.sort(key=lambda fm: _started_ns(*fm), reverse=True)
+        return Resolved(name, given[0][0], str(given[0][1]["name"]),
+                        tuple((str(meta["name"]), folder) for folder, meta in given[1:]))
+    found = _find_stored(root, name, plain, stored)
+    return Resolved(name, found, _stored_name(found) or found.name) if found is not None else None
+
+
+def _requested_name(meta: dict[str, Any], named: set[str]) -> str:
+    """The name a stored run's slice was given: ``meta["name_requested"]``; for a run saved
+    before tpkit kept it, a stored ``<name>-<k>`` (k >= 2) beside a run called ``<name>`` was
+    that name's rerun (the store's own suffix)."""
+    requested = meta.get("name_requested")
+    if isinstance(requested, str):
+        return requested
+    name = str(meta["name"])
+    m = re.fullmatch(r"(.+)-([2-9]|[1-9]\d+)", name)
+    return m.group(1) if m is not None and m.group(1) in named else name
+
+
+def _started_ns(folder: Path, meta: dict[str, Any]) -> tuple[int, int]:
+    """When a stored run started, for "newest": ``start_unix_ns``, else its ``meta.json``'s
+    write time; then its store suffix, for runs that tie."""
+    start = meta.get("start_unix_ns")
+    if not isinstance(start, int) or isinstance(start, bool):
+        try:
+            start = (folder / "meta.json").stat().st_mtime_ns
+        except OSError:
+            start = 0
+    m = re.search(r"-(\d+)$", folder.name)
+    return start, int(m.group(1)) if m is not None else 1
+
+
+def _find_stored(root: Path, name: str, plain: bool, stored: list[tuple[Path, dict[str, Any]]]) -> Path | None:
     """The store folder of the run called ``name``: its folder by name (as given, when that is a
     plain folder name, or sanitised, when the run there carries that name), else any folder
     whose run carries that name."""
@@ -178,17 +258,22 @@ def _find_stored(root: Path, name: str, plain: bool) -> Path | None:
     folder = root / safe_name(name)
     if _exists(folder) and folder.is_dir() and _stored_name(folder) == name:
         return folder
-    for folder in stored_folders(root):
-        if _stored_name(folder) == name:
+    for folder, meta in stored:
+        if meta["name"] == name:
             return folder
     return None
 
 
-def _stored_name(folder: Path) -> str | None:
-    """The run name in a stored folder's ``meta.json`` (None when it cannot be read)."""
+def _stored_meta(folder: Path) -> dict[str, Any] | None:
+    """A stored folder's ``meta.json`` when it reads and names its run (None otherwise)."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    name = meta.get("name") if isinstance(meta, dict) else None
-    return name if isinstance(name, str) else None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("name"), str) else None
+
+
+def _stored_name(folder: Path) -> str | None:
+    """The run name in a stored folder's ``meta.json`` (None when it cannot be read)."""
+    meta = _stored_meta(folder)
+    return meta["name"] if meta is not None else None

@@ -119,6 +119,7 @@ class TpkitMagics(Magics):
 
     def _show(self, run: Any, config: SliceConfig, save_dir: str | None, compare_with: list, ab: Any = None) -> None:
         self.ip.user_ns["_tp"] = run
+        _say_where_stored(run)
         if save_dir:
             run.save(Path(save_dir) / run.name if ab is not None else save_dir)
         if config.progress:
@@ -205,17 +206,20 @@ class TpkitMagics(Magics):
         """
         from ..analysis.compare import compare
         from ..run import Run
-        from ..store import load, names
+        from ..store import load_resolved, names
 
         args = _parse(self.tp_compare, line, "%tp_compare")
-        loaded = []
+        loaded, shared = [], []
         for name in args.names:
             var = self.ip.user_ns.get(name)
             if isinstance(var, Run):
                 loaded.append(var)
                 continue
             try:
-                loaded.append(load(name))
+                run, found = load_resolved(name)
+                loaded.append(run)
+                if found is not None and found.others:
+                    shared.append(found.describe())
             except TpkitError as e:
                 msg = f"%tp_compare: cannot load {name!r}: {e}"
                 if "known runs" not in msg:
@@ -228,8 +232,22 @@ class TpkitMagics(Magics):
                                  f"{' '.join(args.names)}")
             baseline = args.names.index(args.baseline)
         comparison = compare(*loaded, baseline=baseline)
+        comparison.warnings[:0] = list(dict.fromkeys(shared))  # which stored run a shared name meant
         self.ip.user_ns["_tp_compare"] = comparison
         display(comparison)
+
+
+def _say_where_stored(run: Any) -> None:
+    """A line when the store renamed the run (its name was taken): where it went, and that the
+    name given now means it (the newest run of that name; ``tpkit.store.resolve``)."""
+    asked = run.meta.get("name_requested")
+    if not isinstance(asked, str) or asked == run.name:
+        return
+    from ..store import store_path
+
+    print(f"tpkit: the store ({store_path()}) already held a run named {asked!r}: this one is stored as "
+          f"{run.name!r}; {asked!r} in %tp_compare and tp.load means this run now (the newest of that name), "
+          f"{run.name!r} always this one")
 
 
 def _split_statement(magic: Any, line: str) -> tuple[str, str]:
