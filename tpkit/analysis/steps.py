@@ -164,10 +164,12 @@ def batches_seen(steps: pd.DataFrame, meta: dict | None = None) -> bool:
     return int(steps["samples"].sum()) > 0
 
 
-def verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
+def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "") -> Verdict:
     """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
     Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only.
     ``seen``: whether any batch was seen (``batches_seen``); if not, the advice says so.
+    ``compiled``: the torch.compile'd function the whole step ran in (``meta["compiled_step"]``),
+    whose forward and optimizer step tpkit cannot see: its ``other`` is that function's graphs.
 
     What interrupts training inside the slice (evaluation, ``eval_s``; checkpoints written,
     ``save_s``) is judged first, the larger first; below its bound the other rules judge
@@ -185,9 +187,9 @@ def verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
                             f"the other shares are of training and {others} together")
     away = sum(share for share, _ in breaks)
     if away <= 0.0:
-        return _training_verdict(shares, seen)
+        return _training_verdict(shares, seen, compiled)
     training = {c: v / (1 - away) for c, v in shares.items() if c not in INTERRUPTIONS}
-    v = _training_verdict(training, seen)
+    v = _training_verdict(training, seen, compiled)
     if v.kind == "no-steps":
         return v
     evidence = v.evidence.replace("of step time", "of training time")
@@ -195,7 +197,7 @@ def verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
     return _verdict(v.kind, f"{evidence} ({left} of the step left out)", v.advice)
 
 
-def _training_verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
+def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str = "") -> Verdict:
     """The verdict's rules for training time."""
     data = shares.get("data_wait_s", 0.0)
     compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
@@ -219,6 +221,13 @@ def _training_verdict(shares: dict[str, float], seen: bool = True) -> Verdict:
         return _verdict("optimizer-bound", f"{shares['optimizer_s']:.0%} of step time is the optimizer",
                         "fused/foreach kernels, fewer parameter tensors (weight averaging counts here: an "
                         "AveragedModel averages with foreach kernels given multi_avg_fn=get_ema_multi_avg_fn())")
+    if compiled and shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
+        # the step's compiled graphs (its forward and optimizer step), not Python between phases: a
+        # step compiled whole had read OVERHEAD-BOUND 44-100%, advice about logging and .item()
+        return _verdict("compute-bound", f"{shares['other_s'] + compute:.0%} of step time is the compiled step "
+                        f"{compiled} ({shares['other_s']:.0%} inside its graphs, where tpkit sees no phase)",
+                        "compile the model alone (torch.compile(model)) for its forward, backward and optimizer apart"
+                        + ("" if seen else f"; {UNSEEN_LOADER}: {WATCH_IT}"))
     if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
         return _verdict("overhead-bound", f"{shares['other_s']:.0%} of step time is outside every known phase",
                         "Python between phases, logging, .item() syncs" if seen else
@@ -283,7 +292,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         step_p95_s=float(np.percentile(dur, 95)) if dur.size else float("nan"),
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
-        verdict=verdict(shares, batches_seen(steps, meta)),
+        verdict=verdict(shares, batches_seen(steps, meta), str(meta.get("compiled_step") or "")),
         notes=list(meta.get("notes", [])),
     )
     first = first_step_note(m, out.warmup_steps)

@@ -54,24 +54,69 @@ def compiling() -> bool:
     return not (_sessions or _foreign_at_start)
 
 
-def skipped_by_dynamo(fn: Callable[..., Any]) -> None:
+def skipped_by_dynamo(fn: Callable[..., Any], callees: bool = False) -> Callable[..., Any]:
     """Dynamo compiles no frame of ``fn``'s own when it runs (the frames it calls are compiled as
-    ever). While a compiled module runs, its ``super().__call__`` (torch.compile's wrapper,
-    an FX ``GraphModule``) reads ``nn.Module.__call__`` and runs ``_module_call``: dynamo took it
-    for user code and compiled it, a graph of its own (aot_eager: 2 graphs for 1, 4 for 1 with 12
-    layers, seconds of compiling). Torch's own call is skipped so. Inlining while dynamo traces
-    a caller is not affected. Set through torch's C hook (no import of ``torch._dynamo``)."""
+    ever; with ``callees``, none of theirs either). While a compiled module runs, its
+    ``super().__call__`` (torch.compile's wrapper, an FX ``GraphModule``) reads
+    ``nn.Module.__call__`` and runs ``_module_call``: dynamo took it for user code and compiled
+    it, a graph of its own (aot_eager: 2 graphs for 1, 4 for 1 with 12 layers, seconds of
+    compiling). Torch's own call is skipped so. Likewise tpkit's wrappers of torch's functions run
+    at dynamo's graph breaks (``Tensor.backward`` calls ``torch.autograd.backward`` eagerly, a
+    ``zero_grad()`` that dynamo does not trace is called so): dynamo had compiled each as a frame
+    of user code, a frame and a graph break more than without tpkit, and folded its bookkeeping
+    away (the backward went unseen). Inlining while dynamo traces a caller is not affected: a
+    wrapper inlined there returns torch's function at once (``compiling``) and breaks where it
+    would. Set through torch's C hook (no import of ``torch._dynamo``). Returns ``fn``."""
+    _skip_code(fn.__code__, callees)
+    return fn
+
+
+def _skip_code(code: Any, callees: bool) -> None:
+    """Dynamo's frame strategy for ``code``: skipped, and its callees too where ``callees``."""
     try:
         from torch._C._dynamo import eval_frame as ef
 
-        ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.DEFAULT))
+        action = ef._FrameAction
+        ef.set_code_exec_strategy(code, ef._FrameExecStrategy(action.SKIP, action.SKIP if callees else action.DEFAULT))
     except Exception:  # noqa: BLE001 - another torch: the frame is compiled as before
         pass
 
 
+def skip_own_frames(*owners: Any) -> None:
+    """Every function of ``owners`` (modules or classes: their functions, methods and properties,
+    and the functions nested in them) runs with no frame compiled by dynamo, its callees' neither
+    (``skipped_by_dynamo(fn, callees=True)``): tpkit's bookkeeping, which a wrapper run eagerly at a
+    graph break calls, had been compiled frame by frame (``Recorder.enter``, the loss's
+    ``_add_losses``: 8 frames and 2 graph breaks more in a compiled training step). A wrapper that
+    calls the loop's own code (torch's function, a module, a closure) is marked afterwards with
+    ``skipped_by_dynamo(fn)``, whose callees dynamo compiles as without tpkit."""
+    seen: set[int] = set()
+
+    def mark(code: Any) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        _skip_code(code, callees=True)
+        for const in code.co_consts:
+            if hasattr(const, "co_consts"):
+                mark(const)
+
+    for owner in owners:
+        for value in vars(owner).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            parts = (value.fget, value.fset) if isinstance(value, property) else (value,)
+            for part in parts:
+                code = getattr(part, "__code__", None)
+                # a module's own functions (not those it imported); a class's every method
+                if code is not None and (isinstance(owner, type) or code.co_filename == owner.__file__):
+                    mark(code)
+
+
 # its own frame is run eagerly by hooks between compiled graphs: dynamo had compiled it as a frame
-# of user code (a frame more in its counters: tests/integrations/test_compile.py)
-skipped_by_dynamo(compiling)
+# of user code, and torch.compiler's function it calls (a frame more each in its counters:
+# tests/integrations/test_compile.py)
+skipped_by_dynamo(compiling, callees=True)
 
 
 def _watched(context: Any) -> Any:

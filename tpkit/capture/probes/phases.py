@@ -27,7 +27,9 @@ Every hook ignores calls from threads other than the loop's (a loader thread run
 transform module is not the model's forward): the loop's thread is the one that started the
 slice, unless the first optimizer step comes from another thread before that one did any
 training work (a loop run in a background thread): the probe then follows that thread.
-Under ``torch.compile`` every hook returns at once (no graph break, no recompile).
+Under ``torch.compile`` every hook returns at once (no graph break, no recompile); a wrapper that
+dynamo runs eagerly at one of its graph breaks (a step compiled whole calls ``loss.backward()``
+so) is a frame dynamo skips, and so is the bookkeeping it calls (``compiling.skip_own_frames``).
 
 - closures: ``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization) runs
   forward and backward inside the optimizer's step; the closure is wrapped so that its time
@@ -51,6 +53,7 @@ import functools
 import gc
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from time import perf_counter_ns
@@ -64,9 +67,9 @@ from ...errors import StopSlice
 from ...schema import FILE_LOAD, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
-from . import module_calls
+from . import batches, loss_sums, module_calls
 from .batches import forward_identity, handed_out, loader_settings
-from .compiling import compiling, watch_sessions
+from .compiling import compiling, skip_own_frames, skipped_by_dynamo, watch_sessions
 from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
@@ -223,6 +226,10 @@ class PhaseProbe:
         self._start_tid = rec.thread_id  # the thread that started the slice
         self._early: tuple[str, int, int] | None = None  # (note, spans, samples) at an early adoption
         self._graph_breaks_at_start = _graph_breaks()
+        self._wall_start_us = time.time_ns() // 1000  # dynamo's compilation records after it are the slice's
+        # the torch.compile'd function the slice's first backward came from (the whole step compiled:
+        # its forward and optimizer step run in graphs tpkit cannot see); "": none (``_compiled_backward``)
+        self.compiled_step: str | None = None
 
     @property
     def most_optimizers(self) -> int:
@@ -372,7 +379,7 @@ class PhaseProbe:
             out.append(f"no step was recorded here, but optimizer.step() ran in thread {where}: tpkit "
                        "follows one loop per slice, and the thread that started this slice trained first; "
                        "start the slice in the training thread (or let this one only wait for it)")
-        if self._backward_seen and not self.models:
+        if self._backward_seen and not self.models and not self.compiled_step:
             out.append("backward ran but no module's forward was seen: the model is not called as an "
                        "nn.Module (a functional model, or model.forward(...) "
                        "called directly); mark its forward with tp.phase('forward')")
@@ -394,10 +401,26 @@ class PhaseProbe:
                        "parameters changed after backward (a torch.compile'd optimizer step, whose hooks dynamo "
                        "compiles away; an optimizer that is not a torch.optim.Optimizer; an update by hand). "
                        "Each such step ends at the loop's next batch (or forward, for a batch read before the "
-                       "update) after its update, and its update's "
+                       "update) after its update (in a step compiled whole, at its zero_grad(), or else its next "
+                       "backward), and its update's "
                        "time is in other_s, not optimizer_s: tpkit cannot time a compiled step from inside. A step compiled "
                        "before the slice is compiled once more at the slice's first step (dynamo guards on torch's "
                        "table of optimizer hooks, which tpkit's join)")
+        if self.compiled_step:
+            unseen = "forward and optimizer step" if self.unseen_updates or not self.optimizers else "forward"
+            out.append(f"the loop's {unseen} ran inside {self.compiled_step}, compiled by torch.compile as a whole: "
+                       "tpkit sees only what dynamo runs eagerly at its graph breaks (loss.backward() as backward_s, "
+                       f"a zero_grad() it does not trace as optimizer_s); the {unseen} run in its compiled graphs, "
+                       "other_s (where the backend runs a graph as a module, aot_eager, that graph reads as forward_s), "
+                       "not Python between phases. Compile the model alone (torch.compile(model)) for the split. Dynamo "
+                       "guards its optimizer step on torch's table of optimizer step hooks, which tpkit's join while "
+                       "the slice runs: the step compiles once more after the slice")
+        hooked = _hook_recompiles(self._wall_start_us)
+        if hooked:
+            out.append(f"torch.compile recompiled {hooked} time(s) in the slice because of tpkit: it adds its hooks to "
+                       "torch's table of optimizer step hooks, on which dynamo guards a compiled optimizer step "
+                       "(dynamo's reason: len(G['_global_optimizer_pre_hooks']) != 0); the step compiles once more "
+                       "after the slice, when they are gone")
         breaks = _graph_breaks() - self._graph_breaks_at_start
         if breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
@@ -593,7 +616,7 @@ class PhaseProbe:
                 probe._opt_tokens[:] = [(rec.enter("optimizer", s), s) for s in sources]
 
         closure_.__wrapped__ = closure  # type: ignore[attr-defined]
-        return closure_
+        return skipped_by_dynamo(closure_)
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if _compiling() or threading.get_ident() != self.rec.thread_id or not self._opt_tokens:
@@ -741,16 +764,20 @@ class PhaseProbe:
                         return p.grad is None
         return True
 
-    def _note_versions(self) -> None:
+    def _note_versions(self, tensors: Any = None) -> None:
         """At a backward's exit: the version counters of parameters the backward gave a gradient
         (an in-place update bumps them; a backward, a forward and zero_grad() do not), of an
         optimizer the loop zeroes where one is known (a partly frozen model: the first of the
-        model's may be one no optimizer holds), and each such optimizer's progress."""
+        model's may be one no optimizer holds), and each such optimizer's progress. Where neither
+        is known (a step compiled whole: its forward and optimizer unseen), a parameter the loss
+        ``tensors`` was computed from."""
         if self.rec.explicit_steps or not self._watch_updates:
             return
         if self._sentinel_models != len(self.models) + len(self.rec.optimizers) or not self._sentinels:
             self._sentinel_models = len(self.models) + len(self.rec.optimizers)
             self._sentinels = self._pick_sentinels()
+            if not self._sentinels and self.compiled_step and isinstance(tensors, torch.Tensor):
+                self._sentinels = _graph_leaf(tensors)
         self._versions_at_backward = [p._version if (p := r()) is not None else -1 for r in self._sentinels]
         self._progress_at_backward = self._optimizers_progress()
         self._handouts_at_backward = len(self.rec.handouts)
@@ -790,6 +817,19 @@ class PhaseProbe:
 
     def _batch_coming(self) -> None:
         if self._versions_at_backward is not None and threading.get_ident() == self.rec.thread_id:
+            self._unseen_update(at_batch=True)
+
+    def _compiled_backward(self) -> None:
+        """At the slice's first backward: whether it came from a torch.compile'd function (the
+        whole step compiled: dynamo runs ``loss.backward()`` eagerly at a graph break), and which.
+        In such a step the update runs in compiled graphs, and neither a batch nor a forward of
+        the loop's may be seen after it (the batches a list's, the forward a graph of dynamo's):
+        an update seen at a backward's start (no ``zero_grad()`` after it) ends the step there."""
+        if self.compiled_step is None:
+            self.compiled_step = _compiled_caller(sys._getframe(2))
+            if self.compiled_step:
+                self.rec.meta["compiled_step"] = self.compiled_step
+        elif self._versions_at_backward is not None:
             self._unseen_update(at_batch=True)
 
     def _forward_coming(self) -> None:
@@ -838,7 +878,7 @@ class PhaseProbe:
 
         scale.__wrapped__ = fn  # type: ignore[attr-defined]
         scale.__doc__ = fn.__doc__
-        return scale
+        return skipped_by_dynamo(scale)
 
     def _wrap_scaler_step(self, fn: Any, update: Any) -> Any:
         """``GradScaler.step(opt)``: a step whose update the scaler skipped (inf/NaN gradients,
@@ -872,7 +912,7 @@ class PhaseProbe:
 
         step.__wrapped__ = fn  # type: ignore[attr-defined]
         step.__doc__ = fn.__doc__
-        return step
+        return skipped_by_dynamo(step)
 
     # -- wrappers ---------------------------------------------------------------------------
     def _wrap_phase(self, fn: Any, phase: str, source: str) -> Any:
@@ -894,11 +934,16 @@ class PhaseProbe:
                 probe._grads_to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
             token = rec.enter(phase, source)
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
                 rec.exit(token)
+            if reset and probe._versions_at_backward is not None and probe.compiled_step:
+                # a compiled step's zero_grad(), run eagerly at a graph break after its compiled
+                # update: the step ends here (no forward of the loop's is seen to end it at)
+                probe._unseen_update(at_batch=True)
+            return out
 
-        return functools.update_wrapper(wrapper, fn)
+        return skipped_by_dynamo(functools.update_wrapper(wrapper, fn))
 
     def _wrap_backward(self, fn: Any) -> Any:
         """backward phase; a one-element tensor being backpropagated is (part of) the step's
@@ -911,6 +956,8 @@ class PhaseProbe:
             tid = threading.get_ident()
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(tensors, *args, **kwargs)
+            if probe.compiled_step is None or (probe.compiled_step and probe._versions_at_backward is not None):
+                probe._compiled_backward()  # (a compiled step: its last update may end a step here)
             probe._worked = probe._ever_worked = probe._backward_seen = True
             if not isinstance(tensors, (torch.Tensor, list, tuple)):
                 with contextlib.suppress(TypeError):  # (not iterable: torch says what is wrong)
@@ -927,7 +974,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
                 if not probe._opt_tokens:
-                    probe._note_versions()
+                    probe._note_versions(tensors)
                 if raised and probe._step_in_backward is not None:
                     # a hook raised after an optimizer stepped in it: the step ends here all the
                     # same (a loop that catches it goes on to its next iteration; the pending
@@ -940,7 +987,7 @@ class PhaseProbe:
 
         backward.__wrapped__ = fn  # type: ignore[attr-defined]
         backward.__doc__ = fn.__doc__
-        return backward
+        return skipped_by_dynamo(backward)
 
     def _wrap_grad(self, fn: Any) -> Any:
         """``torch.autograd.grad`` outside forward, backward and optimizer is backward time (a
@@ -959,7 +1006,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        return functools.update_wrapper(grad, fn)
+        return skipped_by_dynamo(functools.update_wrapper(grad, fn))
 
     def _add_losses(self, tensors: Any, args: tuple, kwargs: dict) -> None:
         """The step's loss from what goes through backward: a one-element tensor, or each of a
@@ -1020,7 +1067,7 @@ class PhaseProbe:
 
         __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
         __iter__.__doc__ = fn.__doc__
-        return __iter__
+        return skipped_by_dynamo(__iter__)
 
     def _wrap_fetcher(self, fn: Any, hands_out: bool) -> Any:
         """Lightning's ``_PrefetchDataFetcher``: over a loader with no length (an
@@ -1042,7 +1089,7 @@ class PhaseProbe:
                 handed_out(probe.rec, batch, _fetcher_workers(fetcher), id(fetcher))
             return out
 
-        return functools.update_wrapper(fetch, fn)
+        return skipped_by_dynamo(functools.update_wrapper(fetch, fn))
 
     def _wrap_next(self, fn: Any, source: str) -> Any:
         rec, probe = self.rec, self
@@ -1064,7 +1111,7 @@ class PhaseProbe:
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
-        return __next__
+        return skipped_by_dynamo(__next__)
 
     def _wrap_whole(self, fn: Any, phase: str, source: str) -> Any:
         """A call in the loop's thread that is ``phase`` as a whole: a checkpoint written
@@ -1085,7 +1132,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        return functools.update_wrapper(whole, fn)
+        return skipped_by_dynamo(functools.update_wrapper(whole, fn))
 
     def _patch_each(self, places: tuple[tuple[str, str, str], ...], wrap: Callable[..., Any]) -> None:
         """Patch each ``(module, owner, attribute)`` of ``places`` with ``wrap(fn, module, owner,
@@ -1117,7 +1164,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        return functools.update_wrapper(training_step, fn)
+        return skipped_by_dynamo(functools.update_wrapper(training_step, fn))
 
     def _wrap_trainer_run(self, fn: Any) -> Any:
         """A trainer's ``train()`` / ``fit()`` (``TRAINER_RUNS``)."""
@@ -1136,7 +1183,7 @@ class PhaseProbe:
             finally:
                 probe._stopped_run_returned(trainer, failed)
 
-        return functools.update_wrapper(run, fn)
+        return skipped_by_dynamo(functools.update_wrapper(run, fn))
 
     def _stopped_run_returned(self, trainer: Any, failed: bool = False) -> None:
         rec, fw = self.rec, self.rec.framework
@@ -1182,7 +1229,7 @@ class PhaseProbe:
                     if rec.thread_id == 0 and not rec.joins and rec.stopped_run_returned is not None:
                         rec.stopped_run_returned()  # the slice ended inside it: the probes come out now
 
-        return functools.update_wrapper(join, fn)
+        return skipped_by_dynamo(functools.update_wrapper(join, fn))
 
     def _wrap_unprofiled(self, fn: Any, note: Callable[[tuple, float], str]) -> Any:
         """A call during which the probes ignore the loop (``SEARCHES``, ``LAUNCHERS``): its steps
@@ -1203,7 +1250,7 @@ class PhaseProbe:
                 probe._paused = False
                 rec.note(note(args, (perf_counter_ns() - t0) / 1e9))
 
-        return functools.update_wrapper(unprofiled, fn)
+        return skipped_by_dynamo(functools.update_wrapper(unprofiled, fn))
 
     def _search_note(self, what: str) -> Callable[[tuple, float], str]:
         """What a trainer's search (``SEARCHES``) is in the run: its time is ``other`` of the step it falls in."""
@@ -1247,7 +1294,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        return functools.update_wrapper(__iter__, fn)
+        return skipped_by_dynamo(functools.update_wrapper(__iter__, fn))
 
     def _wrap_h2d(self, fn: Any, source: str, always: bool) -> Any:
         rec = self.rec
@@ -1262,7 +1309,7 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
 
-        return functools.update_wrapper(move, fn)
+        return skipped_by_dynamo(functools.update_wrapper(move, fn))
 
 
 def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:
@@ -1278,9 +1325,74 @@ def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:
     return False
 
 
+def _graph_leaf(tensor: torch.Tensor, limit: int = 256) -> list[Any]:
+    """A weak reference to the first parameter (a leaf given a gradient) found in ``tensor``'s
+    autograd graph, within ``limit`` nodes; none where there is none."""
+    todo, seen = [tensor.grad_fn], 0
+    while todo and seen < limit:
+        node = todo.pop(0)
+        seen += 1
+        if node is None:
+            continue
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+            return [weakref.ref(leaf)]
+        todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return []
+
+
+#: What dynamo names the functions that resume a compiled frame after a graph break.
+_RESUME_PREFIX = "torch_dynamo_resume_in_"
+
+
+def _compiled_caller(frame: Any, max_frames: int = 16) -> str:
+    """The torch.compile'd function that ``frame`` (or a caller) runs, as ``name (file:line)``, or
+    "" where none is: the first frame outside torch is one dynamo runs when it is a function
+    dynamo resumes after a graph break, or one torch.compile's wrapper called."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
+    n = 0
+    while frame is not None and n < max_frames:
+        code = frame.f_code
+        if not code.co_filename.startswith(torch_dir):
+            name = code.co_name
+            if name.startswith(_RESUME_PREFIX):
+                name = name[len(_RESUME_PREFIX):].rsplit("_at_", 1)[0]
+            else:
+                back = frame.f_back
+                if back is None or not back.f_code.co_filename.endswith("_dynamo/eval_frame.py"):
+                    return ""
+            return f"{name} ({code.co_filename.rsplit('/', 1)[-1]})"
+        frame, n = frame.f_back, n + 1
+    return ""
+
+
+def _hook_recompiles(since_us: int) -> int:
+    """Compilations dynamo began after ``since_us`` (wall clock, us) because a guard on torch's
+    tables of optimizer step hooks failed (tpkit's joined them), read from its compilation records."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    if dynamo_utils is None:
+        return 0
+    try:
+        records = dynamo_utils.get_compilation_metrics()
+    except Exception:  # noqa: BLE001 - another torch
+        return 0
+    return sum(1 for r in records if (getattr(r, "start_time_us", 0) or 0) >= since_us
+               and "_global_optimizer_" in str(getattr(r, "recompile_reason", "") or ""))
+
+
 def _graph_breaks() -> int:
     """Graph breaks dynamo counted so far in this process (0 when dynamo was never imported)."""
     dynamo_utils = sys.modules.get("torch._dynamo.utils")
     if dynamo_utils is None:
         return 0
     return int(sum(dynamo_utils.counters["graph_break"].values()))
+
+
+# tpkit's bookkeeping runs with no frame of its own compiled by dynamo, nor any it calls
+# (compiling.skip_own_frames): where a wrapper runs eagerly at one of dynamo's graph breaks (inside
+# a torch.compile'd training step), dynamo had compiled each method it called as a frame of user
+# code. The wrappers, made at install, are marked again then (their callees, the loop's code, are
+# compiled as ever), and so is the forward's handler, which calls the loop's module.
+skip_own_frames(sys.modules[__name__], PhaseProbe, Recorder, WeakRegistry, loss_sums, loss_sums.LossSums, batches)
+skipped_by_dynamo(module_calls.set_inside, callees=True)
+skipped_by_dynamo(PhaseProbe._outer_call)
