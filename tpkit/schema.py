@@ -41,7 +41,9 @@ COMM_OVERLAPPED = "comm_overlapped"
 #: of their own, whose time stays ``other_s`` (a checkpoint read back, or batches read with no
 #: loader: tpkit cannot tell which), and a note says how much (capture/probes/phases.py). A
 #: resume's 127 ms had been other with no word.
-FILE_LOAD = "load"
+FILE_LOAD = "file_load"
+#: The sources of those spans (a user's own ``tp.phase`` of any name is never one of them)
+FILE_LOAD_SOURCES: tuple[str, ...] = ("torch.load", "safetensors.torch.load_file", "safetensors.torch.load_model")
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.
@@ -50,7 +52,7 @@ PHASE_NAMES: dict[str, str] = {
     "optimizer": "optimizer step", "offload": "offload", "comm": "collectives", "eval": "evaluation",
     "save": "saving checkpoints", "setup": "a trainer's setup", "compile": "compilation (torch.compile)",
     "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
-    FILE_LOAD: "files loaded (torch.load; in other)",
+    FILE_LOAD: "files loaded (torch.load, safetensors; in other)",
 }
 
 # -- memory ---------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_a_checkpoint_read_back_in_the_loop_is_said(tmp_path):
             opt.step()
             opt.zero_grad()
     run = prof.run
-    spans = run.spans[run.spans["phase"] == "load"]
+    spans = run.spans[run.spans["phase"] == "file_load"]
     measured = {i - WARMUP: v for i, v in loads.items() if i >= WARMUP}
     assert sorted(spans["step"]) == sorted(measured)
     for (_, span), (step, want) in zip(spans.sort_values("step").iterrows(), sorted(measured.items())):
@@ -103,6 +103,24 @@ def test_a_checkpoint_read_back_in_the_loop_is_said(tmp_path):
     total_ms = f"{spans['duration_s'].sum() * 1e3:.1f} ms"
     assert f"{len(measured)} time(s) in the measured steps (torch.load; steps " in note
     assert f"): {total_ms}, {total_ms} of it counted in other" in note
+
+
+@pytest.mark.parametrize("name", ["load", "file_load"])
+def test_a_phase_of_the_users_own_is_never_files_read(name):
+    """A user's ``tp.phase("load")`` around their own work (a 30 ms sleep here) had read "files
+    were read in the loop 5 time(s) (tp.phase ...)": the note counts tpkit's file reads only."""
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="own-phase", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            with tp.phase(name):
+                time.sleep(0.03)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert not [n for n in prof.run.meta["notes"] if "files were read" in n]
+    assert (prof.run.spans["phase"] == name).sum() == STEPS + WARMUP  # the user's phase, as theirs
 
 
 @pytest.mark.parametrize("bound", [False, True], ids=["dcp.call", "bound-before"])

@@ -150,3 +150,27 @@ def test_warmup_auto_waits_for_the_loaders_queue_to_drain():
     assert measured.duration_s.median() > 0.04 * 0.8, measured.duration_s.tolist()
     assert measured.samples.sum() / measured.duration_s.sum() <= 8 / 0.04 * 1.1  # the worker's pace at most
     assert any(n.startswith(f"warmup auto: ended after {warmup} steps") for n in run.meta["notes"])
+
+
+def test_the_training_loaders_settings_where_another_loader_reads_the_same_dataset():
+    """A one-off pass over the training set with a loader of its own (no workers, batches of
+    512) before training through a 2-worker persistent loader over the same Dataset object:
+    meta['torch_loader'] had described the first one, its num_workers (0) too, and the advice
+    reads it ("now 0", persistent_workers). Truth: the training loader's own arguments."""
+    ds = torch.utils.data.TensorDataset(torch.randn(1024, 8), torch.randn(1024, 1))
+    once = torch.utils.data.DataLoader(ds, batch_size=512)
+    train = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2, persistent_workers=True, prefetch_factor=4)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="two-loaders", progress=False, clock_hz=0) as prof:
+        model.eval()
+        with torch.no_grad():
+            for x, _ in once:
+                model(x)
+        model.train()
+        for x, y in train:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert prof.run.meta["torch_loader"] == {"num_workers": 2, "batches": STEPS + WARMUP, "persistent_workers": True,
+                                             "pin_memory": False, "prefetch_factor": 4, "batch_size": 16}

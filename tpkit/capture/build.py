@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from ..run import Run
-from ..schema import BUILTIN_PHASES, FILE_LOAD, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
+from ..schema import BUILTIN_PHASES, FILE_LOAD, FILE_LOAD_SOURCES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
 from . import evaluation, read_ahead
 from .losses import step_losses
 from .recorder import Recorder
@@ -188,8 +188,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     trained = Counter(rec.handout_workers[k] for k in trained_at)
     if trained:  # the training batches' torch DataLoader (the one most of them came from)
         workers, batches = trained.most_common(1)[0]
-        full_meta["torch_loader"] = {"num_workers": workers, "batches": batches,
-                                     **_training_loader_settings(rec, trained_at, workers)}
+        full_meta["torch_loader"] = {**_training_loader_settings(rec, trained_at, workers),
+                                     "num_workers": workers, "batches": batches}
     # batches a loader or tp.watch handed out: samples_per_step (or DeepSpeed's engine) fills in
     # the samples where none was seen, and the verdict's "no loader was seen" reads this
     full_meta["batches_seen"] = sum(1 for step in rec.handouts[2::3] if step < past)
@@ -256,22 +256,24 @@ def _samples_given_note(rec: Recorder, eval_handouts: set[int], past: int) -> st
 
 def _training_loader_settings(rec: Recorder, trained_at: list[int], workers: int) -> dict[str, Any]:
     """The settings (``batches.loader_settings``) of the DataLoader the training batches came
-    from: the one whose dataset most of them were read from, else (a framework's fetcher hands
-    them out: Lightning) the DataLoaders iterated in the slice with that worker count where they
-    all agree; {} where none says."""
-    settings = rec.loader_settings
-    by_source = Counter(rec.handout_sources[k] for k in trained_at if rec.handout_sources[k] in settings)
-    if by_source:
-        return dict(settings[by_source.most_common(1)[0][0]])
-    same = [s for s in settings.values() if s.get("num_workers") == workers]
+    from: among those iterated over the dataset most of them were read from, the ones with the
+    batches' worker count, where they agree (a one-off pass over the training set with another
+    loader, 0 workers and batches of 512, had been taken for the 2-worker training loader, its
+    num_workers too); else (a framework's fetcher hands them out: Lightning) the slice's
+    DataLoaders with that worker count where they agree; {} where none says."""
+    seen = rec.loader_settings_seen
+    by_source = Counter(rec.handout_sources[k] for k in trained_at if rec.handout_sources[k] in seen)
+    candidates = seen[by_source.most_common(1)[0][0]] if by_source else [s for v in seen.values() for s in v]
+    same = [s for s in candidates if s.get("num_workers") == workers]
     return dict(same[0]) if same and all(s == same[0] for s in same) else {}
 
 
 def _file_load_note(spans: pd.DataFrame) -> str | None:
     """What the loop's own file reads (``schema.FILE_LOAD`` spans: ``torch.load``, safetensors)
     took in the measured steps, and how much of it is ``other`` (no built-in phase open around
-    it): a checkpoint read back mid-slice (127 ms) had been other with no word."""
-    loads = spans[(spans["phase"] == FILE_LOAD) & (spans["step"] >= 0)]
+    it): a checkpoint read back mid-slice (127 ms) had been other with no word. By their sources:
+    a user's own ``tp.phase`` of the same name had read as files read."""
+    loads = spans[(spans["phase"] == FILE_LOAD) & spans["source"].isin(FILE_LOAD_SOURCES) & (spans["step"] >= 0)]
     if loads.empty:
         return None
     inner = spans[spans["phase"].isin(set(BUILTIN_PHASES) - {"tpkit"}) & (spans["step"] >= 0)]
@@ -284,5 +286,5 @@ def _file_load_note(spans: pd.DataFrame) -> str | None:
     return (f"files were read in the loop {len(loads)} time(s) in the measured steps ({', '.join(sorted(set(loads['source'])))}; "
             f"step{'s' if len(steps) != 1 else ''} {shown}): {float(loads['duration_s'].sum()) * 1e3:.1f} ms, "
             f"{other_s * 1e3:.1f} ms of it counted in other (a checkpoint read back, or batches read with no "
-            "loader: tpkit cannot tell which; the timeline shows them as 'load')")
+            "loader: tpkit cannot tell which; the timeline shows them as 'files loaded')")
 

@@ -126,9 +126,11 @@ class Recorder:
         self.handout_sources: list[int] = []  # per handout: the id of the source it came from (0: not known)
         self.handout_ids: list[int] = []  # per handout: batches.identity of its leading tensor (0: none)
         self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, id of its dataset)
-        # a torch DataLoader's settings, by the id of its dataset, as its first iter() in the slice saw
-        # them (capture/build.py: meta['torch_loader']); its batches' handout_sources hold the same id
+        # a torch DataLoader's settings, by the id of its dataset, as its latest iter() in the slice
+        # saw them (capture/slice.py: queue_drain); its batches' handout_sources hold the same id.
+        # Every distinct one by dataset: two loaders over one dataset (capture/build.py: meta['torch_loader'])
         self.loader_settings: dict[int, dict[str, Any]] = {}
+        self.loader_settings_seen: dict[int, list[dict[str, Any]]] = {}
         # outermost forwards that raised, flat: (ns, batches.forward_identity of their batch, raw_step) (read_ahead.failed)
         self.failed_forwards: list[int] = []
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count

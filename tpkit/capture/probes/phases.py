@@ -1287,8 +1287,11 @@ class PhaseProbe:
             token = rec.enter("data_wait", f"{source}.__iter__")
             key = id(getattr(loader, "dataset", loader))
             rec.restarts += (perf_counter_ns(), key)
-            if key not in rec.loader_settings and isinstance(loader, _dl.DataLoader):
-                rec.loader_settings[key] = loader_settings(loader)
+            if isinstance(loader, _dl.DataLoader):
+                settings = rec.loader_settings[key] = loader_settings(loader)
+                seen = rec.loader_settings_seen.setdefault(key, [])
+                if settings not in seen:
+                    seen.append(settings)
             try:
                 return fn(loader)
             finally:
