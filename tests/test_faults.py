@@ -110,6 +110,26 @@ def test_an_exception_inside_a_probe_callback_leaves_nothing_and_keeps_the_parti
     assert run is prof.run and not run.complete and "a probe failed" in run.meta["error"]
 
 
+def test_a_finally_that_raises_while_the_loop_stops_keeps_the_run_complete():
+    """The loop's own ``finally`` raises while tpkit stops it (a checkpoint save that fails): the
+    exception is the loop's and propagates (its ``__context__`` is tpkit's stop), and the Run, all
+    of whose steps completed, stays complete, stopped by the slice, with a note naming it (it had
+    read ``stopped_by: "error"``, incomplete)."""
+    model, loader, opt = make()
+    with pytest.raises(RuntimeError, match="checkpoint save failed") as raised:
+        with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+            try:
+                train(model, loader, opt)
+            finally:
+                raise RuntimeError("checkpoint save failed")
+    assert isinstance(raised.value.__context__, tp.errors.StopSlice)
+    run = prof.run
+    assert len(run.steps) == STEPS + WARMUP and run.complete and run.meta["stopped_by"] == "slice"
+    assert "error" not in run.meta
+    assert any("RuntimeError: checkpoint save failed while tpkit stopped it" in n for n in run.meta["notes"])
+    assert tp.last_run() is run
+
+
 def test_ctrl_c_in_the_loop_keeps_the_partial_run_marked_interrupted():
     before = snapshot()
     model, loader, opt = make()

@@ -24,7 +24,9 @@ class MissingExtraError(TpkitError, ImportError):
 
 
 class StopSlice(BaseException):
-    """Raised from a step hook when the slice is full; caught by ``tp.profile`` and the magic.
+    """Raised at a plain loop's first training action after its slice is full (its next batch,
+    trained forward, backward, optimizer step or ``tp.step()``: ``capture/slice.py``,
+    ``Profile._stopping``); caught by ``tp.profile`` and the magic.
 
     A BaseException so that a user's ``except Exception`` in the loop does not swallow it.
     """

@@ -38,8 +38,8 @@ def test_lbfgs_closure_is_forward_and_backward():
     run = prof.run
     truth.assert_hooks_removed(before)
     # a plain loop stops inside the 7th step() (after its update): 6 returned values
-    assert len(run.steps) == STEPS + WARMUP == len(returned) + 1
+    assert len(run.steps) == STEPS + WARMUP == len(returned)  # the last step() returns: the next one stops
     assert calls[0] > len(returned) and known.calls["forward"] == calls[0]  # several evaluations per step
     truth.assert_phases(run, known, phases=("forward", "backward"))
     assert run.steps["optimizer_s"].sum() < 0.5 * run.steps["forward_s"].sum()  # LBFGS' own work is small
-    truth.assert_losses(run.steps["loss"].tolist()[: len(returned)], returned)
+    truth.assert_losses(run.steps["loss"].tolist(), returned)

@@ -309,8 +309,8 @@ def test_an_optimizer_that_makes_its_state_anew_each_step():
             held.append(_state_bytes(opt))  # (in a function: the loop holds no popped tensor)
     ends = across_steps(prof.run.memory, "cpu")
     state = ends[ends["category"] == "optimizer_state"]
-    assert len(held) == 19  # the slice stops inside the 20th step()
-    assert state["bytes"].tolist()[:19] == held
+    assert len(held) == 20  # the 20th step() returns too: the loop stops at its next one
+    assert state["bytes"].tolist() == held
 
 
 def test_what_a_step_keeps_for_later_steps_is_not_their_activations():
@@ -431,18 +431,19 @@ def test_an_optimizer_stepped_inside_backward_sees_the_gradient_and_what_backwar
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = F.mse_loss(model(x), y)
             loss.backward()
+            last = list(at_hook)  # (the next iteration clears it before the loop stops at its forward)
     for h in handles:
         h.remove()
     m = prof.run.memory
     enters = m[(m["phase"] == "optimizer") & (m["event"] == "enter") & (m["device"] == "cpu") & (m["step"] >= 0)]
     steps_seen = enters.pivot_table(index="t_s", columns="category", values="bytes").sort_index()
     # each parameter's step and then its zero_grad enter an optimizer span, the gradient alive at both
-    per_step = [g for g, _ in at_hook for _ in (0, 1)]
+    per_step = [g for g, _ in last for _ in (0, 1)]
     assert steps_seen["gradients"].tolist() == per_step * 4
     assert (steps_seen["other"] == 0).all(), steps_seen["other"].tolist()
     # the saved tensors alive, and the loss the loop holds (a view of mse's [256, 1024] element-wise buffer)
     loss_bytes = 256 * 1024 * 4
-    truth_saved = [s + loss_bytes for _, s in at_hook for _ in (0, 1)] * 4
+    truth_saved = [s + loss_bytes for _, s in last for _ in (0, 1)] * 4
     assert steps_seen["activations"].tolist() == truth_saved
     peak = prof.run.memory_peak("cpu").set_index("category")["bytes"]
     assert peak["gradients"] == 1024 * 1024 * 4 and peak["activations"] > 0 and peak["other"] == 0, peak.to_dict()

@@ -282,8 +282,8 @@ def test_several_updates_in_a_step_marked_by_tp_step_are_no_skipped_iterations()
 
 
 def test_the_slice_drops_the_gradients_as_the_loop_does():
-    """The stop comes after the update and before the loop's own zero_grad(): the gradients go
-    as the loop would have dropped them. A loop that keeps its gradient tensors
+    """The stop comes at the loop's next training action, after its own tail dropped the
+    gradients (it had come inside the last step(), where tpkit dropped them alike). A loop that keeps its gradient tensors
     (``set_to_none=False``, or ``p.grad.zero_()`` of its own) finds them zeroed, not None: its
     next ``p.grad.zero_()`` would raise on None."""
     torch.manual_seed(0)

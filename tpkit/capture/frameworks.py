@@ -1,10 +1,12 @@
 """Training frameworks seen running the slice: Hugging Face ``Trainer`` and Lightning ``Trainer``.
 
 A slice inside ``trainer.train()`` / ``trainer.fit()`` ends through the framework's own stop
-instead of tpkit's ``StopSlice`` exception, so the trainer finishes as after ``max_steps``: its
-last step is logged, its end hooks run, Lightning's status is FINISHED. HF: its
-``control.should_training_stop``. Lightning: its fit loop's ``max_steps``, lowered to the step
-now finishing and put back when the slice ends. (``trainer.should_stop``, its early-stopping
+instead of tpkit's ``StopSlice`` exception: its last step is logged and its end hooks run. HF:
+its ``control.should_training_stop``, set inside the last optimizer step, so the Trainer ends as
+after an early stop, not as at ``max_steps``: its ``on_train_end`` runs, but not the final
+evaluation and checkpoint that reaching ``max_steps`` triggers (its flow callback asks for those
+only there). Lightning: its fit loop's ``max_steps``, lowered to the step now finishing and put
+back when the slice ends, so the fit finishes as after ``max_steps`` (status FINISHED). (``trainer.should_stop``, its early-stopping
 switch, is refused while ``min_epochs`` / ``min_steps`` are not met, and then tpkit's
 ``StopSlice`` interrupted the fit; where it is obeyed, Lightning first runs a whole extra
 validation, as early stopping wants: 2 s after a 0.6 s slice with a 40-batch validation set.)

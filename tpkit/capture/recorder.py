@@ -13,7 +13,9 @@ Hooks for other probes:
   optimizer wrapper's ``step()`` calling the wrapped optimizer's, as DeepSpeed's engine does)
   is recorded but not announced, since the phase does not change there.
 - ``step_listeners``: called as ``fn(raw_step, end_ns)`` after a step has been recorded.
-  The slice controller (stop, warmup, progress bar) lives here; it may raise ``StopSlice``.
+  The slice controller (stop, warmup, progress bar) lives here. Once it has set ``stop_pending``
+  (the slice is full: a plain loop stops at its next training action) the listeners after it
+  are not told of that step, as none were while the stop was raised from here.
 - ``batch_listeners``: called as ``fn(batch)`` by ``yielded`` when a loader hands a batch to
   the loop (loaders call ``rec.yielded(batch)`` after their ``data_wait`` span).
 """
@@ -148,6 +150,17 @@ class Recorder:
         self.stopped_run_returned: Callable[[], None] | None = None
         self.joins = 0  # DDP Join contexts the loop is inside (no exception may end the slice there)
         self.slice_steps: int | None = None  # once the slice is full: steps past it are not the slice's
+        # Set once the slice is full in a plain loop (slice.Profile._stopping): called at the loop's next
+        # training action in its thread (a batch read from a training batches' source, a trained
+        # forward, a backward, an optimizer step, tp.step()), where it raises StopSlice; what the
+        # iteration ran after its last step (a scheduler's step, a counter, a log, an evaluation)
+        # has run by then. ``training_sources``: the sources (``handout_sources``' ids, with their
+        # loaders from ``source_loaders``) that handed out the slice's training batches.
+        self.stop_pending: Callable[[], None] | None = None
+        self.training_sources: set[int] = set()
+        # an epoch's iterator (a handout source) -> the loader or iterable it reads (tp.data.Loader,
+        # tp.watch, accelerate's loader): the next epoch's reads are that loader's too
+        self.source_loaders: dict[int, int] = {}
         self.notes: list[str] = []
         # tensors tpkit allocates for itself during a slice (e.g. loss sums): the memory probe leaves them out
         self.own_tensors: list[Any] = []
@@ -294,6 +307,17 @@ class Recorder:
         self.samples = 0
         for fn in list(self.step_listeners):  # (a listener may take itself out: the late comm probe)
             fn(step, end)
+            if self.stop_pending is not None:  # the slice is full: the probes after it are out
+                break
+
+    def stop_before_read(self, *sources: int) -> None:
+        """The loop's thread is about to read a batch from ``sources`` (ids of an iterator and
+        of the loader it reads): where the slice is full and the slice's training batches came
+        from one of them, the loop stops here, before the read (see ``stop_pending``). A read
+        from another loader (an evaluation's) goes on."""
+        if (self.stop_pending is not None and threading.get_ident() == self.thread_id
+                and any(s in self.training_sources for s in sources)):
+            self.stop_pending()
 
     # -- other tables ---------------------------------------------------------------------
     def add_memory(self, phase: str, event: str, device: str, category: str, nbytes: int,

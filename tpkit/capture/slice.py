@@ -24,11 +24,13 @@ import torch
 from .._version import __version__
 from ..errors import ProfileActiveError, StopSlice, TpkitError
 from ..run import Run
+from . import evaluation
 from . import recorder as _rec
 from .build import build_run
 from .frameworks import find_trainer
 from .host import cpu_name, usable_cores
 from .interrupts import TermGuard, held_sigint
+from .probes.compiling import skipped_by_dynamo
 from .probes.cuda_timing import maybe_cuda_timer
 from .probes.phases import PhaseProbe
 
@@ -104,9 +106,11 @@ class SliceConfig:
 class Profile:
     """``with tp.profile(steps=20, warmup=3) as prof: train()`` then ``prof.run``.
 
-    The body stops by itself once ``warmup + steps`` steps are done (a private exception,
-    caught here). An error or Ctrl-C in the body removes every probe, keeps the partial Run
-    (``prof.run``, ``tp.last_run()``, marked incomplete) and is re-raised.
+    The body stops by itself once ``warmup + steps`` steps are done: a plain loop at its next
+    training action after the last step (a private exception, caught here; ``_stopping``). An
+    error or Ctrl-C in the body removes every probe, keeps the partial Run (``prof.run``,
+    ``tp.last_run()``, marked incomplete) and is re-raised; one raised after the slice was full
+    (a ``finally`` failing while the loop stops) is re-raised too, the Run complete.
     """
 
     def __init__(self, config: SliceConfig) -> None:
@@ -192,12 +196,13 @@ class Profile:
             self._term.release()  # a SIGTERM held meanwhile ends the process now, the run kept
         return exc_type is not None and issubclass(exc_type, StopSlice)
 
-    def _teardown(self, keep: type | None = None) -> None:
+    def _teardown(self, keep: type | None = None, deactivate: bool = True) -> None:
         """Take every probe out (but those of type ``keep``); safe to run twice and after a
         partial start. A probe that fails to stop (with any exception) never keeps the others
         in: all are removed first, then the first failure that was not an ordinary error is
-        raised."""
-        if self.rec is not None and _rec.active() is self.rec:
+        raised. ``deactivate=False`` leaves the slice active (tpkit's loader, ``tp.watch`` and
+        ``tp.step()`` still see a stop pending)."""
+        if deactivate and self.rec is not None and _rec.active() is self.rec:
             _rec.set_active(None)
         rec = self.rec
         if rec is not None and rec.framework is not None:
@@ -277,8 +282,8 @@ class Profile:
 
     def _stop(self, raw_step: int) -> None:
         """The slice is full: a trainer tpkit recognised ends through its own stop switch
-        (its last step, logging and end hooks run as after ``max_steps``); any other loop is
-        stopped with ``StopSlice``, as is a trainer that keeps stepping anyway. A loop in
+        (capture/frameworks.py); any other loop stops with ``StopSlice`` at its next training
+        action (``_stopping``), and a trainer that keeps stepping anyway at once. A loop in
         another thread than the slice's is left to run on, no longer followed: nothing there
         would catch the exception, and the thread may be the user's server or GUI."""
         rec = self.rec
@@ -318,6 +323,43 @@ class Profile:
                 rec.note(f"the slice ended after {raw_step + 1} steps; the loop in thread "
                          f"'{rec.meta['loop_thread']}' runs on, no longer profiled")
                 return
+            self._stopping()
+            return
+        raise StopSlice()
+
+    def _stopping(self) -> None:
+        """A plain loop's slice is full, inside its last ``optimizer.step()`` (or ``tp.step()``):
+        it stops at its next training action in its thread instead (``Recorder.stop_pending``),
+        so that what its iteration runs after the step (a scheduler's step, a step counter, a
+        log line, an evaluation) runs as without tpkit. Raised inside the step, the exception had
+        skipped that: after a 7-step slice ``StepLR.last_epoch`` read 6, a step counter 6, and
+        a notebook training on in the next cell kept its scheduler a step behind the optimizer.
+        Every probe but the phase probe (whose hooks see that action) comes out now, so that
+        nothing past the slice is recorded (clocks, the allocation stream, collectives)."""
+        rec = self.rec
+        assert rec is not None  # (only from _stop, which a running slice's steps call)
+        try:
+            rec.training_sources = _training_sources(rec)
+        except Exception as e:  # noqa: BLE001 - the stop must come: then at any source's read
+            rec.training_sources = set(rec.handout_sources) | set(rec.source_loaders.values())
+            rec.note(f"telling the training batches' loaders from the others at the slice's end failed ({e!r}): "
+                     "the loop stopped at its next read from any loader")
+        rec.stop_pending = self._stop_now
+        with held_sigint():
+            self._teardown(keep=PhaseProbe, deactivate=False)
+
+    def _stop_now(self) -> None:
+        """The loop's first training action since its slice was full (``_stopping``): it stops."""
+        rec = self.rec
+        if rec is not None and rec.joins:
+            # it entered DDP's Join since: an exception there would leave the ranks that joined
+            # waiting (see _stop); it runs on, and the phase probe comes out as Join exits
+            rec.stop_pending = None
+            rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
+            rec.note(f"the slice ended after {rec.slice_steps} steps and the loop entered DDP's Join (uneven "
+                     "inputs) before its next step, where stopping it would leave the ranks that joined waiting: "
+                     "it ran on to its end, no longer profiled")
+            return
         raise StopSlice()
 
     def _after_stopped_run(self) -> None:
@@ -354,6 +396,14 @@ class Profile:
                        "callback)" if rec.framework is not None else "the loop ended")
                 rec.note(f"{who} after {done} steps, before the slice was full "
                          f"({warmup} warmup + {cfg.steps} steps): the Run holds the steps that happened")
+        elif rec.slice_steps is not None and not isinstance(exc, StopSlice):
+            # every step of the slice was recorded: the exception is the loop's own, raised after
+            # them (a finally or a with block's exit failing while StopSlice unwound the loop, its
+            # __context__; or what the iteration ran after its last step); it propagates as usual
+            when = ("while tpkit stopped it (in a finally block or a with block's exit)" if _raised_while_stopping(exc)
+                    else "after the slice's last step, before tpkit stopped it")
+            rec.note(f"the loop raised {type(exc).__name__}: {exc} {when}; all {done} steps of the slice had "
+                     "completed, so the Run is complete; the exception is the loop's own and was raised as usual")
         elif not isinstance(exc, StopSlice):
             how = ("terminated" if self._term.pending else "interrupt" if _interrupted(exc)
                    else "error")  # terminated: SIGTERM (a launcher stopping the ranks that survived one)
@@ -396,6 +446,35 @@ class Profile:
 
         autosave(self.run)  # never raises; a failure is noted on the run
         _LAST_RUN = self.run
+
+
+# raised from a wrapper dynamo runs at a graph break (a backward in a step compiled whole): no frame
+# of it is compiled (capture/probes/compiling.py)
+skipped_by_dynamo(Profile._stop_now, callees=True)
+
+
+def _raised_while_stopping(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while tpkit's ``StopSlice`` unwound the loop (its context)."""
+    seen: set[int] = set()
+    ctx = exc.__context__
+    while ctx is not None and id(ctx) not in seen:
+        if isinstance(ctx, StopSlice):
+            return True
+        seen.add(id(ctx))
+        ctx = ctx.__context__
+    return False
+
+
+def _training_sources(rec: _rec.Recorder) -> set[int]:
+    """The sources (``Recorder.handout_sources``) of the slice's training batches, with the
+    loaders they read (``Recorder.source_loaders``): those read for evaluation told apart as
+    the Run does (capture/evaluation.py). Asked once, when the slice is full."""
+    past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends)
+    hand = rec.handouts
+    ev = evaluation.split(rec.spans, hand, rec.no_grad_calls, rec.trained_modules, rec.param_free_modules, past,
+                          sources=rec.handout_sources)
+    out = {s for k, s in enumerate(rec.handout_sources) if s and k not in ev.handouts and hand[3 * k + 2] < past}
+    return out | {rec.source_loaders[s] for s in out if s in rec.source_loaders}
 
 
 def _world_size() -> int:
@@ -624,7 +703,8 @@ def profile(steps: int = 20, warmup: int | Literal["auto"] = 3, name: str | None
     """Profile a slice of a training loop::
 
         with tp.profile(steps=20, warmup=3, name="baseline") as prof:
-            for batch in loader: ...        # stops by itself after 23 optimizer steps
+            for batch in loader: ...        # stops by itself after 23 optimizer steps, at the
+                                            # next iteration's batch read (or forward)
         prof.run.steps
 
     ``clocks=False`` (or ``clock_hz=0``) turns the clock/power sampler off. ``save_dir`` (or
@@ -715,6 +795,8 @@ def step() -> None:
             # same step (it had made an empty one, the first measured step with 0 samples)
             rec.explicit_steps = True
             return
+        if rec.stop_pending is not None:
+            rec.stop_pending()  # the slice is full: the loop stops here (Profile._stopping)
         rec.explicit_steps = True
         if not rec.framework_looked:  # tp.step() in a trainer's callback: the slice ends through it
             rec.framework_looked = True

@@ -436,6 +436,16 @@ class _LoaderIter:
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
+    def _handed_all(self) -> bool:
+        """Whether the epoch has handed out its every batch (the next read ends it, reading
+        nothing); False where that is not known ahead (an iterable dataset's stream)."""
+        if self.finished:
+            return self._ahead is None
+        try:
+            return not self.loader.iterable and self.batches_done >= len(self.loader)
+        except TypeError:
+            return False
+
     def _detach(self) -> None:
         if not self.finished:
             self.finished = True
@@ -518,7 +528,9 @@ class _LoaderIter:
                 item = item._replace(batch=pf.finish(item.batch)[0])
         else:
             if rec.batch_coming is not None and not rec.is_open("data_wait"):
-                rec.batch_coming()  # an update no optimizer hook saw ends its step here (may raise StopSlice)
+                rec.batch_coming()  # an update no optimizer hook saw ends its step here
+            if rec.stop_pending is not None and not self._handed_all():
+                rec.stop_before_read(id(self), id(self.loader))  # the slice is full: the loop stops here
             tok = None if rec.is_open("data_wait") else rec.enter("data_wait", "tpkit.data")
             try:
                 item = self._next_item()
@@ -538,6 +550,7 @@ class _LoaderIter:
             if self._told is None or self._told() is not rec:
                 self._told = weakref.ref(rec)
                 rec.loader_used(self._config())
+                rec.source_loaders[id(self)] = id(self.loader)  # its batches' source is this epoch
             rec.handed_out(item.n_samples, source=id(self), ident=batch_identity(item.batch))
             rec.add_loader_batch(self.batches_done, item.worker, item.fetch_s, item.collate_s,
                                  item.queue_wait_s, item.transfer_s, item.cpu_s)

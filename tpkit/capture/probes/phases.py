@@ -521,6 +521,8 @@ class PhaseProbe:
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
             if self._versions_at_backward is not None:
                 self._forward_coming()
+            if rec.stop_pending is not None and not rec.training_sources and self._trains(module):
+                rec.stop_pending()  # the slice is full: the loop stops at its next training forward
             no_grad_boundary = False  # a forward without grad whose enter is a phase boundary
             if torch.is_grad_enabled():
                 if module.training and id(module) not in rec.trained_modules:
@@ -552,6 +554,15 @@ class PhaseProbe:
                     if no_grad_from:
                         rec.no_grad_calls += (no_grad_from, perf_counter_ns(), id(module), rec.step_index)
 
+    def _trains(self, module: torch.nn.Module) -> bool:
+        """Whether a call of ``module`` now is a training forward: with grad, in train mode, of a
+        model the slice trained (not a loss module, not an evaluation without grad or in eval
+        mode). Asked only once the slice is full, where the loop read its training batches from
+        no loader tpkit sees (else its next read from that loader stops it: a GAN's generator
+        half, after the lead optimizer's step, is the iteration's tail)."""
+        return (torch.is_grad_enabled() and module.training and id(module) in self.rec.trained_modules
+                and not self._param_free(module))
+
     def _param_free(self, module: torch.nn.Module) -> bool:
         """Whether ``module`` has no parameters (a loss, a metric): called without grad, it is
         evaluation when it follows an evaluation call, whatever its mode (capture/evaluation.py).
@@ -574,6 +585,10 @@ class PhaseProbe:
                 name = threading.current_thread().name
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
+        if self.rec.stop_pending is not None and id(opt) == self.lead_optimizer:
+            # the slice is full: the loop stops before the step that would end a step (another
+            # optimizer's after the lead's, Muon's AdamW, is the iteration's tail)
+            self.rec.stop_pending()
         self._watch_updates = False  # torch's step hooks run: no update goes unseen
         self._versions_at_backward = None
         key = id(opt)
@@ -730,6 +745,8 @@ class PhaseProbe:
         try:
             rec.end_step()  # may raise StopSlice: the step is complete, parameters updated
         except StopSlice:
+            # Only a step past the full slice (a trainer that keeps stepping: slice.Profile._stop;
+            # a plain loop stops at its next training action instead, after its own zero_grad()).
             # The loop stops right after optimizer.step(), before its own zero_grad():
             # the update has consumed the gradients, so drop them as the loop would have,
             # or the next slice's first backward would add onto stale ones. So for every
@@ -889,6 +906,8 @@ class PhaseProbe:
             rec = probe.rec
             if threading.get_ident() != rec.thread_id or _compiling():
                 return fn(scaler, optimizer, *args, **kwargs)
+            if rec.stop_pending is not None and id(optimizer) == probe.lead_optimizer:
+                rec.stop_pending()  # the slice is full: the loop stops before this step (the scaler untouched)
             before = probe._opt_posts
             try:
                 out = fn(scaler, optimizer, *args, **kwargs)
@@ -905,8 +924,9 @@ class PhaseProbe:
                         probe._end_step(optimizer)
                 return out
             except StopSlice:
-                # The loop stops before its own scaler.update(): without it the scaler keeps
-                # this step's state and the next step() would not unscale the gradients.
+                # A trainer stepping past its full slice stops inside the step (slice.Profile._stop),
+                # before its own scaler.update(): without it the scaler keeps this step's state
+                # and the next step() would not unscale the gradients.
                 update(scaler)
                 raise
 
@@ -958,6 +978,8 @@ class PhaseProbe:
                 return fn(tensors, *args, **kwargs)
             if probe.compiled_step is None or (probe.compiled_step and probe._versions_at_backward is not None):
                 probe._compiled_backward()  # (a compiled step: its last update may end a step here)
+            if rec.stop_pending is not None and not rec.training_sources:
+                rec.stop_pending()  # the slice is full (and no loader read stops it): before this backward
             probe._worked = probe._ever_worked = probe._backward_seen = True
             if not isinstance(tensors, (torch.Tensor, list, tuple)):
                 with contextlib.suppress(TypeError):  # (not iterable: torch says what is wrong)
@@ -999,6 +1021,8 @@ class PhaseProbe:
                     or rec.is_open("backward") or rec.is_open("optimizer") or rec.is_open("eval")
                     or rec.is_open("save")):
                 return fn(*args, **kwargs)
+            if rec.stop_pending is not None and not rec.training_sources:
+                rec.stop_pending()  # the slice is full (and no loader read stops it): before this pass
             probe.grad_calls += 1
             token = rec.enter("backward", "autograd.grad")
             try:
@@ -1052,8 +1076,11 @@ class PhaseProbe:
             inner = fn(loader)
             if probe.installed and threading.get_ident() == probe.rec.thread_id:
                 probe.rec.accelerate_loader = True  # the loop is accelerate's (capture/build.py: its losses)
+                probe.rec.source_loaders[id(inner)] = id(loader)
             while True:
                 mine = probe.installed and threading.get_ident() == probe.rec.thread_id
+                if mine and probe.rec.stop_pending is not None:
+                    probe.rec.stop_before_read(id(inner), id(loader))  # the slice is full (Profile._stopping)
                 probe._read_ahead += mine
                 try:
                     batch = next(inner)
@@ -1096,10 +1123,17 @@ class PhaseProbe:
 
         def __next__(it: Any) -> Any:
             tid = threading.get_ident()
-            if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
+            if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(it)
-            if probe._versions_at_backward is not None:  # (_batch_coming, inlined)
+            waiting = rec.is_open("data_wait")  # (read inside another's wait: tp.watch over a DataLoader)
+            if not waiting and probe._versions_at_backward is not None:  # (_batch_coming, inlined)
                 probe._unseen_update(at_batch=True)
+            if rec.stop_pending is not None and not _handed_all(it):
+                # the slice is full: the loop stops before it reads its training loader's next
+                # batch (no batch taken, no worker's RNG drawn); an epoch's end still ends its loop
+                rec.stop_before_read(id(getattr(it, "_dataset", it)), id(it))
+            if waiting:
+                return fn(it)
             probe._worked = True  # a batch read: a new iteration (see _opt_post)
             token = rec.enter("data_wait", source)
             try:
@@ -1282,10 +1316,14 @@ class PhaseProbe:
 
         def __iter__(loader: Any) -> Any:
             tid = threading.get_ident()
-            if (tid != rec.thread_id and not probe._adopt(tid, at_step=False)) or rec.is_open("data_wait"):
+            if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
+                return fn(loader)
+            key = id(getattr(loader, "dataset", loader))
+            if rec.stop_pending is not None:  # the slice is full: no new epoch of its training loader starts
+                rec.stop_before_read(key, id(loader))
+            if rec.is_open("data_wait"):
                 return fn(loader)
             token = rec.enter("data_wait", f"{source}.__iter__")
-            key = id(getattr(loader, "dataset", loader))
             rec.restarts += (perf_counter_ns(), key)
             if isinstance(loader, _dl.DataLoader):
                 settings = rec.loader_settings[key] = loader_settings(loader)
@@ -1313,6 +1351,15 @@ class PhaseProbe:
                 rec.exit(token)
 
         return skipped_by_dynamo(functools.update_wrapper(move, fn))
+
+
+def _handed_all(it: Any) -> bool:
+    """Whether a DataLoader iterator over a map-style dataset has handed out its epoch's every
+    batch (its next ``next()`` reads nothing and ends the loop); False where it cannot tell."""
+    try:
+        return it._dataset_kind == _dl._DatasetKind.Map and it._num_yielded >= len(it)
+    except Exception:  # noqa: BLE001 - another iterator (torchdata's), a sampler with no length
+        return False
 
 
 def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:

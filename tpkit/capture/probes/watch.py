@@ -4,8 +4,11 @@ makes a batch, timed as ``data_wait`` while a slice runs."""
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from typing import Any, Callable
+
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ..recorder import Recorder
 from .batches import handed_out
@@ -29,13 +32,14 @@ def watch(iterable: Any, name: str = "watch") -> Any:
         return _timed_call(iterable, name)
     rec = _loop_reading()
     if rec is None:
-        return _timed_iter(iter(iterable), name)
+        return _timed_iter(iter(iterable), name, id(iterable))
     token = rec.enter("data_wait", f"{name}.__iter__")
     try:
         it = iter(iterable)
     finally:
         rec.exit(token)
-    return _timed_iter(it, name)
+    rec.source_loaders[id(it)] = id(iterable)  # the next epoch's reads are this iterable's too
+    return _timed_iter(it, name, id(iterable))
 
 
 def _iterable(obj: Any) -> bool:
@@ -53,12 +57,15 @@ def _timed_call(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         if rec.batch_coming is not None:
             rec.batch_coming()
+        source = _call_source(fn, args, kwargs)
+        if rec.stop_pending is not None:
+            rec.stop_before_read(source)  # the slice is full: the loop stops before this batch
         token = rec.enter("data_wait", name)
         try:
             batch = fn(*args, **kwargs)
         finally:
             rec.exit(token)
-        handed_out(rec, batch, source=_call_source(fn, args, kwargs))
+        handed_out(rec, batch, source=source)
         return batch
 
     return timed
@@ -85,7 +92,8 @@ def _loop_reading() -> Recorder | None:
     return rec
 
 
-def _timed_iter(it: Any, name: str) -> Any:
+def _timed_iter(it: Any, name: str, owner: int) -> Any:
+    """``it``'s items, each read timed; ``owner``: the id of the iterable ``it`` reads."""
     while True:
         rec = _loop_reading()
         if rec is None:
@@ -96,6 +104,8 @@ def _timed_iter(it: Any, name: str) -> Any:
         else:
             if rec.batch_coming is not None:
                 rec.batch_coming()
+            if rec.stop_pending is not None and not _handed_all(it):
+                rec.stop_before_read(id(it), owner)  # the slice is full: the loop stops before this read
             token = rec.enter("data_wait", name)
             try:
                 item = next(it)
@@ -105,3 +115,11 @@ def _timed_iter(it: Any, name: str) -> Any:
                 rec.exit(token)
             handed_out(rec, item, source=id(it))
         yield item
+
+
+def _handed_all(it: Any) -> bool:
+    """Whether ``it`` is known to hold nothing more (a list's iterator at its end): its next read
+    ends the loop. A torch DataLoader's says so itself, inside the read (phases._wrap_next)."""
+    if isinstance(it, _BaseDataLoaderIter):
+        return True
+    return operator.length_hint(it, 1) == 0

@@ -1,0 +1,175 @@
+"""How the slice stops a plain loop: at the loop's next training action after its last step, so
+that what each iteration runs after ``optimizer.step()`` (a scheduler's step, a step counter, a
+log line, an evaluation) runs for the last step too. The truth is the same loop stopped by a
+``break`` at the end of its N-th iteration, run without tpkit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from truth import STEPS, WARMUP
+
+import tpkit as tp
+
+N = WARMUP + STEPS
+
+
+class Data(torch.utils.data.Dataset):
+    """64 samples with a random transform (it draws from torch's RNG as each batch is made)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8) + i / 64, torch.tensor([float(i % 3)])
+
+
+def _setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    loader = torch.utils.data.DataLoader(Data(), batch_size=8, shuffle=True)
+    return model, opt, sched, loader
+
+
+def _train(state: dict, limit: int | None = None, epochs: int = 100) -> None:
+    """The loop under test (its objects and counts go into ``state``): its tail after
+    ``opt.step()`` counts, logs and steps the scheduler."""
+    model, opt, sched, loader = _setup()
+    state.update(steps=0, log=[], updates=0)
+    opt.register_step_post_hook(lambda *_: state.__setitem__("updates", state["updates"] + 1))
+    state.update(model=model, opt=opt, sched=sched, loader=loader)
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            state["steps"] += 1
+            state["log"].append(f"step {state['steps']} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.5f}")
+            opt.zero_grad()
+            sched.step()
+            if limit is not None and state["steps"] >= limit:
+                return
+
+
+def test_the_iteration_after_the_last_optimizer_step_runs_whole():
+    """After a 7-step slice the scheduler, the loop's counter, the optimizer's updates and the log
+    all read 7, as the same loop stopped by itself after 7 iterations: the stop raised inside the
+    last ``optimizer.step()`` had left ``StepLR.last_epoch`` and the counter at 6 and the log a
+    line short. The parameters, the RNG and the loader's next epoch agree too (no batch was read
+    past the slice)."""
+    truth: dict = {}
+    _train(truth, limit=N)
+    truth_rng = torch.get_rng_state()
+    got: dict = {}
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        _train(got)
+    got_rng = torch.get_rng_state()
+    assert len(prof.run.steps) == N and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+    assert got["sched"].last_epoch == got["steps"] == got["updates"] == len(got["log"]) == N
+    assert got["log"] == truth["log"]
+    assert got["sched"].get_last_lr() == truth["sched"].get_last_lr()
+    for a, b in zip(got["model"].parameters(), truth["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(got_rng, truth_rng)
+    assert all(p.grad is None for p in got["model"].parameters())  # the loop's own zero_grad() ran
+
+
+def test_a_loop_that_ends_with_its_loader_after_the_last_step_lets_the_cell_go_on():
+    """A finite loop whose last batch is the slice's last step ends by itself: nothing is raised,
+    the code after it runs, and the Run is complete."""
+    after, got = [], {}
+    with tp.profile(steps=8 - WARMUP, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        _train(got, epochs=1)  # 64 samples, 8 a batch: 8 steps
+        after.append("after the loop")
+    assert after == ["after the loop"]
+    assert got["steps"] == got["sched"].last_epoch == 8
+    assert len(prof.run.steps) == 8 and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+
+
+class Slow(torch.nn.Module):
+    """A model whose evaluation calls take a known time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            time.sleep(0.02)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("every", [N, 3])
+def test_an_evaluation_after_the_last_step_runs_whole_and_is_none_of_the_run(every):
+    """The loop evaluates on a loader of its own after its N-th step (every 3rd step, or only
+    the last): that evaluation runs whole, the model ends in train mode, the loop stops at its
+    next training batch, and nothing of the evaluation past the slice enters the Run (no step, no
+    span, no eval time, no samples)."""
+    torch.manual_seed(0)
+    model = Slow()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train_loader = torch.utils.data.DataLoader(Data(), batch_size=8)
+    val_loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1)), batch_size=8)
+    evals, steps = [], 0
+
+    def evaluate() -> None:
+        model.eval()
+        n = 0
+        with torch.no_grad():
+            for x, y in val_loader:
+                F.mse_loss(model(x), y)
+                n += 1
+        model.train()
+        evals.append(n)
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            for x, y in train_loader:
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                steps += 1
+                if steps % every == 0:
+                    evaluate()
+    run = prof.run
+    assert steps == N and evals == [5] * (N // every) and model.training
+    assert len(run.steps) == N and run.complete
+    in_slice = (N - 1) // every  # evaluations that ran before the last step ended
+    assert run.meta.get("evaluation", {}).get("batches", 0) == 5 * in_slice
+    assert run.steps["samples"].tolist() == [8] * N
+    last_end = float(run.steps["end_s"].iloc[-1])
+    assert (run.spans["end_s"] <= last_end + 1e-6).all()  # no span of the evaluation after the slice
+
+
+def test_a_watched_iterable_and_tpkits_loader_stop_before_their_next_batch():
+    """``tp.watch`` over a generator and ``tp.data.Loader``: the loop stops before it takes the
+    next batch (the generator is not advanced), after its iteration's tail ran."""
+    from tpkit.data import Loader
+
+    for how in ("watch", "tp.data.Loader"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        made, tail = [], []
+
+        def source(made: list = made):
+            while True:
+                made.append(1)
+                yield torch.randn(8, 8), torch.randn(8, 1)
+
+        data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+        batches = tp.watch(source()) if how == "watch" else iter(Loader(data, batch_size=8))
+        with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+            for x, y in batches:
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                tail.append(1)
+        assert len(prof.run.steps) == N and len(tail) == N, how
+        assert (len(made) if how == "watch" else batches.batches_done) == N, how
