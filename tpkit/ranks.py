@@ -56,11 +56,13 @@ class RankRuns:
         return self._cached("skew", lambda: ar.rank_skew(self.steps))
 
     def stragglers(self) -> pd.DataFrame:
-        """Per measured step, the rank the others waited for, the phase it was late in and how
-        long: ``[step, rank, phase, excess_s]`` (the rule: ``tpkit.analysis.ranks``)."""
+        """Per measured step (and per collective, where the ranks' waits line up), the rank the
+        others waited for, the phase it was late in, how long it held them back and at which
+        collective: ``[step, rank, phase, excess_s, collective]`` (the rule: ``tpkit.analysis.ranks``)."""
         from .analysis import ranks as ar
 
-        return self._cached("stragglers", lambda: ar.rank_stragglers(self.steps)).copy()
+        return self._cached("stragglers", lambda: ar.rank_stragglers(
+            self.steps, {k: r.spans for k, r in self.runs.items()})).copy()
 
     def straggler_verdict(self) -> dict[str, Any]:
         """The straggler line ("rank 3's data_wait held every step back by 42.0 ms (p50)") and its figures."""
@@ -171,7 +173,8 @@ class RankRuns:
                          "step_times": [[int(r), int(s), float(d), bool(w)] for r, s, d, w in
                                         st[["rank", "step", "duration_s", "warmup"]].itertuples(index=False)],
                          "stragglers": [[int(s), int(r), str(p), float(e)] for s, r, p, e in
-                                        self.stragglers().itertuples(index=False)],
+                                        self.stragglers()[["step", "rank", "phase", "excess_s"]]
+                                        .itertuples(index=False)],
                          "timeline": [[int(r), int(s), str(p), float(a), float(b)] for r, s, p, a, b in
                                       self.timeline()[["rank", "step", "phase", "start_s", "end_s"]]
                                       .itertuples(index=False)],

@@ -56,15 +56,65 @@ def three_ranks() -> pd.DataFrame:
 
 def test_stragglers_name_the_rank_and_phase_the_others_waited_for():
     st = rank_stragglers(three_ranks())
-    assert list(st.columns) == ["step", "rank", "phase", "excess_s"]
+    assert list(st.columns) == ["step", "rank", "phase", "excess_s", "collective"]
     assert st[["step", "rank", "phase"]].values.tolist() == [[0, 2, "data_wait"], [1, 1, "forward"]]
     assert st["excess_s"].tolist() == pytest.approx([0.040, 0.030])
+    assert st["collective"].isna().all()  # no spans: judged per step
+
+
+def two_late_ranks() -> tuple[pd.DataFrame, dict[int, pd.DataFrame]]:
+    """3 ranks, 2 measured steps of two collectives each, on one clock (truth by construction):
+    rank 0 spends 30 ms more in its own code (other) before an all_gather, rank 1 waits 40 ms more
+    for data before DDP's all-reduce at the end of backward. At the all_gather ranks 1 and 2 wait
+    31 ms and rank 0 1 ms; at the all-reduce ranks 0 and 2 wait 42 ms and rank 1 2 ms."""
+    rows, spans = [], {}
+    for k in range(3):
+        parts = []
+        t = 0.0
+        for step in (0, 1):
+            start = t
+            t += 0.030 if k == 0 else 0.0  # other
+            ag = 0.001 if k == 0 else 0.031
+            parts.append(("comm", t, t + ag, 0, "wait:all_gather"))
+            t += ag
+            data = 0.010 + (0.040 if k == 1 else 0.0)
+            parts.append(("data_wait", t, t + data, 0, "DataLoader"))
+            t += data
+            parts.append(("forward", t, t + 0.020, 0, "Model"))
+            t += 0.020
+            ar = 0.002 if k == 1 else 0.042
+            parts.append(("backward", t, t + 0.020 + ar, 0, "autograd"))
+            parts.append(("comm", t + 0.020, t + 0.020 + ar, 1, "end_of_backward:all_reduce"))
+            t += 0.020 + ar
+            rows.append(dict(rank=k, step=step, warmup=False, start_s=start, duration_s=t - start, data_wait_s=data,
+                             forward_s=0.020, backward_s=0.020, other_s=0.030 if k == 0 else 0.0, comm_s=ag + ar))
+        spans[k] = table("spans", step=[0] * 5 + [1] * 5, phase=[p[0] for p in parts],
+                         start_s=[p[1] for p in parts], end_s=[p[2] for p in parts], depth=[p[3] for p in parts],
+                         source=[p[4] for p in parts])
+    return pd.DataFrame(rows), spans
+
+
+def test_two_ranks_late_before_two_collectives_are_both_named_with_their_own_hold():
+    """Per step, one straggler against the others' median had named rank 1 with 25 ms (the median
+    of 31 and 1 ms taken from its 40) and never rank 0; per collective each rank's hold is the
+    longest wait there minus its own."""
+    steps, spans = two_late_ranks()
+    st = rank_stragglers(steps, spans)
+    assert st[["step", "rank", "phase", "collective"]].values.tolist() == [
+        [0, 1, "data_wait", "all_reduce (end of backward)"], [0, 0, "other", "all_gather"],
+        [1, 1, "data_wait", "all_reduce (end of backward)"], [1, 0, "other", "all_gather"]]
+    assert st["excess_s"].tolist() == pytest.approx([0.040, 0.030] * 2)
+    v = straggler_verdict(st, steps)
+    assert v["line"] == ("rank 1's data_wait held every step back by 40.0 ms (p50) at all_reduce (end of backward); "
+                         "rank 0's other held every step back by 30.0 ms (p50) at all_gather")
+    assert (v["rank"], v["also"][0]["rank"], v["also"][0]["phase"]) == (1, 0, "other")
 
 
 def test_verdict_line_and_noise():
     steps = three_ranks()
     v = straggler_verdict(rank_stragglers(steps), steps)
-    assert v["line"] == "rank 2's data_wait held 1 of 2 steps back by 40.0 ms (p50)"
+    assert v["line"] == ("rank 2's data_wait held 1 of 2 steps back by 40.0 ms (p50); "
+                         "rank 1's forward held 1 of 2 steps back by 30.0 ms (p50)")  # both named
     assert (v["rank"], v["phase"], v["steps"], v["of_steps"]) == (2, "data_wait", 1, 2)
     same = steps[steps["step"] == 0].assign(step=lambda d: d["step"] + 5)
     every = pd.concat([steps[steps["step"] == 0], same])

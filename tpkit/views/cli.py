@@ -85,6 +85,9 @@ def _ranks(args: argparse.Namespace) -> int:
     if len(st):
         with pd.option_context("display.max_rows", args.rows, "display.width", 120):
             shown = st.assign(excess_ms=(st["excess_s"] * 1e3).round(2)).drop(columns="excess_s")
+            at = shown.pop("collective")
+            if at.notna().any():  # where the ranks' waits lined up: the collective they waited at
+                shown["collective"] = at.fillna("")
             print(f"\nstragglers per step (the rank the others waited for, its late phase, by how much):\n"
                   f"{shown.to_string(index=False, max_rows=args.rows)}")
     path = ranks.to_html(target)
