@@ -110,11 +110,15 @@ def test_losses_equal_the_run_without_tpkit(launched, case):
 def test_straggler_table_names_the_late_rank_and_phase(launched, case):
     _, _, _, late, phase, *_ = CASES[case]
     ranks = tp.load_ranks(launched(case))
-    st = ranks.stragglers()  # [step, rank, phase, excess_s]
+    st = ranks.stragglers()  # [step, rank, phase, excess_s, collective]
     measured = st[st["step"] >= 0]
-    assert len(measured) == STEPS
-    assert (measured["rank"] == late).all() and (measured["phase"] == phase).all()
-    assert statistics.median(measured["excess_s"]) == pytest.approx(DELAY_S, rel=TOL)
+    longest = measured.loc[measured.groupby("step")["excess_s"].idxmax()]  # each step's longest hold
+    assert len(longest) == STEPS
+    assert (longest["rank"] == late).all() and (longest["phase"] == phase).all()
+    assert statistics.median(longest["excess_s"]) == pytest.approx(DELAY_S, rel=TOL)
+    # a row for another collective of a step (4 ranks on this 2-core VM: a rank scheduled late by
+    # 8-40 ms at a reduce-scatter or all_gather) holds less than the delay
+    assert (measured.drop(index=longest.index)["excess_s"] < DELAY_S * (1 - TOL)).all(), measured.to_string()
 
 
 @pytest.mark.parametrize("case", PARAMS)
@@ -231,3 +235,21 @@ def test_fsdp2s_unsharded_parameters_are_parameters(tmp_path):
         assert kept["parameters"] == kept["shard"] + kept["kept"][0]  # shards and the unsharded, to the byte
         assert kept["activations"] == resharded["activations"]  # what forward saved, the same both ways
         assert any(n.startswith("FSDP2's unsharded parameters") for n in kept["notes"])
+
+
+def test_two_ranks_late_before_different_collectives_are_both_named_with_their_own_delay(tmp_path):
+    """3 DDP ranks: rank 1 sleeps 40 ms before each batch (the others wait at DDP's all-reduce),
+    rank 0 30 ms after each step, before an all_gather (the others wait there). One straggler per
+    step, its excess over the other ranks' median, had read "rank 1's other held every step back by
+    24.9 ms (p50)" and never named rank 0. Truth: the sleeps (launch_worker.py)."""
+    torchrun("launch_worker.py", 3, str(tmp_path), "two_late", timeout_s=240)
+    ranks = tp.load_ranks(tmp_path)
+    v = ranks.straggler_verdict()
+    named = {(v["rank"], v["phase"]): v} | {(a["rank"], a["phase"]): a for a in v["also"]}
+    assert set(named) == {(1, "other"), (0, "other")}, v["line"]
+    assert named[(1, "other")]["excess_p50_s"] == pytest.approx(0.040, rel=TOL)
+    assert named[(0, "other")]["excess_p50_s"] == pytest.approx(0.030, rel=TOL)
+    assert named[(1, "other")]["collectives"] == ["all_reduce (end of backward)"]
+    assert named[(0, "other")]["collectives"] == ["all_gather"]
+    assert "rank 1's other held every step back by" in v["line"] and "rank 0's other held every step back by" in \
+        v["line"]

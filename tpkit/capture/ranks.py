@@ -52,6 +52,101 @@ def rank_meta() -> dict[str, Any]:
             "local_rank": int(local) if local is not None and local.isdigit() else None}
 
 
+#: How long a rank waits at its slice's start for every rank's ``steps`` and ``warmup`` (seconds;
+#: ``TPKIT_RANK_CHECK_S``). Ranks reach their slice together (they meet in every collective); a
+#: rank that profiles alone waits this long once, and its run says the check was not made.
+ENV_CHECK = "TPKIT_RANK_CHECK_S"
+CHECK_WAIT_S = 30.0
+#: The launch's environment that ``launch_env`` records (what the launcher set).
+LAUNCH_ENV = {"run_id": "TORCHELASTIC_RUN_ID", "restart": "TORCHELASTIC_RESTART_COUNT", "master_addr": "MASTER_ADDR",
+              "master_port": "MASTER_PORT", "slurm_job_id": "SLURM_JOB_ID"}
+
+_slices_checked = 0  # slices this process started with a process group of several ranks up
+
+
+def launch_env() -> dict[str, Any]:
+    """What the launcher set that tells this launch from another (``meta["launch"]``): torchrun's
+    run id and restart count, the rendezvous address, SLURM's job id; only those set."""
+    return {k: os.environ[v] for k, v in LAUNCH_ENV.items() if os.environ.get(v) not in (None, "", "none")}
+
+
+def _group() -> tuple[Any, int, int] | None:
+    """(the default process group's store, rank, world size) where a group of several ranks is up."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001 - no store, no check: the slice runs as before
+        return None
+
+
+def start_check(steps: int, warmup: Any, stop: bool) -> dict[str, Any]:
+    """At a slice's start, where a process group of several ranks is up: the launch's id, the
+    same on every rank of this launch and new at each launch (the first rank to ask sets it in
+    the group's store: one store round trip), into ``meta["launch"]`` with ``launch_env()``, so
+    ``tpkit.ranks.load_ranks`` tells one launch's runs from another's left in the same folder.
+    Where the slice stops the loop, every rank's ``steps`` and ``warmup`` are compared through the
+    store (the last rank to arrive reads them all and posts the verdict; no collective, so a rank
+    that never starts a slice cannot unbalance the group's collectives): ranks given different
+    values would stop at different steps and leave the others waiting in a collective, so every
+    rank raises ``TpkitError`` naming the values, before its slice starts. Returns meta to add."""
+    import datetime
+    import json
+    import uuid
+
+    from ..errors import TpkitError
+
+    global _slices_checked
+    launch = launch_env()
+    out: dict[str, Any] = {"launch": launch} if launch else {}
+    group = _group()
+    if group is None:
+        return out
+    store, rank, world = group
+    launch["world_size"] = world
+    out["launch"] = launch
+    try:
+        key = f"tpkit/launch/{launch.get('restart', '0')}"
+        launch["id"] = bytes(store.compare_set(key, "", uuid.uuid4().hex)).decode()
+    except Exception as e:  # noqa: BLE001 - a store without compare_set: the runs say what the launcher set
+        out["notes"] = [f"the launch's id was not set ({e!r}): its runs are told apart by the launcher's "
+                        "environment only"]
+        return out
+    if not stop:
+        return out
+    n, _slices_checked = _slices_checked, _slices_checked + 1
+    base = f"tpkit/{launch['id']}/slice{n}"
+    wait_s = float(os.environ.get(ENV_CHECK) or CHECK_WAIT_S)
+    try:
+        store.set(f"{base}/rank{rank}", json.dumps([steps, warmup]))
+        if store.add(f"{base}/arrived", 1) == world:  # the last to arrive reads them all
+            got = store.multi_get([f"{base}/rank{k}" for k in range(world)]) if hasattr(store, "multi_get") \
+                else [store.get(f"{base}/rank{k}") for k in range(world)]
+            store.set(f"{base}/all", json.dumps([json.loads(bytes(v).decode()) for v in got]))
+        store.wait([f"{base}/all"], datetime.timedelta(seconds=wait_s))
+        every = json.loads(bytes(store.get(f"{base}/all")).decode())
+    except Exception as e:  # noqa: BLE001 - a rank that never started a slice (profiling one rank) or a store error
+        out["notes"] = [f"steps and warmup were not compared across the {world} ranks: not every rank started a "
+                        f"slice within {wait_s:g} s ({type(e).__name__}; {ENV_CHECK} sets the wait)"]
+        return out
+    differ = [(name, i) for i, name in enumerate(("steps", "warmup")) if len({str(c[i]) for c in every}) > 1]
+    if differ:
+        def ranks_of(i: int, value: Any) -> str:
+            ks = [k for k, c in enumerate(every) if str(c[i]) == str(value)]
+            return f"rank{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}"
+
+        said = "; ".join(", ".join(f"{name}={v} on {ranks_of(i, v)}" for v in sorted({c[i] for c in every}, key=str))
+                         for name, i in differ)
+        raise TpkitError(
+            f"the {world} ranks of this launch were given different {' and '.join(n for n, _ in differ)} ({said}): "
+            "a slice stops its loop after warmup + steps steps, so the ranks would stop at different steps and the "
+            "ones still training would wait in a collective for peers that left (a crash or a hang); give every "
+            "rank the same steps and warmup")
+    return out
+
+
 def rank_folder(save_dir: str | os.PathLike, meta: dict[str, Any]) -> Path:
     """Where a rank's Run is saved under ``save_dir``."""
     if meta.get("world_size") is not None and meta.get("rank") is not None:
@@ -65,6 +160,10 @@ def finish_rank_run(run: Run, save_dir: str | os.PathLike | None = None) -> Path
     try:
         info = rank_meta()
         run.meta.update(info)
+        if info.get("world_size", 0) > 1 and "launch" not in run.meta:
+            # no process group of several ranks at the slice's start (one came up inside it, or
+            # none): what the launcher set (no store round trip here: a peer may be dead)
+            run.meta["launch"] = {**launch_env(), "world_size": info["world_size"]}
         if info.get("world_size", 0) > 1 and run.steps["loss"].notna().any():
             run.meta.setdefault("notes", []).append(
                 f"the loss is rank {info['rank']}'s own, on its own batches; a data-parallel trainer logs the "
@@ -106,6 +205,7 @@ class RankWatchdog:
         self.warmup_steps = warmup_steps
         self.fired = False
         self.message = ""
+        self.stall: dict[str, Any] = {}  # where the loop was when it fired (``where_stalled``)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tpkit-rank-watchdog", daemon=True)
 
@@ -119,7 +219,9 @@ class RankWatchdog:
             self._thread.join(5.0)
 
     def meta(self) -> dict[str, Any]:
-        return {"rank_watchdog_fired": True, "rank_watchdog_error": self.message} if self.fired else {}
+        if not self.fired:
+            return {}
+        return {"rank_watchdog_fired": True, "rank_watchdog_error": self.message, "stall": dict(self.stall)}
 
     def _loop(self) -> None:
         from time import perf_counter_ns
@@ -147,14 +249,59 @@ class RankWatchdog:
                 snap.notes.append(f"{len(snap.losses) - len(on_host)} losses were on the GPU, which is stalled: "
                                   "left out of the stalled rank's run")
             snap.losses = on_host
-            msg = self.message = (f"no step ended for {self.timeout_s:g} s: this rank stalled (a peer died or "
-                                  "hangs); the Run holds the steps before the stall")
+            self.stall = where_stalled(rec.thread_id)
+            msg = self.message = stall_message(self.timeout_s, self.stall)
             snap.notes.append(msg)
             warmup = min(self.warmup_steps, len(snap.step_ends))
-            run = build_run(snap, warmup, {"complete": False, "stopped_by": "stalled", "error": msg})
+            run = build_run(snap, warmup, {"complete": False, "stopped_by": "stalled", "error": msg,
+                                           "stall": dict(self.stall)})
             finish_rank_run(run, self.save_dir)
         finally:
             _thread.interrupt_main()  # ends the slice once the main thread is back in Python
+
+
+def where_stalled(thread_id: int) -> dict[str, Any]:
+    """Where the loop's thread is as a stall is declared: ``in_collective`` (True: blocked in a
+    collective, waiting for a peer; False: in its own code, what the other ranks would wait for;
+    None: collectives are not timed in this slice, unknown), the collective and for how long, and
+    ``at``, the innermost line of the loop's code outside torch and tpkit. Read once, by the
+    watchdog's thread, from the communication probe (``CommProbe.blocked``) and the thread's stack."""
+    import sys
+    import traceback
+    from time import perf_counter_ns
+
+    from .probes import comm
+
+    out: dict[str, Any] = {"in_collective": None}
+    probe = comm._ACTIVE
+    if probe is not None and probe.installed:
+        now = probe.blocked(thread_id)
+        out["in_collective"] = now is not None
+        if now is not None:
+            out.update(collective=now[1], waiting_s=round((perf_counter_ns() - now[0]) / 1e9, 3))
+    frame = sys._current_frames().get(thread_id)
+    if frame is not None:
+        skip = (os.sep + "torch" + os.sep, os.sep + "tpkit" + os.sep, os.sep + "lightning" + os.sep,
+                os.sep + "transformers" + os.sep, os.sep + "accelerate" + os.sep, os.sep + "deepspeed" + os.sep)
+        for fs in reversed(traceback.extract_stack(frame)):
+            if not any(p in fs.filename for p in skip):
+                out["at"] = f"{fs.filename}:{fs.lineno} in {fs.name}" + (f": {fs.line}" if fs.line else "")
+                break
+    return out
+
+
+def stall_message(timeout_s: float, stall: dict[str, Any]) -> str:
+    """The stalled rank's error line, from ``where_stalled``."""
+    head = f"no step ended for {timeout_s:g} s: "
+    at = f" (at {stall['at']})" if stall.get("at") else ""
+    tail = "; the Run holds the steps before the stall"
+    if stall.get("in_collective"):
+        return (head + f"this rank stalled, blocked in a collective ({stall.get('collective')}) for "
+                f"{stall.get('waiting_s', 0.0):.1f} s, waiting for a peer that died or hangs{at}" + tail)
+    if stall.get("in_collective") is False:
+        return (head + f"this rank stalled in its own code, not waiting in any collective{at}: the other ranks "
+                "would wait for it in their next collective" + tail)
+    return head + f"this rank stalled (a peer died or hangs, or this rank's own code){at}" + tail
 
 
 def rank_watchdog(rec: Any, cfg: Any) -> RankWatchdog | None:

@@ -141,6 +141,10 @@ class Profile:
                     f"warmup='auto' is decided by each rank on its own step times, so the {world} ranks of "
                     "this launch could stop at different steps and leave the others waiting in a collective; "
                     "give a fixed warmup (e.g. warmup=5), the same on every rank")
+        from .ranks import start_check
+
+        # where a process group is up: the launch's id, and the ranks' steps and warmup compared
+        ranks_facts = start_check(cfg.steps, cfg.warmup, cfg.stop)
         # a Profile used again (``with prof:`` twice) starts afresh: the last slice's probes, step
         # times and warmup had carried its notes into the next run and decided its auto warmup
         self.run, self._probes, self._removed, self._durations = None, [], [], []
@@ -152,6 +156,10 @@ class Profile:
         rec.meta.update(cfg.extra_meta)
         for text in cfg.notes:
             rec.note(text)
+        if "launch" in ranks_facts:
+            rec.meta["launch"] = ranks_facts["launch"]
+        for note in ranks_facts.get("notes", []):
+            rec.note(note)
         # the slice's start on the wall clock, to the nanosecond: ranks' timelines line up by it
         rec.meta["start_unix_ns"] = time.time_ns() - (time.perf_counter_ns() - rec.t0_ns)
         rec.step_listeners.append(self._on_step)

@@ -195,6 +195,9 @@ class CommProbe:
         self._cuda: _CudaClock | None = None
         self._issued = 0  # collectives issued since install, kept or not
         self._world: int | None = None  # the default process group's size at install
+        # Waits under way: thread id -> (start_ns, the collective's op); one dict write and pop per
+        # exposed wait, read by the rank watchdog (``blocked``) when no step ended for a while
+        self._waiting: dict[int, tuple[int, str]] = {}
 
     # -- life cycle ---------------------------------------------------------------------------
     def install(self) -> "CommProbe":
@@ -379,6 +382,19 @@ class CommProbe:
     def _end(self) -> None:
         self._tls.depth = max(0, getattr(self._tls, "depth", 1) - 1)
 
+    def blocked(self, thread_id: int) -> tuple[int, str] | None:
+        """Whether ``thread_id`` is blocked in a collective now: ``(since_ns, what)``, else None.
+        Read from another thread (the rank watchdog), once, when the loop stalled."""
+        w = self._waiting.get(thread_id)
+        if w is not None:
+            return w
+        for start, tid in list(self.unfinished.values()):
+            if tid == thread_id and start >= 0:  # the graph's compute done, its collectives not
+                ops = {c.op for c in self.ops[-64:] if c.in_backward}
+                what = ops.pop() if len(ops) == 1 else "the gradients' collectives"
+                return start, f"{what} at the end of backward"
+        return None
+
     def _mark(self, device: str) -> Any:
         return self._cuda.mark() if (self._cuda is not None and device == "cuda") else None
 
@@ -513,7 +529,7 @@ class CommProbe:
 
     # -- exposed waits ---------------------------------------------------------------------------
     def _timed(self, call: Callable[[], Any], detail: Callable[[], dict], device: str,
-               rec: Collective | None = None) -> Any:
+               rec: Collective | None = None, what: str = "a collective") -> Any:
         """Run a blocking ``call``; report it as exposed when it is the outermost wait."""
         if not self.installed:
             return call()
@@ -529,10 +545,13 @@ class CommProbe:
         if rec is not None and rec.wait_ns is None:
             rec.wait_event = start_ev
         start = perf_counter_ns()
+        tid = threading.get_ident()
+        self._waiting[tid] = (start, rec.op if rec is not None else what)
         try:
             return call()
         finally:
             end = perf_counter_ns()
+            self._waiting.pop(tid, None)
             self._end()
             try:
                 end_ev = self._mark(device)
@@ -567,7 +586,7 @@ class CommProbe:
             device = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
             return self._timed(lambda: op.redispatch(keyset & after, tensor),
                                lambda: {"kind": "wait", "source": "wait_tensor", "op": "functional",
-                                        "ops": 1, "bytes": 0}, device)
+                                        "ops": 1, "bytes": 0}, device, what="a functional collective")
 
         return kernel
 
@@ -586,7 +605,7 @@ class CommProbe:
                 return {"kind": "blocking_call", "source": source, "op": kind, "ops": n,
                         "bytes": sum(c.bytes for c in issued)}
 
-            return self._timed(lambda: orig(*args, **kwargs), detail, "cpu")
+            return self._timed(lambda: orig(*args, **kwargs), detail, "cpu", what=f"{kind} ({source})")
 
         blocking.__wrapped__ = orig  # type: ignore[attr-defined]
         blocking.__doc__ = getattr(orig, "__doc__", None)
