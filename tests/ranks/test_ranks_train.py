@@ -233,7 +233,9 @@ def test_fsdp2s_unsharded_parameters_are_parameters(tmp_path):
         assert set(resharded["kept"]) == {0} and len(set(kept["kept"])) == 1 and kept["kept"][0] > 0
         assert resharded["parameters"] == resharded["shard"]  # the local shards alone
         assert kept["parameters"] == kept["shard"] + kept["kept"][0]  # shards and the unsharded, to the byte
-        assert kept["activations"] == resharded["activations"]  # what forward saved, the same both ways
+        # what forward saved, about the same both ways (a few hundred bytes of gloo's own buffers
+        # come and go with its threads' timing), none of the unsharded parameters among it
+        assert abs(kept["activations"] - resharded["activations"]) < kept["kept"][0] // 8
         assert any(n.startswith("FSDP2's unsharded parameters") for n in kept["notes"])
 
 
