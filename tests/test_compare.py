@@ -221,7 +221,7 @@ def test_a_rerun_name_compares_the_run_just_measured_and_says_so(tmp_path, monke
     assert c.labels == ["baseline-2", "fast-2"] and c.baseline == "baseline-2"
     assert row(c, "step_time_p50", "baseline-2")["value"] == pytest.approx(300.0)
     assert c.warnings[0].startswith("'baseline' is the run stored as 'baseline-2', the newest of the 2 runs given that name "
-                                    f"(older: 'baseline' in {tmp_path / 'baseline'}")
+                                    f"(the others: 'baseline~1' (stored as 'baseline' in {tmp_path / 'baseline'}))")
     assert c.warnings[1].startswith("'fast' is the run stored as 'fast-2'")
     assert "'baseline-2' is incomplete (error)" in c.to_text()
     assert not any("stored as" in w for w in tp.compare("baseline-2", "fast-2").warnings)  # exact names: one run each
@@ -282,6 +282,14 @@ def test_tp_compare_magic_displays_table_and_warnings(ip, tmp_path, monkeypatch)
     c = ip.user_ns["_tp_compare"]
     assert c.labels == ["base-2", "next"] and row(c, "step_time_p50", "base-2")["value"] == pytest.approx(300.0)
     assert c.warnings[0].startswith("'base' is the run stored as 'base-2', the newest of the 2 runs")
+    # the names tp.runs() had listed: both the newest run (it had compared base-2 with itself)
+    with pytest.raises(UsageError, match=r"%tp_compare: 'base' and 'base-2' are the same run, stored as 'base-2'.*"
+                                         r"The other runs given 'base': 'base~1' \(stored as 'base'"):
+        ip.run_line_magic("tp_compare", "base base-2")
+    with capture_output():
+        ip.run_line_magic("tp_compare", "base~1 base")
+    c = ip.user_ns["_tp_compare"]
+    assert [row(c, "step_time_p50", label)["value"] for label in c.labels] == pytest.approx([100.0, 300.0])
     with pytest.raises(UsageError, match="%tp_compare"):
         ip.run_line_magic("tp_compare", "")
 

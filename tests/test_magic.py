@@ -3,6 +3,8 @@ hooks taken out, partial runs on errors, argument errors before the cell runs.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import sleepy
 from IPython.core.error import UsageError
@@ -182,9 +184,31 @@ def test_a_rerun_under_a_taken_name_says_where_it_is_stored(ip):
     with capture_output() as again:
         ip.run_cell_magic("tp_profile", "--steps 2 --warmup 1 --quiet --name base", cell)
     assert "stored as" not in first.stdout and tp.last_run().name == "base-2"
-    assert (f"the store ({tp.store.store_path()}) already held a run named 'base': this one is stored as 'base-2'; "
-            "'base' in %tp_compare and tp.load means this run now") in again.stdout
+    assert (f"the store ({tp.store.store_path()}) already held a run given the name 'base': this one is stored as "
+            "'base-2'; 'base' in %tp_compare and tp.load means this run now, the newest of the 2 runs given that name "
+            "(the one before it: 'base~1'; tp.runs() lists the name that loads each run)") in again.stdout
     assert tp.load("base").meta["start_unix_ns"] == tp.last_run().meta["start_unix_ns"]
+    assert "always" not in again.stdout  # 'base-2' is this run only while no run is given that name
+
+
+def test_the_rerun_line_says_what_the_name_means_by_start_time(ip):
+    """It had said "'base' ... means this run now (the newest of that name), 'base-2' always this
+    one" unchecked: a run given 'base' that started later (another machine's, copied in) keeps
+    'base'; a run later given the name 'base-2' takes that name (store2.py: tp.load('base-2') is
+    base-2-2)."""
+    import factories
+
+    cell = LOOP.replace("for batch in loader:", "for _, batch in zip(range(3), loader):")
+    later = factories.make_run("base", [0.05] * 3, 10, start_unix_ns=time.time_ns() + 3600 * 10**9)
+    tp.store.save(later)  # started an hour from now
+    with capture_output() as out:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 1 --quiet --name base", cell)
+    assert tp.last_run().name == "base-2"
+    assert ("this one is stored as 'base-2'; 'base' means 'base', which started later; this one is 'base~1' "
+            "(tp.runs() lists the name that loads each run)") in out.stdout
+    assert tp.load("base~1").meta["start_unix_ns"] == tp.last_run().meta["start_unix_ns"]
+    tp.store.save(factories.make_run("base-2", [0.09] * 3, 10, start_unix_ns=time.time_ns() + 7200 * 10**9))
+    assert tp.load("base-2").name == "base-2-2" and tp.load("base~1").name == "base-2"
 
 
 def test_stop_drops_the_last_steps_gradients(ip):

@@ -66,18 +66,41 @@ def compare(*runs: Any, baseline: Any = None, **kwargs: Any) -> Comparison:
     first): ``tp.compare("base", "workers4", baseline="base")``. See
     ``tpkit.analysis.compare`` for the statistics and when a change is called significant."""
     from .analysis.compare import compare as _compare
-    from .store import load, load_resolved
+    from .store import check_distinct, load_resolved
 
     if len(runs) == 1 and isinstance(runs[0], (list, tuple)):
         runs = tuple(runs[0])
     pairs = [load_resolved(r) for r in runs]
+    check_distinct([r for _, r in pairs])  # two names of one stored run: an error saying what each meant
     loaded = [run for run, _ in pairs]
-    if isinstance(baseline, str) and not any(baseline == r.name for r in loaded):
-        baseline = load(baseline).name  # a folder or a store name given for one of the runs
+    if isinstance(baseline, str):
+        baseline = _baseline_index(baseline, pairs)
     comparison = _compare(*loaded, baseline=baseline, **kwargs)
-    # a name several stored runs were given means the newest: say which one it was
-    comparison.warnings[:0] = list(dict.fromkeys(r.describe() for _, r in pairs if r is not None and r.others))
+    # a name several stored runs were given means the newest, a folder of the same path was not
+    # taken: say so
+    comparison.warnings[:0] = list(dict.fromkeys(d for _, r in pairs if r is not None and (d := r.describe())))
     return comparison
+
+
+def _baseline_index(baseline: str, pairs: list) -> int | str:
+    """Which of the compared runs ``baseline`` means: the one given by that text, else the one
+    its store name or folder resolves to (as the runs' own names were: ``"baseline"`` after a
+    rerun is the newest, stored as baseline-2, not the older run whose stored name it is),
+    else the text itself (a run's name or label, for ``analysis.compare``)."""
+    from .errors import TpkitError
+    from .store import load_resolved
+
+    for i, (_, r) in enumerate(pairs):
+        if r is not None and r.asked == baseline:
+            return i
+    try:
+        run, found = load_resolved(baseline)
+    except TpkitError:
+        return baseline
+    for i, (_, r) in enumerate(pairs):
+        if r is not None and found is not None and r.folder.resolve() == found.folder.resolve():
+            return i
+    return run.name
 
 
 def load_ipython_extension(ipython: Any) -> None:

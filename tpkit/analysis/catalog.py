@@ -14,18 +14,20 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
-from ..store import store_path, stored_folders
+from ..store import handles, store_path, stored_folders
 from .steps import summarize
 
 #: Columns of ``tp.runs()``, in order.
-RUNS_COLUMNS: tuple[str, ...] = ("name", "start_time", "steps", "throughput", "step_p50_ms", "verdict",
+RUNS_COLUMNS: tuple[str, ...] = ("name", "stored_as", "start_time", "steps", "throughput", "step_p50_ms", "verdict",
                                  "complete", "damaged", "path", "knobs", "problem")
 
 
-def _row(folder: Path) -> dict[str, Any]:
-    """One ``tp.runs()`` row, read from meta.json and steps.parquet only (never the big tables)."""
+def _row(folder: Path, handle: str | None = None) -> dict[str, Any]:
+    """One ``tp.runs()`` row, read from meta.json and steps.parquet only (never the big tables);
+    ``handle``: the name that loads exactly this run (``store.handles``)."""
     row: dict[str, Any] = dict.fromkeys(RUNS_COLUMNS)
-    row.update(name=folder.name, path=str(folder), damaged=True, complete=False, knobs="", problem="")
+    row.update(name=folder.name, stored_as=folder.name, path=str(folder), damaged=True, complete=False, knobs="",
+               problem="")
     try:
         meta = json.loads((folder / "meta.json").read_text())
         if not isinstance(meta, dict) or "tpkit_format" not in meta:
@@ -48,7 +50,11 @@ def _row(folder: Path) -> dict[str, Any]:
         return row
     knobs = meta.get("knobs") or {}
     if isinstance(meta.get("name"), str):
-        row["name"] = meta["name"]  # the user's name; the folder's may be sanitised
+        row["name"] = row["stored_as"] = meta["name"]  # the user's name; the folder's may be sanitised
+    if handle is not None:
+        row["name"] = handle
+    ns = meta.get("start_unix_ns")
+    row["_start_ns"] = ns if isinstance(ns, int) and not isinstance(ns, bool) else None
     row.update(start_time=meta.get("start_time"), steps=s.steps, throughput=s.throughput,
                step_p50_ms=s.step_p50_s * 1e3, verdict=s.verdict.kind, complete=s.complete, damaged=False,
                knobs=", ".join(f"{k}={v}" for k, v in knobs.items()) if isinstance(knobs, dict) else str(knobs))
@@ -56,12 +62,18 @@ def _row(folder: Path) -> dict[str, Any]:
 
 
 def runs(store: str | os.PathLike | None = None) -> pd.DataFrame:
-    """Every run in the store, oldest first: ``name, start_time, steps, throughput``
-    (samples/s), ``step_p50_ms, verdict, complete, damaged, path, knobs`` (as text) and
-    ``problem`` (why a damaged one cannot be read). Empty when the store is off or empty."""
+    """Every run in the store, oldest first: ``name`` (what ``tp.load`` / ``tp.compare`` /
+    ``%tp_compare`` take for exactly this run now: the name it was given where it is the newest
+    run given it, else ``<given>~<k>``, k newer runs given that name), ``stored_as`` (its name in
+    the store, ``<given>-2`` for a rerun), ``start_time, steps, throughput`` (samples/s),
+    ``step_p50_ms, verdict, complete, damaged, path, knobs`` (as text) and ``problem`` (why a
+    damaged one cannot be read). Empty when the store is off or empty."""
     root = Path(store).expanduser() if store is not None else store_path()
-    rows = [_row(f) for f in stored_folders(root)] if root is not None else []
-    df = pd.DataFrame(rows, columns=list(RUNS_COLUMNS))
+    names = handles(root) if root is not None else {}
+    rows = [_row(f, names.get(f)) for f in stored_folders(root)] if root is not None else []
+    df = pd.DataFrame(rows, columns=[*RUNS_COLUMNS, "_start_ns"])
     df = df.astype({"steps": "Int64", "throughput": "float64", "step_p50_ms": "float64",
-                    "complete": "bool", "damaged": "bool"})
-    return df.sort_values(["start_time", "name"], na_position="last", kind="stable").reset_index(drop=True)
+                    "complete": "bool", "damaged": "bool", "_start_ns": "float64"})
+    # oldest first: by start time (to the second), then the exact start, then the stored name
+    df = df.sort_values(["start_time", "_start_ns", "stored_as"], na_position="last", kind="stable")
+    return df.drop(columns="_start_ns").reset_index(drop=True)

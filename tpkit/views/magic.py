@@ -206,10 +206,10 @@ class TpkitMagics(Magics):
         """
         from ..analysis.compare import compare
         from ..run import Run
-        from ..store import load_resolved, names
+        from ..store import check_distinct, handles, load_resolved
 
         args = _parse(self.tp_compare, line, "%tp_compare")
-        loaded, shared = [], []
+        loaded, shared, resolved = [], [], []
         for name in args.names:
             var = self.ip.user_ns.get(name)
             if isinstance(var, Run):
@@ -218,13 +218,18 @@ class TpkitMagics(Magics):
             try:
                 run, found = load_resolved(name)
                 loaded.append(run)
-                if found is not None and found.others:
+                resolved.append(found)
+                if found is not None and found.describe():
                     shared.append(found.describe())
             except TpkitError as e:
                 msg = f"%tp_compare: cannot load {name!r}: {e}"
                 if "known runs" not in msg:
-                    msg += f"\nknown runs: {', '.join(names()) or 'none'}"
+                    msg += f"\nknown runs: {', '.join(sorted(handles().values())) or 'none'}"
                 raise UsageError(msg) from None
+        try:
+            check_distinct(resolved)
+        except TpkitError as e:
+            raise UsageError(f"%tp_compare: {e}") from None
         baseline = None
         if args.baseline is not None:
             if args.baseline not in args.names:
@@ -238,16 +243,34 @@ class TpkitMagics(Magics):
 
 
 def _say_where_stored(run: Any) -> None:
-    """A line when the store renamed the run (its name was taken): where it went, and that the
-    name given now means it (the newest run of that name; ``tpkit.store.resolve``)."""
-    asked = run.meta.get("name_requested")
-    if not isinstance(asked, str) or asked == run.name:
-        return
-    from ..store import store_path
+    """A line when the store renamed the run (its name was taken): where it went, and what the
+    name given means now, as ``tpkit.store.resolve`` finds it (the newest run given it by start
+    time). It had said "(the newest)" unchecked and "'base-2' always this one", false once a
+    later run is given the name 'base-2'."""
+    from ..store import given_name, resolve, store_path
 
-    print(f"tpkit: the store ({store_path()}) already held a run named {asked!r}: this one is stored as "
-          f"{run.name!r}; {asked!r} in %tp_compare and tp.load means this run now (the newest of that name), "
-          f"{run.name!r} always this one")
+    asked = run.meta.get("name_requested")
+    if not isinstance(asked, str) or store_path() is None:
+        return
+    given = given_name(run.meta)
+    if given == run.name:
+        return
+    try:
+        found = resolve(given)
+    except TpkitError:
+        return
+    mine = [i for i, (name, _) in enumerate(found.shared) if name == run.name] if found is not None else []
+    if found is None or not mine:
+        return  # not in the store (its save failed and said so)
+    head = (f"tpkit: the store ({store_path()}) already held a run given the name {given!r}: this one is stored as "
+            f"{run.name!r}; ")
+    n = len(found.shared)
+    if mine[0] == 0:
+        print(head + f"{given!r} in %tp_compare and tp.load means this run now, the newest of the {n} runs given "
+              f"that name (the one before it: '{given}~1'; tp.runs() lists the name that loads each run)")
+    else:
+        print(head + f"{given!r} means {found.name!r}, which started later; this one is '{given}~{mine[0]}' "
+              "(tp.runs() lists the name that loads each run)")
 
 
 def _split_statement(magic: Any, line: str) -> tuple[str, str]:
