@@ -182,6 +182,59 @@ def test_watch_times_each_call_of_a_batch_function():
         assert run.meta["batches_seen"] == 1 + len(clock)  # and the one before the loop
 
 
+def test_watch_refuses_a_generator_function_and_says_to_pass_its_generator():
+    """``tp.watch(gen_fn)``: a generator function is callable and not iterable; wrapped as a
+    batch function, each call made a generator and its 30 ms batches were timed nowhere
+    (data_wait 0, silently). It raises a TypeError that says to pass the generator; passed, its
+    batches are data_wait (the loop's clock around each next())."""
+
+    def batches():
+        while True:
+            time.sleep(0.03)
+            yield torch.randn(4, 8)
+
+    with pytest.raises(TypeError, match=r"generator function.*tp\.watch\(batches\(\.\.\.\)\)"):
+        tp.watch(batches)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock: list[float] = []
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        it = iter(tp.watch(batches()))
+        for _ in range(8):
+            t = time.perf_counter()
+            x = next(it)
+            clock.append(time.perf_counter() - t)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    m = prof.run.steps[~prof.run.steps["warmup"]]
+    assert _close(m["data_wait_s"], clock[1:5]), (m["data_wait_s"].tolist(), clock)
+
+
+def test_watch_calls_a_callable_batch_maker_that_can_be_indexed_too():
+    """A batch maker that is callable and also has ``__getitem__`` (its settings by key), no
+    ``__iter__``: it is a batch function (each call data_wait, its batch counted). It had been
+    iterated by the old ``__getitem__`` protocol: tp.watch returned a generator, and calling it
+    raised TypeError."""
+
+    class BatchMaker:
+        settings = {"rows": 6}
+
+        def __getitem__(self, key: str) -> int:
+            return self.settings[key]
+
+        def __call__(self, split: str, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+            return _get_batch(split, self["rows"])
+
+    watched = tp.watch(BatchMaker())
+    assert callable(watched)
+    clock: list[float] = []
+    run = _batch_fn_loop(watched, clock, None)
+    m = run.steps[~run.steps["warmup"]]
+    assert _close(m["data_wait_s"], clock[1:5]), (m["data_wait_s"].tolist(), clock)
+    assert (run.steps["samples"] == 6).all(), run.steps["samples"].tolist()
+
+
 def test_tp_step_right_after_an_optimizer_step_marks_the_same_step():
     """A loop that calls ``tp.step()`` after ``opt.step()``: the first optimizer step ends a step
     before any tp.step() was seen; the first tp.step() right after it marks that same step (it

@@ -4,7 +4,10 @@ compiles, the folder the run is saved to:
 
 - ``call``: ``torch.compile(model)`` inside the slice (it imports dynamo: seconds);
 - ``held``: through ``torch.compile`` as a library held it before the slice (tpkit does not see
-  the call), dynamo first imported inside the slice by making the optimizer.
+  the call), dynamo first imported inside the slice by making the optimizer;
+- ``thread``: the loop trains eagerly and compiles nothing; a helper thread compiles a function
+  through the held reference for several shapes during the loop's first step (before tpkit's
+  callbacks go in at its end): none of those compilations is the loop's.
 
 Prints one JSON line: the truth, from the loop's own clocks (around the ``torch.compile`` call
 and around each model call) and dynamo's compilation records (read after the slice)."""
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 import torch
@@ -30,7 +34,18 @@ call_s = 0.0
 WARMUP, STEPS = 1, 3
 with tp.profile(steps=STEPS, warmup=WARMUP, name=f"fresh-{how}", progress=False, clock_hz=0) as prof:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    if how == "held":
+    helper = None
+    if how == "thread":
+        def compile_aside() -> None:
+            f = held_compile(lambda v: (v.sin() + v.cos()).sum(), backend="eager")
+            for n in range(1, 4):
+                f(torch.randn(n * 3))  # a new shape: compiled again
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)  # (it imports dynamo, before the helper runs)
+        helper = threading.Thread(target=compile_aside)
+        helper.start()
+        cmodel = model
+    elif how == "held":
         opt = torch.optim.SGD(model.parameters(), lr=0.01)  # (it imports dynamo)
         cmodel = held_compile(model, backend="eager")
     else:
@@ -41,6 +56,9 @@ with tp.profile(steps=STEPS, warmup=WARMUP, name=f"fresh-{how}", progress=False,
     for _ in range(WARMUP + STEPS):
         x, y = torch.randn(32, 16), torch.randn(32, 1)
         time.sleep(0.03)
+        if helper is not None:
+            helper.join()  # (in the first step: the loop waits, compiling nothing)
+            helper = None
         t = time.perf_counter()
         out = cmodel(x)
         forward_s.append(time.perf_counter() - t)

@@ -361,6 +361,26 @@ def test_dynamo_first_imported_inside_the_slice_still_times_the_first_compile(ho
     assert ("the torch.compile(...) calls themselves took" in note) == (how == "call")
 
 
+def test_another_threads_compilations_before_the_callbacks_are_not_the_loops(tmp_path):
+    """dynamo first imported inside the slice, and a helper thread compiling through a reference
+    taken at import during the loop's first step, before tpkit's callbacks go in at its end: the
+    loop compiles nothing (it waits for the helper, then trains eagerly). Those compilations had
+    been read from dynamo's records as the loop's (compile_s 0.35 s in the first step, and a
+    note): no record says its thread, and the loop was in no call that compiles. Truth: dynamo's
+    records (the helper's compilations happened), the loop's eager model."""
+    child = Path(__file__).with_name("fresh_compile_child.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tp.__file__).parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(child), "thread", str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["records"]) >= 2  # the helper's
+    run = tp.load(str(tmp_path / "run"))
+    assert (run.steps["compile_s"] == 0).all(), run.steps["compile_s"].tolist()
+    assert not any(n.startswith("torch.compile compiled") for n in run.meta["notes"]), run.meta["notes"]
+
+
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # (SleepyNet reads a clock)
 def test_an_evaluation_wrappers_first_compile_in_a_measured_step_is_said_to_be_evaluations():
     """A model trained eagerly and evaluated through ``torch.compile(model)`` first called in a

@@ -487,14 +487,16 @@ def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("watched", [False, True], ids=["get_batch", "tp.watch(get_batch)"])
 def test_an_evaluation_that_fetches_its_batches_itself(watched):
     """nanoGPT: ``estimate_loss()`` under no_grad, in eval mode, calls ``get_batch('val')`` and
-    the model EVAL_ITERS times. The time between its model calls (a fetch, 30 ms each) is eval:
-    it had been training's other (eval_s held the model calls alone). Unwatched, the fetch
-    before its first call stays other; with ``get_batch = tp.watch(get_batch)`` every fetch of
-    the evaluation is eval, and the training fetches, nanoGPT's between forward and backward,
-    are data_wait. Truth: the loop's clocks."""
+    the model EVAL_ITERS times. With ``get_batch = tp.watch(get_batch)`` every fetch of the
+    evaluation is eval (the time between its model calls too: it had been training's other), and
+    the training fetches, nanoGPT's between forward and backward, are data_wait. Unwatched, tpkit
+    sees no evaluation data: the time between its calls is like a rollout's (no batch read) and
+    stays other, eval_s holds the model calls alone, and the note says to wrap the function in
+    tp.watch. Truth: the loop's clocks and the model's calls by grad mode (forward hooks)."""
     fetch = tp.watch(get_batch) if watched else get_batch
     torch.manual_seed(0)
     model = truth.SleepyNet()
+    calls = CallClock(model)
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     clock: dict[str, float] = defaultdict(float)
 
@@ -528,41 +530,47 @@ def test_an_evaluation_that_fetches_its_batches_itself(watched):
     evaluations = len([s for s in range(N) if s % EVERY == 1])
     assert run.meta["evaluation"]["calls"] == EVAL_ITERS * evaluations
     glue = run.spans[run.spans["source"] == "between evaluation calls"]
-    assert len(glue) == (EVAL_ITERS - 1) * evaluations
+    note = next(n for n in run.meta["notes"] if n.startswith("evaluation ran inside the slice"))
+    stretches = (EVAL_ITERS - 1) * evaluations
     if watched:
+        assert len(glue) == stretches
         close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (estimate_loss() whole)")
         close(float(run.steps["data_wait_s"].sum()), clock["train_fetch"], "data_wait (the training fetches)")
         assert run.meta["evaluation"]["batches"] == EVAL_ITERS * evaluations
         assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+        assert f"so is the time between consecutive calls with no training work between them where the " \
+               f"evaluation read its batches there ({stretches} stretch(es)" in note, note
     else:
-        close(float(run.steps["eval_s"].sum()), clock["between_first_and_last_call"],
-              "eval (from estimate_loss()'s first model call to its last)")
+        assert glue.empty
+        close(float(run.steps["eval_s"].sum()), calls.seconds["eval"], "eval (estimate_loss()'s model calls alone)")
         other = float(run.steps["other_s"].sum())
-        assert other >= clock["train_fetch"] + evaluations * FETCH_S, "the unseen fetches are other"
-    note = next(n for n in run.meta["notes"] if n.startswith("evaluation ran inside the slice"))
-    assert f"so is the time between consecutive calls with no training work between them " \
-           f"({(EVAL_ITERS - 1) * evaluations} stretch(es)" in note, note
+        assert other >= clock["train_fetch"] + EVAL_ITERS * evaluations * FETCH_S, "the unseen fetches are other"
+        assert f"the time between consecutive calls where no evaluation batch was read ({stretches} stretch(es)" \
+               in note and "wrap the function in tp.watch" in note, note
     assert "Before an evaluation's first call and after its last" in note, note
 
 
-def test_sampling_between_the_calls_of_generate_is_eval():
+def test_sampling_between_the_calls_of_generate_stays_other():
     """minGPT's callback after a step: ``generate()`` in eval mode without grad, the model called
-    once a token with the sampling (argmax, cat; here 20 ms) between calls. That time is eval;
-    it had been other. Truth: the loop's clock from generate's first call to its last call's end."""
+    once a token with the sampling (argmax, cat; here 20 ms) between calls. No evaluation batch
+    is read between the calls: to tpkit it is a rollout (below), and the sampling stays other,
+    eval_s its model calls alone, and the note says so. Truth: the model's calls by grad mode
+    (forward hooks) and the loop's clock of the sampling."""
     torch.manual_seed(0)
     model = truth.SleepyNet()
+    calls = CallClock(model)
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     train, _ = train_and_val()
     clock: dict[str, float] = defaultdict(float)
 
     @torch.no_grad()
     def generate(x: torch.Tensor, tokens: int) -> None:
-        t = time.perf_counter()
         for _ in range(tokens):
             out = model(x)
+            t = time.perf_counter()
             time.sleep(0.02)  # sample the next token and append it
+            clock["sampling"] += time.perf_counter() - t
             x = x + out
-        clock["generate"] += time.perf_counter() - t - 0.02  # (the sampling after the last call)
 
     with tp.profile(steps=STEPS, warmup=WARMUP, name="generate", progress=False, clock_hz=0) as prof:
         for step, (x, y) in zip(range(N), train):
@@ -574,7 +582,49 @@ def test_sampling_between_the_calls_of_generate_is_eval():
                 generate(x[:1], 3)
                 model.train()
     run = prof.run
-    close(float(run.steps["eval_s"].sum()), clock["generate"], "eval (generate's calls and its sampling)")
+    assert not (run.spans["source"] == "between evaluation calls").any()
+    close(float(run.steps["eval_s"].sum()), calls.seconds["eval"], "eval (generate's model calls alone)")
+    assert float(run.steps["other_s"].sum()) >= clock["sampling"]
+    note = next(n for n in run.meta["notes"] if n.startswith("evaluation ran inside the slice"))
+    assert "where no evaluation batch was read (" in note and "stays other" in note, note
+
+
+def test_an_rl_rollout_is_not_evaluation():
+    """An RL loop: a rollout of 5 environment steps (20 ms each) calling the trained policy in
+    eval mode without grad, then a training update on what it collected. No evaluation batch is
+    read: the 80 ms of environment between the policy's calls are the step's other, not eval (it
+    had read eval_s 0.081 s a step of 0.116, EVAL-BOUND 70%, "evaluate less often"), and the
+    verdict is not EVAL-BOUND. Truth: the loop's clock of the environment, the policy's calls
+    by grad mode (forward hooks)."""
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    calls = CallClock(policy)
+    opt = truth.SleepySGD(policy.parameters(), lr=0.01)
+    env = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="rollout", progress=False, clock_hz=0) as prof:
+        for _ in range(N):
+            obs, seen = torch.randn(1, 8), []
+            policy.eval()
+            with torch.no_grad():
+                for _t in range(5):
+                    action = policy(obs)
+                    t = time.perf_counter()
+                    time.sleep(0.02)  # the environment's step
+                    env += time.perf_counter() - t
+                    seen.append(obs)
+                    obs = torch.randn(1, 8) + 0 * action.sum()
+            policy.train()
+            F.mse_loss(policy(torch.cat(seen)), torch.zeros(5, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert not (run.spans["source"] == "between evaluation calls").any()
+    eval_s = float(run.steps["eval_s"].sum())  # the policy's calls alone (well under 1 ms each)
+    assert 0 < eval_s <= calls.seconds["eval"] + 0.002 * N, (eval_s, calls.seconds["eval"])
+    assert float(run.steps["other_s"].sum()) >= 0.8 * env
+    assert not run.summary().verdict.text.startswith("EVAL-BOUND"), run.summary().verdict.text
+    note = next(n for n in run.meta["notes"] if n.startswith("evaluation ran inside the slice"))
+    assert f"where no evaluation batch was read ({4 * N} stretch(es)" in note, note
 
 
 def test_a_metric_in_eval_mode_every_micro_batch_leaves_training_alone():

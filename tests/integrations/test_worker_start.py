@@ -174,3 +174,32 @@ def test_the_training_loaders_settings_where_another_loader_reads_the_same_datas
             opt.zero_grad()
     assert prof.run.meta["torch_loader"] == {"num_workers": 2, "batches": STEPS + WARMUP, "persistent_workers": True,
                                              "pin_memory": False, "prefetch_factor": 4, "batch_size": 16}
+
+
+@pytest.mark.parametrize("workers, prefetch, batches", [(3, 8, 4096), (2, 8, 10)],
+                         ids=["queue-deeper-than-the-cap", "epoch-shorter-than-the-queue"])
+def test_warmup_auto_settles_where_nothing_filled_the_queue(workers, prefetch, batches):
+    """A loop steady at 30 ms a step from its first, with a loader faster than it: its queue
+    (``num_workers`` x ``prefetch_factor``: 24, deeper than the 20-step cap; or 16, deeper than
+    an epoch of 10 batches, each ``iter()`` emptying it) distorts nothing, as no slow step let
+    the workers run ahead. ``--warmup auto`` had waited for 24 (16) handouts and always run to the
+    cap, saying the queue "could still be draining". It settles after a few steps.
+    Truth: the loop's own clock around its work."""
+    model = torch.nn.Linear(4, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * batches, 4), torch.randn(8 * batches, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=workers, prefetch_factor=prefetch,
+                                         persistent_workers=True)
+    own: list[float] = []
+    with tp.profile(steps=4, warmup="auto", progress=False, clock_hz=0) as prof:
+        for _epoch in range(8):
+            for x, y in loader:
+                t = time.perf_counter()
+                time.sleep(0.03)
+                F.mse_loss(model(x), y)
+                own.append(time.perf_counter() - t)
+                tp.step()
+    assert max(own) < 0.06, [round(t * 1e3) for t in own]  # steady from the first step
+    run = prof.run
+    warmup = run.meta["warmup_steps"]
+    assert warmup < 12, run.meta["notes"]
+    assert f"warmup auto: ended after {warmup} steps (step times settled)" in run.meta["notes"]

@@ -2,25 +2,34 @@
 starting state and on the same batches, and put step time, memory and the loss side by side.
 
 "The same state" is found where a loop keeps it: from the namespace the slice runs in, tpkit
-follows dicts, lists, tuples, deques and the attributes of the user's own objects (not those
-of torch, numpy, pandas, IPython or the standard library) up to ``_DEPTH`` levels below a
-name, each object once and at most ``_MAX_OBJECTS`` objects (``_MAX_ITEMS`` items of one
-container), so a huge namespace costs milliseconds. Before run B it puts back:
+follows dicts, lists, tuples, deques and the attributes of objects (not those of torch, numpy,
+pandas, IPython or the standard library) up to ``_DEPTH`` levels below a name, each object
+once and at most ``_MAX_OBJECTS`` objects (``_MAX_ITEMS`` items of one container), so a huge
+namespace costs milliseconds. Before run B it puts back:
 
 - every object with ``state_dict``/``load_state_dict`` it reaches (models, with their
   gradients, optimizers, LR schedulers, GradScalers, tpkit loaders, an EMA helper...), from a
-  deep copy taken before run A;
-- every binding it walked: the namespace's names, dict entries, list items and object
-  attributes rebound to what they held before A (a ``global_step`` counter, ``state['opt']``,
-  ``trainer.step``, a history list's items); entries and attributes that A added are removed;
+  deep copy taken before run A, wherever it was reached (a Lightning trainer's model too);
+- every binding of the user's own it walked: the namespace's names, and the dict entries, list
+  items and attributes of the user's objects (their classes defined in the notebook, in
+  ``__main__`` or in a module outside site-packages) and of the containers reached through
+  them, rebound to what they held before A (a ``global_step`` counter, ``state['opt']``,
+  ``trainer.step``, a history list's items); entries and attributes that A added are removed.
+  A library's objects (wandb's run, a Lightning trainer, a transformers config, an omegaconf
+  node) are walked only to find what has a state_dict: their attributes are theirs to keep (a
+  wandb run's step counter put back had B's logs rejected, and the objects deeper than the
+  walk kept A's state: two states mixed);
 - the RNGs: torch's CPU generator, every CUDA device's, numpy's, Python's ``random``, and every
   ``torch.Generator`` reached (a DataLoader's or its sampler's included), so a loader that the
   cell iterates afresh yields the same batches in the same order.
 
 What it cannot put back it reports instead of blaming the kernels: an iterator made before the
 cell (it cannot be rewound), a tensor outside those state dicts changed in place during A (seen
-by its version counter; tensors are not copied, a dataset's could be gigabytes), and a walk cut
-short by its bounds.
+by its version counter; tensors are not copied, a dataset's could be gigabytes), an object
+whose ``state_dict()`` or ``load_state_dict()`` fails (a module that registered a buffer in its
+first forward is loaded with ``strict=False`` and said to keep run A's new keys; a lazy module
+materialised in A, an object that refuses a second load: said, and run B goes on from A's end
+state for them), and a walk cut short by its bounds.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ if TYPE_CHECKING:
 
 _DEPTH = 4  # a name is depth 0; state['opt'] and trainer.opt are depth 1
 _MAX_OBJECTS = 20_000  # objects looked at, at most
-_MAX_ITEMS = 1_000  # items of one container followed further (all of them are put back)
+_MAX_ITEMS = 100  # items of one container followed further (all of them are put back)
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))
 _NOT_STATE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 # IPython's own names: input/output history and dunders; they do not change inside a cell
@@ -65,8 +74,25 @@ def _is_stateful(obj: Any) -> bool:
 
 def _users_object(obj: Any) -> bool:
     """An instance of a class outside torch, numpy, IPython, the standard library... whose
-    attributes are plain Python state (a trainer, a config, a state holder)."""
+    attributes are plain Python state (a trainer, a config, a state holder, a library's object)."""
     return type(getattr(obj, "__dict__", None)) is dict and type(obj).__module__.split(".")[0] not in _LIBRARIES
+
+
+_OWN_MODULES: dict[str, bool] = {}  # module name -> whether its classes are the user's own
+
+
+def _users_own(obj: Any) -> bool:
+    """Whether ``obj``'s class is the user's own: defined in the notebook or ``__main__``, or in
+    a module not installed in site-packages (a ``train_utils.py`` beside the notebook)."""
+    name = type(obj).__module__
+    own = _OWN_MODULES.get(name)
+    if own is None:
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None) if module is not None else None
+        own = name == "__main__" or module is None or not file or not any(
+            part in ("site-packages", "dist-packages") for part in re.split(r"[\\/]", file))
+        _OWN_MODULES[name] = own
+    return own
 
 
 def _children(obj: Any, path: str) -> Iterator[tuple[Any, str]]:
@@ -86,24 +112,34 @@ def _children(obj: Any, path: str) -> Iterator[tuple[Any, str]]:
             yield v, f"{path}.{k}"
 
 
-def reachable(ns: dict[str, Any]) -> tuple[list[tuple[Any, str]], bool]:
+def reachable(ns: dict[str, Any], owned: list[bool] | None = None) -> tuple[list[tuple[Any, str]], bool]:
     """Objects reachable from a namespace (breadth first, each once, within the bounds) with
-    the path of their first sighting, and whether the bounds cut the walk short."""
+    the path of their first sighting, and whether the bounds cut the walk short. ``owned``, if
+    given, is filled with whether each was reached through the user's own bindings only (the
+    namespace, containers, the user's own objects: ``_users_own``), not through a library's
+    object."""
     seen: set[int] = set()
     out: list[tuple[Any, str]] = []
-    level = [(v, k) for k, v in ns.items() if not _IPYTHON_NAME.fullmatch(k)]
+    mine: list[bool] = []
+    level = [(v, k, True) for k, v in ns.items() if not _IPYTHON_NAME.fullmatch(k)]
     for depth in range(_DEPTH + 1):
-        below: list[tuple[Any, str]] = []
-        for obj, path in level:
+        below: list[tuple[Any, str, bool]] = []
+        for obj, path, own in level:
             if type(obj) in _PLAIN or isinstance(obj, _NOT_STATE) or id(obj) in seen:
                 continue
             if len(out) == _MAX_OBJECTS:
+                if owned is not None:
+                    owned[:] = mine
                 return out, True
             seen.add(id(obj))
             out.append((obj, path))
+            mine.append(own)
             if depth < _DEPTH:
-                below += _children(obj, path)
+                own_below = own and (isinstance(obj, (dict, list, tuple, collections.deque)) or _users_own(obj))
+                below += ((v, p, own_below) for v, p in _children(obj, path))
         level = below
+    if owned is not None:
+        owned[:] = mine
     return out, False
 
 
@@ -131,9 +167,10 @@ class Snapshot:
         snap = cls(torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
                    numpy_rng=np.random.get_state(), python_rng=random.getstate())
         snap.bindings.append((ns, "", {k: v for k, v in ns.items() if not _IPYTHON_NAME.fullmatch(k)}))
-        objects, snap.cut_short = reachable(ns)
+        owned: list[bool] = []
+        objects, snap.cut_short = reachable(ns, owned)
         restored_tensors: set[int] = set()
-        for obj, path in objects:
+        for (obj, path), own in zip(objects, owned):
             if isinstance(obj, torch.Tensor):
                 version = _version(obj)
                 if version is not None:
@@ -155,11 +192,13 @@ class Snapshot:
                     restored_tensors.update(id(t) for t in [*obj.parameters(), *obj.buffers()])
             elif isinstance(obj, Iterator):  # a DataLoader iterator, a generator, iter(list)...
                 snap.iterators.append(path)
+            elif not own:  # inside a library's object: its to keep (only what has a state_dict is put back)
+                continue
             elif isinstance(obj, dict):
                 snap.bindings.append((obj, path, dict(obj)))
             elif isinstance(obj, (list, collections.deque)):
                 snap.bindings.append((obj, path, list(obj)))
-            elif _users_object(obj):
+            elif _users_object(obj) and _users_own(obj):
                 snap.bindings.append((obj, path, dict(vars(obj))))
         snap.tensors = [t for t in snap.tensors  # a view of a parameter shares its version counter
                         if id(t[0]) not in restored_tensors and id(t[0]._base) not in restored_tensors]
@@ -176,10 +215,15 @@ class Snapshot:
                 self.rebound += _rebind(obj, path, saved)
             except Exception as e:  # noqa: BLE001 - a container that refuses; said, not raised
                 lost.append(f"{path or 'the namespace'} could not be put back ({type(e).__name__}: {e})")
-        for obj, _, state in self.states:
-            obj.load_state_dict(copy.deepcopy(state))
+        for obj, path, state in self.states:
+            said = _load(obj, path, state)
+            if said:
+                lost.append(said)
         for param, grad in self.grads:
-            param.grad = None if grad is None else grad.clone()
+            try:
+                param.grad = None if grad is None else grad.clone()
+            except Exception:  # noqa: BLE001 - a parameter run A reshaped (a lazy one): said with its module
+                pass
         for gen, state in self.generators:
             gen.set_state(state)
         if self.torch_rng is not None:
@@ -207,6 +251,33 @@ class Snapshot:
         parts.append(f"the RNGs ({rngs}, numpy, random" + (f", {len(self.generators)} torch.Generator"
                                                             if self.generators else "") + ")")
         return ", ".join(parts)
+
+
+def _load(obj: Any, path: str, state: Any) -> str:
+    """Put ``obj``'s state back from ``state`` (its copy before run A); what could not be, in
+    words ("" where it all was). A module whose only difference is keys run A added (a buffer
+    registered in its first forward) is loaded with ``strict=False``, and its new keys keep A's
+    values; any other failure (a lazy module materialised in A, an object that refuses a second
+    load) leaves it as A ended, said: the A/B goes on."""
+    try:
+        obj.load_state_dict(copy.deepcopy(state))
+        return ""
+    except Exception as e:  # noqa: BLE001 - said in the A/B's result, never raised
+        error = e
+    kind = type(obj).__name__
+    if isinstance(obj, torch.nn.Module) and isinstance(state, dict):
+        try:
+            added = [k for k in obj.state_dict() if k not in state]
+            if added and all(k in obj.state_dict() for k in state):
+                obj.load_state_dict(copy.deepcopy(state), strict=False)
+                keys = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+                return (f"{path} ({kind}) gained state in run A ({keys}: registered during its run): the rest was put "
+                        "back with load_state_dict(strict=False), and those keep run A's values in run B")
+        except Exception as e:  # noqa: BLE001 - as below, with this error
+            error = e
+    first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    return (f"{path} ({kind}) could not be put back: its load_state_dict() raised {type(error).__name__}"
+            + (f" ({first})" if first else "") + ": run B went on from the state run A left it in")
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -86,6 +86,8 @@ class EvalSplit:
     runs: dict[str, int] = field(default_factory=dict)  # a trainer's evaluations in the rows' steps, by who ran them
     rows: int = 0  # raw steps below this have a row in run.steps: what the note and describe count
     glue: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, raw step) between calls
+    # stretches between calls with no evaluation data seen among them: left other (a rollout)
+    unseen_glue: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.calls or self.ranges)
@@ -210,7 +212,13 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             out.samples_by_step[step] = out.samples_by_step.get(step, 0) + n
             out.batches += step < rows
             out.handouts.add(k)
-    out.glue = _glue(out, recorded, spans, others, [t for k, t in enumerate(times) if not eval_batch[k]], in_range)
+    # evaluation data: a batch read for the evaluation from a source that fed no training batch
+    # (a validation loader, ``tp.watch(get_batch)`` called as ``get_batch('val')``)
+    training_sources = {known[k] for k in range(min(len(known), len(times))) if not eval_batch[k]}
+    eval_data = sorted(t for k, t in enumerate(times) if eval_batch[k]
+                       and (k >= len(known) or not known[k] or known[k] not in training_sources))
+    out.glue, out.unseen_glue = _glue(out, recorded, spans, others,
+                                      [t for k, t in enumerate(times) if not eval_batch[k]], in_range, eval_data)
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
     # ahead, as accelerate's does, hands the previous batch right after each read)
     for s in spans:
@@ -223,13 +231,25 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
 
 
 def _glue(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], others: list[int],
-          training_batches: list[int], in_range: Callable[[int], bool]) -> list[tuple[int, int, int]]:
+          training_batches: list[int], in_range: Callable[[int], bool],
+          eval_data: list[int]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """The stretches between consecutive evaluation calls (``split_.calls``) of one step that
     hold no training work (``others``: the starts of the other forwards; ``training_batches``:
-    when the training batches were handed out) and are in no trainer's evaluation (``in_range``)."""
+    when the training batches were handed out) and are in no trainer's evaluation (``in_range``),
+    as (counted, left other).
+
+    A run of such stretches back to back (one evaluation's calls) is counted only where a batch
+    of evaluation data (``eval_data``: when each was handed out) was read inside it. Calls
+    without grad in eval mode with other work between and no such batch are as often a step's
+    own: an RL rollout calls the trained policy between environment steps, a GRPO step
+    generates from it, then both train on what they made; counted, a rollout's 100 ms of
+    environment a step had been eval and the verdict EVAL-BOUND. minGPT's ``generate()`` and an
+    evaluation fetching its batches through a function tpkit does not see are alike to tpkit:
+    their stretches are left other, and the note says how to have them seen (``tp.watch``)."""
     step_of = {a: step for a, _, _, step in recorded}
     work = sorted([s[1] for s in spans if s[0] in _TRAINING_WORK] + others + training_batches)
-    out = []
+    runs: list[list[tuple[int, int, int]]] = []
+    last_call = None
     for (a1, b1), (a2, _) in zip(split_.calls, split_.calls[1:]):
         step = step_of.get(a1, -1)
         if a2 <= b1 or step < 0 or step_of.get(a2, -1) != step:
@@ -239,8 +259,17 @@ def _glue(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], othe
             continue  # a trainer's evaluation is eval whole already
         if bisect.bisect_right(work, b1) < bisect.bisect_left(work, a2):
             continue  # training work between them (a metric in eval mode after every step)
-        out.append((b1, a2, step))
-    return out
+        if runs and last_call == a1:
+            runs[-1].append((b1, a2, step))  # the same evaluation's next stretch
+        else:
+            runs.append([(b1, a2, step)])
+        last_call = a2
+    counted: list[tuple[int, int, int]] = []
+    left: list[tuple[int, int, int]] = []
+    for run in runs:
+        seen = bisect.bisect_left(eval_data, run[0][0]) < bisect.bisect_right(eval_data, run[-1][1])
+        (counted if seen else left).extend(run)
+    return counted, left
 
 
 def glue_spans(split_: EvalSplit) -> list[tuple]:
@@ -305,9 +334,17 @@ def note(split_: EvalSplit, eval_s: float) -> str:
     whole = (f"; {sum(split_.runs.values())} evaluation(s) ran by a trainer ({runs}), all of their time is eval, "
              "metrics and the gathering of predictions included" if runs else "")
     glue = [(a, b) for a, b, step in split_.glue if step < split_.rows]
-    between = (f"; so is the time between consecutive calls with no training work between them ({len(glue)} "
-               f"stretch(es), {sum(b - a for a, b in glue) / 1e9:.3f} s: batches fetched where tpkit sees no loader, "
-               "sampling between calls as generate() does)" if glue else "")
+    between = (f"; so is the time between consecutive calls with no training work between them where the "
+               f"evaluation read its batches there ({len(glue)} stretch(es), {sum(b - a for a, b in glue) / 1e9:.3f} s)"
+               if glue else "")
+    unseen = [(a, b) for a, b, step in split_.unseen_glue if step < split_.rows]
+    if unseen:
+        between += (f"; the time between consecutive calls where no evaluation batch was read ({len(unseen)} "
+                    f"stretch(es), {sum(b - a for a, b in unseen) / 1e9:.3f} s: an RL rollout's environment, "
+                    "generate()'s sampling, batches fetched by a function tpkit does not see) stays other: calls "
+                    "like these are as often the step's own work (a rollout, a GRPO step's generation); where they "
+                    "are an evaluation fetching its batches by a function, wrap the function in tp.watch "
+                    "(get_batch = tp.watch(get_batch), called as get_batch('val')) and that time is eval")
     plain = split_.model_calls + split_.helper_calls > 0 and not split_.runs
     rest = (". Before an evaluation's first call and after its last (model.eval(), a first batch fetched where tpkit "
             "sees no loader: wrap the function in tp.watch, averaging the losses) the time stays other: nothing tells "

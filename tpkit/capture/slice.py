@@ -123,6 +123,11 @@ class Profile:
         self._bar: Any = None
         self._durations: list[float] = []
         self._last_end_ns = 0
+        # --warmup auto: each step's own work (its time less its data waits) and its end (ns), and
+        # how many of the recorder's spans were summed into them
+        self._own: list[float] = []
+        self._ends: list[int] = []
+        self._spans_read = 0
         self.warmup_steps: int | None = config.warmup if config.warmup != "auto" else None
         self.on_step: list[Callable[[int], None]] = []  # extra callbacks (e.g. the tuner's bar)
 
@@ -148,6 +153,7 @@ class Profile:
         # a Profile used again (``with prof:`` twice) starts afresh: the last slice's probes, step
         # times and warmup had carried its notes into the next run and decided its auto warmup
         self.run, self._probes, self._removed, self._durations = None, [], [], []
+        self._own, self._ends, self._spans_read = [], [], 0
         self._term = TermGuard()  # (the last slice's had been tearing down: SIGTERM was only held)
         self.warmup_steps = cfg.warmup if cfg.warmup != "auto" else None
         rec = self.rec = _rec.Recorder(cfg.name or "run")
@@ -251,6 +257,8 @@ class Profile:
         self._durations.append((end_ns - self._last_end_ns) / 1e9)
         self._last_end_ns = end_ns
         if self.warmup_steps is None:  # --warmup auto
+            self._own.append(self._durations[-1] - self._read_waits())
+            self._ends.append(end_ns)
             done = len(self._durations)
             # a process group may have come up since the slice started (checked only while undecided)
             world = _world_size() if cfg.stop else 1
@@ -261,7 +269,9 @@ class Profile:
                     f"others waiting in a collective): every rank took a fixed warmup of "
                     f"{max(done, RANKS_WARMUP)} steps; give warmup=N, the same on every rank, to choose it"))
             else:
-                queue, drained_at = queue_drain(self.rec) if self.rec is not None else (0, -1)
+                slow = slow_step(self._own, self._durations)
+                queue, drained_at = (queue_drain(self.rec, slow, self._ends[slow] if slow >= 0 else 0)
+                                     if self.rec is not None else (0, -1))
                 after_queue = drained_at is not None and done - SETTLE_WINDOW > drained_at
                 if done >= WARMUP_AUTO_CAP:
                     how = "cap reached before step times settled" if after_queue else (
@@ -278,6 +288,17 @@ class Profile:
             fn(raw_step)
         if cfg.stop and self.warmup_steps is not None and raw_step + 1 >= self.warmup_steps + cfg.steps:
             self._stop(raw_step)
+
+    def _read_waits(self) -> float:
+        """Seconds of ``data_wait`` recorded since the last call (the step that just ended): a
+        pass over its new spans, while ``--warmup auto`` is undecided only."""
+        rec = self.rec
+        if rec is None:
+            return 0.0
+        flat, fields = rec._spans, _rec.SPAN_FIELDS
+        start, end = self._spans_read, len(flat) - len(flat) % fields
+        self._spans_read = end
+        return sum(flat[i + 2] - flat[i + 1] for i in range(start, end, fields) if flat[i] == "data_wait") / 1e9
 
     def _decide_warmup(self, steps: int, note: str) -> None:
         """``--warmup auto`` is decided: ``steps`` warmup steps, and the run says how."""
@@ -812,18 +833,36 @@ def step() -> None:
         rec.end_step()
 
 
-def queue_drain(rec: _rec.Recorder) -> tuple[int, int | None]:
+def slow_step(own: list[float], durations: list[float], window: int = SETTLE_WINDOW) -> int:
+    """The last step before the settle window whose own work (``own``: its time less its data
+    waits) was much longer than the loop's steady pace (a first step, a compile): over twice the
+    window's median own work and longer than the window's median step by more than one step,
+    time in which a loader's workers made batches ahead; -1: none."""
+    if len(own) <= window:
+        return -1
+    pace = float(np.median(own[-window:]))
+    step = float(np.median(durations[-window:]))
+    for i in range(len(own) - window - 1, -1, -1):
+        if own[i] > 2 * pace and own[i] - pace > step:
+            return i
+    return -1
+
+
+def queue_drain(rec: _rec.Recorder, slow: int, slow_end_ns: int) -> tuple[int, int | None]:
     """``(queue, step)``: the batches the torch DataLoaders the loop read in its last step can hold
     ready (``num_workers`` x ``prefetch_factor``, the deepest of them; 0: none with workers) and the
-    last raw step by which each had handed out that many since its latest ``iter()`` (None: not yet;
-    -1: no queue). Its workers fill the queue while the first steps are slow (a compile, a cache's
-    warm-up), and the loop then takes ready batches at its own pace, faster than they are made:
-    step times that look settled there are the drain's, not the loader's (1 worker, 8 queued
-    batches of 30 ms and a 600 ms first step: 6 ms steps, 758 samples/s for a steady 440).
-    ``--warmup auto`` times its settle window after that step, as the tuner warms up for
-    ``queued_batches`` (tpkit/views/tuner.py). A loop whose own work is most of the loader's pace
-    drains slower than a batch a step, and some of the queue can remain past it. Cost: a pass over
-    the slice's handouts at each step end while the warmup is undecided (at most the cap's)."""
+    last raw step by which each had handed out that many since the slow step ``slow`` (``slow_step``,
+    ending at ``slow_end_ns``; None: not yet; -1: nothing to drain). Its workers fill the queue while
+    the loop's own work is slow (a first step, a compile), and the loop then takes ready batches at
+    its own pace, faster than they are made: step times that look settled there are the drain's,
+    not the loader's (1 worker, 8 queued batches of 30 ms and a 600 ms first step: 6 ms steps, 758
+    samples/s for a steady 440). ``--warmup auto`` times its settle window after that step, as the
+    tuner warms up for ``queued_batches`` (tpkit/views/tuner.py). With no slow step, or a loader
+    whose ``iter()`` came after it (its queue starts empty), nothing is drained: the loop's steps
+    are its steady ones (a queue deeper than the cap, or than an epoch, had always run to the cap,
+    and said the queue "could still be draining"). A loop whose own work is most of the loader's
+    pace drains slower than a batch a step, and some of the queue can remain past it. Cost: a pass
+    over the slice's handouts at each step end while the warmup is undecided (at most the cap's)."""
     handouts, sources = rec.handouts, rec.handout_sources
     current = rec.step_index - 1  # the step that just ended
     reading = {sources[j] for j in range(len(sources)) if handouts[3 * j + 2] == current}
@@ -834,10 +873,12 @@ def queue_drain(rec: _rec.Recorder) -> tuple[int, int | None]:
         if key not in reading or key not in last_iter or workers <= 0:
             continue
         queue = workers * (settings.get("prefetch_factor") or TORCH_PREFETCH)
+        if slow < 0 or last_iter[key] > slow_end_ns:
+            continue  # nothing let the workers run ahead of the loop's steady pace
         deepest = max(deepest, queue)
         n, at = 0, None
         for j, src in enumerate(sources):
-            if src == key and handouts[3 * j] >= last_iter[key]:
+            if src == key and handouts[3 * j + 2] > slow:
                 n += 1
                 if n == queue:
                     at = handouts[3 * j + 2]

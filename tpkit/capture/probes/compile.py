@@ -24,9 +24,11 @@ end: importing it costs seconds, nothing is imported for them. The ``torch.compi
 is ``compile`` too in the loop's thread (the first imports dynamo: 3-17 s of a first step had been
 other). Compilations dynamo recorded in the slice before the callbacks went in (dynamo imported by
 something else, an optimizer made in the slice, then compiling before the step's end) are read from
-its compilation records after the slice: every record since the slice began is the slice's there
-(no record says its thread), nested in what the loop had open (the first compile had been all its
-forward: 2.2 s of a first step, compile_s 0).
+its compilation records after the slice: no record says its thread, so one is the loop's where the
+loop was inside a call that could compile then (a forward, a backward or an evaluation call of its
+own, or its ``torch.compile(...)`` call), nested in what the loop had open (the first compile had
+been all its forward: 2.2 s of a first step, compile_s 0); another thread's compilations (a helper
+compiling through a reference taken at import) had been charged to the loop's step as well.
 
 The notes, after the slice: the compilations (which steps, how long, dynamo's recompile reason
 from its compilation records), a recompile limit reached (dynamo then runs the frame
@@ -160,7 +162,7 @@ class CompileProbe:
             finally:
                 end = perf_counter_ns()
                 if ours:
-                    rec.add_timed_span(COMPILE, start, end, "torch.compile (call)", None, start_event,
+                    rec.add_timed_span(COMPILE, start, end, CALL_SOURCE, None, start_event,
                                        timer.mark() if timer is not None else None)
                     probe._calls.append((rec.step_index, (end - start) / 1e9))
                 if probe._torch_compile is not None:  # (a wrapper kept past the slice attaches nothing)
@@ -259,12 +261,29 @@ class CompileProbe:
         if not found:
             return []
         spans, ends = rec.spans, [e for e, _ in rec.step_ends]
+        could = sorted((s, e) for phase, s, e, _, source, *_ in spans
+                       if phase in _COMPILING_PHASES or (phase == COMPILE and source == CALL_SOURCE))
         out = []
         for start, end, r in found:
+            if not _inside(could, start):
+                continue  # the loop was in no call that compiles: another thread's
             depth = 1 + max((d for _, s, e, d, *_ in spans if s <= start and e >= end), default=-1)
             out.append(Compilation(start, perf_minus_wall, depth, bisect.bisect_right(ends, start), None, end, None,
                                    "LAZY_BACKWARD" if r.is_forward is False else "DYNAMO", str(r.compile_id)))
         return out
+
+
+#: The loop's phases inside which a compilation is the loop's (its model called, its backward,
+#: an evaluation's call): a record dynamo wrote before the callbacks went in says no thread.
+_COMPILING_PHASES = frozenset({"forward", "backward", "eval"})
+#: The source of the ``torch.compile(...)`` call's own span.
+CALL_SOURCE = "torch.compile (call)"
+
+
+def _inside(spans: list[tuple[int, int]], t_ns: int) -> bool:
+    """Whether ``t_ns`` falls inside one of ``spans`` (sorted by start; they may nest)."""
+    i = bisect.bisect_right(spans, (t_ns, 1 << 62))
+    return any(s <= t_ns <= e for s, e in spans[:i])
 
 
 class Compilation(NamedTuple):

@@ -4,6 +4,7 @@ makes a batch, timed as ``data_wait`` while a slice runs."""
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import threading
 from typing import Any, Callable
@@ -27,8 +28,21 @@ def watch(iterable: Any, name: str = "watch") -> Any:
     are), with whatever arguments; outside a slice the call goes straight through.
 
     >>> get_batch = tp.watch(get_batch)
+
+    A callable that has ``__iter__`` is iterated; one that has ``__getitem__`` and no
+    ``__iter__`` (a batch maker that also looks up its settings by key) is wrapped as a batch
+    function: its calls are what a loop makes batches with (iterating it by the old
+    ``__getitem__`` protocol had given a generator that could not be called). The wrapper is a
+    function: index the object itself. A generator function (``def gen(): ... yield batch``) is
+    refused with a ``TypeError``: its calls make generators, not batches, and timing them times
+    nothing; pass the generator it makes, ``tp.watch(gen(...))``.
     """
-    if callable(iterable) and not _iterable(iterable):
+    if inspect.isgeneratorfunction(iterable) or inspect.isasyncgenfunction(iterable):
+        name_of = getattr(iterable, "__name__", "the function")
+        raise TypeError(
+            f"tp.watch({name_of}) got a generator function: calling it makes a generator, not a batch, so tpkit "
+            f"would time nothing; pass the generator it makes: tp.watch({name_of}(...))")
+    if callable(iterable) and not hasattr(iterable, "__iter__"):
         return _timed_call(iterable, name)
     rec = _loop_reading()
     if rec is None:
@@ -40,11 +54,6 @@ def watch(iterable: Any, name: str = "watch") -> Any:
         rec.exit(token)
     rec.source_loaders[id(it)] = id(iterable)  # the next epoch's reads are this iterable's too
     return _timed_iter(it, name, id(iterable))
-
-
-def _iterable(obj: Any) -> bool:
-    """Whether ``iter(obj)`` would work (``__iter__``, or the old ``__getitem__`` protocol)."""
-    return hasattr(obj, "__iter__") or hasattr(obj, "__getitem__")
 
 
 def _timed_call(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
