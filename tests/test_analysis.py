@@ -143,6 +143,13 @@ def test_summary_figures():
     ([0.5, 0.3, 0.1, 0.11, 0.13, 0.1, 0.11], False),
     ([0.085, 0.08, 0.08, 0.08, 0.08], False),  # four flat slow steps are not yet the loop's pace
     ([0.085, 0.08, 0.08, 0.08, 0.08, 0.02], False),
+    # steady over pairs of steps (logging every other step): 89 ms a pair; the window of pairs
+    # needs 10 steps after the first
+    ([0.5] + [0.032, 0.057] * 5, True),
+    ([0.5] + [0.032, 0.057] * 4, False),
+    ([0.5] + [0.015, 0.145] * 5, True),   # a loader's 2 workers handing out in bursts
+    ([0.5] + [0.03, 0.06, 0.09] * 5, True),
+    ([0.5] + [0.03, 0.06] * 3 + [0.03, 0.12] * 2, False),  # pairs of 90 and 150 ms: not steady
 ])
 def test_warmup_settled_rule(durations, expected):
     assert slice_mod.settled(durations) is expected

@@ -279,8 +279,9 @@ class Profile:
                         "prefetch_factor) could still be draining: the measured steps may be faster "
                         "than its steady pace; give warmup=N past the queue")
                     self._decide_warmup(done, f"warmup auto: ended after {done} steps ({how})")
-                elif after_queue and settled(self._durations):
+                elif after_queue and (period := settle_period(self._durations)):
                     self._decide_warmup(done, f"warmup auto: ended after {done} steps (step times settled"
+                                        + (f" over every {period} steps" if period > 1 else "")
                                         + (f", after the loader's queue of {queue} batches" if queue else "") + ")")
         if self._bar is not None:
             self._bar.update(1)
@@ -889,12 +890,28 @@ def queue_drain(rec: _rec.Recorder, slow: int, slow_end_ns: int) -> tuple[int, i
     return deepest, drained_at
 
 
+#: The longest repeating pattern of step times ``--warmup auto`` recognises (settle_period).
+SETTLE_PERIOD_MAX = 4
+
+
+def settle_period(durations: list[float], window: int = SETTLE_WINDOW, tolerance: float = 0.2) -> int:
+    """The shortest period ``p`` (1 to ``SETTLE_PERIOD_MAX``) over which the loop is steady: the
+    last ``window`` sums of ``p`` consecutive step times agree within ``tolerance`` of their median;
+    0 where none is (the rule of ``--warmup auto``). A period: a loop that logs every other step
+    (32 / 57 ms), a loader whose 2 workers hand out in bursts (15 / 145 ms), had never settled
+    and run to the cap, its note saying so, though every pair of steps took 88-92 ms."""
+    for period in range(1, SETTLE_PERIOD_MAX + 1):
+        if len(durations) < window * period + 1:  # the first step always pays one-time costs
+            return 0
+        last = np.asarray(durations[-window * period:]).reshape(window, period).sum(axis=1)
+        med = float(np.median(last))
+        if med > 0 and float(last.max() - last.min()) <= tolerance * med:
+            return period
+    return 0
+
+
 def settled(durations: list[float], window: int = SETTLE_WINDOW, tolerance: float = 0.2) -> bool:
-    """Whether the last ``window`` step times agree within ``tolerance`` of their median
-    (the rule of ``--warmup auto``). Five, not three: four flat 80 ms steps before the loop's
-    20 ms ones had settled after three of them, and a slow step was measured (p95 57 ms for 26)."""
-    if len(durations) < window + 1:  # the first step always pays one-time costs
-        return False
-    last = np.asarray(durations[-window:])
-    med = float(np.median(last))
-    return med > 0 and float(last.max() - last.min()) <= tolerance * med
+    """Whether the loop is steady (``settle_period``). Five step times, not three: four flat 80
+    ms steps before the loop's 20 ms ones had settled after three of them, and a slow step was
+    measured (p95 57 ms for 26)."""
+    return settle_period(durations, window, tolerance) > 0
