@@ -637,6 +637,131 @@ def test_the_unseen_update_rule_on_loops_around_it(loop):
                 losses[:STEPS + WARMUP], rel=1e-5)
 
 
+UPDATES = {"SGD, eager backend": ("SGD", "eager", False, "zero_grad"),
+           "Adam, inductor, model compiled": ("Adam", "inductor", True, "zero_grad"),
+           "SGD, gradients set to None by hand": ("SGD", "eager", False, "by hand")}
+
+
+def compiled_update_loop(variant: str) -> dict:
+    """The compiled-optimizer recipe as users write it inside a cell: ``@torch.compile def
+    step_fn(): opt.step()`` made inside the slice, batches made in the loop (``torch.randn``: no
+    loader, nothing handed out that tpkit sees), each iteration sleeping 30 ms first. Returns the
+    run, the loop's losses, its iterations and its clock before each forward (where each step
+    ends: at the forward on the next batch)."""
+    name, backend, compile_model, drop = UPDATES[variant]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+    marks: list[float] = []
+    iterations = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="compiled-update", progress=False, clock_hz=0) as prof:
+        f = torch.compile(model, backend="eager") if compile_model else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01) if name == "SGD" else \
+            torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+
+        @torch.compile(backend=backend)
+        def step_fn() -> None:
+            opt.step()
+
+        for _ in range(STEPS + WARMUP + 2):
+            iterations += 1
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+            time.sleep(0.03)
+            marks.append(time.perf_counter())
+            loss = F.mse_loss(f(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            step_fn()
+            if drop == "by hand":
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                opt.zero_grad()
+    torch._dynamo.reset()
+    return dict(run=prof.run, losses=losses, marks=marks, iterations=iterations)
+
+
+@pytest.mark.parametrize("variant", [
+    "SGD, eager backend",
+    pytest.param("Adam, inductor, model compiled", marks=[
+        pytest.mark.slow, pytest.mark.skipif(_c_compiler() is None, reason="inductor needs a C++ compiler")]),
+    "SGD, gradients set to None by hand"])
+def test_a_step_function_compiled_inside_the_slice_ends_each_step(variant):
+    """``@torch.compile def step_fn(): opt.step()`` in a loop that makes its batches itself:
+    dynamo compiles tpkit's optimizer hooks away, and the update rule had waited for a batch
+    handed out that never came: no step recorded in 7 iterations ("no-steps", "call
+    tp.step()"). Each update ends its step at the forward on the next batch (a new input
+    tensor: SAM's second pass reuses its batch): one step an iteration, the loop's losses, the
+    slice stops the loop at the forward after its last step, and each step lasts what the
+    loop's clock says from one forward to the next."""
+    got = compiled_update_loop(variant)
+    run, marks = got["run"], got["marks"]
+    steps = run.steps
+    assert len(steps) == STEPS + WARMUP and run.meta["complete"]
+    assert got["iterations"] == STEPS + WARMUP + 1  # stopped at the next iteration's forward
+    assert steps["loss"].tolist() == pytest.approx(got["losses"], rel=1e-6)
+    assert any(n.startswith(f"{STEPS + WARMUP} step(s) ended with no optimizer.step() tpkit saw run")
+               for n in run.meta["notes"]), run.meta["notes"]
+    ends = marks[1:]  # where each step ended (the next forward), by the loop's clock
+    for step in range(1, STEPS + WARMUP):
+        want = ends[step] - ends[step - 1]
+        got_s = steps["duration_s"].iloc[step]
+        assert abs(got_s - want) <= truth.TOLERANCE * want + 0.002, f"step {step}: {got_s:.4f} s, loop {want:.4f} s"
+
+
+def test_sam_with_its_batches_made_in_the_loop_is_one_step_an_iteration():
+    """An eager SAM loop over a list of batches (no loader: nothing handed out): its perturbation
+    and ``zero_grad()`` before its first ``step()`` look like an update no hook saw; the second
+    pass is given the same input tensor, so no step ends there (ending at the ``zero_grad()``
+    had split the first iteration in two, a step with the perturbed pass's loss)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(STEPS + WARMUP + 2)]
+    first: list[float] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="sam-list", progress=False, clock_hz=0) as prof:
+        for x, y in data:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            first.append(loss.item())
+            with torch.no_grad():
+                eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in model.parameters()]
+                for p, e in zip(model.parameters(), eps):
+                    p.add_(e)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), eps):
+                    p.sub_(e)
+            opt.step()
+            opt.zero_grad()
+    assert len(first) == len(prof.run.steps) == STEPS + WARMUP
+    assert prof.run.steps["loss"].tolist() == pytest.approx(first, rel=1e-6)
+
+
+def test_a_step_function_compiled_inside_the_slice_with_dynamo_first_imported_there(tmp_path):
+    """The same recipe in a process that never imported dynamo (the cell's first torch.compile
+    inside the slice): it had recorded no step either. Truth: the loop's losses and clock."""
+    child = Path(__file__).with_name("fresh_compile_child.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tp.__file__).parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(child), "step", str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    run = tp.load(str(tmp_path / "run"))
+    steps = run.steps
+    assert len(steps) == got["warmup"] + got["steps"] == got["iterations"] - 1 and run.meta["complete"]
+    assert steps["loss"].tolist() == pytest.approx(got["losses"], rel=1e-6)
+    ends = got["marks"][1:]
+    for step in range(1, len(steps)):
+        want = ends[step] - ends[step - 1]
+        got_s = steps["duration_s"].iloc[step]
+        assert abs(got_s - want) <= truth.TOLERANCE * want + 0.002, f"step {step}: {got_s:.4f} s, loop {want:.4f} s"
+
+
 def test_a_model_compiled_in_another_thread_leaves_the_loop_profiled():
     """A compile session holds torch's process-wide compiling flag: a model compiled in another
     thread (a backend taking 1.5 s here) had turned every hook off for the loop too (a

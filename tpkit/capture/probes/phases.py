@@ -211,7 +211,10 @@ class PhaseProbe:
         self._sentinel_models = -1  # models + zeroed optimizers known when the sentinels were chosen
         self._versions_at_backward: list[int] | None = None
         self._handouts_at_backward = 0  # len(rec.handouts) then
-        self._progress_at_backward: list[tuple[int, int]] = []  # _optimizers_progress() then
+        self._progress_at_backward: dict[int, tuple[int, int]] = {}  # _optimizers_progress() then
+        # the last top-level forward's leading input tensor (weakly), kept while updates are watched
+        # and no batch was handed out: a second pass on the same batch is told by it (``_forward_coming``)
+        self._last_input: Any = None
         self._zeroed_since_backward = False  # a zero_grad() since
         self.unseen_updates = 0  # steps ended that way
         self._watch_updates = True  # False once an optimizer's own step was seen: none goes unseen
@@ -520,7 +523,9 @@ class PhaseProbe:
         no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
             if self._versions_at_backward is not None:
-                self._forward_coming()
+                self._forward_coming(args, kwargs)
+            if self._watch_updates and not rec.handouts:
+                self._last_input = _input_ref(args, kwargs)
             if rec.stop_pending is not None and not rec.training_sources and self._trains(module):
                 rec.stop_pending()  # the slice is full: the loop stops at its next training forward
             no_grad_boundary = False  # a forward without grad whose enter is a phase boundary
@@ -820,17 +825,24 @@ class PhaseProbe:
                     picked.append(weakref.ref(first))
         return picked
 
-    def _optimizers_progress(self) -> list[tuple[int, int]]:
-        """Per optimizer the loop zeroes: how many states, and the version counter of the first
-        one's first tensor (Adam's ``step``, SGD's momentum: a compiled step updates it in place)."""
-        out = []
+    def _optimizers_progress(self) -> dict[int, tuple[int, int]]:
+        """Per optimizer the loop zeroes (by id): how many states, and the version counter of the
+        first one's first tensor (Adam's ``step``, SGD's momentum: a compiled step updates it in
+        place). One first seen since is compared with an empty state (``_advanced``)."""
+        out = {}
         for opt in self.rec.optimizers.live():
             state = opt.state
             first = next(iter(state.values()), None) if state else None
             tensor = next((v for v in first.values() if isinstance(v, torch.Tensor)), None) \
                 if isinstance(first, dict) else None
-            out.append((len(state), tensor._version if tensor is not None else -1))
+            out[id(opt)] = (len(state), tensor._version if tensor is not None else -1)
         return out
+
+    def _advanced(self) -> bool:
+        """Whether an optimizer the loop zeroes advanced since the last backward (one the loop
+        first zeroed since then: whether it holds any state: a plain SGD step keeps none)."""
+        before = self._progress_at_backward
+        return any(before.get(key, (0, -1)) != now for key, now in self._optimizers_progress().items())
 
     def _batch_coming(self) -> None:
         if self._versions_at_backward is not None and threading.get_ident() == self.rec.thread_id:
@@ -849,12 +861,18 @@ class PhaseProbe:
         elif self._versions_at_backward is not None:
             self._unseen_update(at_batch=True)
 
-    def _forward_coming(self) -> None:
+    def _forward_coming(self, args: tuple, kwargs: dict) -> None:
         """A top-level forward: a loop that read its next batch before the update (a prefetch)
-        has it end the step here (at the read, the parameters had not changed yet)."""
-        self._unseen_update(at_batch=False)
+        has it end the step here (at the read, the parameters had not changed yet); so does one
+        that hands out no batch tpkit sees, given a new input (not the tensor the forward before
+        the backward was given: SAM's second pass reuses it)."""
+        new_input = False
+        if not self.rec.handouts:
+            ref, now = self._last_input, _input_ref(args, kwargs)
+            new_input = now is not None and ref is not None and ref() is not now()
+        self._unseen_update(at_batch=False, new_input=new_input)
 
-    def _unseen_update(self, at_batch: bool) -> None:
+    def _unseen_update(self, at_batch: bool, new_input: bool = False) -> None:
         """Before the loop's next batch (or the forward on a batch read since the backward): the
         parameters changed since the last backward with no optimizer.step() seen (dynamo inlines
         torch's step hooks into a ``torch.compile``'d step, where tpkit's return at once; an
@@ -863,18 +881,26 @@ class PhaseProbe:
         update ends it: the gradients were dropped since (zero_grad(), ``p.grad = None``) or an
         optimizer the loop zeroes advanced; a change with the gradients still there is no update
         (an eager loop clamping its weights after each accumulated backward before its first
-        step), nor one before a second pass on the same batch (SAM's perturbation)."""
+        step), nor one before a second pass on the same batch (SAM's perturbation). A loop that
+        hands out no batch tpkit sees (made with ``torch.randn`` or indexed from a tensor in the
+        loop) had recorded no step at all: its step ends at the next forward given a new input
+        tensor, or at one after an optimizer the loop zeroes advanced (a fixed batch); a plain SGD
+        step (no state) on a fixed batch stays unseen (the run says to call ``tp.step()``)."""
         versions = self._versions_at_backward
         if versions is None or self._opt_tokens or not self._watch_updates or self.rec.explicit_steps:
             return
-        if not at_batch and len(self.rec.handouts) <= self._handouts_at_backward:
+        same_batch = not at_batch and len(self.rec.handouts) <= self._handouts_at_backward
+        if same_batch and self.rec.handouts:
             return  # a forward on the same batch (SAM's second pass)
         sentinels = [r() for r in self._sentinels]
         if [p._version if p is not None else -1 for p in sentinels] == versions:
             return
         dropped = self._zeroed_since_backward or any(p is not None and p.grad is None for p in sentinels)
-        if not dropped and self._optimizers_progress() == self._progress_at_backward:
+        advanced = self._advanced()
+        if not dropped and not advanced:
             return
+        if same_batch and not (new_input or advanced):
+            return  # no batch handed out, the forward given the same input: SAM's second pass
         self._versions_at_backward = None
         self.unseen_updates += 1
         self.losses.updated()
@@ -1389,6 +1415,17 @@ def _graph_leaf(tensor: torch.Tensor, limit: int = 256) -> list[Any]:
             return [weakref.ref(leaf)]
         todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     return []
+
+
+def _input_ref(args: tuple, kwargs: dict) -> Any:
+    """A weak reference to the tensor leading a forward's input (``batches._sized``'s), None where
+    it has none. Weak and by object, not by address: a batch made anew often reuses the freed
+    one's memory."""
+    try:
+        tensor = batches._sized(args[0] if args else kwargs)[1]
+        return weakref.ref(tensor) if isinstance(tensor, torch.Tensor) else None
+    except Exception:  # noqa: BLE001 - an input tensor tpkit cannot read: none
+        return None
 
 
 #: What dynamo names the functions that resume a compiled frame after a graph break.
