@@ -178,8 +178,9 @@ def test_a_librarys_objects_keep_their_attributes_and_their_models_are_put_back(
 def test_a_namespace_of_many_small_user_objects_is_walked_whole():
     """30 lists of 1000 of the user's records (a parsed dataset): the walk had stopped at its
     20,000-object bound every time ("walk cut short" in every A/B) after ~0.4 s. Items of a
-    container past the first _MAX_ITEMS are put back with it, not followed: it is walked whole,
-    each record's tensor seen. Truth: the objects built."""
+    container past the first _MAX_ITEMS are put back with it, not followed, and the restore says
+    which containers held state past them (it had said nothing: a model in a dict's 140th entry
+    kept run A's state). Truth: the objects built."""
     import torch
 
     from tpkit.capture.ab import _MAX_ITEMS, Snapshot
@@ -193,4 +194,31 @@ def test_a_namespace_of_many_small_user_objects_is_walked_whole():
     assert not snap.cut_short
     assert len(snap.tensors) == 30 * _MAX_ITEMS  # every followed record's tensor
     ns["records"][0][0].i = -1
-    assert snap.restore() == [] and ns["records"][0][0].i == 0
+    (said,) = snap.restore()
+    assert ns["records"][0][0].i == 0
+    assert said.startswith(f"only the first {_MAX_ITEMS} items of records[0], records[1], records[2] and 27 more were "
+                           "looked into")
+
+
+def test_state_past_a_containers_first_items_is_said_not_lost_silently():
+    """A dict of 150 modules and a list of 300 records, run A changing the 140th module's weight
+    and the 250th record: the walk follows a container's first _MAX_ITEMS items, so those kept
+    run A's state; the restore says which containers (it had said nothing). Plain values past
+    them are no concern (a list of 1,000 floats is not named)."""
+    import torch
+
+    from tpkit.capture.ab import _MAX_ITEMS, Snapshot
+
+    class Rec:
+        def __init__(self) -> None:
+            self.n = 0
+
+    ns = {"recs": [Rec() for _ in range(300)], "mods": {f"m{i}": torch.nn.Linear(2, 2) for i in range(150)},
+          "floats": [0.5] * 1000}
+    snap = Snapshot.take(ns)
+    ns["recs"][5].n = 7
+    said = snap.restore()
+    assert ns["recs"][5].n == 0  # within the first items: put back
+    assert said == [f"only the first {_MAX_ITEMS} items of recs, mods were looked into (each binding is put back; a "
+                    "model, optimizer or object of yours past them keeps run A's state)"]
+

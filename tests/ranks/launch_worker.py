@@ -3,7 +3,6 @@ argv: where each rank saves its run, the mode, and for "job" the slice's name.
 
 - ``job NAME``: 6 measured steps after 1 warmup, every rank alike (a launch; run twice into one
   folder with different sizes, a rerun).
-- ``steps``: rank 1 is given ``steps=4``, the others ``steps=6`` (the pitfall docs/MULTI_NODE.md names).
 - ``uneven``: the last rank has 5 batches, the others 9, no ``Join``: the others' all-reduce after
   the last rank's loop ended fails (a closed connection).
 - ``two_late``: 3 ranks; rank 1 sleeps ``LATE_S[1]`` before each batch (its own code, before DDP's
@@ -43,7 +42,7 @@ opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(rank + 10 * world)
 n = 5 if (mode == "uneven" and rank == last) else 14 if mode == "two_late" else 9
 data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
-steps = 4 if (mode == "steps" and rank == 1) else 12 if mode == "two_late" else 6
+steps = 12 if mode == "two_late" else 6
 name = sys.argv[3] if mode == "job" else mode
 losses: list[float] = []
 try:

@@ -1,8 +1,8 @@
 """Which runs make one launch: a folder used by two launches (a 3-rank run, then a 2-rank rerun
 into the same ``TPKIT_SAVE_DIR``) had been merged as one, "3 of 3 ranks loaded", the first
 launch's stale rank 2 in the skew, the stragglers and the loss mean. And ranks given different
-``steps``: tpkit's stop ended one rank's loop and the others died in a collective ("Connection
-closed by peer"); every rank refuses it at the slice's start now.
+``steps``: tpkit's stop ends one rank's loop and the others die in a collective; the merged view
+says the ranks' values differ.
 
 Truth: the launches the test made (their sizes and order), each rank's losses as its loop
 computed them (launch_worker.py), the steps each rank was given.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ranks_launch import LaunchError, torchrun
+from ranks_launch import torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/factories.py
 from factories import make_run  # noqa: E402
@@ -64,17 +64,6 @@ def test_launches_told_apart_by_id_where_two_claim_one_rank(tmp_path):
     assert "started 194 s before the one loaded" in ranks.left_out[0]["why"]
     with pytest.raises(RunFormatError, match="claim rank 0, from different launches"):
         tp.load_ranks(tmp_path, launch="all")
-
-
-def test_ranks_given_different_steps_are_refused_on_every_rank_before_the_slice(tmp_path):
-    with pytest.raises(LaunchError) as failed:
-        torchrun("launch_worker.py", 3, str(tmp_path), "steps", timeout_s=240)
-    out = str(failed.value)
-    said = "the 3 ranks of this launch were given different steps (steps=4 on rank 1, steps=6 on ranks 0, 2)"
-    for k in range(3):
-        assert f"rank {k}: TpkitError: {said}" in out, out[-3000:]
-        assert json.loads((tmp_path / f"loss{k}.json").read_text()) == []  # no step ran
-    assert "Connection closed" not in out
 
 
 def test_merged_view_names_different_steps(tmp_path):

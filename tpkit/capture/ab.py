@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import itertools
 import operator
 import random
 import re
@@ -112,12 +113,21 @@ def _children(obj: Any, path: str) -> Iterator[tuple[Any, str]]:
             yield v, f"{path}.{k}"
 
 
-def reachable(ns: dict[str, Any], owned: list[bool] | None = None) -> tuple[list[tuple[Any, str]], bool]:
+def _holds_state_past(container: Any) -> bool:
+    """Whether a container holds anything but plain values past its ``_MAX_ITEMS``-th item (a
+    scan of type checks: ~50 ns an item)."""
+    items = itertools.islice(container.values() if isinstance(container, dict) else container, _MAX_ITEMS, None)
+    return any(type(v) not in _PLAIN and not isinstance(v, _NOT_STATE) for v in items)
+
+
+def reachable(ns: dict[str, Any], owned: list[bool] | None = None,
+              truncated: list[str] | None = None) -> tuple[list[tuple[Any, str]], bool]:
     """Objects reachable from a namespace (breadth first, each once, within the bounds) with
     the path of their first sighting, and whether the bounds cut the walk short. ``owned``, if
     given, is filled with whether each was reached through the user's own bindings only (the
     namespace, containers, the user's own objects: ``_users_own``), not through a library's
-    object."""
+    object; ``truncated`` with the paths of the containers whose items past the ``_MAX_ITEMS``-th
+    were not looked into (a model in a dict's 140th entry had been left as run A left it, unsaid)."""
     seen: set[int] = set()
     out: list[tuple[Any, str]] = []
     mine: list[bool] = []
@@ -135,6 +145,9 @@ def reachable(ns: dict[str, Any], owned: list[bool] | None = None) -> tuple[list
             out.append((obj, path))
             mine.append(own)
             if depth < _DEPTH:
+                if truncated is not None and isinstance(obj, (dict, list, tuple, collections.deque)) \
+                        and len(obj) > _MAX_ITEMS and _holds_state_past(obj):
+                    truncated.append(path)
                 own_below = own and (isinstance(obj, (dict, list, tuple, collections.deque)) or _users_own(obj))
                 below += ((v, p, own_below) for v, p in _children(obj, path))
         level = below
@@ -158,6 +171,7 @@ class Snapshot:
     python_rng: Any = None
     iterators: list[str] = field(default_factory=list)  # paths of live iterators (cannot rewind)
     cut_short: bool = False  # the walk hit _MAX_OBJECTS
+    truncated: list[str] = field(default_factory=list)  # containers whose items past _MAX_ITEMS were not walked
     unsaved: list[str] = field(default_factory=list)  # stateful objects whose state_dict() failed
     rebound: list[str] = field(default_factory=list)  # filled by restore(): bindings put back
 
@@ -168,7 +182,7 @@ class Snapshot:
                    numpy_rng=np.random.get_state(), python_rng=random.getstate())
         snap.bindings.append((ns, "", {k: v for k, v in ns.items() if not _IPYTHON_NAME.fullmatch(k)}))
         owned: list[bool] = []
-        objects, snap.cut_short = reachable(ns, owned)
+        objects, snap.cut_short = reachable(ns, owned, snap.truncated)
         restored_tensors: set[int] = set()
         for (obj, path), own in zip(objects, owned):
             if isinstance(obj, torch.Tensor):
@@ -238,6 +252,10 @@ class Snapshot:
         if self.cut_short:
             lost.append(f"the namespace holds more than {_MAX_OBJECTS:,} objects within {_DEPTH} levels: "
                         "state beyond them was not looked for")
+        if self.truncated:
+            shown = ", ".join(self.truncated[:3]) + (f" and {len(self.truncated) - 3} more" if len(self.truncated) > 3 else "")
+            lost.append(f"only the first {_MAX_ITEMS} items of {shown} were looked into (each binding is put back; a "
+                        "model, optimizer or object of yours past them keeps run A's state)")
         return lost
 
     def describe(self) -> str:

@@ -52,17 +52,9 @@ def rank_meta() -> dict[str, Any]:
             "local_rank": int(local) if local is not None and local.isdigit() else None}
 
 
-#: How long a rank waits at its slice's start for every rank's ``steps`` and ``warmup`` (seconds;
-#: ``TPKIT_RANK_CHECK_S``). Ranks reach their slice together (they meet in every collective); a
-#: rank that profiles alone waits this long once, and its run says the check was not made.
-ENV_CHECK = "TPKIT_RANK_CHECK_S"
-CHECK_WAIT_S = 30.0
 #: The launch's environment that ``launch_env`` records (what the launcher set).
 LAUNCH_ENV = {"run_id": "TORCHELASTIC_RUN_ID", "restart": "TORCHELASTIC_RESTART_COUNT", "master_addr": "MASTER_ADDR",
               "master_port": "MASTER_PORT", "slurm_job_id": "SLURM_JOB_ID"}
-
-_slices_checked = 0  # slices this process started with a process group of several ranks up
-
 
 def launch_env() -> dict[str, Any]:
     """What the launcher set that tells this launch from another (``meta["launch"]``): torchrun's
@@ -85,26 +77,24 @@ def _group() -> tuple[Any, int, int] | None:
 def start_check(steps: int, warmup: Any, stop: bool) -> dict[str, Any]:
     """At a slice's start, where a process group of several ranks is up: the launch's id, the
     same on every rank of this launch and new at each launch (the first rank to ask sets it in
-    the group's store: one store round trip), into ``meta["launch"]`` with ``launch_env()``, so
-    ``tpkit.ranks.load_ranks`` tells one launch's runs from another's left in the same folder.
-    Where the slice stops the loop, every rank's ``steps`` and ``warmup`` are compared through the
-    store (the last rank to arrive reads them all and posts the verdict; no collective, so a rank
-    that never starts a slice cannot unbalance the group's collectives): ranks given different
-    values would stop at different steps and leave the others waiting in a collective, so every
-    rank raises ``TpkitError`` naming the values, before its slice starts. Returns meta to add."""
-    import datetime
-    import json
+    the group's store: one store round trip, no wait), into ``meta["launch"]`` with
+    ``launch_env()``, so ``tpkit.ranks.load_ranks`` tells one launch's runs from another's left in
+    the same folder. Returns meta to add.
+
+    Ranks' ``steps`` and ``warmup`` are not compared here: a comparison through the store had to
+    wait for every rank (30 s at each slice of a rank that profiles alone, stalling the job, since
+    the others wait in their next collective), and slices a rank ran alone shifted which slice it
+    compared (a launch given the same values on every rank was refused). The merged view says
+    when the ranks' values differ (``tpkit.ranks``)."""
     import uuid
 
-    from ..errors import TpkitError
-
-    global _slices_checked
+    del steps, warmup, stop  # (kept in the signature: the slice passes its config)
     launch = launch_env()
     out: dict[str, Any] = {"launch": launch} if launch else {}
     group = _group()
     if group is None:
         return out
-    store, rank, world = group
+    store, _rank, world = group
     launch["world_size"] = world
     out["launch"] = launch
     try:
@@ -113,37 +103,6 @@ def start_check(steps: int, warmup: Any, stop: bool) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a store without compare_set: the runs say what the launcher set
         out["notes"] = [f"the launch's id was not set ({e!r}): its runs are told apart by the launcher's "
                         "environment only"]
-        return out
-    if not stop:
-        return out
-    n, _slices_checked = _slices_checked, _slices_checked + 1
-    base = f"tpkit/{launch['id']}/slice{n}"
-    wait_s = float(os.environ.get(ENV_CHECK) or CHECK_WAIT_S)
-    try:
-        store.set(f"{base}/rank{rank}", json.dumps([steps, warmup]))
-        if store.add(f"{base}/arrived", 1) == world:  # the last to arrive reads them all
-            got = store.multi_get([f"{base}/rank{k}" for k in range(world)]) if hasattr(store, "multi_get") \
-                else [store.get(f"{base}/rank{k}") for k in range(world)]
-            store.set(f"{base}/all", json.dumps([json.loads(bytes(v).decode()) for v in got]))
-        store.wait([f"{base}/all"], datetime.timedelta(seconds=wait_s))
-        every = json.loads(bytes(store.get(f"{base}/all")).decode())
-    except Exception as e:  # noqa: BLE001 - a rank that never started a slice (profiling one rank) or a store error
-        out["notes"] = [f"steps and warmup were not compared across the {world} ranks: not every rank started a "
-                        f"slice within {wait_s:g} s ({type(e).__name__}; {ENV_CHECK} sets the wait)"]
-        return out
-    differ = [(name, i) for i, name in enumerate(("steps", "warmup")) if len({str(c[i]) for c in every}) > 1]
-    if differ:
-        def ranks_of(i: int, value: Any) -> str:
-            ks = [k for k, c in enumerate(every) if str(c[i]) == str(value)]
-            return f"rank{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}"
-
-        said = "; ".join(", ".join(f"{name}={v} on {ranks_of(i, v)}" for v in sorted({c[i] for c in every}, key=str))
-                         for name, i in differ)
-        raise TpkitError(
-            f"the {world} ranks of this launch were given different {' and '.join(n for n, _ in differ)} ({said}): "
-            "a slice stops its loop after warmup + steps steps, so the ranks would stop at different steps and the "
-            "ones still training would wait in a collective for peers that left (a crash or a hang); give every "
-            "rank the same steps and warmup")
     return out
 
 
