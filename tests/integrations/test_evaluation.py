@@ -908,3 +908,33 @@ def test_lightning_validation_with_a_torchmetrics_metric():
                                       "runs": {"_EvaluationLoop.run": N // EVERY}}
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     truth.assert_losses(run.steps["loss"].tolist(), module.losses[:N])
+
+
+def test_an_evaluation_inside_tp_phase_eval_is_eval_whole():
+    """An evaluation over held tensors with metric work between its calls (no evaluation batch
+    tpkit sees: the time between its calls stays other by itself, as an RL rollout's must):
+    `with tp.phase("eval"):` around it, as the run's note says, makes all of it eval. Truth: the
+    loop's clock around the evaluation (20 ms of metric work after each of its 3 calls)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(800, 8), torch.randn(800, 1)),
+                                         batch_size=8)
+    held = torch.randn(24, 8)
+    evals: list[float] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="phase-eval", progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            t = time.perf_counter()
+            with tp.phase("eval"):
+                model.eval()
+                with torch.no_grad():
+                    for chunk in held.split(8):
+                        model(chunk)
+                        time.sleep(0.02)
+                model.train()
+            evals.append(time.perf_counter() - t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for step, (got, want) in enumerate(zip(prof.run.steps["eval_s"], evals)):
+        assert abs(got - want) <= 0.15 * want + 0.002, f"step {step}: eval {got:.4f} s, truth {want:.4f}"

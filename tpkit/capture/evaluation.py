@@ -344,11 +344,13 @@ def note(split_: EvalSplit, eval_s: float) -> str:
                     "generate()'s sampling, batches fetched by a function tpkit does not see) stays other: calls "
                     "like these are as often the step's own work (a rollout, a GRPO step's generation); where they "
                     "are an evaluation fetching its batches by a function, wrap the function in tp.watch "
-                    "(get_batch = tp.watch(get_batch), called as get_batch('val')) and that time is eval")
+                    "(get_batch = tp.watch(get_batch), called as get_batch('val')) and that time is eval; "
+                    "any evaluation of yours (held tensors sliced, metrics between calls) is eval as a whole "
+                    "inside `with tp.phase(\"eval\"):`")
     plain = split_.model_calls + split_.helper_calls > 0 and not split_.runs
     rest = (". Before an evaluation's first call and after its last (model.eval(), a first batch fetched where tpkit "
             "sees no loader: wrap the function in tp.watch, averaging the losses) the time stays other: nothing tells "
-            "it from the step's" if plain else "")
+            "it from the step's (`with tp.phase(\"eval\"):` around your evaluation makes it eval whole)" if plain else "")
     return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it, "
             f"or of a model only called without grad, on batches that fed no training) without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
             f"forward or data_wait, and their samples are not the steps' (samples/s is training's){between}{whole}{rest}. A call of "
