@@ -474,6 +474,126 @@ def test_an_evaluation_after_the_steps_batch_was_read(every):
 
 
 
+def unseen_batches(size: int = BATCH):
+    """Training batches from a plain generator tpkit does not see (no loader, no ``tp.watch``)."""
+    while True:
+        yield torch.randn(size, 8), torch.randn(size, 1)
+
+
+def test_a_teacher_evaluated_next_to_the_student():
+    """Distillation, training batches unseen: the teacher (never trained, eval mode) makes each
+    step's targets; every few steps the evaluation calls the student and then the teacher on
+    held validation batches (a list), a metric (20 ms) after each pair. The teacher's calls
+    inside the evaluation are eval, not the step's forward (forward had read 1.7x its truth:
+    they were taken for training calls, and as another forward they kept the evaluation's
+    time between calls out of it); its calls for the targets stay forward. The time between the
+    calls stays other: no evaluation batch was seen (the list). Truth: the loop's clocks."""
+    torch.manual_seed(0)
+    model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    held = [(torch.randn(EVAL_BATCH, 8), torch.randn(EVAL_BATCH, 1)) for _ in range(3)]
+    clock: dict[str, float] = defaultdict(float)
+    evaluations = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="teacher-eval", progress=False, clock_hz=0) as prof:
+        batches = unseen_batches()
+        for step in range(N):
+            x, y = next(batches)
+            t = time.perf_counter()
+            with torch.no_grad():
+                target = teacher(x)
+            loss = F.mse_loss(model(x), y) + F.mse_loss(model(x), target)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            if step % EVERY == EVERY - 1:
+                model.eval()
+                with torch.no_grad():
+                    for vx, _ in held:
+                        t = time.perf_counter()
+                        model(vx)
+                        clock["eval"] += time.perf_counter() - t
+                        t = time.perf_counter()
+                        teacher(vx)
+                        clock["eval"] += time.perf_counter() - t
+                        time.sleep(0.02)  # the metric
+                model.train()
+                evaluations += 1
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (the teacher's targets included)")
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (the student's and the teacher's calls)")
+    assert run.meta["evaluation"]["calls"] == 6 * evaluations, run.meta["evaluation"]
+
+
+def test_a_teacher_evaluated_next_to_the_student_on_validation_batches():
+    """As above, the evaluation reading its batches from a validation DataLoader: everything
+    from the first batch's wait to the last call is eval (it had been 0.233 s of 0.394 s: the
+    teacher's calls were forward, and no time between calls was counted) but the metric after
+    the last call."""
+    torch.manual_seed(0)
+    model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    _, val = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="teacher-val", progress=False, clock_hz=0) as prof:
+        batches = unseen_batches()
+        for step in range(N):
+            x, y = next(batches)
+            t = time.perf_counter()
+            with torch.no_grad():
+                target = teacher(x)
+            loss = F.mse_loss(model(x), y) + F.mse_loss(model(x), target)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            if step % EVERY == EVERY - 1:
+                model.eval()
+                with torch.no_grad():
+                    t = time.perf_counter()
+                    for k, (vx, _) in enumerate(val):
+                        model(vx)
+                        teacher(vx)
+                        if k == 2:
+                            break
+                        time.sleep(0.02)  # the metric
+                    clock["eval"] += time.perf_counter() - t
+                model.train()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (the teacher's targets included)")
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its waits, both models' calls, the metric)")
+
+
+def test_validation_batches_are_not_trained_samples_where_the_training_batches_are_unseen():
+    """Training batches from a generator tpkit does not see; every few steps an evaluation reads
+    two batches from a validation DataLoader (after the step's unseen read: its last batch's
+    stretch runs on into the training forward). Both are the evaluation's: its samples are no
+    step's and its waits are eval (one batch an evaluation had been the step's samples, 16 a
+    step, its wait data_wait, and the note said half the batches read)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    _, val = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="unseen-train", progress=False, clock_hz=0) as prof:
+        batches = unseen_batches()
+        for step in range(N):
+            x, y = next(batches)
+            if step % EVERY == 0:
+                clock["eval"] += evaluate_two(model, val)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    evaluations = len(range(0, N, EVERY))
+    assert (run.steps["samples"] == 0).all(), run.steps["samples"].tolist()
+    assert float(run.steps["data_wait_s"].sum()) == 0
+    assert run.meta["evaluation"]["batches"] == 2 * evaluations, run.meta["evaluation"]
+    assert run.meta["evaluation"]["samples"] == 2 * evaluations * EVAL_BATCH, run.meta["evaluation"]
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
+
+
+
 # -- an evaluation that fetches its batches or samples between calls by itself -------------------
 FETCH_S, EVAL_ITERS = 0.03, 3
 

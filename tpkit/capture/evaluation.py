@@ -18,7 +18,10 @@ What is evaluation here:
   its calls stay ``forward``, except on a batch that feeds no forward with grad (an EMA teacher
   evaluated on validation batches): there its calls without grad in eval mode are evaluation,
   unless such batches come in every step (a Mean Teacher's targets made on a batch of their own
-  before the labelled one is read: training);
+  before the labelled one is read: training); so are its calls inside an evaluation of the
+  trained model (a teacher evaluated next to the student: after an evaluation call with no
+  training work between, and before the next one or before training work that is no forward
+  with grad), on batches tpkit sees or not;
 - an outermost call without grad of a module without parameters (a loss such as
   ``nn.MSELoss()``, a metric such as torchmetrics'), in whatever mode, when the last model call
   before it was an evaluation call: a loop shares its loss module between training and
@@ -34,7 +37,9 @@ What is evaluation here:
   source's did not: an evaluation at the top of a step, after the step's batch was read, has
   its last batch's stretch run on into that step's training forward (a source pseudo-labelled
   in eval mode and trained on in every step has no batch for evaluation alone: training).
-  A batch read right after an evaluation's, from the same
+  Where no seen source's batches lacked evaluation calls (the training batches come from a
+  generator tpkit does not see), such a source is the evaluation's where it was not read in
+  every step. A batch read right after an evaluation's, from the same
   iterator, that holds no call at all (``if i == n: break`` at the top of an evaluation loop
   reads one more) is the evaluation's too;
 - the time between two consecutive evaluation calls of one step (of the trained model, or a
@@ -157,6 +162,8 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
         picked = [untrained[i] for i in sorted(taken)]
         if rows > 1 and set(range(rows)) <= {step for *_, step in picked}:
             picked = []  # in every step: part of training (a Mean Teacher's targets on a batch of their own)
+        chosen = set(picked)
+        picked += _inside_evaluation([u for u in untrained if u not in chosen], calls, recorded, spans, grad_fwd)
         calls = sorted(calls + [(a, b) for a, b, _ in picked])
         out.model_calls += sum(1 for *_, step in picked if step < rows)
         if not calls and not out.ranges:
@@ -192,9 +199,16 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             if holds[k][0] and not holds[k][1]:
                 eval_alone.add(source)
     # ... and one of whose batches fed evaluation alone (an evaluation reads several in a row):
-    # a batch pseudo-labelled in eval mode in every step, then trained on, is training's
-    eval_sources = ({s_ for s_, e in with_eval.items() if e and s_ in eval_alone}
-                    if not all(with_eval.values()) else set())
+    # a batch pseudo-labelled in eval mode in every step, then trained on, is training's. Where
+    # no source's batches lacked one (the training batches come from a generator tpkit does not
+    # see), a source read in every step may be the training's own: one read only in some steps
+    # is an evaluation's (its first batch had been counted as the step's samples, its wait
+    # data_wait)
+    read_in: dict[int, set[int]] = {}
+    for k, source in enumerate(known[:len(times)]):
+        read_in.setdefault(source, set()).add(handouts[3 * k + 2])
+    eval_sources = {s_ for s_, e in with_eval.items() if e and s_ in eval_alone
+                    and (not all(with_eval.values()) or not set(range(rows)) <= read_in[s_])}
     eval_batch: list[bool] = []
     for k, t in enumerate(times):
         has_eval, has_other = holds[k]
@@ -220,13 +234,47 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     out.glue, out.unseen_glue = _glue(out, recorded, spans, others,
                                       [t for k, t in enumerate(times) if not eval_batch[k]], in_range, eval_data)
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
-    # ahead, as accelerate's does, hands the previous batch right after each read)
+    # ahead, as accelerate's does, hands the previous batch right after each read); one with no
+    # batch after it (the evaluation's loader ran out at the slice's last evaluation) to the last
     for s in spans:
         if s[0] != "data_wait":
             continue
-        k = bisect.bisect_left(times, s[2])
-        if in_range(s[1]) or (k < len(times) and eval_batch[k]):
+        k = min(bisect.bisect_left(times, s[2]), len(times) - 1)
+        if in_range(s[1]) or (k >= 0 and eval_batch[k]):
             out.waits.add((s[1], s[2]))
+    return out
+
+
+def _inside_evaluation(untrained: list[tuple[int, int, int]], calls: list[tuple[int, int]],
+                       recorded: list[list[int]], spans: list[tuple], grad_fwd: list[int]) -> list[tuple[int, int, int]]:
+    """The calls of a model only called without grad (``untrained``: start, end, raw step) made
+    inside an evaluation of the trained model (``calls``: its evaluation calls): after one of its
+    calls in the same step with no training work between (no forward with grad, ``grad_fwd``
+    their starts, no backward, optimizer or offload span), and either before its next call
+    with none between, or with no forward with grad before the next training work (a teacher
+    evaluated next to the student, after the student's last call). A teacher's calls for the
+    step's targets come before the student's forward with grad, so they stay ``forward``. A
+    teacher evaluated next to the student on batches tpkit does not see (a held list) had its
+    evaluation calls counted as the step's forward (0.216 s for 0.124) and, being another
+    forward, kept the time between the evaluation's calls out of it."""
+    if not untrained or not calls:
+        return []
+    kinds = sorted([(s[1], False) for s in spans if s[0] in _TRAINING_WORK] + [(t, True) for t in grad_fwd])
+    work = [t for t, _ in kinds]
+    step_of = {a: step for a, _, _, step in recorded}
+    starts = [a for a, _ in calls]
+    out = []
+    for a, b, step in untrained:
+        i = bisect.bisect_right(starts, a) - 1  # the last evaluation call that started before it
+        if (i < 0 or calls[i][1] > a or step_of.get(calls[i][0], -1) != step
+                or bisect.bisect_right(work, calls[i][1]) < bisect.bisect_left(work, a)):
+            continue  # none, overlapping, in another step, or training work between
+        j = bisect.bisect_left(starts, b)
+        between = (j < len(calls) and step_of.get(calls[j][0], -1) == step
+                   and bisect.bisect_right(work, b) >= bisect.bisect_left(work, calls[j][0]))
+        w = bisect.bisect_right(work, b)
+        if between or w == len(kinds) or not kinds[w][1]:
+            out.append((a, b, step))
     return out
 
 
@@ -352,7 +400,7 @@ def note(split_: EvalSplit, eval_s: float) -> str:
             "sees no loader: wrap the function in tp.watch, averaging the losses) the time stays other: nothing tells "
             "it from the step's (`with tp.phase(\"eval\"):` around your evaluation makes it eval whole)" if plain else "")
     return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it, "
-            f"or of a model only called without grad, on batches that fed no training) without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
+            f"or of a model only called without grad, on batches that fed no training or inside an evaluation) without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
             f"forward or data_wait, and their samples are not the steps' (samples/s is training's){between}{whole}{rest}. A call of "
             "the trained model without grad in eval mode that is part of training (targets it makes for itself) is "
             "counted as eval too")
