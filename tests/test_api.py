@@ -78,7 +78,9 @@ def test_warmup_auto_cap():
 
     def step():
         n.append(1)
-        time.sleep(0.02 if len(n) % 2 else 0.06)  # alternating 20 ms / 60 ms never settles
+        # a step time that grows with no repeating pattern never settles (alternating 20 / 60 ms
+        # does now: it is steady over pairs of steps)
+        time.sleep(0.01 * 1.15 ** len(n))
 
     run = tp.profile_fn(step, steps=2, warmup="auto", progress=False)
     assert run.meta["warmup_steps"] == tp.capture.slice.WARMUP_AUTO_CAP

@@ -590,6 +590,9 @@ def test_validation_batches_are_not_trained_samples_where_the_training_batches_a
     assert float(run.steps["data_wait_s"].sum()) == 0
     assert run.meta["evaluation"]["batches"] == 2 * evaluations, run.meta["evaluation"]
     assert run.meta["evaluation"]["samples"] == 2 * evaluations * EVAL_BATCH, run.meta["evaluation"]
+    # no training batch was seen, as the verdict's advice reads it (the validation loader's batches
+    # had counted: "no loader was seen" was silenced)
+    assert run.meta["batches_seen"] == 0
     close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its model calls and its batches)")
 
 

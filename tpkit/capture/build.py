@@ -190,9 +190,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         workers, batches = trained.most_common(1)[0]
         full_meta["torch_loader"] = {**_training_loader_settings(rec, trained_at, workers),
                                      "num_workers": workers, "batches": batches}
-    # batches a loader or tp.watch handed out: samples_per_step (or DeepSpeed's engine) fills in
-    # the samples where none was seen, and the verdict's "no loader was seen" reads this
-    full_meta["batches_seen"] = sum(1 for step in rec.handouts[2::3] if step < past)
+    # training batches a loader or tp.watch handed out: samples_per_step (or DeepSpeed's engine)
+    # fills in the samples where none was seen, and the verdict's "no loader was seen" reads this
+    # (an evaluation's batches are not the training's: a validation loader had silenced it)
+    full_meta["batches_seen"] = sum(1 for k, step in enumerate(rec.handouts[2::3]) if step < past and k not in ev.handouts)
     uncounted = sum(1 for i in range(0, len(rec.handouts), 3) if rec.handouts[i + 1] == 0 and rec.handouts[i + 2] < past)
     if uncounted and rec.samples_per_step is None and rec.uncounted is not None:
         full_meta["notes"].append(f"{uncounted} batch(es) read in the slice held samples tpkit could not count "
