@@ -562,9 +562,12 @@ class PhaseProbe:
     def _trains(self, module: torch.nn.Module) -> bool:
         """Whether a call of ``module`` now is a training forward: with grad, in train mode, of a
         model the slice trained (not a loss module, not an evaluation without grad or in eval
-        mode). Asked only once the slice is full, where the loop read its training batches from
-        no loader tpkit sees (else its next read from that loader stops it: a GAN's generator
-        half, after the lead optimizer's step, is the iteration's tail)."""
+        mode). Asked only once the slice is full, where the loop's next read is one tpkit does not
+        see (no loader seen, or none read for the last step: ``slice._training_sources``); else
+        its next read from that loader stops it, and a GAN's generator half after the lead
+        optimizer's step runs as the iteration's tail. Where it is asked, that half's forward
+        (or backward) stops the loop: the generator misses its last update (README, "How the
+        loop is stopped")."""
         return (torch.is_grad_enabled() and module.training and id(module) in self.rec.trained_modules
                 and not self._param_free(module))
 
@@ -1103,10 +1106,16 @@ class PhaseProbe:
             if probe.installed and threading.get_ident() == probe.rec.thread_id:
                 probe.rec.accelerate_loader = True  # the loop is accelerate's (capture/build.py: its losses)
                 probe.rec.source_loaders[id(inner)] = id(loader)
+            yielded = False
             while True:
                 mine = probe.installed and threading.get_ident() == probe.rec.thread_id
-                if mine and probe.rec.stop_pending is not None:
-                    probe.rec.stop_before_read(id(inner), id(loader))  # the slice is full (Profile._stopping)
+                # the slice is full (Profile._stopping): the loop stops before it reads on, unless the
+                # loader handed out its epoch's last batch (accelerate's end_of_dataloader, set as it
+                # reads ahead past it; a new epoch's first read still stops): the loop then ends by
+                # itself, as with a DataLoader's last batch (it had been stopped there instead)
+                if (mine and probe.rec.stop_pending is not None
+                        and not (yielded and getattr(loader, "end_of_dataloader", False) is True)):
+                    probe.rec.stop_before_read(id(inner), id(loader))
                 probe._read_ahead += mine
                 try:
                     batch = next(inner)
@@ -1116,6 +1125,7 @@ class PhaseProbe:
                     probe._read_ahead -= mine
                 if mine:
                     handed_out(probe.rec, batch, getattr(loader, "num_workers", -1), id(inner))
+                yielded = True
                 yield batch
 
         __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
