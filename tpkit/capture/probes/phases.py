@@ -417,7 +417,9 @@ class PhaseProbe:
                        "other_s (where the backend runs a graph as a module, aot_eager, that graph reads as forward_s), "
                        "not Python between phases. Compile the model alone (torch.compile(model)) for the split. Dynamo "
                        "guards its optimizer step on torch's table of optimizer step hooks, which tpkit's join while "
-                       "the slice runs: the step compiles once more after the slice")
+                       "the slice runs: the step compiles once more after the slice (its function and what it resumes "
+                       "after a graph break; a graph break more in the next cell), which a step run the same way "
+                       "without tpkit does not")
         hooked = _hook_recompiles(self._wall_start_us)
         if hooked:
             out.append(f"torch.compile recompiled {hooked} time(s) in the slice because of tpkit: it adds its hooks to "
@@ -425,7 +427,12 @@ class PhaseProbe:
                        "(dynamo's reason: len(G['_global_optimizer_pre_hooks']) != 0); the step compiles once more "
                        "after the slice, when they are gone")
         breaks = _graph_breaks() - self._graph_breaks_at_start
-        if breaks > 0:
+        if breaks > 0 and self.compiled_step:
+            out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, the step compiled whole's own "
+                       "(as without tpkit: dynamo runs loss.backward() and zero_grad() eagerly); after the slice the "
+                       "step compiles again with one graph break more, because of tpkit's optimizer hooks (see the "
+                       "note on the step compiled whole)")
+        elif breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
                        "(its hooks return at once while dynamo traces); the model (or torch's own code: a compiled "
                        "optimizer step breaks on purpose around its update) runs partly eager: "
@@ -1454,13 +1461,28 @@ def _compiled_caller(frame: Any, max_frames: int = 16) -> str:
             name = code.co_name
             if name.startswith(_RESUME_PREFIX):
                 name = name[len(_RESUME_PREFIX):].rsplit("_at_", 1)[0]
-            else:
-                back = frame.f_back
-                if back is None or not back.f_code.co_filename.endswith("_dynamo/eval_frame.py"):
-                    return ""
+            elif not _dynamo_entry(frame.f_back):
+                return ""
             return f"{name} ({code.co_filename.rsplit('/', 1)[-1]})"
         frame, n = frame.f_back, n + 1
     return ""
+
+
+def _dynamo_entry(frame: Any) -> bool:
+    """Whether ``frame`` is the wrapper torch.compile put around a function it compiles (its
+    callee is a frame dynamo compiled). ``torch.compiler.disable``'s wrapper lives in the same
+    file (torch/_dynamo/eval_frame.py) and runs its function eagerly: an eager loop whose
+    backward was in a disabled helper had read as a step compiled whole (meta['compiled_step'],
+    COMPUTE-BOUND "the compiled step"). Both wrappers hold their context as ``self``."""
+    if frame is None or not frame.f_code.co_filename.endswith("_dynamo/eval_frame.py"):
+        return False
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    disable = getattr(eval_frame, "DisableContext", None)
+    try:
+        ctx = frame.f_locals.get("self")
+    except Exception:  # noqa: BLE001 - a frame whose locals cannot be read: taken as compiled
+        return True
+    return not (disable is not None and isinstance(ctx, disable))
 
 
 def _hook_recompiles(since_us: int) -> int:
