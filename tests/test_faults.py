@@ -130,6 +130,30 @@ def test_a_finally_that_raises_while_the_loop_stops_keeps_the_run_complete():
     assert tp.last_run() is run
 
 
+def test_ctrl_c_after_the_slices_last_step_is_said_to_be_the_users_interrupt():
+    """Ctrl-C after the slice's last step, before tpkit stopped the loop (in its tail): the Run is
+    complete and the note says the loop was interrupted. It had read "the loop raised
+    KeyboardInterrupt:  after ..." (an empty message) and called the interrupt the loop's own."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = 0
+    with pytest.raises(KeyboardInterrupt):
+        with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+            while True:
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                steps += 1
+                if steps == STEPS + WARMUP:
+                    raise KeyboardInterrupt  # as Ctrl-C raises it: no message
+    run = prof.run
+    assert len(run.steps) == STEPS + WARMUP and run.complete and run.meta["stopped_by"] == "slice"
+    said = [n for n in run.meta["notes"] if "KeyboardInterrupt" in n]
+    assert len(said) == 1 and said[0].startswith("the loop was interrupted (KeyboardInterrupt) after the slice's last step")
+    assert "  " not in said[0] and "loop's own" not in said[0]
+
+
 def test_ctrl_c_in_the_loop_keeps_the_partial_run_marked_interrupted():
     before = snapshot()
     model, loader, opt = make()

@@ -111,3 +111,30 @@ def test_loss_of_an_epochs_last_partial_accumulation_window():
     truth.assert_losses(run.steps["loss"].tolist(), [sum(w) / len(w) for w in windows[:STEPS + WARMUP]])
     assert any(n.startswith("3 step(s) had fewer micro-batches than the 2 that accelerator.backward") for n in
                run.meta["notes"]), run.meta["notes"]
+
+
+def test_a_prepared_loader_that_ends_at_the_slices_last_step_ends_its_loop():
+    """A prepared loader whose last batch is the slice's last step: the loop ends by itself and
+    the code after it runs (accelerate reads one batch ahead, so it knows its last batch; the
+    stop had come at the read that ends the epoch). A loop of epochs is still stopped at its
+    next epoch's first read."""
+    for epochs in (1, 3):
+        torch.manual_seed(0)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = torch.utils.data.TensorDataset(torch.randn(8 * (WARMUP + STEPS), 8), torch.randn(8 * (WARMUP + STEPS), 1))
+        model, opt, loader = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=8))
+        after, steps = [], 0
+        with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+            for _ in range(epochs):
+                for x, y in loader:
+                    accelerator.backward(F.mse_loss(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
+                    steps += 1
+            after.append("after the loop")
+        assert steps == WARMUP + STEPS and len(prof.run.steps) == WARMUP + STEPS, epochs
+        assert after == (["after the loop"] if epochs == 1 else []), epochs
+        assert prof.run.complete and prof.run.meta["stopped_by"] == "slice"

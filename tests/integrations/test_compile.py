@@ -811,13 +811,14 @@ def test_a_model_compiled_in_another_thread_leaves_the_loop_profiled():
         assert abs(got - want) <= truth.TOLERANCE * want + 0.002, f"step {step}: forward {got:.4f} s, truth {want:.4f}"
 
 
-def whole_step_loop(profile: bool, warm: bool) -> dict:
+def whole_step_loop(profile: bool, warm: bool, after: int = 0) -> dict:
     """A training step compiled as one function (forward, ``loss.backward()``, ``opt.step()``,
     ``opt.zero_grad()``; aot_eager), first called inside the slice (or, ``warm``, three times
     before it), with no ``tp.step()``. A hook on the last layer's weight sleeps 30 ms inside each
     backward (the autograd engine runs it: dynamo runs ``loss.backward()`` eagerly at a graph
     break) and times its own sleeps. Returns dynamo's counters and codes, the loop's losses,
-    its calls and the hook's seconds, and the run."""
+    its calls and the hook's seconds, and the run; with ``after``, dynamo's compilations and graph
+    breaks in that many more calls after the slice (a next cell)."""
     from torch._dynamo import convert_frame
 
     torch._dynamo.reset()
@@ -872,6 +873,12 @@ def whole_step_loop(profile: bool, warm: bool) -> dict:
                graphs=counters["stats"]["unique_graphs"],
                codes={(c.co_name, os.path.basename(c.co_filename)) for c in codes},
                tpkit_codes=sorted(c.co_name for c in codes if f"{os.sep}tpkit{os.sep}" in c.co_filename))
+    if after:
+        since_us, breaks0 = time.time_ns() // 1000, sum(counters["graph_break"].values())
+        for x, y in data[:after]:
+            train_step(x, y)
+        out.update(after_compilations=sum(1 for r in get_compilation_metrics() if (r.start_time_us or 0) >= since_us),
+                   after_breaks=sum(counters["graph_break"].values()) - breaks0)
     torch._dynamo.reset()
     return out
 
@@ -924,3 +931,55 @@ def test_a_step_compiled_whole_is_seen_where_dynamo_runs_it_eagerly(warm):
     assert v.kind != "overhead-bound" and "Python between phases" not in v.text, v.text
     recompiled = [n for n in notes if "recompiled" in n and "because of tpkit" in n]
     assert bool(recompiled) == warm, notes
+
+
+def test_an_eager_loop_whose_backward_is_in_a_disabled_helper_is_no_compiled_step():
+    """An eager loop (nothing compiled) calls ``loss.backward()`` inside a helper decorated with
+    ``torch.compiler.disable`` and sleeps 40 ms a step outside every phase (its logging). The
+    disable wrapper lives in dynamo's eval_frame.py as torch.compile's does: the loop had read as a
+    step compiled whole (meta['compiled_step'], a note, COMPUTE-BOUND "the compiled step"). Now no
+    compiled step is named and the verdict is about the 40 ms outside the phases."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @torch.compiler.disable
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward()
+
+    data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(8)]
+    slept: list[float] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            x, y = data[i % 8]
+            backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            t0 = time.perf_counter()
+            time.sleep(0.04)
+            slept.append(time.perf_counter() - t0)
+    run = prof.run
+    assert "compiled_step" not in run.meta
+    assert not any("compiled by torch.compile as a whole" in n for n in run.meta["notes"])
+    measured = run.steps[~run.steps.warmup]
+    assert measured["other_s"].sum() >= sum(slept[WARMUP:WARMUP + STEPS]) - 0.01
+    assert measured["backward_s"].min() > 0
+    v = run.summary().verdict
+    assert v.kind == "overhead-bound" and "compiled step" not in v.text, v.text
+
+
+def test_a_step_compiled_whole_in_the_slice_is_said_to_recompile_after_it():
+    """A step compiled whole inside the slice compiles again in the next cell (dynamo guards it on
+    torch's table of optimizer hooks, which tpkit's joined), with a graph break more; the same
+    loop without tpkit compiles nothing more. The notes say so, and no longer say that none of
+    the slice's graph breaks is tpkit's as if that were all."""
+    plain = whole_step_loop(profile=False, warm=False, after=3)
+    sliced = whole_step_loop(profile=True, warm=False, after=3)
+    assert (plain["after_compilations"], plain["after_breaks"]) == (0, 0)
+    assert sliced["after_compilations"] > 0 and sliced["after_breaks"] == 1
+    notes = sliced["run"].meta["notes"]
+    assert not any("none caused by tpkit" in n for n in notes), notes
+    assert any("after the slice the step compiles again with one graph break more, because of tpkit" in n
+               for n in notes), notes
+    assert any("the step compiles once more after the slice" in n and "a graph break more in the next cell" in n
+               for n in notes), notes

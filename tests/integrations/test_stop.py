@@ -173,3 +173,113 @@ def test_a_watched_iterable_and_tpkits_loader_stop_before_their_next_batch():
                 tail.append(1)
         assert len(prof.run.steps) == N and len(tail) == N, how
         assert (len(made) if how == "watch" else batches.batches_done) == N, how
+
+
+@pytest.mark.parametrize("split", ["samplers", "train_accuracy"])
+def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(split):
+    """The loop evaluates every 3rd step (the last one's too) without grad, in eval mode, on a DataLoader of its own
+    over the training Dataset (a train/val split by samplers; a train-accuracy loader over the
+    whole set): after the last step that evaluation runs whole and the model is back in train
+    mode, as in the same loop stopped by ``break``. Sharing the Dataset with the training loader,
+    the evaluation's ``iter()`` had stopped the loop after ``model.eval()``: one evaluation short
+    and the model left in eval mode."""
+    ds = Data()
+
+    def loop(limit: int | None = None) -> tuple[int, list, bool]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        if split == "samplers":
+            loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=torch.utils.data.SubsetRandomSampler(range(48)))
+            eval_loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=range(48, 64))
+        else:
+            loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True)
+            eval_loader = torch.utils.data.DataLoader(ds, batch_size=32)
+        steps, evals = 0, []
+        box["model"] = model
+        for _ in range(100):
+            for x, y in loader:
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                steps += 1
+                box["steps"], box["evals"] = steps, evals
+                if steps % 3 == 1:  # (the 7th step's too)
+                    model.eval()
+                    with torch.no_grad():
+                        evals.append(sum(1 for a, b in eval_loader if F.mse_loss(model(a), b) is not None))
+                    model.train()
+                if limit is not None and steps >= limit:
+                    return steps, evals, model.training
+        raise AssertionError("the loop ran past 100 epochs")
+
+    box: dict = {}
+    truth = loop(N)
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        loop()
+    assert (box["steps"], box["evals"], box["model"].training) == truth == (N, [2, 2, 2], True)
+    assert len(prof.run.steps) == N and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+
+
+def test_after_a_loop_that_ended_by_itself_a_no_grad_read_of_its_loader_runs_and_a_training_one_stops():
+    """A finite loop whose last batch is the slice's last step ends by itself; the cell then
+    evaluates on the training loader without grad (it runs: the stop had come at its first read)
+    and then trains another epoch on it with grad (a training read: the loop stops there, so a
+    loop of epochs is still stopped at its next epoch)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(Data(), batch_size=8)  # 8 batches
+    done: list[str] = []
+    with tp.profile(steps=8 - WARMUP, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        for x, y in loader:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        done.append("loop ended")
+        with torch.no_grad():
+            n = sum(1 for x, y in loader if model(x) is not None)
+        done.append(f"evaluated {n}")
+        for x, y in loader:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        done.append("second epoch")
+    assert done == ["loop ended", "evaluated 8"]
+    assert len(prof.run.steps) == 8 and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+
+
+def test_a_loop_whose_last_batch_came_from_no_source_tpkit_saw_stops_before_its_next_forward():
+    """``itertools.cycle`` over a DataLoader hands out its first epoch's batches again without
+    reading the loader, so past that epoch tpkit sees no read: the loop stops at its next trained
+    forward. It had waited for the lead optimizer's next step, running a forward and backward
+    past the slice (BatchNorm's ``num_batches_tracked`` 8 for 7, gradients left filled where the
+    loop's ``zero_grad`` had cleared them). The model's state equals the same loop stopped by
+    ``break`` after 7 iterations."""
+    import itertools
+
+    def loop(limit: int | None = None) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+        box["model"] = model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        steps = 0
+        for x, y in itertools.cycle(torch.utils.data.DataLoader(Data(), batch_size=16, shuffle=True)):  # 4 a pass
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            if limit is not None and steps >= limit:
+                break
+        return model
+
+    box: dict = {}
+    truth = loop(N)
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        loop()
+    got = box["model"]
+    assert len(prof.run.steps) == N and prof.run.complete
+    assert int(got[1].num_batches_tracked) == int(truth[1].num_batches_tracked) == N
+    assert all(p.grad is None for p in got.parameters())
+    for a, b in zip(list(got.parameters()) + list(got.buffers()), list(truth.parameters()) + list(truth.buffers()),
+                    strict=True):
+        assert torch.equal(a, b)

@@ -314,9 +314,15 @@ class Recorder:
         """The loop's thread is about to read a batch from ``sources`` (ids of an iterator and
         of the loader it reads): where the slice is full and the slice's training batches came
         from one of them, the loop stops here, before the read (see ``stop_pending``). A read
-        from another loader (an evaluation's) goes on."""
+        from another loader (an evaluation's) goes on, and so does one without grad (under
+        ``torch.no_grad()`` or ``inference_mode``): an evaluation on its own loader over the
+        training Dataset (a train/val split by samplers, a train-accuracy loader) shares the
+        Dataset's id with the training source, and had stopped the loop after its ``model.eval()``
+        and before its ``model.train()``; a loop that ended by itself runs such a read on."""
+        import torch  # (loaded: the loop reads through torch's or tpkit's loader)
+
         if (self.stop_pending is not None and threading.get_ident() == self.thread_id
-                and any(s in self.training_sources for s in sources)):
+                and torch.is_grad_enabled() and any(s in self.training_sources for s in sources)):
             self.stop_pending()
 
     # -- other tables ---------------------------------------------------------------------

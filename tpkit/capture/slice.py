@@ -432,8 +432,13 @@ class Profile:
             # __context__; or what the iteration ran after its last step); it propagates as usual
             when = ("while tpkit stopped it (in a finally block or a with block's exit)" if _raised_while_stopping(exc)
                     else "after the slice's last step, before tpkit stopped it")
-            rec.note(f"the loop raised {type(exc).__name__}: {exc} {when}; all {done} steps of the slice had "
-                     "completed, so the Run is complete; the exception is the loop's own and was raised as usual")
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if _interrupted(exc):  # Ctrl-C: the user's interrupt, not something the loop raised
+                rec.note(f"the loop was interrupted ({what}) {when}; all {done} steps of the slice had completed, "
+                         "so the Run is complete; the interrupt was raised as usual")
+            else:
+                rec.note(f"the loop raised {what} {when}; all {done} steps of the slice had completed, so the "
+                         "Run is complete; the exception is the loop's own and was raised as usual")
         elif not isinstance(exc, StopSlice):
             how = ("terminated" if self._term.pending else "interrupt" if _interrupted(exc)
                    else "error")  # terminated: SIGTERM (a launcher stopping the ranks that survived one)
@@ -504,6 +509,13 @@ def _training_sources(rec: _rec.Recorder) -> set[int]:
     ev = evaluation.split(rec.spans, hand, rec.no_grad_calls, rec.trained_modules, rec.param_free_modules, past,
                           sources=rec.handout_sources)
     out = {s for k, s in enumerate(rec.handout_sources) if s and k not in ev.handouts and hand[3 * k + 2] < past}
+    if not any(s in out and hand[3 * k + 2] == past - 1 for k, s in enumerate(rec.handout_sources)):
+        # the last step's batch came from no source tpkit saw (itertools.cycle past a DataLoader's
+        # first epoch, a prefetching thread's queue): the loop's next read is not seen either, and
+        # waiting for the lead optimizer's next step had run a forward and backward past the slice
+        # (BatchNorm's running statistics, the gradients); it stops as a loop with no loader does,
+        # at its next trained forward or backward
+        return set()
     return out | {rec.source_loaders[s] for s in out if s in rec.source_loaders}
 
 

@@ -417,7 +417,9 @@ class PhaseProbe:
                        "other_s (where the backend runs a graph as a module, aot_eager, that graph reads as forward_s), "
                        "not Python between phases. Compile the model alone (torch.compile(model)) for the split. Dynamo "
                        "guards its optimizer step on torch's table of optimizer step hooks, which tpkit's join while "
-                       "the slice runs: the step compiles once more after the slice")
+                       "the slice runs: the step compiles once more after the slice (its function and what it resumes "
+                       "after a graph break; a graph break more in the next cell), which a step run the same way "
+                       "without tpkit does not")
         hooked = _hook_recompiles(self._wall_start_us)
         if hooked:
             out.append(f"torch.compile recompiled {hooked} time(s) in the slice because of tpkit: it adds its hooks to "
@@ -425,7 +427,12 @@ class PhaseProbe:
                        "(dynamo's reason: len(G['_global_optimizer_pre_hooks']) != 0); the step compiles once more "
                        "after the slice, when they are gone")
         breaks = _graph_breaks() - self._graph_breaks_at_start
-        if breaks > 0:
+        if breaks > 0 and self.compiled_step:
+            out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, the step compiled whole's own "
+                       "(as without tpkit: dynamo runs loss.backward() and zero_grad() eagerly); after the slice the "
+                       "step compiles again with one graph break more, because of tpkit's optimizer hooks (see the "
+                       "note on the step compiled whole)")
+        elif breaks > 0:
             out.append(f"torch.compile: {breaks} graph break(s) while the slice ran, none caused by tpkit "
                        "(its hooks return at once while dynamo traces); the model (or torch's own code: a compiled "
                        "optimizer step breaks on purpose around its update) runs partly eager: "
@@ -562,9 +569,12 @@ class PhaseProbe:
     def _trains(self, module: torch.nn.Module) -> bool:
         """Whether a call of ``module`` now is a training forward: with grad, in train mode, of a
         model the slice trained (not a loss module, not an evaluation without grad or in eval
-        mode). Asked only once the slice is full, where the loop read its training batches from
-        no loader tpkit sees (else its next read from that loader stops it: a GAN's generator
-        half, after the lead optimizer's step, is the iteration's tail)."""
+        mode). Asked only once the slice is full, where the loop's next read is one tpkit does not
+        see (no loader seen, or none read for the last step: ``slice._training_sources``); else
+        its next read from that loader stops it, and a GAN's generator half after the lead
+        optimizer's step runs as the iteration's tail. Where it is asked, that half's forward
+        (or backward) stops the loop: the generator misses its last update (README, "How the
+        loop is stopped")."""
         return (torch.is_grad_enabled() and module.training and id(module) in self.rec.trained_modules
                 and not self._param_free(module))
 
@@ -1103,10 +1113,16 @@ class PhaseProbe:
             if probe.installed and threading.get_ident() == probe.rec.thread_id:
                 probe.rec.accelerate_loader = True  # the loop is accelerate's (capture/build.py: its losses)
                 probe.rec.source_loaders[id(inner)] = id(loader)
+            yielded = False
             while True:
                 mine = probe.installed and threading.get_ident() == probe.rec.thread_id
-                if mine and probe.rec.stop_pending is not None:
-                    probe.rec.stop_before_read(id(inner), id(loader))  # the slice is full (Profile._stopping)
+                # the slice is full (Profile._stopping): the loop stops before it reads on, unless the
+                # loader handed out its epoch's last batch (accelerate's end_of_dataloader, set as it
+                # reads ahead past it; a new epoch's first read still stops): the loop then ends by
+                # itself, as with a DataLoader's last batch (it had been stopped there instead)
+                if (mine and probe.rec.stop_pending is not None
+                        and not (yielded and getattr(loader, "end_of_dataloader", False) is True)):
+                    probe.rec.stop_before_read(id(inner), id(loader))
                 probe._read_ahead += mine
                 try:
                     batch = next(inner)
@@ -1116,6 +1132,7 @@ class PhaseProbe:
                     probe._read_ahead -= mine
                 if mine:
                     handed_out(probe.rec, batch, getattr(loader, "num_workers", -1), id(inner))
+                yielded = True
                 yield batch
 
         __iter__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -1444,13 +1461,28 @@ def _compiled_caller(frame: Any, max_frames: int = 16) -> str:
             name = code.co_name
             if name.startswith(_RESUME_PREFIX):
                 name = name[len(_RESUME_PREFIX):].rsplit("_at_", 1)[0]
-            else:
-                back = frame.f_back
-                if back is None or not back.f_code.co_filename.endswith("_dynamo/eval_frame.py"):
-                    return ""
+            elif not _dynamo_entry(frame.f_back):
+                return ""
             return f"{name} ({code.co_filename.rsplit('/', 1)[-1]})"
         frame, n = frame.f_back, n + 1
     return ""
+
+
+def _dynamo_entry(frame: Any) -> bool:
+    """Whether ``frame`` is the wrapper torch.compile put around a function it compiles (its
+    callee is a frame dynamo compiled). ``torch.compiler.disable``'s wrapper lives in the same
+    file (torch/_dynamo/eval_frame.py) and runs its function eagerly: an eager loop whose
+    backward was in a disabled helper had read as a step compiled whole (meta['compiled_step'],
+    COMPUTE-BOUND "the compiled step"). Both wrappers hold their context as ``self``."""
+    if frame is None or not frame.f_code.co_filename.endswith("_dynamo/eval_frame.py"):
+        return False
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    disable = getattr(eval_frame, "DisableContext", None)
+    try:
+        ctx = frame.f_locals.get("self")
+    except Exception:  # noqa: BLE001 - a frame whose locals cannot be read: taken as compiled
+        return True
+    return not (disable is not None and isinstance(ctx, disable))
 
 
 def _hook_recompiles(since_us: int) -> int:
