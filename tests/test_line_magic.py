@@ -36,10 +36,10 @@ def test_line_magic_profiles_the_statement(ip):
     run = tp.last_run()
     assert run.name == "lm" and ip.user_ns["_tp"] is run
     assert len(run.steps) == 5 and run.steps["warmup"].sum() == 1  # 1 warmup + 4 steps, then it stopped
-    # the statement was stopped by the slice inside its 5th opt.step(), not run 50 times; the
-    # losses it logged are the run's own
-    assert len(ip.user_ns["lm_losses"]) == 4
-    assert ip.user_ns["lm_losses"] == pytest.approx(run.steps["loss"].tolist()[:4], rel=1e-6)
+    # the statement was stopped by the slice at its 6th forward (its 5th iteration ran whole, as
+    # a loop stopped by break after 5 would), not run 50 times; the losses it logged are the run's
+    assert len(ip.user_ns["lm_losses"]) == 5
+    assert ip.user_ns["lm_losses"] == pytest.approx(run.steps["loss"].tolist(), rel=1e-6)
     assert "tpkit run 'lm'" in out.getvalue()  # --quiet prints the summary
     # --ops from the line, with and without its number; the statement starts after the options
     with redirect_stdout(io.StringIO()):
