@@ -5,6 +5,7 @@ log line, an evaluation) runs for the last step too. The truth is the same loop 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -175,14 +176,17 @@ def test_a_watched_iterable_and_tpkits_loader_stop_before_their_next_batch():
         assert (len(made) if how == "watch" else batches.batches_done) == N, how
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad_left_on"])
 @pytest.mark.parametrize("split", ["samplers", "train_accuracy"])
-def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(split):
-    """The loop evaluates every 3rd step (the last one's too) without grad, in eval mode, on a DataLoader of its own
-    over the training Dataset (a train/val split by samplers; a train-accuracy loader over the
-    whole set): after the last step that evaluation runs whole and the model is back in train
-    mode, as in the same loop stopped by ``break``. Sharing the Dataset with the training loader,
-    the evaluation's ``iter()`` had stopped the loop after ``model.eval()``: one evaluation short
-    and the model left in eval mode."""
+def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(split, grad):
+    """The loop evaluates every 3rd step (the last one's too) in eval mode, without grad or
+    with grad left on (``torch.no_grad()`` forgotten), on a DataLoader of its own over the
+    training Dataset (a train/val split by samplers; a train-accuracy loader over the whole
+    set): after the last step that evaluation runs whole and the model is back in train mode,
+    as in the same loop stopped by ``break``. The evaluation's ``iter()`` had stopped the loop
+    after ``model.eval()``: one evaluation short and the model left in eval mode (without grad,
+    sharing the Dataset with the training loader, until 6bb5575; with grad, its batches
+    training by the forward's rule, until the stop waited for a trained model in train mode)."""
     ds = Data()
 
     def loop(limit: int | None = None) -> tuple[int, list, bool]:
@@ -206,7 +210,7 @@ def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(sp
                 box["steps"], box["evals"] = steps, evals
                 if steps % 3 == 1:  # (the 7th step's too)
                     model.eval()
-                    with torch.no_grad():
+                    with contextlib.nullcontext() if grad else torch.no_grad():
                         evals.append(sum(1 for a, b in eval_loader if F.mse_loss(model(a), b) is not None))
                     model.train()
                 if limit is not None and steps >= limit:
@@ -219,6 +223,37 @@ def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(sp
         loop()
     assert (box["steps"], box["evals"], box["model"].training) == truth == (N, [2, 2, 2], True)
     assert len(prof.run.steps) == N and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+
+
+def test_a_loop_that_makes_its_loader_anew_each_epoch_stops_before_the_new_loaders_first_batch():
+    """A loop that builds a new DataLoader over the same Dataset each epoch (a curriculum, a
+    sampler rebuilt per epoch): the slice full at an epoch's last batch, the loop stops at the
+    next epoch's ``iter()`` as the same loop stopped by ``break`` after its N-th step: no
+    sample of the next epoch made, no forward or backward past the slice. The new loader is
+    one the slice never read: it is the training loader because its Dataset is the training
+    batches'. Truth: the Dataset's own count of samples made and the model's gradients."""
+
+    class Counted(Data):
+        made = 0
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            Counted.made += 1
+            return super().__getitem__(i)
+
+    ds = Counted()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = 0
+    with tp.profile(steps=8 - WARMUP, warmup=WARMUP, progress=False, clock_hz=0) as prof:  # 8 batches an epoch
+        for _epoch in range(3):
+            for x, y in torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                steps += 1
+    assert (steps, Counted.made) == (8, 64)
+    assert len(prof.run.steps) == 8 and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
 
 
 def test_after_a_loop_that_ended_by_itself_a_no_grad_read_of_its_loader_runs_and_a_training_one_stops():

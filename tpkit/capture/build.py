@@ -256,15 +256,15 @@ def _samples_given_note(rec: Recorder, eval_handouts: set[int], past: int) -> st
 
 
 def _training_loader_settings(rec: Recorder, trained_at: list[int], workers: int) -> dict[str, Any]:
-    """The settings (``batches.loader_settings``) of the DataLoader the training batches came
-    from: among those iterated over the dataset most of them were read from, the ones with the
-    batches' worker count, where they agree (a one-off pass over the training set with another
-    loader, 0 workers and batches of 512, had been taken for the 2-worker training loader, its
-    num_workers too); else (a framework's fetcher hands them out: Lightning) the slice's
-    DataLoaders with that worker count where they agree; {} where none says."""
-    seen = rec.loader_settings_seen
-    by_source = Counter(rec.handout_sources[k] for k in trained_at if rec.handout_sources[k] in seen)
-    candidates = seen[by_source.most_common(1)[0][0]] if by_source else [s for v in seen.values() for s in v]
+    """The settings (``batches.loader_settings``) of the DataLoader most of the training batches
+    came from (``Recorder.loader_settings``, by loader: a one-off pass over the training set with
+    another loader, 0 workers and batches of 512, had been taken for the 2-worker training
+    loader, its num_workers too), where they have the batches' worker count; else (no training
+    batch came through a DataLoader iterated in the slice) the slice's DataLoaders with that
+    worker count where they agree; {} where none says."""
+    settings = rec.loader_settings
+    by_source = Counter(rec.handout_sources[k] for k in trained_at if rec.handout_sources[k] in settings)
+    candidates = [settings[by_source.most_common(1)[0][0]]] if by_source else list(settings.values())
     same = [s for s in candidates if s.get("num_workers") == workers]
     return dict(same[0]) if same and all(s == same[0] for s in same) else {}
 

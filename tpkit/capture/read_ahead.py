@@ -50,7 +50,7 @@ def discarded(restarts: list[int], spans: list[tuple], handouts: list[int], sour
     second loader runs out first reads a batch of the first and drops it; ``for i, b in
     enumerate(loader): if i == n: break`` reads one more than it trains on. Counted, they were
     the step's samples (+13%, +60% samples/s). Only the same loader's restart counts (its
-    dataset's id, in ``sources``): another loader cycling, or an evaluation before the training
+    ``batches.loader_key``, in ``sources``): another loader cycling, or an evaluation before the training
     forward, drops nothing. Returns {raw step: [samples of each batch]}."""
     if not restarts:
         return {}

@@ -125,14 +125,15 @@ class Recorder:
         self.run_starts: list[int] = []  # when each trainer run was called in the slice (ns; capture/setups.py)
         self.loader_cpu_s = self.loader_make_s = 0.0  # tpkit's loader: CPU and wall time making batches
         self.handout_workers: list[int] = []  # per handout: its DataLoader's num_workers, -1: not one
-        self.handout_sources: list[int] = []  # per handout: the id of the source it came from (0: not known)
+        # per handout: the key of the source it came from (a torch DataLoader's batches.loader_key,
+        # the same across its epochs; else the id of the iterator; 0: not known)
+        self.handout_sources: list[int] = []
         self.handout_ids: list[int] = []  # per handout: batches.identity of its leading tensor (0: none)
-        self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, id of its dataset)
-        # a torch DataLoader's settings, by the id of its dataset, as its latest iter() in the slice
-        # saw them (capture/slice.py: queue_drain); its batches' handout_sources hold the same id.
-        # Every distinct one by dataset: two loaders over one dataset (capture/build.py: meta['torch_loader'])
+        self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, its loader_key)
+        # a torch DataLoader's settings, by its loader_key, as its latest iter() in the slice saw
+        # them (capture/slice.py: queue_drain; capture/build.py: meta['torch_loader'])
         self.loader_settings: dict[int, dict[str, Any]] = {}
-        self.loader_settings_seen: dict[int, list[dict[str, Any]]] = {}
+        self.source_datasets: dict[int, int] = {}  # a DataLoader's loader_key -> the id of its Dataset
         # outermost forwards that raised, flat: (ns, batches.forward_identity of their batch, raw_step) (read_ahead.failed)
         self.failed_forwards: list[int] = []
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
@@ -154,10 +155,13 @@ class Recorder:
         # training action in its thread (a batch read from a training batches' source, a trained
         # forward, a backward, an optimizer step, tp.step()), where it raises StopSlice; what the
         # iteration ran after its last step (a scheduler's step, a counter, a log, an evaluation)
-        # has run by then. ``training_sources``: the sources (``handout_sources``' ids, with their
-        # loaders from ``source_loaders``) that handed out the slice's training batches.
+        # has run by then. ``training_sources``: the sources (``handout_sources``' keys, with their
+        # loaders from ``source_loaders``) that handed out the slice's training batches;
+        # ``training_datasets``: their DataLoaders' Datasets (a loader made anew over one of them,
+        # as some loops do each epoch, is the training loader too).
         self.stop_pending: Callable[[], None] | None = None
         self.training_sources: set[int] = set()
+        self.training_datasets: set[int] = set()
         # an epoch's iterator (a handout source) -> the loader or iterable it reads (tp.data.Loader,
         # tp.watch, accelerate's loader): the next epoch's reads are that loader's too
         self.source_loaders: dict[int, int] = {}
@@ -206,6 +210,7 @@ class Recorder:
                      "run_starts", "failed_forwards"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)
+        snap.loader_settings = dict(self.loader_settings)
         snap.skipped_iterations = dict(self.skipped_iterations)
         return snap
 
@@ -310,20 +315,36 @@ class Recorder:
             if self.stop_pending is not None:  # the slice is full: the probes after it are out
                 break
 
-    def stop_before_read(self, *sources: int) -> None:
-        """The loop's thread is about to read a batch from ``sources`` (ids of an iterator and
-        of the loader it reads): where the slice is full and the slice's training batches came
-        from one of them, the loop stops here, before the read (see ``stop_pending``). A read
-        from another loader (an evaluation's) goes on, and so does one without grad (under
-        ``torch.no_grad()`` or ``inference_mode``): an evaluation on its own loader over the
-        training Dataset (a train/val split by samplers, a train-accuracy loader) shares the
-        Dataset's id with the training source, and had stopped the loop after its ``model.eval()``
-        and before its ``model.train()``; a loop that ended by itself runs such a read on."""
+    def stop_before_read(self, *sources: int, dataset: int | None = None) -> None:
+        """The loop's thread is about to read a batch from ``sources`` (keys of an iterator and
+        of the loader it reads; ``dataset``: a torch DataLoader's Dataset's id): where the slice
+        is full and the slice's training batches came from one of them, the loop stops here,
+        before the read (see ``stop_pending``); so it does at a DataLoader the slice never read,
+        over a training Dataset (a loop that makes its loader anew each epoch). A read from
+        another loader (an evaluation's, over the training Dataset too: a train/val split by
+        samplers, a train-accuracy pass) goes on, and so does one without grad (under
+        ``torch.no_grad()`` or ``inference_mode``): an evaluation with the Dataset's id for its
+        source had stopped the loop after its ``model.eval()`` and before its ``model.train()``;
+        a loop that ended by itself runs such a read on."""
         import torch  # (loaded: the loop reads through torch's or tpkit's loader)
 
-        if (self.stop_pending is not None and threading.get_ident() == self.thread_id
-                and torch.is_grad_enabled() and any(s in self.training_sources for s in sources)):
+        if (self.stop_pending is None or threading.get_ident() != self.thread_id
+                or not torch.is_grad_enabled()):
+            return
+        if (any(s in self.training_sources for s in sources) or (
+                dataset is not None and dataset in self.training_datasets
+                and not any(s in self.source_datasets for s in sources))) and not self._evaluating():
             self.stop_pending()
+
+    def _evaluating(self) -> bool:
+        """Every model trained in the slice (called with grad in train mode) is in eval mode:
+        the loop is evaluating, with grad left on (``torch.no_grad()`` forgotten), from a
+        training source (that evaluation's batches are training by the forward's rule, their
+        loader one of the training batches'); it stops at its next read once ``model.train()``
+        has run, as the loop stopped by ``break`` is left (it had been stopped inside the
+        evaluation, the model left in eval mode). Asked only while a stop is pending."""
+        trained = [m for m in self.models.live() if id(m) in self.trained_modules]
+        return bool(trained) and not any(getattr(m, "training", True) for m in trained)
 
     # -- other tables ---------------------------------------------------------------------
     def add_memory(self, phase: str, event: str, device: str, category: str, nbytes: int,

@@ -374,6 +374,7 @@ class Profile:
             rec.training_sources = set(rec.handout_sources) | set(rec.source_loaders.values())
             rec.note(f"telling the training batches' loaders from the others at the slice's end failed ({e!r}): "
                      "the loop stopped at its next read from any loader")
+        rec.training_datasets = {rec.source_datasets[s] for s in rec.training_sources if s in rec.source_datasets}
         rec.stop_pending = self._stop_now
         with held_sigint():
             self._teardown(keep=PhaseProbe, deactivate=False)

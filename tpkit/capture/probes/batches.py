@@ -141,6 +141,25 @@ def _records(seq: list | tuple) -> bool:
     return all(set(e) == keys for e in seq)
 
 
+def loader_key(loader_or_iterator: Any) -> int:
+    """Which torch DataLoader a batch or an epoch comes from, the same across its epochs: the id
+    of its index sampler (the ``batch_sampler``, or the ``sampler`` without batching), which the
+    loader makes once and hands to each epoch's iterator (``_index_sampler``); else its
+    Dataset's. Keyed by the Dataset, two loaders over one Dataset (a train/val split by
+    samplers, a train-accuracy pass) were one source: an evaluation with grad on the other
+    loader stopped a full slice's loop, and the loader settings read were either's."""
+    sampler = getattr(loader_or_iterator, "_index_sampler", None)
+    if sampler is not None:
+        return id(sampler)
+    return loader_dataset(loader_or_iterator)
+
+
+def loader_dataset(loader_or_iterator: Any) -> int:
+    """The id of a torch DataLoader's (or its iterator's) Dataset."""
+    ds = getattr(loader_or_iterator, "_dataset", None)
+    return id(ds if ds is not None else getattr(loader_or_iterator, "dataset", loader_or_iterator))
+
+
 def loader_settings(loader: Any) -> dict[str, Any]:
     """A torch DataLoader's settings the advice depends on (``meta["torch_loader"]``): advice had
     asked a loader with ``persistent_workers=True`` to set it, its epochs' first batch read as a
@@ -155,8 +174,8 @@ def loader_settings(loader: Any) -> dict[str, Any]:
 
 def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) -> None:
     """A loader gave ``batch`` to the loop: count its samples, tell the batch listeners.
-    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the id of
-    the iterator it came from (0: not known)."""
+    ``workers``: a torch DataLoader's ``num_workers`` (-1: another loader); ``source``: the key of
+    the source it came from (a DataLoader's ``loader_key``, else the id of the iterator; 0: not known)."""
     try:
         n, lead = _sized(batch)
     except Exception:  # noqa: BLE001 - a batch tpkit cannot read is uncounted, never the loop's error

@@ -68,7 +68,7 @@ from ...schema import FILE_LOAD, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import Recorder, WeakRegistry
 from . import batches, loss_sums, module_calls
-from .batches import forward_identity, handed_out, loader_settings
+from .batches import forward_identity, handed_out, loader_dataset, loader_key, loader_settings
 from .compiling import compiling, skip_own_frames, skipped_by_dynamo, watch_sessions
 from .hook_places import (
     AVERAGERS,
@@ -1171,10 +1171,11 @@ class PhaseProbe:
             waiting = rec.is_open("data_wait")  # (read inside another's wait: tp.watch over a DataLoader)
             if not waiting and probe._versions_at_backward is not None:  # (_batch_coming, inlined)
                 probe._unseen_update(at_batch=True)
+            key = loader_key(it)
             if rec.stop_pending is not None and not _handed_all(it):
                 # the slice is full: the loop stops before it reads its training loader's next
                 # batch (no batch taken, no worker's RNG drawn); an epoch's end still ends its loop
-                rec.stop_before_read(id(getattr(it, "_dataset", it)), id(it))
+                rec.stop_before_read(key, id(it), dataset=loader_dataset(it))
             if waiting:
                 return fn(it)
             probe._worked = True  # a batch read: a new iteration (see _opt_post)
@@ -1184,7 +1185,9 @@ class PhaseProbe:
             finally:
                 rec.exit(token)
             if not probe._read_ahead:  # else the reading-ahead loader hands it over later
-                handed_out(rec, batch, getattr(it, "_num_workers", -1), id(getattr(it, "_dataset", it)))
+                if key not in rec.source_datasets:
+                    rec.source_datasets[key] = loader_dataset(it)
+                handed_out(rec, batch, getattr(it, "_num_workers", -1), key)
             return batch
 
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -1361,18 +1364,16 @@ class PhaseProbe:
             tid = threading.get_ident()
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(loader)
-            key = id(getattr(loader, "dataset", loader))
+            key, dataset = loader_key(loader), loader_dataset(loader)
             if rec.stop_pending is not None:  # the slice is full: no new epoch of its training loader starts
-                rec.stop_before_read(key, id(loader))
+                rec.stop_before_read(key, id(loader), dataset=dataset)
             if rec.is_open("data_wait"):
                 return fn(loader)
             token = rec.enter("data_wait", f"{source}.__iter__")
             rec.restarts += (perf_counter_ns(), key)
+            rec.source_datasets[key] = dataset
             if isinstance(loader, _dl.DataLoader):
-                settings = rec.loader_settings[key] = loader_settings(loader)
-                seen = rec.loader_settings_seen.setdefault(key, [])
-                if settings not in seen:
-                    seen.append(settings)
+                rec.loader_settings[key] = loader_settings(loader)
             try:
                 return fn(loader)
             finally:
