@@ -538,6 +538,54 @@ def test_optimizer_step_called_twice_per_iteration_is_one_step(one_thread):
     assert prof.run.meta["merged_optimizer_steps"] == 3  # the 4th iteration's first step() stopped the slice
 
 
+HOOK_S = 0.030  # the loop's own optimizer step hook sleeps this long
+
+
+@pytest.mark.parametrize("where", ["global pre-hook before the slice", "global post-hook inside the slice",
+                                   "the optimizer's own pre-hook"])
+def test_the_loops_own_optimizer_step_hooks_are_the_optimizers_time(one_thread, where):
+    """A step hook the loop registered (``torch.optim.optimizer.register_optimizer_step_pre_hook``
+    or ``_post_hook``, or the optimizer's own) runs inside ``opt.step()``: its 30 ms is
+    optimizer_s, each step's within 15% of the loop's clock around ``opt.step()``. torch runs the
+    global hooks in registration order, so tpkit's, registered at the slice's start, had run
+    after a global pre-hook the loop registered before it (its time other: optimizer 0.2 ms for
+    20 ms, the verdict "OVERHEAD-BOUND ... Python between phases") and before a global
+    post-hook the loop registered inside the slice."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def hook(*_):  # noqa: ANN002
+        time.sleep(HOOK_S)
+
+    handles = []
+    if where.startswith("global pre"):
+        handles.append(register_optimizer_step_pre_hook(hook))
+    elif where.startswith("the optimizer"):
+        handles.append(opt.register_step_pre_hook(hook))  # run after every global pre-hook
+    clock = []
+    try:
+        with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+            for x, y in _data():
+                if where.startswith("global post") and not handles:
+                    handles.append(register_optimizer_step_post_hook(hook))
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                t0 = time.perf_counter()
+                opt.step()
+                clock.append(time.perf_counter() - t0)
+                opt.zero_grad()
+    finally:
+        for h in handles:
+            h.remove()
+    steps = prof.run.steps
+    assert len(steps) == 5 and len(clock) == 5
+    assert (steps["optimizer_s"] >= HOOK_S).all() and _close(steps["optimizer_s"], clock), \
+        (steps["optimizer_s"].tolist(), clock)
+    assert prof.run.summary().verdict.kind == "optimizer-bound"
+
+
 def test_an_iteration_with_no_forward_is_still_a_step_when_it_zeroes_the_gradients(one_thread):
     """Every other iteration only sleeps 50 ms and calls step()/zero_grad() (its gradients came
     from code tpkit does not see): each iteration is a step, and the sleepy ones last 50 ms."""

@@ -318,3 +318,58 @@ def test_a_loop_whose_last_batch_came_from_no_source_tpkit_saw_stops_before_its_
     for a, b in zip(list(got.parameters()) + list(got.buffers()), list(truth.parameters()) + list(truth.buffers()),
                     strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_loop_stopped_at_its_optimizer_step_runs_none_of_its_own_step_hooks_for_it():
+    """A closure loop whose batches come from no source tpkit sees stops inside the lead
+    optimizer's next ``step()``, before its update: its own step hooks, global (registered before
+    the slice) and the optimizer's, fire as often as in the same loop stopped by ``break`` after 7
+    iterations, and the parameters agree. tpkit's global pre-hook, where the stop is raised, had
+    run after the loop's global pre-hook, which fired once more (8 for 7)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(profiled: bool) -> tuple[dict, torch.nn.Module]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        fires: dict = {}
+
+        def count(name: str):  # noqa: ANN202
+            return lambda *_: fires.__setitem__(name, fires.get(name, 0) + 1)
+
+        handles = [register_optimizer_step_pre_hook(count("global pre")),
+                   register_optimizer_step_post_hook(count("global post")),
+                   opt.register_step_pre_hook(count("pre")), opt.register_step_post_hook(count("post"))]
+
+        def loop(limit: int | None = None) -> None:
+            steps = 0
+            while limit is None or steps < limit:
+                x, y = torch.randn(8, 8), torch.randn(8, 1)
+
+                def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = F.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+                steps += 1
+
+        try:
+            if profiled:
+                with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+                    loop()
+                assert len(prof.run.steps) == N and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+            else:
+                loop(N)
+        finally:
+            for h in handles:
+                h.remove()
+        return fires, model
+
+    truth_fires, truth = run(profiled=False)
+    fires, model = run(profiled=True)
+    assert truth_fires == {"global pre": N, "global post": N, "pre": N, "post": N}
+    assert fires == truth_fires
+    for a, b in zip(model.parameters(), truth.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
@@ -162,6 +163,7 @@ class PhaseProbe:
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
         self._handles: list[Any] = []
+        self._post_handle: Any = None  # the handle of tpkit's global optimizer step post-hook
         self._patched = Patches()
         self._fwd_gen = 0  # bumped when an early adoption is taken back: that thread's call no longer counts
         self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
@@ -258,8 +260,16 @@ class PhaseProbe:
                               f"a C compiler); it costs ~0.5 us a module call more in a warm "
                               f"loop and ~4 us inside a training step (1.3% of a 2-layer GPT-2 Trainer's "
                               f"step; docs/OVERHEAD.md, \"Module calls in C\")")
-            self._handles.append(_optim.register_optimizer_step_pre_hook(self._opt_pre))
-            self._handles.append(_optim.register_optimizer_step_post_hook(self._opt_post))
+            # torch runs the global step hooks in their table's order, before an optimizer's own
+            # pre-hooks and after its own post-hooks: tpkit's pre-hook goes to the front of its
+            # table and its post-hook stays at the back (``_opt_pre``), so the loop's own global
+            # hooks (registered before the slice: a 20 ms pre-hook had read other, 0.2 ms
+            # optimizer) are the step's time, and the stop raised in ``_opt_pre`` comes before them
+            pre = _optim.register_optimizer_step_pre_hook(self._opt_pre)
+            self._handles.append(pre)
+            _move_hook(pre, last=False)
+            self._post_handle = _optim.register_optimizer_step_post_hook(self._opt_post)
+            self._handles.append(self._post_handle)
             self._patched.set(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
             self._patched.set(torch.autograd, "grad", self._wrap_grad(torch.autograd.grad))
             self._patched.set(torch.optim.Optimizer, "zero_grad",
@@ -600,6 +610,7 @@ class PhaseProbe:
                 name = threading.current_thread().name
                 self.foreign_steps[name] = self.foreign_steps.get(name, 0) + 1
             return None
+        _move_hook(self._post_handle, last=True)  # a global post-hook the loop registered since
         if self.rec.stop_pending is not None and id(opt) == self.lead_optimizer:
             # the slice is full: the loop stops before the step that would end a step (another
             # optimizer's after the lead's, Muon's AdamW, is the iteration's tail)
@@ -1484,6 +1495,19 @@ def _dynamo_entry(frame: Any) -> bool:
     except Exception:  # noqa: BLE001 - a frame whose locals cannot be read: taken as compiled
         return True
     return not (disable is not None and isinstance(ctx, disable))
+
+
+def _move_hook(handle: Any, last: bool) -> None:
+    """Put the hook of ``handle`` (one of torch's global optimizer step hooks, kept in an ordered
+    table run front to back) at its table's back (``last``) or front. Its removal is unchanged
+    (by key); the others keep their order. Nothing is written when it is there already (a warm
+    loop pays one look at the table's end a step)."""
+    table = handle.hooks_dict_ref() if handle is not None else None
+    if not isinstance(table, OrderedDict) or handle.id not in table:
+        return
+    end = next(reversed(table)) if last else next(iter(table))
+    if end != handle.id:
+        table.move_to_end(handle.id, last=last)
 
 
 def _hook_recompiles(since_us: int) -> int:
