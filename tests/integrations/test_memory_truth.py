@@ -259,6 +259,88 @@ def test_a_layer_added_mid_slice_has_its_gradients_counted():
     assert _at_optimizer_enter(prof.run, "gradients") == [2 * layer] * 3 + [3 * layer] * 5
 
 
+def _grad_bytes(model: torch.nn.Module) -> int:
+    return sum({p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in model.parameters() if p.grad is not None}.values())
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "new_optimizer", "freeze"])
+def test_a_backbone_unfrozen_or_frozen_mid_slice_has_its_gradients_counted(how: str):
+    """Fine-tuning's next stage at step 8: a frozen backbone unfrozen, by ``requires_grad_(True)``
+    on parameters its optimizer holds already or with a new Adam over the whole model (or a
+    trained backbone frozen). At every ``step()`` the gradients are the ``.grad`` storages alive
+    after that step's backward: the unfrozen backbone's had read temporaries until the next
+    periodic look (10,280 B of 570,408, no note); a frozen one's absence left the head's read
+    0 B. Unfrozen, the 600 x 600 weights (1.44 MB) get tpkit's grad hook (a frozen parameter
+    cannot have one): at the peak the gradients are all of them."""
+    torch.manual_seed(0)
+    w = 600 if how == "new_optimizer" else 256
+    backbone = torch.nn.Sequential(torch.nn.Linear(32, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
+                                   torch.nn.Linear(w, w), torch.nn.ReLU())
+    model = torch.nn.Sequential(backbone, torch.nn.Linear(w, 10))
+    backbone.requires_grad_(how == "freeze")
+    opt = torch.optim.Adam(model[1].parameters() if how == "new_optimizer" else model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    truth = []
+    with tp.profile(steps=14, warmup=0, name="unfreeze", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            if i == 8:
+                backbone.requires_grad_(how != "freeze")
+                if how == "new_optimizer":
+                    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            F.cross_entropy(model(x), y).backward()
+            truth.append(_grad_bytes(model))
+            opt.step()
+            opt.zero_grad()
+    assert len(set(truth[:8])) == len(set(truth[8:14])) == 1 and truth[7] != truth[8]
+    assert _at_optimizer_enter(prof.run, "gradients") == truth[:14]
+    assert not any("could not be told" in n for n in prof.run.meta["notes"])
+    if how == "new_optimizer":
+        peak = prof.run.memory_peak()
+        assert dict(zip(peak["category"], peak["bytes"]))["gradients"] == truth[13] == 2_988_040
+
+
+class _Momentum(torch.optim.Optimizer):
+    """Heavy-ball SGD keeping its buffers outside ``opt.state``: in its parameter groups (as
+    some Muon/Shampoo ports do) or in a dict attribute keyed by parameter."""
+
+    def __init__(self, params, where: str) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": 0.01})
+        self.where, self.bufs = where, {}
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        for g in self.param_groups:
+            if self.where == "group" and "bufs" not in g:
+                g["bufs"] = [torch.zeros_like(p) for p in g["params"]]
+            for j, p in enumerate(g["params"]):
+                b = g["bufs"][j] if self.where == "group" else self.bufs.setdefault(p, torch.zeros_like(p))
+                b.mul_(0.9).add_(p.grad)
+                p.add_(b, alpha=-g["lr"])
+
+
+@pytest.mark.parametrize("where", ["group", "attr"])
+def test_optimizer_state_kept_outside_opt_state_is_optimizer_state(where: str):
+    """The buffers an optimizer keeps in its parameter groups or in an attribute of its own are
+    its state: at the end of every step, exactly their bytes (they had read other, 546,856 B,
+    optimizer_state 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    opt = _Momentum(model.parameters(), where)
+    x, y = torch.randn(16, 256), torch.randint(0, 10, (16,))
+    with tp.profile(steps=6, warmup=0, name="outside", progress=False, clock_hz=0) as prof:
+        for _ in range(100):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    bufs = opt.param_groups[0]["bufs"] if where == "group" else list(opt.bufs.values())
+    truth = sum(b.untyped_storage().nbytes() for b in bufs)
+    assert truth == 546_856
+    ends = across_steps(prof.run.memory, "cpu")
+    assert ends[ends["category"] == "optimizer_state"]["bytes"].tolist() == [truth] * 6
+    assert ends[ends["category"] == "other"]["bytes"].max() < truth
+
+
 def test_sparse_gradients_are_their_indices_and_values():
     """``nn.Embedding(sparse=True)`` with ``SparseAdam``: each step's gradient is a sparse
     tensor, its bytes those of its indices and its values (it has no storage of its own: it read

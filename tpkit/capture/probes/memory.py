@@ -469,6 +469,9 @@ _OWN = "tpkit"
 
 #: Values with no tensor inside: skipped before the (slower) ``UserDict`` check.
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+#: An optimizer's own attributes (``torch.optim.Optimizer.__init__``) that hold no state of its
+#: own: its state and groups are walked apart, its defaults are the groups' settings.
+_OPT_OWN_ATTRS = frozenset({"state", "param_groups", "defaults"})
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -603,6 +606,13 @@ class MemoryProbe:
         self._slots: dict[int, int] = {}  # id(parameter) -> slot
         self._slots_made = 0
         self._grad_hooks: list[Any] = []
+        self._hooked: set[int] = set()  # slots whose parameter has tpkit's post-accumulate-grad hook
+        # the CPU parameters of _params (weakly), and which of them required grad at the last look,
+        # with the _params_version it was read at (_trainable_changed)
+        self._cpu_params: list[weakref.ref[torch.Tensor]] = []
+        self._trainable: tuple[int, list[bool]] | None = None
+        self._outside_key: tuple[int, ...] = ()  # storages of the optimizer tensors outside opt.state last observed
+        self._outside_version = 0  # bumped when they changed (the walked known sets' key)
         self._seen_key: tuple[int, int] = (-1, -1)  # (models, optimizer parameters) last counted
         self._seen_opts = -1  # optimizers when last counted
         self._opt_key: tuple = ()
@@ -959,6 +969,11 @@ class MemoryProbe:
             n = self._grad_looks
             self._grad_looks += 1
             grads = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
+            if self._cpu_params and self._trainable_changed():
+                # parameters frozen or unfrozen (requires_grad switched, a new optimizer over the
+                # backbone): the gradients no longer follow the last look's pattern (an unfrozen
+                # backbone's had read temporaries, no note): look now and after the next passes
+                grads, self._grad_looks = True, 1
             if grads or self._known_sets_grew() or self._state_replaced:
                 if not grads and self._groups_grew:
                     # parameters added (add_param_group, a layer grown): so are gradients that no
@@ -1075,22 +1090,56 @@ class MemoryProbe:
         self._param_addresses = _addresses(self._live_params())
         self._params_new = True
         self._params_version += 1
+        self._cpu_params = [r for r, p in zip(self._params, params.values()) if p.is_cpu]
         for p in params.values():
-            if id(p) in self._slots:
-                continue
-            slot = self._slots[id(p)] = self._slots_made
-            self._slots_made += 1
-            try:
-                hookable = (p.is_cpu and p.requires_grad and p.is_leaf
-                            and _local(p).untyped_storage().nbytes() >= GRAD_HOOK_MIN_BYTES)
-            except Exception:
-                hookable = False
-            if hookable and self.cpu.active:
-                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, slot=slot: self._on_grad_set(slot)))
+            if id(p) not in self._slots:
+                self._slots[id(p)] = self._slots_made
+                self._slots_made += 1
+            self._hook_grad(p)
         for d in {t.device.index for t in [*params.values(), *buffers.values()] if t.device.type == "cuda"}:
             self._cuda_in_use.add(d or 0)
         return True
+
+    def _hook_grad(self, p: torch.Tensor) -> None:
+        """Give a CPU parameter of at least ``GRAD_HOOK_MIN_BYTES`` that requires grad tpkit's
+        post-accumulate-grad hook, once (a frozen one cannot have it: it gets it when unfrozen,
+        ``_trainable_changed``)."""
+        slot = self._slots[id(p)]
+        if slot in self._hooked or not self.cpu.active:
+            return
+        try:
+            hookable = (p.is_cpu and p.requires_grad and p.is_leaf
+                        and _local(p).untyped_storage().nbytes() >= GRAD_HOOK_MIN_BYTES)
+        except Exception:
+            hookable = False
+        if hookable:
+            self._hooked.add(slot)
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                lambda _p, slot=slot: self._on_grad_set(slot)))
+
+    def _trainable_changed(self) -> bool:
+        """At each look after a backward pass (once a step): whether the CPU parameters that
+        require grad are other ones than at the last look (a backbone unfrozen by
+        ``requires_grad_(True)``, with or without a new optimizer; layers frozen). Between two
+        looks at the gradients the replay finds them by the last look's pattern of sizes, as a
+        subsequence: an unfrozen backbone's gradients were left out of it (570,408 B of
+        gradients read 10,280 B for up to 16 steps, the rest temporaries, no note). Newly
+        trainable parameters get their grad hook here. One attribute read per CPU parameter
+        (none on a CUDA model): 25-33 us for 148 parameters on a 2-core VM at load 7, twice a
+        148-element list of id() there (docs/DESIGN_CHANGES.md)."""
+        self._refresh_params()  # a new optimizer over parameters not read yet
+        now = [p.requires_grad for r in self._cpu_params if (p := r()) is not None]
+        last, self._trainable = self._trainable, (self._params_version, now)
+        if last is None:
+            return False  # the first look: a look at the gradients anyway
+        if last[0] == self._params_version:
+            changed = last[1] != now
+        else:  # parameters read anew (one died, a layer replaced): as many trainable ones as before?
+            changed = sum(last[1]) != sum(now)
+        if changed:
+            for p in self._live_params():
+                self._hook_grad(p)
+        return changed
 
     def _params_moved(self) -> bool:
         """Whether a parameter read before holds other memory now: its ``.data`` was replaced
@@ -1215,6 +1264,40 @@ class MemoryProbe:
                         out += list(_tensors(v))
         return out
 
+    def _opt_outside_tensors(self) -> list[torch.Tensor]:
+        """Tensors an optimizer holds outside ``opt.state``: in its parameter groups (beside
+        ``params``: momentum buffers some Muon/Shampoo ports keep there, a tensor learning rate)
+        or in an attribute of its own (a dict of buffers keyed by parameter), parameters left
+        out. ``opt.state`` alone had left a momentum optimizer's buffers kept there read other
+        (546,856 B), optimizer_state 0 B. Walked at the looks at the gradients only
+        (``_scan_outside``), never per step."""
+        out: list[torch.Tensor] = []
+        params = self._known_ids
+        for opt in self.optimizers.live():
+            for group in opt.param_groups:
+                for key, v in group.items():
+                    if key != "params" and type(v) not in _PLAIN:
+                        out += (t for t in _tensors(v) if id(t) not in params)
+            for name, v in vars(opt).items():
+                if name not in _OPT_OWN_ATTRS and type(v) not in _PLAIN:
+                    out += (t for t in _tensors(v) if id(t) not in params)
+        return out
+
+    def _scan_outside(self) -> list[tuple[str, int, int, str, int]] | None:
+        """The storages of ``_opt_outside_tensors`` where they changed since the last scan (a
+        new version for the walked known sets), else None. The same number of them at new
+        addresses: an optimizer that makes them anew at its steps; observed at every look from
+        then on, as a state made anew (``_state_replaced``)."""
+        found = self._storages(self._opt_outside_tensors(), "optimizer_state")
+        key = tuple(ptr for _, ptr, _, _, _ in found)
+        if key == self._outside_key:
+            return None
+        if self._outside_key and len(key) == len(self._outside_key):
+            self._state_replaced = True
+        self._outside_key = key
+        self._outside_version += 1
+        return found
+
     def _opt_fingerprint(self) -> tuple:
         """Cheap: how many states, and the storages of the first and last parameter's state
         (optimizers update their state in place; a new state object changes this)."""
@@ -1235,6 +1318,8 @@ class MemoryProbe:
         boundary."""
         if not self._streaming():
             self._refresh_params()
+            if grads or final or self._state_replaced:
+                self._scan_outside()  # for the walked known sets (_known_sets)
             return
         items: list[Any] = []  # flat: ptr, bytes, category, slot, ...
 
@@ -1285,6 +1370,12 @@ class MemoryProbe:
                 self._state_replaced = True
             self._opt_key = fp
             add(self._storages(self._opt_state_tensors(), "optimizer_state"))
+        if grads or final or self._state_replaced:
+            outside = self._scan_outside()
+            if outside is None and final:
+                outside = self._storages(self._opt_outside_tensors(), "optimizer_state")
+            if outside:
+                add(outside)
         own = self.rec.own_tensors
         if len(own) > self._own_seen:
             add(self._storages(own[self._own_seen:], _OWN))
@@ -1310,11 +1401,13 @@ class MemoryProbe:
         boundary comes ten or more times a step: walking GPT-2 small's 148 took ~120 us each
         time here); the batch every time."""
         self._refresh_params()
-        key = (self._params_version, self._opt_fingerprint(), len(self.rec.own_tensors))
+        key = (self._params_version, self._opt_fingerprint(), len(self.rec.own_tensors), self._outside_version)
         if self._static_key != key:
             self._static_key = key
             items: list[tuple[torch.Tensor, str | None]] = [(p, "parameters") for p in self._live_params()]
             items += [(t, "optimizer_state") for t in self._opt_state_tensors()]
+            if self._outside_key:
+                items += [(t, "optimizer_state") for t in self._opt_outside_tensors()]
             items += [(b, None) for b in self._live_buffers()]
             items += [(t, _OWN) for t in self.rec.own_tensors]
             self._static_seen = set()
