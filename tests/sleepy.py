@@ -79,3 +79,33 @@ def registries() -> dict:
         "iter": dl.DataLoader.__dict__["__iter__"],
         "save": torch.save,
     }
+
+
+def tail_run(named: bool) -> tuple:
+    """A slice (4 steps + 1 warmup) with known sleeps: a forward of 20 ms, and 60 ms after each
+    optimizer.step() (a logger), inside ``tp.phase("logging")`` or not. Returns the run and the
+    loop's own clock around that code."""
+    import tpkit as tp
+
+    class Slow(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return super().forward(x)
+
+    model = Slow(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4)
+    tail: list[float] = []
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        for x in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            t = time.perf_counter()
+            if named:
+                with tp.phase("logging"):
+                    time.sleep(0.06)
+            else:
+                time.sleep(0.06)
+            tail.append(time.perf_counter() - t)
+    return prof.run, tail

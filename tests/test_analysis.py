@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
+import sleepy
 
 from tpkit.analysis import steps as analysis
 from tpkit.capture import build
@@ -176,3 +178,78 @@ def test_siblings_that_overlap_by_a_little_share_the_time_once():
     assert out.tpkit_s == pytest.approx(0.00032 - 0.0001)
     assert out.optimizer_s == pytest.approx(0.583 - 0.5829 + 0.0001)
     assert out.optimizer_s + out.offload_s + out.tpkit_s == pytest.approx(0.583)
+
+
+# -- where time outside every phase sits ----------------------------------------------------
+
+def test_a_phase_the_user_named_is_what_the_overhead_verdict_names():
+    """A phase the user named (``tp.phase("logging")``) takes ~3/4 of each step: its own time is
+    other_s (the steps table keeps its columns), and the summary and the verdict name it with its
+    share by the loop's clock. They had read "other 77%" and "77% of step time is outside every
+    known phase; Python between phases, logging, .item() syncs", no word of 'logging'."""
+    run, tail = sleepy.tail_run(named=True)
+    s = run.summary()
+    m = run.measured_steps
+    per_step = s.user_phase_share["logging"] * s.total_s / s.steps
+    assert per_step == pytest.approx(float(np.median(tail)), abs=0.005)  # the loop's clock, ~60 ms
+    assert s.user_phase_share["logging"] == pytest.approx(float(m["other_s"].sum()) / s.total_s, abs=0.03)
+    share = s.user_phase_share["logging"]
+    assert f"other {s.phase_share['other_s']:.0%} (of it your phase 'logging' {share:.0%})" in s.to_text()
+    assert s.verdict.kind == "overhead-bound"
+    assert s.verdict.evidence.endswith(f"of it your phase 'logging' {share:.0%}")
+    assert "'logging' is code you named with tp.phase" in s.verdict.advice and "every n steps" in s.verdict.advice
+    assert "Python between phases" not in s.verdict.text
+    assert ("your phase 'logging' share (in other)", pytest.approx(share * 100), "%") in \
+        list(s.to_frame().itertuples(index=False, name=None))
+
+
+def test_unnamed_time_after_the_update_is_placed_in_the_loops_tail():
+    """A logger's 60 ms after each optimizer.step(), no phase around it: the verdict says where in
+    the step the time sits (the loop's tail after the update), with its share, and advises to log
+    less often and to name the code with tp.phase; it had guessed "Python between phases,
+    logging, .item() syncs"."""
+    run, tail = sleepy.tail_run(named=False)
+    s = run.summary()
+    assert s.user_phase_share == {}
+    parts = analysis.other_parts(run.steps, run.spans)
+    place, frac = parts.top_place()
+    assert place == "tail" and frac > 0.9
+    other = s.phase_share["other_s"]
+    assert other * frac * s.total_s / s.steps == pytest.approx(float(np.median(tail)), abs=0.005)
+    assert s.verdict.evidence == (f"{other:.0%} of step time is outside every known phase, {other * frac:.0%} "
+                                  "after optimizer.step(), before the next batch is read")
+    assert "log and compute metrics less often" in s.verdict.advice
+    assert 'with tp.phase("name"):' in s.verdict.advice
+
+
+def test_other_parts_by_hand():
+    """Each instant no built-in phase covers is the innermost user phase's open there, else placed
+    between the built-in phases around it (tpkit's own spans are no place; a collector pause is no
+    user phase; collectives in flight behind compute cover nothing)."""
+    rows = []
+    for k, t in enumerate((0.0, 10.0)):
+        rows += [(k, "optimizer", t, t + 0.5, 0),       # zero_grad: the previous update's end
+                 (k, "logging", t + 0.5, t + 4.5, 0),    # the user's phase, 4 s...
+                 (k, "log_io", t + 1.0, t + 2.0, 1),     # ...1 s of it in a phase nested in it
+                 (k, "tpkit", t + 4.5, t + 4.6, 0),
+                 (k, "gc", t + 4.7, t + 4.8, 0),         # in the unnamed tail
+                 (k, "data_wait", t + 5.0, t + 6.0, 0),
+                 (k, "forward", t + 6.0, t + 8.0, 0),
+                 (k, "metrics", t + 6.5, t + 7.0, 1),    # a user phase inside forward: forward's
+                 (k, "backward", t + 8.5, t + 9.5, 0),   # 0.5 s between forward and backward
+                 (k, "optimizer", t + 9.5, t + 10.0, 0),
+                 (k, "comm_overlapped", t, t + 10.0, 0)]
+    bounds = pd.DataFrame({"step": [0, 1], "warmup": [False, False], "start_s": [0.0, 10.0],
+                           "end_s": [10.0, 20.0], "samples": [5, 5], "loss": [1.0, 1.0]})
+    steps = build.step_breakdown(spans(rows), bounds)
+    assert steps["other_s"].tolist() == pytest.approx([4.9, 4.9])
+    parts = analysis.other_parts(steps, spans(rows))
+    assert parts.phases == pytest.approx({"logging": 3.0 / 4.9, "log_io": 1.0 / 4.9})
+    assert parts.places == pytest.approx({"tail": 0.4 / 4.9, "forward_backward": 0.5 / 4.9})
+    s = analysis.summarize(steps, {"name": "x"}, spans=spans(rows))
+    assert s.user_phase_share == pytest.approx({"logging": 0.3, "log_io": 0.1})
+    assert s.verdict.evidence == ("49% of step time is outside every built-in phase, of it your phases "
+                                  "'logging' 30% and 'log_io' 10%")
+    assert "other 49% (of it your phases 'logging' 30% and 'log_io' 10%)" in s.to_text()
+    assert analysis.summarize(steps, {"name": "x"}).verdict.advice == analysis.GUESS  # no spans: as ever
+    assert analysis.other_parts(steps, None) is None

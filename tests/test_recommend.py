@@ -3,8 +3,11 @@ should not, and the numbers in its evidence and gain are right."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+import sleepy
 
 from tpkit.analysis import recommend as rc
 from tpkit.run import Run
@@ -587,3 +590,35 @@ def test_overhead_with_unknown_batch_still_advises_without_guessing():
     (r,) = rc.launch_bound(make_run(forward=0.03, backward=0.03, other=0.04, samples=0))
     assert r.knob == "batch_size" and r.action == {} and "not recorded" in r.title
     assert r.gain == pytest.approx(2 * 0.1 / (2 * 0.1 - 0.04))
+
+
+def test_a_phase_the_user_named_gets_advice_of_its_own_not_a_larger_batch():
+    """A phase the user named (``tp.phase("logging")``, 60 ms of a ~80 ms step by the loop's clock)
+    holds the time outside every phase: the advice speaks to that phase, with its time per step
+    and Amdahl's gain; "Double the batch" (a training hyperparameter, "77% ... is outside every
+    phase") had been the only advice."""
+    run, tail = sleepy.tail_run(named=True)
+    recs = rc.recommendations(run)
+    assert kinds(recs) == [("user-phase", "phase_interval")]
+    (r,) = recs
+    assert r.title == "Run your phase 'logging' less often, or make it cheaper" and r.action == {}
+    ms = float(re.search(r"\((\d+\.\d+) ms per step\)", r.evidence).group(1))
+    assert ms == pytest.approx(float(np.median(tail)) * 1e3, abs=5.0)  # the loop's clock
+    m = run.measured_steps
+    assert r.gain == pytest.approx(m["duration_s"].sum() / (m["duration_s"].sum() - ms / 1e3 * len(m)), rel=0.05)
+    assert f"about {rc.amdahl(1.0, (r.gain - 1) / r.gain, rc.LESS_OFTEN):.2f}x run every 10 steps" in r.expected_gain
+
+
+def test_unnamed_time_in_the_loops_tail_first_asks_to_log_less_often():
+    """A logger's 60 ms after each optimizer.step(), unnamed: the first advice is to log and compute
+    metrics less often and to name the tail with tp.phase, with that place's time; doubling the
+    batch (a fixed cost per step it is) comes after it, never first."""
+    run, tail = sleepy.tail_run(named=False)
+    recs = rc.recommendations(run)
+    assert kinds(recs) == [("overhead-tail", "log_interval"), ("launch-bound", "batch_size")]
+    first = recs[0]
+    assert 'with tp.phase("name"):' in first.title and "less often" in first.title
+    assert "is outside every phase after optimizer.step(), before the next batch is read (" in first.evidence
+    ms = float(re.search(r"\((\d+\.\d+) ms per step\)", first.evidence).group(1))
+    assert ms == pytest.approx(float(np.median(tail)) * 1e3, abs=5.0)
+    assert first.gain >= recs[1].gain

@@ -56,7 +56,7 @@ class Run:
         """The slice in numbers and words (``tpkit.analysis.steps.summarize``)."""
         from .analysis.steps import summarize
 
-        return summarize(self.steps, self.meta, clocks=self.clocks, memory=self.memory)
+        return summarize(self.steps, self.meta, clocks=self.clocks, memory=self.memory, spans=self.spans)
 
     def memory_peak(self, device: str | None = None) -> pd.DataFrame:
         """What was alive at the memory peak: one row per (device, category) with ``bytes``, and

@@ -46,6 +46,23 @@ FILE_LOAD = "file_load"
 FILE_LOAD_SOURCES: tuple[str, ...] = ("torch.load", "safetensors.torch.load_file", "safetensors.torch.load_model")
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
+#: The source of a span a user opened with ``tp.phase(name)`` (capture/slice.py).
+USER_PHASE_SOURCE = "tp.phase"
+
+
+def user_spans(spans: pd.DataFrame) -> pd.DataFrame:
+    """The spans of phases the user named (``tp.phase``): every span phase that is not a built-in
+    phase nor one tpkit writes beside them (``gc``, ``comm_overlapped``, and ``file_load`` from
+    its sources; a user's own ``tp.phase("file_load")`` is the user's). Their own time is
+    ``other_s`` (capture/build.py): analysis/steps.py ``other_parts`` names it."""
+    if spans.empty:
+        return spans
+    ph = spans["phase"]
+    tpkits = ph.isin((*BUILTIN_PHASES, GC_PHASE, COMM_OVERLAPPED)) | (
+        (ph == FILE_LOAD) & spans["source"].isin(FILE_LOAD_SOURCES))
+    return spans[~tpkits]
+
+
 #: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.
 PHASE_NAMES: dict[str, str] = {
     "data_wait": "waiting for data", "h2d": "copy to device", "forward": "forward", "backward": "backward",

@@ -36,7 +36,21 @@ from ..schema import MIB, PHASE_COLUMNS
 from .compare import clean_measured
 from .loader import CPU_BOUND_SHARE
 from .loader import MAX_WORKERS as MAX_LOADER_WORKERS
-from .steps import INPUT_LIMITED, INTERRUPTIONS, OPTIMIZER_BOUND, OVERHEAD_BOUND, measured
+from .steps import (
+    INPUT_LIMITED,
+    INTERRUPTIONS,
+    NAME_IT,
+    ONE_PLACE,
+    OPTIMIZER_BOUND,
+    OVERHEAD_BOUND,
+    PLACES,
+    TAIL_PLACES,
+    USER_PHASE_NAMED,
+    USER_PHASES_OF_OTHER,
+    OtherParts,
+    measured,
+    other_parts,
+)
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -62,6 +76,9 @@ MEMORY_CATEGORY_SHARE = 0.25
 LAUNCH_BOUND_P50_S = 0.002
 #: Time outside every phase above this share of step time.
 OVERHEAD_SHARE = OVERHEAD_BOUND
+#: Code run every step that could run every this many steps instead (logging, metrics): the
+#: gain quoted beside the whole time's removal.
+LESS_OFTEN = 10
 #: Assumed speedup of the host optimizer step from a fused kernel: conservative next to the
 #: ~4.9x measured from torch foreach to fused AdamW on 50M params (docs/MEASURED.md).
 FUSED_OPTIMIZER_FACTOR = 2.0
@@ -604,9 +621,51 @@ def throttled_clocks(run: "Run") -> list[Recommendation]:
     return [Recommendation("throttled", "power_limit", title, evidence, gain, speedup, "x", {})]
 
 
+def _other_where(t: _Totals, parts: OtherParts) -> list[Recommendation]:
+    """Time outside every phase held by phases the user named (``tp.phase``), or sitting in one
+    place of the step (analysis/steps.py ``other_parts``): advice on that code. Its knob is the
+    loop's own: named, not turned. Doubling the batch had been the only advice for a phase the user
+    named "logging" taking 77% of each step, and for a logger's 30 ms after each update."""
+    other_s = t.phase_s.get("other_s", 0.0)
+    if parts.named >= USER_PHASES_OF_OTHER:
+        out = []
+        for phase, frac in parts.phases.items():
+            if frac < USER_PHASE_NAMED:
+                continue
+            part = other_s * frac
+            s, less = t.speedup(part), t.speedup(part, LESS_OFTEN)
+            out.append(Recommendation(
+                "user-phase", "phase_interval", f"Run your phase '{phase}' less often, or make it cheaper",
+                f"your phase '{phase}' (tp.phase) takes {part / t.total_s:.0%} of {t.of} ({_ms(part / t.steps)} per "
+                "step), outside every built-in phase",
+                f"up to {s:.2f}x samples/s were its time gone; about {less:.2f}x run every {LESS_OFTEN} steps",
+                s, "x", {}))
+        return out
+    place, frac = parts.top_place()
+    if frac < ONE_PLACE:
+        return []
+    part = other_s * frac
+    where = PLACES[place][0] if place in PLACES else place
+    evidence = f"{part / t.total_s:.0%} of {t.of} is outside every phase {where} ({_ms(part / t.steps)} per step)"
+    s = t.speedup(part)
+    if place in TAIL_PLACES:
+        less = t.speedup(part, LESS_OFTEN)
+        return [Recommendation(
+            "overhead-tail", "log_interval", "Log and compute metrics less often: the time sits in the loop's tail "
+            f"after optimizer.step() (logging, metrics, an LR scheduler; {NAME_IT})", evidence,
+            f"up to {s:.2f}x samples/s were that time gone; about {less:.2f}x were it spent every {LESS_OFTEN} steps",
+            s, "x", {})]
+    return [Recommendation("overhead-place", "tp.phase", f"Find what runs {where}: {NAME_IT}, then make it cheaper",
+                           evidence, f"up to {s:.2f}x samples/s were that time gone", s, "x", {})]
+
+
 def launch_bound(run: "Run") -> list[Recommendation]:
     """Steps so short, or so full of time outside every phase, that fixed per-step costs
-    (kernel launches, Python) dominate: larger batches, and CUDA graphs on a GPU."""
+    (kernel launches, Python) dominate: larger batches, and CUDA graphs on a GPU.
+
+    Where phases the user named hold most of that time, the advice is theirs (``_other_where``),
+    not a larger batch; where it sits in one place of the step, the advice on that place comes
+    first (its gain is at least the larger batch's: that place holds half the time or more)."""
     t = _totals(run.steps, training=True)
     if t.steps == 0:
         return []
@@ -615,6 +674,10 @@ def launch_bound(run: "Run") -> list[Recommendation]:
     tiny = gpu and t.p50_s < LAUNCH_BOUND_P50_S
     if not tiny and other < OVERHEAD_SHARE:
         return []
+    parts = other_parts(run.steps, run.spans) if other >= OVERHEAD_SHARE else None
+    first = _other_where(t, parts) if parts is not None else []
+    if first and parts is not None and parts.named >= USER_PHASES_OF_OTHER and not tiny:
+        return first  # the user's own code: a larger batch is no answer to it
     knobs = _knobs(run.meta)
     cur = knobs.get("batch_size")
     batch = int(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) and cur > 0 \
@@ -630,7 +693,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
     # launch-bound step (o ~ d, a = 0) gains up to 2x.
     fixed = t.total_s if tiny else t.phase_s.get("other_s", 0.0)
     speedup = 2 * t.whole_s / (2 * t.total_s - fixed + t.away_s) if t.total_s > 0 else float("nan")
-    out = []
+    out = first
     gain = f"up to {speedup:.2f}x samples/s if the per-step overhead stays fixed"
     if batch:
         out.append(Recommendation("launch-bound", "batch_size", f"Double the batch ({batch} -> {batch * 2})",

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import PHASE_COLUMNS, UNCOUNTED_PHASES, VERDICTS
+from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, PHASE_NAMES, UNCOUNTED_PHASES, VERDICTS, user_spans
 from .memory import memory_notes, stream_note
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
@@ -80,6 +80,8 @@ class Summary:
     step_p50_s: float
     step_p95_s: float
     phase_share: dict[str, float] = field(default_factory=dict)  # column -> share of step time
+    #: phase the user named (tp.phase) -> share of step time of its own time, which is in ``other``
+    user_phase_share: dict[str, float] = field(default_factory=dict)
     data_stall_share: float = 0.0
     verdict: Verdict = field(default_factory=lambda: _verdict("no-steps", "no steps were measured"))
     notes: list[str] = field(default_factory=list)
@@ -88,6 +90,14 @@ class Summary:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def _in_other(self) -> str:
+        """``" (of it your phase 'logging' 77%)"``: the user's phases ``other`` holds."""
+        mine = [(p, v) for p, v in self.user_phase_share.items() if v >= 0.005]
+        if not mine:
+            return ""
+        return (f" (of it your phase{'s' if len(mine) > 1 else ''} "
+                + " and ".join(f"'{p}' {v:.0%}" for p, v in mine) + ")")
 
     def to_frame(self) -> pd.DataFrame:
         """One row per figure: ``figure, value, unit``."""
@@ -100,6 +110,7 @@ class Summary:
         ]
         rows += [(f"{c[:-2]} share", v * 100, "%") for c, v in self.phase_share.items()
                  if v > 0 or c == "data_wait_s"]
+        rows += [(f"your phase '{p}' share (in other)", v * 100, "%") for p, v in self.user_phase_share.items()]
         rows += _clock_rows(self.clocks)
         return pd.DataFrame(rows, columns=["figure", "value", "unit"])
 
@@ -111,7 +122,8 @@ class Summary:
             lines.append(f"  {self.steps} steps (+{self.warmup_steps} warmup), "
                          f"{_rate(self.throughput)}, step p50 {self.step_p50_s * 1e3:.2f} ms, "
                          f"p95 {self.step_p95_s * 1e3:.2f} ms")
-            shares = ", ".join(f"{c[:-2]} {v:.0%}" for c, v in self.phase_share.items() if v >= 0.005)
+            shares = ", ".join(f"{c[:-2]} {v:.0%}" + (self._in_other() if c == "other_s" else "")
+                               for c, v in self.phase_share.items() if v >= 0.005)
             lines.append(f"  time: {shares}")
         lines.append(f"  verdict: {self.verdict.text}")
         lines += [f"  {c}" for c in self.clock_lines]
@@ -151,6 +163,147 @@ WATCH_IT = ("wrap the loader in tp.watch(...), or the function that makes the ba
             "(get_batch = tp.watch(get_batch))")
 
 
+#: Phases the user named (``tp.phase``) holding at least this fraction of ``other`` are what the
+#: overhead verdict speaks of (their own time is other: capture/build.py).
+USER_PHASES_OF_OTHER = 0.5
+#: A user phase holding at least this fraction of ``other`` is named beside it in the summary.
+USER_PHASE_NAMED = 0.05
+#: Time outside every phase, none of it named, sits "in one place" of the step when one place
+#: (``other_parts``) holds at least this fraction of it.
+ONE_PLACE = 0.5
+#: What to do to have time outside every phase named.
+NAME_IT = 'wrap the suspect code in `with tp.phase("name"):` to have it named'
+#: Place of ``other`` time -> (where it is, what usually runs there and what to do). Other places
+#: are named by the built-in phases around them.
+PLACES: dict[str, tuple[str, str]] = {
+    "tail": ("after optimizer.step(), before the next batch is read",
+             "the loop's tail after the update (logging, metrics, an LR scheduler): log and compute metrics less "
+             f"often, and {NAME_IT}"),
+    "tail_forward": ("after optimizer.step(), before the next forward",
+                     "the loop's tail after the update (logging, metrics, an LR scheduler) and whatever reads the "
+                     f"next batch: log and compute metrics less often, and {NAME_IT}"),
+    "before_forward": ("after the batch is read, before the forward",
+                       f"preparing the batch (a transform, a copy tpkit does not see): {NAME_IT}"),
+    "forward_backward": ("between the forward and the backward",
+                         f"a loss or metrics computed outside the model, .item() syncs: {NAME_IT}"),
+    "backward_optimizer": ("between the backward and optimizer.step()",
+                           f"gradient clipping, a gradient norm, unscaling: {NAME_IT}"),
+}
+#: The places after the parameter update: the time there is the loop's tail (logging, metrics).
+TAIL_PLACES = ("tail", "tail_forward")
+_UPDATE = ("optimizer", "offload")
+
+
+@dataclass
+class OtherParts:
+    """Where the measured steps' ``other`` time (no built-in phase open) sits, each part as a
+    fraction of it: in phases the user named (``tp.phase``; ``other_s`` holds their own time), and,
+    for the rest, in which place of the step (``PLACES`` keys, else ``"after X, before Y"``)."""
+
+    phases: dict[str, float] = field(default_factory=dict)  # user phase -> fraction of other, largest first
+    places: dict[str, float] = field(default_factory=dict)  # place -> fraction of other, none named; largest first
+
+    @property
+    def named(self) -> float:
+        """The fraction of other the user's phases hold."""
+        return sum(self.phases.values())
+
+    def top_place(self) -> tuple[str, float]:
+        """The place holding the most unnamed other time, and its fraction of other."""
+        return next(iter(self.places.items()), ("", 0.0))
+
+
+def place_text(place: str) -> str:
+    """Where a place of ``other_parts`` is, in words."""
+    return PLACES[place][0] if place in PLACES else place
+
+
+def _place(prev: str, nxt: str) -> str:
+    """The place between the built-in phase that ended last (``prev``) and the next to start."""
+    if prev in _UPDATE and nxt in ("data_wait", ""):
+        return "tail"
+    if prev in _UPDATE and nxt in ("h2d", "forward"):
+        return "tail_forward"
+    if prev in ("data_wait", "h2d") and nxt == "forward":
+        return "before_forward"
+    if prev == "forward" and nxt == "backward":
+        return "forward_backward"
+    if prev == "backward" and nxt == "optimizer":
+        return "backward_optimizer"
+    if prev == nxt:
+        return f"between {PHASE_NAMES.get(prev, prev)} calls"
+    after = f"after {PHASE_NAMES.get(prev, prev)}" if prev else "at the slice's start"
+    return f"{after}, before {PHASE_NAMES.get(nxt, nxt)}" if nxt else f"{after}, at the slice's end"
+
+
+def _innermost(pts: np.ndarray, mid: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """For each piece between consecutive ``pts`` (middles ``mid``), the index of the span open
+    there that comes last (spans sorted by depth, then start: the innermost), or -1."""
+    owner = np.full(len(mid), -1)
+    if not len(starts):
+        return owner
+    order = np.argsort(starts, kind="stable")
+    if (starts[order][1:] >= ends[order][:-1]).all():  # no two overlap (the usual case): no painting
+        at = np.searchsorted(starts[order], mid, side="right") - 1
+        inside = (at >= 0) & (mid < ends[order][np.maximum(at, 0)])
+        owner[inside] = order[at[inside]]
+        return owner
+    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):  # the innermost painted last
+        owner[np.searchsorted(pts, a):np.searchsorted(pts, b)] = i
+    return owner
+
+
+def other_parts(steps: pd.DataFrame, spans: pd.DataFrame | None) -> OtherParts | None:
+    """Where the measured steps' time outside every built-in phase sits (``OtherParts``), from the
+    spans: each instant of the measured steps that no built-in span covers is the innermost user
+    phase's open there, else it is placed between the built-in phases around it (tpkit's own
+    spans skipped). None where no such time or no span was recorded (a hand-made frame).
+
+    A phase the user named takes 77% of a step: ``other_s`` holds it (capture/build.py keeps the
+    steps table's columns fixed), and the verdict had read "77% outside every known phase;
+    Python between phases, logging" with no word of that phase."""
+    m = measured(steps)
+    if m.empty or spans is None or spans.empty:
+        return None
+    w0, w1 = float(m["start_s"].min()), float(m["end_s"].max())
+    # every span, not only the measured steps': the first measured step's tail follows the last
+    # warmup step's update
+    s = spans[~spans["phase"].isin(UNCOUNTED_PHASES) & (spans["end_s"] > spans["start_s"])]
+    built = s[s["phase"].isin(BUILTIN_PHASES)]
+    users = user_spans(s).sort_values(["depth", "start_s"], kind="stable")
+    f64 = "float64"
+    bs, be = built["start_s"].to_numpy(f64), built["end_s"].to_numpy(f64)
+    us, ue = (np.clip(users[c].to_numpy(f64), w0, w1) for c in ("start_s", "end_s"))
+    pts = np.unique(np.clip(np.concatenate([bs, be, us, ue, [w0, w1]]), w0, w1))
+    lo, hi = pts[:-1], pts[1:]
+    mid, length = (lo + hi) / 2, hi - lo
+    # built-in spans open at each piece's middle: started before it less ended before it
+    free = np.searchsorted(np.sort(bs), mid) - np.searchsorted(np.sort(be), mid) <= 0
+    total = float(length[free].sum())
+    if total <= 0:
+        return None
+    owner = _innermost(pts, mid, us, ue)
+    named = free & (owner >= 0)
+    by_span = np.bincount(owner[named], weights=length[named], minlength=len(users))
+    phases = pd.Series(by_span, index=users["phase"].astype(str).to_numpy()).groupby(level=0).sum() / total
+    rest = free & (owner < 0)
+    # the built-in phases around each unnamed piece: the one ended last before it (the outermost
+    # among equals), the first started after it; tpkit's own spans are no place
+    ref = built[built["phase"] != "tpkit"]
+    by_end = ref.assign(_d=-ref["depth"]).sort_values(["end_s", "_d"], kind="stable")
+    by_start = ref.sort_values(["start_s", "depth"], kind="stable")
+    i_prev = np.searchsorted(by_end["end_s"].to_numpy(f64), lo[rest], side="right") - 1
+    i_next = np.searchsorted(by_start["start_s"].to_numpy(f64), hi[rest], side="left")
+    prev = np.append(by_end["phase"].astype(str).to_numpy(), "")[np.where(i_prev >= 0, i_prev, len(by_end))]
+    nxt = np.append(by_start["phase"].astype(str).to_numpy(), "")[i_next]
+    pairs = pd.DataFrame({"p": prev, "n": nxt, "s": length[rest]}).groupby(["p", "n"])["s"].sum()
+    places = pd.Series(pairs.to_numpy(), index=[_place(str(p), str(n)) for p, n in pairs.index]) \
+        .groupby(level=0).sum() / total
+    return OtherParts(
+        {str(k): float(v) for k, v in phases.sort_values(ascending=False).items() if v > 0},
+        {str(k): float(v) for k, v in places.sort_values(ascending=False).items() if v > 0})
+
+
 def batches_seen(steps: pd.DataFrame, meta: dict | None = None) -> bool:
     """Whether the slice saw any batch: a wait for one, or a batch handed out
     (``meta["batches_seen"]``). Samples are no sign where ``samples_per_step`` (or DeepSpeed's
@@ -164,12 +317,15 @@ def batches_seen(steps: pd.DataFrame, meta: dict | None = None) -> bool:
     return int(steps["samples"].sum()) > 0
 
 
-def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "") -> Verdict:
+def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
+            parts: OtherParts | None = None) -> Verdict:
     """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
     Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only.
     ``seen``: whether any batch was seen (``batches_seen``); if not, the advice says so.
     ``compiled``: the torch.compile'd function the whole step ran in (``meta["compiled_step"]``),
     whose forward and optimizer step tpkit cannot see: its ``other`` is that function's graphs.
+    ``parts``: where ``other`` sits (``other_parts``): an overhead verdict names the user's phases
+    that hold it, else the place of the step that does, and advises on that.
 
     What interrupts training inside the slice (evaluation, ``eval_s``; checkpoints written,
     ``save_s``) is judged first, the larger first; below its bound the other rules judge
@@ -187,9 +343,9 @@ def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "") -> 
                             f"the other shares are of training and {others} together")
     away = sum(share for share, _ in breaks)
     if away <= 0.0:
-        return _training_verdict(shares, seen, compiled)
+        return _training_verdict(shares, seen, compiled, parts)
     training = {c: v / (1 - away) for c, v in shares.items() if c not in INTERRUPTIONS}
-    v = _training_verdict(training, seen, compiled)
+    v = _training_verdict(training, seen, compiled, parts)
     if v.kind == "no-steps":
         return v
     evidence = v.evidence.replace("of step time", "of training time")
@@ -197,7 +353,8 @@ def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "") -> 
     return _verdict(v.kind, f"{evidence} ({left} of the step left out)", v.advice)
 
 
-def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str = "") -> Verdict:
+def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
+                      parts: OtherParts | None = None) -> Verdict:
     """The verdict's rules for training time."""
     data = shares.get("data_wait_s", 0.0)
     compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
@@ -229,14 +386,56 @@ def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str
                         "compile the model alone (torch.compile(model)) for its forward, backward and optimizer apart"
                         + ("" if seen else f"; {UNSEEN_LOADER}: {WATCH_IT}"))
     if shares.get("other_s", 0.0) >= OVERHEAD_BOUND:
-        return _verdict("overhead-bound", f"{shares['other_s']:.0%} of step time is outside every known phase",
-                        "Python between phases, logging, .item() syncs" if seen else
-                        f"{UNSEEN_LOADER}: {WATCH_IT}; else Python between phases, logging, .item() syncs")
+        return _overhead_verdict(shares["other_s"], seen, parts)
     if data >= INPUT_LIMITED:
         return _verdict("input-limited", f"data wait is {data:.0%} of step time (forward+backward {compute:.0%})",
                         "the loader almost keeps up: more workers are worth a try")
     return _verdict("compute-bound", f"forward+backward take {compute:.0%} of step time",
                     "the input pipeline keeps up" if seen else f"{UNSEEN_LOADER}: {WATCH_IT} to time it")
+
+
+#: The overhead verdict's advice where nothing says where ``other`` sits (no spans: a frame by hand).
+GUESS = "Python between phases, logging, .item() syncs"
+
+
+def your_phases(parts: OtherParts, other: float, least: float = USER_PHASE_NAMED) -> str:
+    """``"your phase 'logging' 77%"``: the user's phases holding at least ``least`` of ``other``
+    (a share of step time), with their shares of step time."""
+    named = [(p, f) for p, f in parts.phases.items() if f >= least]
+    if not named:
+        return ""
+    return (f"your phase{'s' if len(named) > 1 else ''} "
+            + " and ".join(f"'{p}' {other * f:.0%}" for p, f in named))
+
+
+def _overhead_verdict(other: float, seen: bool, parts: OtherParts | None) -> Verdict:
+    """OVERHEAD-BOUND, saying where the time outside every phase sits: in phases the user named
+    (``tp.phase``), else in one place of the step, else spread over it. A logger sleeping 30 ms
+    after each update, or a phase the user named "logging" taking 77% of each step, had both read
+    "outside every known phase; Python between phases, logging, .item() syncs"."""
+    evidence = f"{other:.0%} of step time is outside every known phase"
+    unseen = f"{UNSEEN_LOADER}: {WATCH_IT}"
+    if parts is None:
+        return _verdict("overhead-bound", evidence, GUESS if seen else f"{unseen}; else {GUESS}")
+    mine = [p for p, f in parts.phases.items() if f >= USER_PHASE_NAMED]
+    if parts.named >= USER_PHASES_OF_OTHER and mine:
+        names = " and ".join(f"'{p}'" for p in mine)
+        advice = (f"{names} {'is' if len(mine) == 1 else 'are'} code you named with tp.phase, which tpkit counts "
+                  "as other: if it runs every step (logging, metrics), run it every n steps instead; else make it "
+                  "cheaper, nesting tp.phase inside it to find the part that takes the time")
+        return _verdict("overhead-bound", f"{other:.0%} of step time is outside every built-in phase, of it "
+                        f"{your_phases(parts, other)}", advice if seen else f"{advice}; {unseen}")
+    yours = your_phases(parts, other)
+    yours = f" ({yours})" if yours else ""
+    place, frac = parts.top_place()
+    if frac >= ONE_PLACE:
+        where, what = PLACES.get(place, (place, NAME_IT))
+        return _verdict("overhead-bound", f"{evidence}, {other * frac:.0%} {where}{yours}",
+                        what if seen else f"{unseen}; else {what}")
+    spread = ", ".join(f"{place_text(p)} {other * f:.0%}" for p, f in list(parts.places.items())[:3])
+    advice = f"{GUESS}: {NAME_IT}"
+    return _verdict("overhead-bound", f"{evidence}, spread over the step ({spread}){yours}",
+                    advice if seen else f"{unseen}; else {advice}")
 
 
 def _clock_rows(clocks: dict) -> list[tuple]:
@@ -272,11 +471,13 @@ def first_step_note(m: pd.DataFrame, warmup_steps: int) -> str | None:
 
 
 def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None,
-              memory: pd.DataFrame | None = None) -> Summary:
+              memory: pd.DataFrame | None = None, spans: pd.DataFrame | None = None) -> Summary:
     """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did,
-    with ``memory`` (``run.memory``) it notes memory that keeps growing from step to step."""
+    with ``memory`` (``run.memory``) it notes memory that keeps growing from step to step, with
+    ``spans`` (``run.spans``) it names the user's phases in ``other`` and where the rest of it sits."""
     m = measured(steps)
     shares = phase_shares(m)
+    parts = other_parts(steps, spans) if spans is not None and shares.get("other_s", 0.0) > 0 else None
     total = float(m["duration_s"].sum()) if not m.empty else 0.0
     samples = int(m["samples"].sum()) if not m.empty else 0
     dur = m["duration_s"].to_numpy() if not m.empty else np.array([])
@@ -292,7 +493,8 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         step_p95_s=float(np.percentile(dur, 95)) if dur.size else float("nan"),
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
-        verdict=verdict(shares, batches_seen(steps, meta), str(meta.get("compiled_step") or "")),
+        user_phase_share={p: f * shares["other_s"] for p, f in parts.phases.items()} if parts else {},
+        verdict=verdict(shares, batches_seen(steps, meta), str(meta.get("compiled_step") or ""), parts),
         notes=list(meta.get("notes", [])),
     )
     first = first_step_note(m, out.warmup_steps)

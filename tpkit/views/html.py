@@ -188,9 +188,9 @@ def _summary(run: "Run") -> "analysis.Summary":
     """``summarize`` with clocks and memory; a clock analysis that fails on odd rows costs
     the clock lines only (said in a note), never the summary."""
     try:
-        return analysis.summarize(run.steps, run.meta, run.clocks, run.memory)
+        return analysis.summarize(run.steps, run.meta, run.clocks, run.memory, run.spans)
     except Exception as e:  # noqa: BLE001 - the rest of the summary still stands
-        s = analysis.summarize(run.steps, run.meta, None, run.memory)
+        s = analysis.summarize(run.steps, run.meta, None, run.memory, run.spans)
         s.notes.append(f"clock summary unavailable ({type(e).__name__}: {e})")
         return s
 
