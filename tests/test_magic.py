@@ -256,3 +256,143 @@ def test_closure_loop_under_the_magic_charges_forward_not_optimizer(ip, one_thre
         assert abs(got - want) <= 0.15 * want, (list(run.steps["forward_s"]), model.seconds)
     assert (run.steps["optimizer_s"] < 0.5 * run.steps["forward_s"]).all()
     assert run.summary().verdict.kind != "optimizer-bound"
+
+
+# -- a magic inside the profiled cell ------------------------------------------------------------
+# The slice stops the loop with StopSlice (tpkit/errors.py). A magic that runs its cell through
+# shell.run_cell (%%capture, a user's own) catches every exception and shows it; one that runs the
+# cell itself (%%time) reports after it, which the exception skips.
+
+
+class _Seen:
+    """The tracebacks the shell shows, by exception type."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+
+    def __call__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - IPython's showtraceback
+        import sys
+
+        self.shown.append(type(sys.exc_info()[1]).__name__)
+
+
+@pytest.fixture
+def shown(ip, monkeypatch):
+    import sys
+
+    seen = _Seen()
+    monkeypatch.setattr(ip, "showtraceback", seen)
+    sys.last_value = None  # IPython's record of the last error shown (set again at each one)
+    return seen
+
+
+def test_capture_inside_the_profiled_cell_shows_no_stop_and_captures_the_loop(ip, shown):
+    import sys
+
+    cell = "%%capture cap\n" + LOOP + "    print('step', iterations)\nprint('after the loop')\n"
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 3 --warmup 1 --quiet --name capin", cell)
+    run = tp.last_run()
+    assert run.name == "capin" and run.complete and run.meta["stopped_by"] == "slice" and len(run.steps) == 4
+    assert ip.user_ns["iterations"] == 4  # stopped at its 5th batch
+    # the cell succeeded: no traceback shown (the terminal shell prints it into the capture, the
+    # kernel sends it as the cell's error output), nothing left as the last error
+    assert shown.shown == [] and sys.last_value is None
+    assert ip.user_ns["cap"].stdout.splitlines() == ["step 1", "step 2", "step 3", "step 4"]
+    assert "StopSlice" not in cap.stdout and "StopSlice" not in ip.user_ns["cap"].stdout
+    assert "tpkit: the slice's stop" not in cap.stdout  # nothing was cut
+    # the other order (which worked before): the summary is captured, the run the same
+    with capture_output():
+        ip.run_cell("%%capture cap\n%%tp_profile --steps 3 --warmup 1 --quiet --name capout\n" + LOOP)
+    assert tp.last_run().name == "capout" and len(tp.last_run().steps) == 4 and shown.shown == []
+    assert "tpkit run 'capout'" in ip.user_ns["cap"].stdout
+
+
+def test_time_inside_the_profiled_cell_says_its_report_was_cut_and_where_to_put_it(ip, shown):
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --name timein", "%%time\n" + LOOP)
+    assert tp.last_run().name == "timein" and tp.last_run().complete and ip.user_ns["iterations"] == 2
+    assert "Wall time" not in cap.stdout  # %%time's report: the exception skips it (IPython's code)
+    said = [line for line in cap.stdout.splitlines() if line.startswith("tpkit: the slice's stop")]
+    assert said == ["tpkit: the slice's stop ended the loop inside %%time with an exception (StopSlice) that %%time "
+                    "does not catch, so what %%time does after running its cell (its report) did not run; put %%time "
+                    "above %%tp_profile to have it"]
+    assert shown.shown == []
+    # above %%tp_profile, %%time reports, and tpkit says nothing
+    with capture_output() as cap:
+        ip.run_cell("%%time\n%%tp_profile --steps 2 --warmup 0 --quiet --name timeout\n" + LOOP)
+    assert tp.last_run().name == "timeout" and "Wall time" in cap.stdout
+    assert "tpkit: the slice's stop" not in cap.stdout and shown.shown == []
+    # a loop that ends before the slice is full is never stopped: %%time inside reports, no line
+    short = LOOP.replace("for batch in loader:", "for _, batch in zip(range(2), loader):")
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 5 --warmup 0 --quiet --name timeshort", "%%time\n" + short)
+    assert "Wall time" in cap.stdout and "tpkit: the slice's stop" not in cap.stdout
+    # a line magic on the cell's first line is not the whole cell: the stop cuts nothing of it
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet", "%time x = 1\n" + LOOP)
+    assert "Wall time" in cap.stdout and "tpkit: the slice's stop" not in cap.stdout
+    # the line magic form: the statement is the magic
+    ip.user_ns["train"] = lambda: exec(LOOP, ip.user_ns)  # noqa: S102 - the test's own loop
+    with capture_output() as cap:
+        ip.run_line_magic("tp_profile", "--steps 2 --warmup 0 --quiet %time train()")
+    assert "Wall time" not in cap.stdout and "ended the loop inside %time with" in cap.stdout
+
+
+def test_a_users_own_cell_magic_inside_the_profiled_cell(ip, shown):
+    from IPython.core.magic import register_cell_magic
+
+    @register_cell_magic
+    def through_run_cell(line: str, cell: str) -> None:
+        result = ip.run_cell(cell)
+        print("through_run_cell done, success:", result.success)
+
+    @register_cell_magic
+    def runs_it_itself(line: str, cell: str) -> None:
+        exec(cell, ip.user_ns)  # noqa: S102 - the test's own cell
+        print("runs_it_itself done")
+
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --name mine1", "%%through_run_cell\n" + LOOP)
+    assert tp.last_run().complete and ip.user_ns["iterations"] == 2 and shown.shown == []
+    # the magic's own code after the cell runs; its cell did not succeed: the slice stopped it
+    assert "through_run_cell done, success: False" in cap.stdout and "tpkit: the slice's stop" not in cap.stdout
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --name mine2", "%%runs_it_itself\n" + LOOP)
+    assert tp.last_run().complete and shown.shown == [] and "runs_it_itself done" not in cap.stdout
+    assert "ended the loop inside %%runs_it_itself with an exception (StopSlice)" in cap.stdout
+
+
+class _MineError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("ending", ["", "    if iterations == 1: raise RuntimeError('boom')\n",
+                                    "    if iterations == 1: raise KeyboardInterrupt\n"])
+def test_the_shells_custom_exception_handlers_are_kept_and_put_back(ip, shown, ending):
+    """IPython's custom exception slot holds the user's handler for its exceptions during the slice,
+    and is as before after it, whether the cell ends by the slice's stop, an error or Ctrl-C."""
+    handled: list[str] = []
+
+    def mine(shell, etype, value, tb, tb_offset=None) -> list[str]:  # noqa: ANN001
+        handled.append(str(value))
+        return []
+
+    ip.set_custom_exc((_MineError,), mine)
+    ip.user_ns["_MineError"] = _MineError
+    types_before, handler_before = ip.custom_exceptions, ip.CustomTB
+    try:
+        cell = LOOP + "    get_ipython().run_cell('raise _MineError(iterations)')\n" + ending
+        with capture_output():
+            ip.run_cell("%%tp_profile --steps 2 --warmup 0 --quiet\n" + cell)
+        assert ip.custom_exceptions == types_before and ip.CustomTB is handler_before
+        assert tp.last_run().meta["stopped_by"] == ("error" if "boom" in ending else "interrupt" if ending else "slice")
+        # the user's handler saw its exception in each iteration; the cell's error (only) was shown
+        assert handled == (["1"] if ending else ["1", "2"])
+        assert shown.shown == (["RuntimeError"] if "boom" in ending else ["KeyboardInterrupt"] if ending else [])
+        # and a StopSlice raised outside a slice is shown as any exception again
+        with capture_output():
+            ip.run_cell("from tpkit.errors import StopSlice\nraise StopSlice()")
+        assert shown.shown[-1] == "StopSlice"
+    finally:
+        ip.set_custom_exc((), None)

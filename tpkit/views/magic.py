@@ -18,9 +18,10 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from ..capture.interrupts import held_sigint
 from ..capture.recorder import active
 from ..capture.slice import Profile, SliceConfig, last_run
-from ..errors import TpkitError
+from ..errors import StopSlice, TpkitError
 
 
 def _warmup(value: str) -> "int | Literal['auto']":
@@ -96,25 +97,42 @@ class TpkitMagics(Magics):
         # steps"), and the fixed cell was then stored as '<name>-2'. The SyntaxError is Python's
         # own, raised with no run (IPython shows its line and caret).
         compiled = compile(code, filename, "exec")
+        inner = _inner_magic(cell)
         if kernels == "ab":
-            return self._run_ab(config, compiled, save_dir)
+            return self._run_ab(config, compiled, save_dir, inner)
         with _kernels_mode(kernels, self.ip.user_ns) as swaps:
             if kernels is not None:
                 config = _with_kernels(config, kernels, swaps)
-            run, error = self._run(config, compiled)
+            run, error = self._run(config, compiled, inner)
         if run is not None:
             self._show(run, config, save_dir, compare_with=[previous] if previous is not None else [])
         if error is not None:
             raise error
 
-    def _run(self, config: SliceConfig, code: CodeType) -> tuple[Any, BaseException | None]:
-        """Run the cell's compiled code as one slice; the Run (partial on error) and the error."""
+    def _run(self, config: SliceConfig, code: CodeType, inner: str | None = None) -> tuple[Any, BaseException | None]:
+        """Run the cell's compiled code as one slice; the Run (partial on error) and the error.
+
+        ``inner``: the magic the whole cell is (``%%time`` under ``%%tp_profile``), if any.
+        The slice's stop (``StopSlice``) ends the loop by unwinding it; a magic that runs its
+        cell through ``shell.run_cell`` (``%%capture``) had shown it as an error in a cell that
+        succeeded, and one that runs the cell itself and reports after it (``%%time``,
+        ``%%timeit``, ``%%prun``) lost its report without a word. The first is kept from showing
+        it (``_stop_not_shown``); for the second a line says what happened and what to do."""
         prof = Profile(config)
+        cut = False
         try:
-            with prof:
-                exec(code, self.ip.user_ns)  # noqa: S102 - the user's own cell
+            with _stop_not_shown(self.ip), prof:
+                try:
+                    exec(code, self.ip.user_ns)  # noqa: S102 - the user's own cell
+                except StopSlice:
+                    cut = True  # through the inner magic, if any: what it does after its cell did not run
+                    raise
         except BaseException as e:  # shown with the partial run, then re-raised by the caller
             return prof.run, e
+        if cut and inner is not None:
+            print(f"tpkit: the slice's stop ended the loop inside {inner} with an exception (StopSlice) that {inner} "
+                  f"does not catch, so what {inner} does after running its cell (its report) did not run; put "
+                  f"{inner} above %%tp_profile to have it")
         return prof.run, None
 
     def _show(self, run: Any, config: SliceConfig, save_dir: str | None, compare_with: list, ab: Any = None) -> None:
@@ -129,11 +147,11 @@ class TpkitMagics(Magics):
         else:
             print(ab.to_text() if ab is not None else run.summary().to_text())
 
-    def _run_ab(self, config: SliceConfig, code: CodeType, save_dir: str | None) -> None:
+    def _run_ab(self, config: SliceConfig, code: CodeType, save_dir: str | None, inner: str | None = None) -> None:
         from ..capture.ab import run_ab
 
         def run_slice(name: str, knobs: dict[str, Any]) -> Any:
-            run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code)
+            run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code, inner)
             if error is not None:
                 if run is not None:
                     self._show(run, config, None, [])
@@ -271,6 +289,44 @@ def _say_where_stored(run: Any) -> None:
     else:
         print(head + f"{given!r} means {found.name!r}, which started later; this one is '{given}~{mine[0]}' "
               "(tp.runs() lists the name that loads each run)")
+
+
+def _inner_magic(cell: str) -> str | None:
+    """The magic the whole cell is, as IPython reads it (``'%%time'``, ``'%time'``), or None.
+
+    A cell magic is a cell whose first line, after leading blank lines, starts with ``%%``
+    (IPython's input transformers); a line magic is the whole cell only when the cell is that
+    one line (the statement of ``%tp_profile %time train()``)."""
+    lines = [line for line in cell.splitlines() if line.strip()]
+    found = re.match(r"(%%?)([\w.]+)", lines[0].strip()) if lines else None
+    if found is None or (found.group(1) == "%" and len(lines) > 1):
+        return None
+    return found.group(0)
+
+
+@contextmanager
+def _stop_not_shown(shell: Any) -> Iterator[None]:
+    """While the slice runs, IPython's ``run_cell`` (``run_code``) shows no ``StopSlice``: a magic
+    inside the cell that runs its cell through it (``%%capture``, a user's own) catches every
+    exception and shows it, and the slice's stop read as an error with a traceback through
+    tpkit, in a cell that succeeded (and in ``sys.last_value``). It is IPython's custom exception
+    slot (``set_custom_exc``): the handlers already there are kept for their exceptions, and the
+    slot is put back as it was on every way out, unless the cell set its own meanwhile."""
+    types_before, handler_before = shell.custom_exceptions, shell.CustomTB
+
+    def handler(etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
+        if issubclass(etype, StopSlice):
+            return None  # the inner run_cell ends there, as the loop does: nothing to show
+        return handler_before(etype, value, tb, tb_offset=tb_offset)
+
+    shell.custom_exceptions, shell.CustomTB = (*types_before, StopSlice), handler
+    try:
+        yield
+    finally:
+        with held_sigint():  # a Ctrl-C here would leave the slot half restored
+            if shell.CustomTB is handler:
+                shell.custom_exceptions = types_before
+                shell.CustomTB = handler_before
 
 
 def _split_statement(magic: Any, line: str) -> tuple[str, str]:
