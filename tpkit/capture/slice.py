@@ -691,8 +691,8 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
         rec.note(f"{several} optimizers stepped; steps end at tp.step() (once it is called, no "
                  "optimizer's step() ends one)")
     elif several > 1 and not probe.steps_in_backward:  # (its note says how steps end then)
-        rec.note(f"{several} optimizers stepped; steps end at the first one's step(), and a "
-                 "step's loss is everything backpropagated since the previous one (with the first optimizer "
+        rec.note(f"{several} optimizers stepped; steps end at {probe.lead_phrase()}, and a "
+                 "step's loss is everything backpropagated since the previous one (with that optimizer "
                  "stepping before the others' backward, a step holds their losses of the iteration before)")
     probe.claim_parts()
     for text in probe.notes():

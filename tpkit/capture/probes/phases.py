@@ -11,8 +11,10 @@ What is hooked, and why this way:
   physics-informed model differentiating its output in its forward, a second-order optimizer).
 - optimizer: torch's global optimizer step pre/post hooks, plus ``Optimizer.zero_grad`` and
   ``Module.zero_grad``. The post hook of the *lead* optimizer (the first one that steps)
-  ends a step, unless the user marks steps with ``tp.step()``. A new optimizer takes the lead
-  where it replaces the lead (``_replaces_lead``: fine-tuning's next stage).
+  ends a step, unless the user marks steps with ``tp.step()``. Another optimizer takes the lead
+  where it replaces the lead (``_replaces_lead``: fine-tuning's next stage), or where it steps
+  twice with a batch read between and no step of the lead's (it steps once per iteration, the
+  lead less often).
 - data_wait: ``__next__`` of torch's DataLoader iterators and ``DataLoader.__iter__`` (where
   workers start; torchdata's ``StatefulDataLoader`` too, ``LOADER_STARTS``); tpkit's loader
   and ``tp.watch`` report themselves. The batch's leading dimension counts the step's samples
@@ -67,7 +69,7 @@ import torch.utils.data.dataloader as _dl
 from ...errors import StopSlice
 from ...schema import FILE_LOAD, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
-from ..recorder import Recorder, WeakRegistry
+from ..recorder import SPAN_FIELDS, Recorder, WeakRegistry
 from . import batches, loss_sums, module_calls
 from .batches import forward_identity, handed_out, loader_dataset, loader_key, loader_settings
 from .compiling import compiling, skip_own_frames, skipped_by_dynamo, watch_sessions
@@ -154,7 +156,41 @@ def _leaves_host(args: tuple, kwargs: dict) -> bool:
     return torch.device(dev).type != "cpu"
 
 
-_STOPPED = "it updates parameters"  # ``_replaces_lead``'s reason for a replacement decided at its second step
+class _LeadChange:
+    """One change of the optimizer whose step() ends the steps (``PhaseProbe._replaces_lead``),
+    kept until the notes are written: whether the old lead stepped again after it is known only
+    then (a replacement steps no more; one stepping less often than the new lead goes on)."""
+
+    __slots__ = ("step", "new", "old", "freed", "shared", "batch_between", "later", "merged")
+
+    def __init__(self, step: int, new: str, old: str, freed: bool = False, shared: bool = False,
+                 batch_between: bool = False) -> None:
+        self.step = step  # the raw step the change ended (its new lead's step() ended it)
+        self.new, self.old = new, old  # the optimizers' types
+        self.freed = freed  # the old lead was garbage collected
+        self.shared = shared  # the new lead holds a parameter of the old one's
+        self.batch_between = batch_between  # a batch was handed out between the new lead's two step() calls
+        self.later = 0  # the old lead's step() calls after the change
+        self.merged = False  # the step the change ended holds more iterations than the one before it
+
+
+def _tail_counts(flat: list, stride: int, step_at: int, step: int, phase: str | None = None) -> tuple[int, int]:
+    """How many records of a flat per-step table (the Recorder's handouts or spans: ``stride``
+    values each, the raw step at ``step_at``; spans of ``phase`` alone) belong to raw step
+    ``step`` and to the one before it, read from the end (those are the newest)."""
+    now = before = 0
+    i = len(flat) - stride
+    while i >= 0:
+        s = flat[i + step_at]
+        if s < step - 1:
+            break
+        if phase is None or flat[i] == phase:
+            if s == step:
+                now += 1
+            elif s == step - 1:
+                before += 1
+        i -= stride
+    return now, before
 
 
 class PhaseProbe:
@@ -185,10 +221,15 @@ class PhaseProbe:
         self._lead_ref: weakref.ref | None = None  # the lead itself: its parameters, whether it lives
         self._lead_params: set[int] = set()  # ids of its parameters
         self._lead_steps = 0  # the lead's step() calls (``_replaces_lead`` asks whether it still steps)
-        self._lead_rivals: weakref.WeakSet = weakref.WeakSet()  # others that never take the lead (``_replaces_lead``)
+        # others holding none of the lead's parameters, and the lead it replaced: they take the lead only by
+        # stepping more often than it (``_replaces_lead``)
+        self._lead_rivals: weakref.WeakSet = weakref.WeakSet()
         self._lead_sharers: weakref.WeakSet = weakref.WeakSet()  # others sharing a parameter with the lead
         self._sharer_at: int | None = None  # the lead's step() count at the last step() of any of them
-        self.lead_changes: list[tuple[int, str, str]] = []  # (raw step, new lead's type, why)
+        # every other optimizer's last step(): (the lead's step() count, len(rec.handouts)) then
+        self._rival_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # old lead -> its _LeadChange
+        self.lead_changes: list[_LeadChange] = []
         self.optimizers: dict[int, str] = {}
         self._stepping = WeakRegistry()  # the loop's optimizers, held weakly, in the order they first stepped
         self._paused = False  # a trainer's search or launcher runs (``SEARCHES``, ``LAUNCHERS``): the loop is not followed
@@ -666,10 +707,13 @@ class PhaseProbe:
         self._opt_posts += 1
         self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
         if id(opt) != self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
-            why = self._replaces_lead(opt)
-            if why is not None:
-                self.lead_changes.append((self.rec.step_index, type(opt).__name__, why))
-                self._run_optimizers.discard(self.lead_optimizer or 0)  # it steps no more
+            change = self._replaces_lead(opt)
+            if change is not None:
+                self.lead_changes.append(change)
+                old = self._lead_ref() if self._lead_ref is not None else None
+                if old is not None:
+                    self._replaced[old] = change  # its later step() calls are counted there
+                self._run_optimizers.discard(self.lead_optimizer or 0)  # back at its next step(), if any
                 self.rec.optimizer_count = len(self._run_optimizers)
                 self._set_lead(opt)
                 self._sharer_at = self._lead_steps + 1  # its own step, counted below: a sharer's last
@@ -699,59 +743,123 @@ class PhaseProbe:
         self._lead_rivals = weakref.WeakSet([old] if old is not None else [])
         self._lead_sharers = weakref.WeakSet()
         self._sharer_at = None
+        self._rival_at = weakref.WeakKeyDictionary()
 
-    def _replaces_lead(self, opt: torch.optim.Optimizer) -> str | None:
-        """Why ``opt``, another optimizer than the lead, stepping on its own (not inside another's
-        step: SAM's or Lookahead's base optimizer), takes the lead now; None: it does not. A loop
-        that makes a new optimizer partway (fine-tuning: the head first, then everything; a head
-        replaced, with its optimizer) steps the old one no more: its steps had ended no step (30
-        step() calls read 3 steps, "the loop ended before the slice was full"). Either the lead
-        is gone, or ``opt`` steps a parameter the lead holds (asked once) and the lead did not step
-        between ``opt``'s last step and this one: optimizers that step side by side (a GAN's D
-        and G, a WGAN critic's n steps per generator step, Muon and AdamW, one per parameter in
-        gradient hooks) hold parameters of their own, and those that share some with the lead
-        and step beside it (a multi-task loop's per-task optimizers over a shared encoder, a
-        Reptile-style meta step after inner steps) see the lead step between theirs, so the lead
-        keeps ending the steps however often the others step. Taking the lead at its first
-        step had swapped it inside the first iteration of such loops (a half-iteration step of
-        0 samples). The price: a replacement's first step() ends no step, so its first
-        iteration and its second are one step (said in ``notes()``)."""
+    def _replaces_lead(self, opt: torch.optim.Optimizer) -> _LeadChange | None:
+        """Whether ``opt``, another optimizer than the lead, stepping on its own (not inside another's
+        step: SAM's or Lookahead's base optimizer), takes the lead now (the change, for the notes);
+        None: it does not. The lead is meant to be the optimizer that steps once per iteration.
+
+        A loop that makes a new optimizer partway (fine-tuning: the head first, then everything; a
+        head replaced, with its optimizer) steps the old one no more: its steps had ended no step
+        (30 step() calls read 3 steps, "the loop ended before the slice was full"). So ``opt`` takes
+        the lead where the lead is gone, or where ``opt`` steps a parameter the lead holds (asked
+        once) and the lead did not step between ``opt``'s last step and this one. Optimizers that
+        step side by side (a GAN's D and G, Muon and AdamW, one per parameter in gradient hooks)
+        hold parameters of their own, and those that share some with the lead and step beside it
+        (a multi-task loop's per-task optimizers over a shared encoder, a Reptile-style meta step
+        after inner steps) see the lead step between theirs, so the lead keeps ending the steps.
+        Taking the lead at its first step had swapped it inside the first iteration of such loops
+        (a half-iteration step of 0 samples). The price: the new lead's first step() ends no step,
+        so its first iteration and its second may be one step (said in ``notes()``).
+
+        An optimizer of parameters of its own takes the lead where it steps twice with a batch
+        handed out between and no step of the lead's: the lead steps less often than once an
+        iteration (a slow optimizer stepped every 4th iteration before the one stepping every
+        iteration, whose first step() came after it: one step had held 4 iterations), or no
+        more (a stage switching to other parameters). A batch read, not a forward, tells the
+        iterations apart: a GAN's G stepped twice per iteration (a forward between) keeps D, which
+        steps once, as the lead. A loop whose batches tpkit does not see keeps the first lead;
+        optimizers stepped in turn (each every other iteration) too: one step is then two
+        iterations, one of each."""
         lead = self._lead_ref() if self._lead_ref is not None else None
+        name = self.optimizers.get(self.lead_optimizer or 0, "optimizer")
         if lead is None:
-            return f"the {self.optimizers.get(self.lead_optimizer or 0, 'optimizer')} before it was freed"
-        if opt in self._lead_rivals:
-            return None
-        if opt not in self._lead_sharers:
-            if not any(id(p) in self._lead_params for g in opt.param_groups for p in g["params"]):
-                self._lead_rivals.add(opt)
-                return None
-            self._lead_sharers.add(opt)
-        # no step of the lead's since the last step() of an optimizer sharing its parameters (this
-        # one's or one made just before it: an optimizer made anew every iteration while the old
-        # ones stay referenced, by a list or accelerate's prepare(), had ended 1 step in 8)
-        if self._sharer_at == self._lead_steps:
-            return f"{_STOPPED} the {type(lead).__name__} before it held (that one stepped no more)"
-        self._sharer_at = self._lead_steps
+            return _LeadChange(self.rec.step_index, type(opt).__name__, name, freed=True)
+        replaced = self._replaced.get(opt) if self._replaced else None
+        if replaced is not None:
+            replaced.later += 1
+        between, handouts = False, len(self.rec.handouts)
+        if handouts:  # (no batch seen yet: none can lie between two steps; two weak-dict look-ups saved)
+            prev = self._rival_at.get(opt)
+            self._rival_at[opt] = (self._lead_steps, handouts)
+            between = prev is not None and prev[0] == self._lead_steps and handouts > prev[1]
+        if opt not in self._lead_rivals:
+            if opt not in self._lead_sharers:
+                if not any(id(p) in self._lead_params for g in opt.param_groups for p in g["params"]):
+                    self._lead_rivals.add(opt)
+                else:
+                    self._lead_sharers.add(opt)
+            # no step of the lead's since the last step() of an optimizer sharing its parameters (this
+            # one's or one made just before it: an optimizer made anew every iteration while the old
+            # ones stay referenced, by a list or accelerate's prepare(), had ended 1 step in 8)
+            if opt in self._lead_sharers:
+                if self._sharer_at == self._lead_steps:
+                    return self._change(opt, name, shared=True, batch_between=between)
+                self._sharer_at = self._lead_steps
+        if between:
+            return self._change(opt, name, shared=opt in self._lead_sharers, batch_between=True)
         return None
+
+    def _change(self, opt: torch.optim.Optimizer, old: str, shared: bool, batch_between: bool) -> _LeadChange:
+        """A change decided at ``opt``'s second step() with none of the lead's between; whether the
+        step it ends holds more iterations than the one before (batches handed out; outermost
+        forward passes where the slice saw no batch) is kept for its note."""
+        rec = self.rec
+        change = _LeadChange(rec.step_index, type(opt).__name__, old, shared=shared, batch_between=batch_between)
+        if rec.handouts:
+            now, before = _tail_counts(rec.handouts, 3, 2, rec.step_index)
+        else:
+            now, before = _tail_counts(rec._spans, SPAN_FIELDS, 5, rec.step_index, phase="forward")
+        change.merged = now > before
+        return change
+
+    def lead_phrase(self) -> str:
+        """Whose step() ends the steps, for the note on several optimizers (``slice._phase_meta``)."""
+        beside = [c for c in self.lead_changes if c.later]
+        if not beside:
+            return "the first one's step()"
+        c = beside[-1]
+        return (f"the {c.new}'s step() from the slice's step {c.step + 1} on (the {c.old}'s before it: "
+                "see the note on that change)")
 
     def _lead_notes(self) -> list[str]:
         """One note per kind of lead change (new optimizer's type, why), with a count where the
-        loop changed it again and again (an optimizer made anew every iteration)."""
-        kinds: dict[tuple[str, str], list[int]] = {}
-        for step, name, why in self.lead_changes:
-            kinds.setdefault((name, why), []).append(step + 1)
-        out = []
-        for (name, why), steps in kinds.items():
-            merged = (" Its first step() ended no step: tpkit tells an optimizer that replaces the one before it "
-                      "from one stepping beside it at its second step(), so its first two iterations are one step"
-                      if why.startswith(_STOPPED) else "")
-            if len(steps) == 1:
-                out.append(f"a new optimizer ({name}) ends the steps from the slice's step {steps[0]} on (warmup "
-                           f"steps counted): {why} (one made partway, as fine-tuning's next stage does).{merged}")
+        loop changed it again and again (an optimizer made anew every iteration). Each says only
+        what happened: whether the old lead stepped again after the change (a replacement, or one
+        stepping less often), and whether the step the change ended merged two iterations."""
+        kinds: dict[tuple[str, str, bool], list[_LeadChange]] = {}
+        for c in self.lead_changes:
+            replaced = c.freed or (c.shared and not c.later)  # a new optimizer replacing the lead
+            if c.freed:
+                why = f"the {c.old} before it was freed"
+            elif replaced:
+                why = f"it updates parameters the {c.old} before it held (that one stepped no more)"
             else:
-                out.append(f"a new optimizer ({name}) took over ending the steps {len(steps)} times, at the slice's "
-                           f"steps {steps[0]} to {steps[-1]} (warmup steps counted): each time {why} (an "
-                           f"optimizer made anew, as a loop making one every iteration does).{merged}")
+                read = "a batch read and " if c.batch_between else ""
+                why = f"it stepped twice with {read}no step() of the {c.old}'s between, and the {c.old}, which ended "
+                why += (f"the steps before, stepped {c.later} more time(s) after that: the {c.old} steps less often, "
+                        "so its step() is now part of the step it falls in" if c.later
+                        else "the steps before, stepped no more")
+            kinds.setdefault((c.new, why, replaced), []).append(c)
+        out = []
+        for (name, why, replaced), changes in kinds.items():
+            steps = [c.step + 1 for c in changes]
+            merged = sum(c.merged for c in changes)
+            tail = ""
+            if merged:
+                some = "" if merged == len(changes) else f"in {merged} of these changes "
+                tail = (" Its first step() ended no step: tpkit tells an optimizer that takes the lead from one "
+                        f"stepping beside it at its second step(), so {some}its first two iterations are one step")
+            who = "a new optimizer" if replaced else "another optimizer"
+            if len(changes) == 1:
+                like = " (one made partway, as fine-tuning's next stage does)" if replaced else ""
+                out.append(f"{who} ({name}) ends the steps from the slice's step {steps[0]} on (warmup "
+                           f"steps counted): {why}{like}.{tail}")
+            else:
+                like = " (an optimizer made anew, as a loop making one every iteration does)" if replaced else ""
+                out.append(f"{who} ({name}) took over ending the steps {len(changes)} times, at the slice's "
+                           f"steps {steps[0]} to {steps[-1]} (warmup steps counted): each time {why}{like}.{tail}")
         return out
 
     def _end_step_in_backward(self) -> None:
