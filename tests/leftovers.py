@@ -1,5 +1,5 @@
 """What a slice must leave as it found: every place tpkit hooks or patches, its threads, child
-processes, shared-memory segments and the SIGINT handler. ``snapshot()`` before, ``snapshot()``
+processes, shared-memory segments and the SIGINT and SIGTERM handlers. ``snapshot()`` before, ``snapshot()``
 after, compare with ``diff``."""
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def snapshot() -> dict[str, Any]:
         "children": sorted(p.pid for p in psutil.Process().children(recursive=True)),
         "shm": _shm(),
         "sigint": signal.getsignal(signal.SIGINT),
+        # tpkit's SIGTERM guard (capture/interrupts.py) goes in as the probes do and must come out
+        "sigterm": signal.getsignal(signal.SIGTERM),
         "active": recorder.active(),
         "autograd_profiler": torch.autograd.profiler._is_profiler_enabled,
         # tpkit's CPU allocation counter stays in front of the allocator once in (its module

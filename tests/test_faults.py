@@ -17,6 +17,7 @@ from leftovers import diff, snapshot
 
 import tpkit as tp
 from tpkit.capture import slice as slice_mod
+from tpkit.capture.interrupts import TermGuard
 from tpkit.capture.probes.clocks import ClockProbe
 from tpkit.capture.probes.memory import MemoryProbe
 from tpkit.capture.probes.phases import PhaseProbe
@@ -174,19 +175,56 @@ def test_ctrl_c_in_the_loop_keeps_the_partial_run_marked_interrupted():
     assert len(run.steps) == 3  # the three steps that happened
 
 
+@pytest.mark.parametrize("where", ["first probe", "clock probe", "SIGTERM guard"])
+def test_ctrl_c_while_the_probes_go_in_leaves_nothing_and_keeps_a_run_that_says_so(where, monkeypatch):
+    """A Ctrl-C while the slice installs its probes is held until they are all in, then raised:
+    every probe comes out, the SIGTERM and SIGINT handlers are Python's again, and the run kept
+    (``tp.last_run()``) is this slice's, empty and marked interrupted at its start, not the
+    slice before's. tpkit's SIGTERM guard had stayed installed for good and no run was kept."""
+    run_slice()
+    previous = tp.last_run()
+    before = snapshot()
+    assert before["sigterm"] is signal.SIG_DFL and before["sigint"] is signal.default_int_handler
+    target, name = {"first probe": (slice_mod, "maybe_cuda_timer"), "clock probe": (ClockProbe, "install"),
+                    "SIGTERM guard": (TermGuard, "install")}[where]
+    original = getattr(target, name)
+
+    def interrupted(*a, **k):
+        ctrl_c()
+        return original(*a, **k)
+
+    monkeypatch.setattr(target, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_slice()
+    monkeypatch.undo()
+    assert diff(before, snapshot()) == {}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    run = tp.last_run()
+    assert run is not previous and len(run.steps) == 0
+    assert not run.complete and run.meta["stopped_by"] == "interrupt"
+    notes = run.meta["notes"]
+    assert any("cut short by KeyboardInterrupt while tpkit installed its probes" in n for n in notes), notes
+    assert not any("tp.step()" in n for n in notes), notes  # no advice about how steps end
+    run_slice()  # and the next slice runs as usual
+    assert len(tp.last_run().measured_steps) == STEPS
+
+
 SIGTERM_CHILD = Path(__file__).parent / "sigterm_child.py"
 SIGINT_SOAK = Path(__file__).with_name("sigint_soak.py")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where,steps,stopped_by", [("loop", 4, "terminated"), ("teardown", 3, "loop_end"),
-                                                     ("reused", 4, "terminated")])
+                                                     ("reused", 4, "terminated"), ("start", 0, "interrupt")])
 def test_sigterm_keeps_the_run_then_ends_the_process_as_sigterm_does(where, steps, stopped_by, tmp_path):
     """torchrun stops every surviving rank with SIGTERM the moment one fails: a rank stopped
     inside tpkit's teardown lost its run (the healthy rank's, 3 of 3 launches). In the loop, the
     slice now ends through its error path; in the teardown, the signal waits for its end; then
     the process still ends by SIGTERM, with the run kept. A Profile used again does the same (its
-    signal guard had stayed in its teardown state: SIGTERM was held to the slice's end)."""
+    signal guard had stayed in its teardown state: SIGTERM was held to the slice's end). After a
+    Ctrl-C while the probes went in ("start"), a SIGTERM in the code that runs next ends the
+    process too (tpkit's guard had stayed for good: it raised tpkit's SystemExit there, and the
+    process lived on), and the interrupted start's empty run was kept."""
     out = subprocess.run([sys.executable, str(SIGTERM_CHILD), where, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])

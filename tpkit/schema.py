@@ -149,6 +149,19 @@ CPU_SOURCE_STREAM = "allocator stream (torch profiler memory events only)"
 CPU_SOURCE_KNOWN_SETS = "known sets only"
 
 
+#: ``run.meta["stopped_by"]``: how the slice ended.
+STOPPED_BY: dict[str, str] = {
+    "slice": "the slice was full (warmup + steps): tpkit stopped the loop, or the loop ran on unprofiled",
+    "loop_end": "the loop ended by itself (before the slice was full, or with stop=False)",
+    "body_returned": "the slice's body returned while the training loop it had started in another thread "
+                     "ran on (the body never joined it), before the slice was full",
+    "interrupt": "Ctrl-C (KeyboardInterrupt, or what a trainer made of one)",
+    "error": "an exception, the loop's or tpkit's",
+    "terminated": "SIGTERM",
+    "stalled": "this rank saw no step end for TPKIT_RANK_TIMEOUT_S (a peer died or hangs)",
+}
+
+
 # -- the Run's tables -----------------------------------------------------------------------
 #: Column name -> dtype, per table. The order is the public column order.
 SCHEMAS: dict[str, dict[str, str]] = {

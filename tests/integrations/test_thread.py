@@ -7,6 +7,7 @@ Truth: the loop calls ``optimizer.step()`` a known number of times.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import truth
 from truth import STEPS, WARMUP
 
 import tpkit as tp
+from tpkit.schema import STOPPED_BY
 
 BATCH = 4
 
@@ -89,4 +91,46 @@ def test_thread_loop_longer_than_the_slice_runs_on():
     assert len(iterations) == n
     assert len(run.steps) == STEPS + WARMUP and run.complete
     assert any("long-loop" in note for note in run.meta["notes"]), run.meta["notes"]
+    truth.assert_hooks_removed(before)
+
+
+def test_a_body_that_starts_the_loop_and_returns_says_the_loop_ran_on():
+    """A cell (a with block) that starts its training thread and returns without joining it: the
+    slice ends as the body returns, the loop runs on to its own end unharmed, and the run says
+    what happened: the steps until then, incomplete, ``stopped_by: "body_returned"``, a note that
+    tells to join the thread. It had said the loop ended (``loop_end``, complete, "the loop ended
+    after 2 steps") and that the slice's thread waited for the loop, while it trained on."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    iterations, errors = [], []
+    n = STEPS + WARMUP + 3
+
+    def train() -> None:
+        try:
+            for i, (x, y) in zip(range(n), loader):
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                iterations.append(i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    before = truth.hook_state()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="thread-nojoin", progress=False, clock_hz=0) as prof:
+        worker = threading.Thread(target=train, name="background-loop")
+        worker.start()
+        while len(iterations) < 2 and worker.is_alive():  # the cell's other work; it never joins
+            time.sleep(0.005)
+        returned_at = len(iterations)
+    worker.join(timeout=60)
+    run = prof.run
+    assert not worker.is_alive() and not errors, errors
+    assert len(iterations) == n  # the loop trained on to its own end after the body returned
+    assert returned_at <= len(run.steps) <= returned_at + 1 < STEPS + WARMUP, (returned_at, len(run.steps))
+    assert not run.complete and run.meta["stopped_by"] == "body_returned" and "body_returned" in STOPPED_BY
+    notes = run.meta["notes"]
+    assert any("returned after" in t and "'background-loop' ran on" in t and "join" in t for t in notes), notes
+    assert not any("the loop ended" in t or "waits for it" in t for t in notes), notes
     truth.assert_hooks_removed(before)

@@ -120,6 +120,8 @@ class Profile:
         self._probes: list[Any] = []
         self._removed: list[Any] = []
         self._term = TermGuard()  # SIGTERM held while the slice runs and is taken down (interrupts.py)
+        self._started = False  # every probe went in (False: the start was interrupted or failed)
+        self._ran_on: str | None = None  # the loop's thread, running on as the body returned (_loop_running_on)
         self._bar: Any = None
         self._durations: list[float] = []
         self._last_end_ns = 0
@@ -154,11 +156,15 @@ class Profile:
         # times and warmup had carried its notes into the next run and decided its auto warmup
         self.run, self._probes, self._removed, self._durations = None, [], [], []
         self._own, self._ends, self._spans_read = [], [], 0
+        self._started, self._ran_on = False, None
         self._term = TermGuard()  # (the last slice's had been tearing down: SIGTERM was only held)
         self.warmup_steps = cfg.warmup if cfg.warmup != "auto" else None
+        # (read before the Recorder exists, so that a Ctrl-C in its tens of ms lands before the
+        # slice; one while the probes go in keeps the slice's run, below)
+        static = _static_meta(cfg)
         rec = self.rec = _rec.Recorder(cfg.name or "run")
         rec.samples_per_step = cfg.samples_per_step
-        rec.meta.update(_static_meta(cfg))
+        rec.meta.update(static)
         rec.meta.update(cfg.extra_meta)
         for text in cfg.notes:
             rec.note(text)
@@ -190,18 +196,33 @@ class Profile:
                 rec.meta["probes_install_s"] = (rec.first_step_ns - rec.t0_ns) / 1e9
                 _rec.set_active(rec)
                 self._term.install()
-        except BaseException:
-            with held_sigint():
-                self._teardown()
+                self._started = True
+        except BaseException as exc:
+            # interrupted (a Ctrl-C held above is raised after the SIGTERM guard went in) or failed
+            # while starting: every probe out, the guard given back (it had stayed for good: a later
+            # SIGTERM raised tpkit's SystemExit in whatever ran, and never ended the process), and
+            # an empty run kept that says so (``tp.last_run()`` and the magic's ``_tp`` had still
+            # been the cell before's)
+            self._started = False
+            try:
+                self._term.tearing_down()
+                with held_sigint():
+                    try:
+                        self._teardown()
+                    finally:
+                        self._finish(exc)
+            finally:
+                self._term.release()
             raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         # A Ctrl-C here would leave hooks installed and lose the run: it is held until every
         # probe is out and the run is kept, then raised (tpkit/capture/interrupts.py).
-        self._term.tearing_down()
         try:
+            self._term.tearing_down()
             with held_sigint():
+                self._ran_on = self._loop_running_on()
                 try:
                     self._teardown()
                 finally:
@@ -209,6 +230,22 @@ class Profile:
         finally:
             self._term.release()  # a SIGTERM held meanwhile ends the process now, the run kept
         return exc_type is not None and issubclass(exc_type, StopSlice)
+
+    def _loop_running_on(self) -> str | None:
+        """The name of the thread followed as the loop's (``PhaseProbe._adopt``) where it still
+        runs as the slice's body returns before the slice was full: a cell that started the
+        training thread and never joined it. Every probe ignores that thread from here on (it
+        runs on, unprofiled, as after a full slice); None where the loop is the body's own, ended,
+        or the slice was full."""
+        rec = self.rec
+        if rec is None or rec.slice_steps is not None:
+            return None
+        for probe in self._probes + self._removed:
+            thread = probe.loop_thread if isinstance(probe, PhaseProbe) else None
+            if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+                rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
+                return thread.name
+        return None
 
     def _teardown(self, keep: type | None = None, deactivate: bool = True) -> None:
         """Take every probe out (but those of type ``keep``); safe to run twice and after a
@@ -420,6 +457,12 @@ class Profile:
         if exc is None and rec.slice_steps is not None:
             if rec.framework is not None and rec.framework.stop_requested:
                 meta["stopped_through"] = rec.framework.name  # the trainer's own stop, not StopSlice
+        elif exc is None and self._ran_on is not None:
+            meta.update(complete=False, stopped_by="body_returned")
+            rec.note(f"the slice's body returned after {done} steps while the training loop in thread "
+                     f"'{self._ran_on}' ran on (the body never waited for it): the Run holds the steps until "
+                     "then, and the loop went on unprofiled; join the thread inside the slice (thread.join() "
+                     "at the end of the cell or with block), or start the slice inside the thread")
         elif exc is None:
             meta["stopped_by"] = "loop_end"
             if cfg.stop and done < warmup + cfg.steps:
@@ -444,9 +487,14 @@ class Profile:
             how = ("terminated" if self._term.pending else "interrupt" if _interrupted(exc)
                    else "error")  # terminated: SIGTERM (a launcher stopping the ranks that survived one)
             meta.update(complete=False, stopped_by=how, error=f"{type(exc).__name__}: {exc}")
-            rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
-                     "the Run holds what was recorded")
-        if done == 0 and not any(isinstance(p, PhaseProbe) and p.says_why_no_step() for p in self._removed):
+            if not self._started:
+                rec.note(f"the slice was cut short by {type(exc).__name__} while tpkit installed its probes, "
+                         "before the loop ran: no step was recorded, and every probe was taken out again")
+            else:
+                rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
+                         "the Run holds what was recorded")
+        if done == 0 and self._started and not any(isinstance(p, PhaseProbe) and p.says_why_no_step()
+                                                   for p in self._removed):
             rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
                      "without an optimizer, call tp.step() at the end of each iteration")
         if self.warmup_steps is None and done:

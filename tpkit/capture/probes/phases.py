@@ -270,6 +270,7 @@ class PhaseProbe:
         self._gc_installed = False
         self._gc_start = 0
         self._start_tid = rec.thread_id  # the thread that started the slice
+        self.loop_thread: threading.Thread | None = None  # the thread followed as the loop's (_adopt)
         self._early: tuple[str, int, int] | None = None  # (note, spans, samples) at an early adoption
         self._graph_breaks_at_start = _graph_breaks()
         self._wall_start_us = time.time_ns() // 1000  # dynamo's compilation records after it are the slice's
@@ -518,18 +519,22 @@ class PhaseProbe:
             return True
         if self._ever_worked or rec.step_ends or self._opt_tokens or rec.slice_steps is not None or self._paused:
             return False
-        if not at_step and not _waits_for_current_thread(self._start_tid):
+        how = "" if at_step else _waits_for_current_thread(self._start_tid)
+        if not at_step and not how:
             return False
         rec.thread_id = tid
-        name = threading.current_thread().name
+        self.loop_thread = threading.current_thread()
+        name = self.loop_thread.name
         rec.meta["loop_thread"] = name  # the slice's end leaves it running
         if at_step:
             rec.note(f"the training loop runs in thread '{name}', not the one that started the slice: "
                      "tpkit follows it from its first optimizer.step(), so that first step's data wait, "
                      "forward and backward were not seen (it is a warmup step when warmup >= 1)")
         else:
+            # only join() is waiting: start() returns once the thread runs (a body that never joins
+            # returns while the loop runs on; Profile._finish says so)
             text = (f"the training loop runs in thread '{name}', not the one that started the slice "
-                    "(which waits for it): tpkit follows that thread")
+                    f"({'which waits for it' if how == 'join' else 'which started that thread'}): tpkit follows that thread")
             self._early = (text, rec.span_count(), rec.samples)
             rec.note(text)
         return True
@@ -544,6 +549,7 @@ class PhaseProbe:
         rec.drop_spans(n_spans)
         rec.samples = samples
         rec.thread_id = self._start_tid
+        self.loop_thread = None
         rec.meta.pop("loop_thread", None)
         if text in rec.notes:
             rec.notes.remove(text)
@@ -1525,17 +1531,19 @@ def _handed_all(it: Any) -> bool:
         return False
 
 
-def _waits_for_current_thread(tid: int, max_frames: int = 64) -> bool:
-    """Whether thread ``tid`` is now inside ``start()`` or ``join()`` of the calling thread."""
+def _waits_for_current_thread(tid: int, max_frames: int = 64) -> str:
+    """``"join"`` or ``"start"`` where thread ``tid`` is now inside that method of the calling
+    thread, else ``""``. Only ``join`` waits for the thread's work: ``start`` returns as soon as
+    the thread runs."""
     me = threading.current_thread()
     f = sys._current_frames().get(tid)
     n = 0
     while f is not None and n < max_frames:
         code = f.f_code
         if code.co_name in ("join", "start") and code.co_filename == threading.__file__:
-            return frame_self(f) is me
+            return code.co_name if frame_self(f) is me else ""
         f, n = f.f_back, n + 1
-    return False
+    return ""
 
 
 def _graph_leaf(tensor: torch.Tensor, limit: int = 256) -> list[Any]:
