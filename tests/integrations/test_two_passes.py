@@ -489,3 +489,70 @@ def test_an_optimizer_made_anew_every_iteration_while_the_old_ones_are_kept():
     changes = [n for n in run.meta["notes"] if "a new optimizer" in n]
     # only the first change merged two iterations (the samples above): the note says so, not of every one
     assert len(changes) == 1 and "in 1 of these changes its first two iterations are one step" in changes[0], changes
+
+
+class Lookahead(torch.optim.Optimizer):
+    """A wrapper as Lookahead's are written: a torch Optimizer of its own whose step() steps its
+    base optimizer (every other step() it also pulls the weights halfway back to a slow copy)."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.base_optimizer = base
+        super().__init__(base.param_groups, {})
+        self.slow = [p.detach().clone() for g in base.param_groups for p in g["params"]]
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = self.base_optimizer.step(closure)
+        self.calls += 1
+        if self.calls % 2 == 0:
+            for p, s in zip((p for g in self.param_groups for p in g["params"]), self.slow):
+                s.add_(p - s, alpha=0.5)
+                p.copy_(s)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base_optimizer.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("wrapper", ["lookahead", "zero_redundancy"])
+def test_an_optimizer_stepped_inside_a_wrappers_step_is_no_second_optimizer(wrapper, tmp_path):
+    """One optimizer in the loop, a wrapper (Lookahead; torch's ZeroRedundancyOptimizer, here on a
+    1-rank group) whose step() steps its own inner optimizer: one optimizer, named
+    ``Wrapper(Inner)``, and no "2 optimizers stepped" note. A SAM loop around it (a second pass
+    after zero_grad()) keeps the first pass's loss, as the loop logs it: counted as two
+    optimizers, the step's loss had been both passes' sum and the SAM note gone."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    if wrapper == "zero_redundancy":
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=truth.SleepySGD,
+                                                             lr=0.01)
+        name = "ZeroRedundancyOptimizer(SleepySGD)"
+    else:
+        opt, name = Lookahead(truth.SleepySGD(model.parameters(), lr=0.01)), "Lookahead(SleepySGD)"
+    batches = iter(torch.utils.data.DataLoader(truth.Regression(), batch_size=8))
+    first = []
+    try:
+        with tp.profile(steps=STEPS, warmup=WARMUP, name=f"inner-{wrapper}", progress=False, clock_hz=0) as prof:
+            for _ in range(N + 1):
+                x, y = next(batches)
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                first.append(loss.item())
+                opt.zero_grad()  # SAM-style: a second pass on the same batch makes the update
+                F.mse_loss(model(x) * 1.1, y).backward()
+                opt.step()  # the slice ends inside the last
+                opt.zero_grad()
+    finally:
+        if wrapper == "zero_redundancy":
+            dist.destroy_process_group()
+    run = prof.run
+    assert run.meta["optimizers"] == [name]
+    assert not any("optimizers stepped" in n for n in run.meta["notes"]), run.meta["notes"]
+    assert len(run.steps) == N
+    truth.assert_losses(run.steps["loss"].tolist(), first[:N])
+    assert any(n.startswith(f"{N} step(s) backpropagated again after zero_grad()") for n in run.meta["notes"])

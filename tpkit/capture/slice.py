@@ -731,9 +731,23 @@ def _interrupted(exc: BaseException) -> bool:
     return isinstance(exc, SystemExit) and isinstance(exc.__context__, KeyboardInterrupt)
 
 
+def _optimizer_names(types: dict[int, str], inner: dict[int, str]) -> list[str]:
+    """The types of the optimizers the loop stepped, one name per optimizer: one stepped only inside
+    another's step() (``PhaseProbe.inner_optimizers``) is named inside its wrapper's,
+    ``ZeroRedundancyOptimizer(Adam)``, ``Lookahead(SGD)``; they had read as two optimizers."""
+    wrapped: dict[str, set[str]] = {}
+    for key, outer in inner.items():
+        wrapped.setdefault(outer, set()).add(types[key])
+    names: set[str] = set()
+    for key, name in types.items():
+        if key not in inner:
+            names |= {f"{name}({i})" for i in wrapped.get(name, ())} or {name}
+    return sorted(names)
+
+
 def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
     """Model and optimizer facts the phase probe saw."""
-    out: dict[str, Any] = {"optimizers": sorted(set(probe.optimizers.values()))}
+    out: dict[str, Any] = {"optimizers": _optimizer_names(probe.optimizers, probe.inner_optimizers)}
     several = probe.most_optimizers
     if several > 1 and rec.explicit_steps:
         rec.note(f"{several} optimizers stepped; steps end at tp.step() (once it is called, no "

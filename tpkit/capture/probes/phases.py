@@ -235,6 +235,10 @@ class PhaseProbe:
         self._paused = False  # a trainer's search or launcher runs (``SEARCHES``, ``LAUNCHERS``): the loop is not followed
         self.launches = 0  # Lightning's launches of processes that train (``LAUNCHERS``)
         self._run_optimizers: set[int] = set()  # those that stepped in this run of a trainer (or the loop)
+        # those seen stepping only inside another's step() (a wrapper's optimizer: ZeroRedundancyOptimizer's,
+        # Lookahead's base) -> the wrapper's type: not counted in ``_run_optimizers`` (ZeRO(Adam) had read
+        # "2 optimizers stepped"); one that then steps on its own moves there
+        self.inner_optimizers: dict[int, str] = {}
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self._most_in_past_runs = 0  # the most optimizers that stepped in one trainer run before this one
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
@@ -665,14 +669,21 @@ class PhaseProbe:
         self._watch_updates = False  # torch's step hooks run: no update goes unseen
         self._versions_at_backward = None
         key = id(opt)
-        if key not in self._run_optimizers:
-            self.optimizers[key] = type(opt).__name__
-            self._run_optimizers.add(key)
-            self._stepping.add(opt)
-            self.rec.optimizers.add(opt)
-            self.rec.optimizer_count = len(self._run_optimizers)
-            if self.lead_optimizer is None:
-                self._set_lead(opt)
+        # inside another's step() (not its closure): a wrapper's own optimizer (ZeRO's, Lookahead's base)
+        inner = bool(self._opt_tokens) and not self._closure_depth
+        if key not in self._run_optimizers and not (inner and key in self.inner_optimizers):
+            if key not in self.inner_optimizers:
+                self.optimizers[key] = type(opt).__name__
+                self._stepping.add(opt)
+                self.rec.optimizers.add(opt)
+            if inner:  # part of the wrapper's step: no second optimizer (its count makes losses and notes)
+                self.inner_optimizers[key] = self._opt_tokens[-1][1]
+            else:
+                self.inner_optimizers.pop(key, None)
+                self._run_optimizers.add(key)
+                self.rec.optimizer_count = len(self._run_optimizers)
+                if self.lead_optimizer is None:
+                    self._set_lead(opt)
         if not self._opt_tokens:
             self._closure_evals = 0
         source = type(opt).__name__
