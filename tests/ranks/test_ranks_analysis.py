@@ -125,6 +125,48 @@ def test_verdict_line_and_noise():
     assert quiet["rank"] is None and quiet["line"].startswith("no rank held the others back")
 
 
+def sleep_every_third_step(data_late_ms: float = 0.0) -> pd.DataFrame:
+    """2 ranks, 9 measured steps that end together at a collective (1 ms of it each), as on a
+    loaded 2-core machine: each rank's backward wanders by 0-9 ms (scheduling noise: rank 0 late
+    by 4-7 ms on 5 steps, rank 1 by 1 ms on one, in its other), and rank 1 sleeps 40 ms (other)
+    before its forward on steps 2, 5 and 8: 120 ms in all, by construction. ``data_late_ms``:
+    rank 0 also waits that much longer for data on steps 1, 3, 6 and 7."""
+    j0 = [9, 4, 3, 8, 9, 5, 8, 5, 0]  # ms of rank 0's backward beyond 20 ms
+    j1 = [7, 0, 3, 4, 5, 5, 1, 0, 0]  # ... rank 1's (rank 0's on the sleep's steps)
+    other1 = [3, 0, 40, 0, 0, 40, 0, 0, 40]  # rank 1's other: the sleep on 2, 5, 8
+    rows = []
+    for step in range(9):
+        data0 = data_late_ms if step in (1, 3, 6, 7) else 0.0
+        own = {0: (0.005 + data0 * 1e-3, 0.020 + j0[step] * 1e-3, 0.0),
+               1: (0.005, 0.020 + j1[step] * 1e-3, other1[step] * 1e-3)}
+        end = max(sum(o) for o in own.values()) + 0.001
+        for rank, (data, bwd, other) in own.items():
+            rows.append(dict(rank=rank, step=step, warmup=False, duration_s=end, data_wait_s=data, forward_s=0.0,
+                             backward_s=bwd, other_s=other, comm_s=end - (data + bwd + other)))
+    return pd.DataFrame(rows)
+
+
+def test_the_straggler_named_first_costs_the_most_time_and_noise_holds_no_step_back():
+    """Ordered by most steps, rank 0's backward (late by 4-7 ms of noise on 5 of 9 steps) had led
+    before rank 1's 40 ms sleep on 3, and rank 1's other had held "4 of 9" steps (a 1 ms noise
+    step counted). Now: the (rank, phase) whose hold-backs sum highest leads, and a step counts
+    only beyond the noise, 3 times the quietest rank's own step-time spread (3 ms here: 9 ms)."""
+    steps = sleep_every_third_step()
+    st = rank_stragglers(steps)
+    assert st.loc[(st["rank"] == 0) & (st["phase"] == "backward"), "step"].tolist() == [1, 3, 4, 6, 7]
+    assert st.loc[(st["rank"] == 1) & (st["phase"] == "other"), "step"].tolist() == [0, 2, 5, 8]  # the table: each step
+    v = straggler_verdict(st, steps)
+    assert v["noise_s"] == pytest.approx(0.009)
+    assert (v["rank"], v["phase"], v["steps"], v["of_steps"]) == (1, "other", 3, 9)
+    assert v["excess_sum_s"] == pytest.approx(0.120) and v["excess_p50_s"] == pytest.approx(0.040)
+    assert v["line"] == "rank 1's other held 3 of 9 steps back by 40.0 ms (p50)"  # the noise named nowhere
+    # a real lateness on more steps but less time in all (4 x 24-27 ms) comes second, named beside it
+    steps = sleep_every_third_step(data_late_ms=20.0)
+    v = straggler_verdict(rank_stragglers(steps), steps)
+    assert (v["rank"], v["phase"], v["steps"]) == (1, "other", 3)
+    assert [(f["rank"], f["phase"], f["steps"]) for f in v["also"]] == [(0, "data_wait", 4)]
+
+
 def test_comm_is_taken_out_of_the_phase_it_interrupts_and_overlap_is_never_charged():
     spans = table("spans", step=[0, 0, 0, 0], phase=["forward", "backward", "comm_overlapped", "comm"],
                   start_s=[0.0, 0.1, 0.15, 0.3], end_s=[0.1, 0.5, 0.3, 0.45], depth=[0, 0, 1, 1])

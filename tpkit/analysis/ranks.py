@@ -208,35 +208,66 @@ def rank_stragglers(steps: pd.DataFrame, spans: dict[int, pd.DataFrame] | None =
 STRAGGLER_ALSO_SHARE = 0.25
 #: ... and at most this many of them.
 STRAGGLER_ALSO_MAX = 3
+#: A step's hold-back counts only above this many times the ranks' own step-time jitter (the median
+#: absolute deviation of a rank's time outside collectives over its steps, the quietest rank's).
+STRAGGLER_NOISE_MADS = 3.0
+
+
+def straggler_noise_s(steps: pd.DataFrame | None) -> float:
+    """The hold-back below which a step is not said to be held back: ``STRAGGLER_MIN_S``,
+    ``STRAGGLER_MIN_SHARE`` of the median step, and ``STRAGGLER_NOISE_MADS`` times the quietest
+    rank's jitter, the median absolute deviation of its time outside collectives
+    (``duration_s - comm_s``) over its measured steps. A rank that holds the others back on some
+    steps has a wide spread of its own, the others wait the time out in collectives: the quietest
+    rank's spread is how far steps wander with no straggler (2-core VM under load: 1.7 to 6 ms,
+    where the ranks' hold-backs of scheduling noise reached 16 ms and a 40 ms sleep read 39-40 ms).
+    A rank late by the same time every step has no spread from it."""
+    if steps is None or steps.empty:
+        return STRAGGLER_MIN_S
+    m = steps[~steps["warmup"].astype(bool)] if "warmup" in steps else steps
+    if m.empty:
+        return STRAGGLER_MIN_S
+    own = m["duration_s"] - (m["comm_s"].fillna(0.0) if "comm_s" in m else 0.0)
+    rank = m["rank"] if "rank" in m else pd.Series(0, index=m.index)
+    med = own.groupby(rank).transform("median")
+    jitter = float((own - med).abs().groupby(rank).median().min())
+    return max(STRAGGLER_MIN_S, STRAGGLER_MIN_SHARE * float(m["duration_s"].median()), STRAGGLER_NOISE_MADS * jitter)
 
 
 def straggler_verdict(stragglers: pd.DataFrame, steps: pd.DataFrame | None = None) -> dict[str, Any]:
-    """The one line every view shows, with its figures: the (rank, phase) most often late, in how
-    many of the measured steps, and its excess p50, then any other (rank, phase) that held back more
-    than ``STRAGGLER_ALSO_SHARE`` of the steps by more than the noise (``also``). ``line`` reads
-    e.g. "rank 3's data_wait held every step back by 42.0 ms (p50)", with " at all_gather" where the
-    collective is known; ``rank`` is None where no rank held the others back by more than
-    ``STRAGGLER_MIN_S`` and ``STRAGGLER_MIN_SHARE`` of the median step (noise)."""
+    """The one line every view shows, with its figures: the (rank, phase) that cost the job the
+    most time, its hold-backs summed over the steps it held back beyond the noise
+    (``straggler_noise_s``), in how many of the measured steps and by how much (p50), then any
+    other (rank, phase) that held back more than ``STRAGGLER_ALSO_SHARE`` of the steps (``also``).
+    ``line`` reads e.g. "rank 3's data_wait held every step back by 42.0 ms (p50)", with
+    " at all_gather" where the collective is known; ``rank`` is None where no step was held back
+    beyond the noise; ``noise_s`` is that floor. Ordered by most steps first, a few ms of
+    scheduling noise on 6 of 9 steps (37 ms in all) had led before a 40 ms sleep on 3 (132 ms),
+    and noise steps had counted as held back (5 of 9 for those 3)."""
     if stragglers.empty:
         return {"line": "no step ran on more than one rank: nothing to compare", "rank": None, "phase": None,
-                "steps": 0, "of_steps": 0, "excess_p50_s": None, "also": []}
+                "steps": 0, "of_steps": 0, "excess_p50_s": None, "also": [], "noise_s": None}
     n = int(stragglers["step"].nunique())
     st = stragglers if "collective" in stragglers else stragglers.assign(collective=None)
-    # most steps, then most time
-    top = st.groupby(["rank", "phase"])[["step", "excess_s"]].agg({"step": "nunique", "excess_s": "sum"})
-    order = top.sort_values(["step", "excess_s"], ascending=False, kind="stable").index
-    step_p50 = float(steps[~steps["warmup"].astype(bool)]["duration_s"].median()) if steps is not None and \
-        not steps.empty else 0.0
+    noise = straggler_noise_s(steps)
+    # a rank late before two collectives of a step: one hold of the step, summed
+    per_step = st.groupby(["rank", "phase", "step"])["excess_s"].sum()
+    held = per_step[per_step >= noise]
+    if held.empty:
+        all_p50 = float(st.groupby("step")["excess_s"].max().median())
+        return {"line": f"no rank held the others back: the slowest rank's lead was {all_p50 * 1e3:.1f} ms (p50) "
+                        f"over {n} steps, within the noise ({noise * 1e3:.1f} ms)", "rank": None, "phase": None,
+                "steps": n, "of_steps": n, "excess_p50_s": all_p50, "also": [], "noise_s": noise}
+    # most time held back first, then most steps
+    top = held.groupby(["rank", "phase"]).agg(["sum", "size"])
+    order = top.sort_values(["sum", "size"], ascending=False, kind="stable").index
 
     def figures(rank: Any, phase: Any) -> dict[str, Any]:
-        hits = st[(st["rank"] == rank) & (st["phase"] == phase)]
-        per_step = hits.groupby("step")["excess_s"].sum()  # a rank late before two collectives of a step
+        mine = held.loc[(rank, phase)]
+        hits = st[(st["rank"] == rank) & (st["phase"] == phase) & st["step"].isin(mine.index)]
         where = sorted({str(c) for c in hits["collective"] if isinstance(c, str)})
-        return {"rank": int(rank), "phase": str(phase), "steps": int(len(per_step)), "of_steps": n,
-                "excess_p50_s": float(per_step.median()), "collectives": where}
-
-    def loud(f: dict[str, Any]) -> bool:
-        return f["excess_p50_s"] >= STRAGGLER_MIN_S and f["excess_p50_s"] >= STRAGGLER_MIN_SHARE * step_p50
+        return {"rank": int(rank), "phase": str(phase), "steps": int(len(mine)), "of_steps": n,
+                "excess_p50_s": float(mine.median()), "excess_sum_s": float(mine.sum()), "collectives": where}
 
     def words(f: dict[str, Any]) -> str:
         which = "every step" if f["steps"] == n else f"{f['steps']} of {n} steps"
@@ -244,17 +275,13 @@ def straggler_verdict(stragglers: pd.DataFrame, steps: pd.DataFrame | None = Non
         return f"rank {f['rank']}'s {f['phase']} held {which} back by {f['excess_p50_s'] * 1e3:.1f} ms (p50){at}"
 
     first = figures(*order[0])
-    if not loud(first):
-        all_p50 = float(st.groupby("step")["excess_s"].max().median())
-        return {"line": f"no rank held the others back: the slowest rank's lead was {all_p50 * 1e3:.1f} ms (p50) "
-                        f"over {n} steps", "rank": None, "phase": None, "steps": n, "of_steps": n,
-                "excess_p50_s": all_p50, "also": []}
-    also = [f for f in (figures(*k) for k in order[1:]) if loud(f) and f["steps"] > STRAGGLER_ALSO_SHARE * n]
+    also = [f for f in (figures(*k) for k in order[1:]) if f["steps"] > STRAGGLER_ALSO_SHARE * n]
     line = "; ".join(words(f) for f in [first, *also[:STRAGGLER_ALSO_MAX]])
     if len(also) > STRAGGLER_ALSO_MAX:
         line += f"; and {len(also) - STRAGGLER_ALSO_MAX} more (ranks.stragglers())"
     return {"line": line, "rank": first["rank"], "phase": first["phase"], "steps": first["steps"], "of_steps": n,
-            "excess_p50_s": first["excess_p50_s"], "collectives": first["collectives"], "also": also}
+            "excess_p50_s": first["excess_p50_s"], "excess_sum_s": first["excess_sum_s"],
+            "collectives": first["collectives"], "also": also, "noise_s": noise}
 
 
 def rank_offsets_s(metas: dict[int, dict[str, Any]], starts_s: dict[int, float] | None = None) -> dict[int, float]:
