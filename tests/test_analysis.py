@@ -163,6 +163,27 @@ def test_a_step_that_mostly_waits_in_collectives_is_comm_bound_not_compute_bound
     assert analysis.verdict({"forward_s": 0.70, "backward_s": 0.20, "comm_s": 0.10}).kind == "compute-bound"
 
 
+def test_comm_bound_advice_names_the_knobs_of_the_wrapper_the_model_trained_in():
+    """An FSDP1 run (``meta["model"]["class"]`` FullyShardedDataParallel) hears of FSDP1's own
+    prefetch knobs, not of DDP's bucket_cap_mb or FSDP2's prefetching, which it has none of; a DDP
+    run, or one whose wrapper is not known, still hears of those."""
+    from factories import make_run
+
+    run = make_run("fsdp1", [0.1] * 4, data_share=0.05, model={"class": "FullyShardedDataParallel"})
+    run.steps["comm_s"] = 0.06
+    run.steps["forward_s"] = 0.02
+    run.steps["backward_s"] = 0.02
+    run.steps["optimizer_s"] = 0.005
+    v = run.summary().verdict
+    assert v.kind == "comm-bound"
+    assert "forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE" in v.advice
+    assert "bucket_cap_mb" not in v.advice and "FSDP2" not in v.advice
+    ddp = analysis.summarize(run.steps, {**run.meta, "model": {"class": "DistributedDataParallel"}})
+    assert "DDP bucket_cap_mb" in ddp.verdict.advice
+    shares = {"forward_s": 0.25, "backward_s": 0.10, "comm_s": 0.60, "other_s": 0.05}
+    assert "DDP bucket_cap_mb, FSDP2 prefetching" in analysis.verdict(shares).advice
+
+
 def test_siblings_that_overlap_by_a_little_share_the_time_once():
     """On a GPU some spans are stamped by CUDA events and some on the host: the offload span
     inside an optimizer step began 34 us before a ``tpkit`` span beside it ended (an H200's

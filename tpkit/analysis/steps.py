@@ -318,7 +318,7 @@ def batches_seen(steps: pd.DataFrame, meta: dict | None = None) -> bool:
 
 
 def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
-            parts: OtherParts | None = None) -> Verdict:
+            parts: OtherParts | None = None, model: str = "") -> Verdict:
     """The one-line bottleneck verdict from phase shares. Order: the first rule that fires.
     Every verdict's name comes from ``schema.VERDICTS``; a run is called one thing only.
     ``seen``: whether any batch was seen (``batches_seen``); if not, the advice says so.
@@ -326,6 +326,8 @@ def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
     whose forward and optimizer step tpkit cannot see: its ``other`` is that function's graphs.
     ``parts``: where ``other`` sits (``other_parts``): an overhead verdict names the user's phases
     that hold it, else the place of the step that does, and advises on that.
+    ``model``: the trained model's class (``meta["model"]["class"]``): the advice on communication
+    names the knobs of the wrapper it is (``_overlap_knobs``).
 
     What interrupts training inside the slice (evaluation, ``eval_s``; checkpoints written,
     ``save_s``) is judged first, the larger first; below its bound the other rules judge
@@ -343,9 +345,9 @@ def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
                             f"the other shares are of training and {others} together")
     away = sum(share for share, _ in breaks)
     if away <= 0.0:
-        return _training_verdict(shares, seen, compiled, parts)
+        return _training_verdict(shares, seen, compiled, parts, model)
     training = {c: v / (1 - away) for c, v in shares.items() if c not in INTERRUPTIONS}
-    v = _training_verdict(training, seen, compiled, parts)
+    v = _training_verdict(training, seen, compiled, parts, model)
     if v.kind == "no-steps":
         return v
     evidence = v.evidence.replace("of step time", "of training time")
@@ -353,8 +355,19 @@ def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
     return _verdict(v.kind, f"{evidence} ({left} of the step left out)", v.advice)
 
 
+def _overlap_knobs(model: str) -> str:
+    """Where to overlap communication, for the wrapper the model trained in: FSDP1
+    (``FullyShardedDataParallel``) has its own constructor knobs (an FSDP1 run had been told of
+    DDP's bucket_cap_mb and FSDP2's prefetching, neither of which it has); other wrappers, or none
+    known, hear of DDP's and FSDP2's."""
+    if "FullyShardedDataParallel" in model:
+        return ("FSDP's forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE; keep "
+                "limit_all_gathers=True so the prefetched all-gathers do not run ahead of memory")
+    return "DDP bucket_cap_mb, FSDP2 prefetching"
+
+
 def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
-                      parts: OtherParts | None = None) -> Verdict:
+                      parts: OtherParts | None = None, model: str = "") -> Verdict:
     """The verdict's rules for training time."""
     data = shares.get("data_wait_s", 0.0)
     compute = shares.get("forward_s", 0.0) + shares.get("backward_s", 0.0)
@@ -373,7 +386,7 @@ def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str
     if shares.get("comm_s", 0.0) >= COMM_BOUND:
         return _verdict("comm-bound", f"{shares['comm_s']:.0%} of step time waits in collectives",
                         "in a multi-rank run, find the rank that holds the others back (tp.load_ranks(dir).stragglers()); "
-                        "otherwise overlap communication (DDP bucket_cap_mb, FSDP2 prefetching) or send fewer bytes")
+                        f"otherwise overlap communication ({_overlap_knobs(model)}) or send fewer bytes")
     if shares.get("optimizer_s", 0.0) >= OPTIMIZER_BOUND:
         return _verdict("optimizer-bound", f"{shares['optimizer_s']:.0%} of step time is the optimizer",
                         "fused/foreach kernels, fewer parameter tensors (weight averaging counts here: an "
@@ -494,7 +507,8 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
         user_phase_share={p: f * shares["other_s"] for p, f in parts.phases.items()} if parts else {},
-        verdict=verdict(shares, batches_seen(steps, meta), str(meta.get("compiled_step") or ""), parts),
+        verdict=verdict(shares, batches_seen(steps, meta), str(meta.get("compiled_step") or ""), parts,
+                        str((meta.get("model") or {}).get("class") or "")),
         notes=list(meta.get("notes", [])),
     )
     first = first_step_note(m, out.warmup_steps)
