@@ -890,3 +890,96 @@ def test_the_run_names_every_model_the_loop_trains(one_thread):
             opt.zero_grad()
     trained = sum(p.numel() for p in [*image.parameters(), *text.parameters()])
     assert prof.run.meta["model"] == {"class": "Linear + Sequential", "parameters": trained, "trainable": trained}
+
+
+def test_a_collection_inside_next_is_said_and_never_waiting_for_data():
+    """A full collection that lands in the loop's ``next()`` (here: a loader's ``__getitem__``
+    makes cyclic garbage and collects it, and the loop's own gc callback holds the collection
+    60 ms) is a ``gc`` span inside ``data_wait``. The steps table keeps charging it to
+    ``data_wait_s`` (each instant to the deepest built-in phase open at it); the verdict and the
+    advice judge it as other, and a note names it. It had read INPUT-BOUND, "more workers"."""
+    import gc
+
+    truth: list[float] = []
+    hold = {"on": False, "t": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if not hold["on"]:
+            return
+        if phase == "start":
+            hold["t"] = time.perf_counter()
+            time.sleep(0.06)
+        elif info["generation"] == 2:
+            truth.append(time.perf_counter() - hold["t"])
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8 * 12
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i == 8 * 6:  # the first sample of step 4 (2 warmup steps)
+                junk: list = [[] for _ in range(2000)]
+                for a, b in zip(junk, junk[1:]):
+                    a.append(b)
+                    b.append(a)
+                del junk
+                hold["on"] = True
+                try:
+                    gc.collect()
+                finally:
+                    hold["on"] = False
+            return torch.ones(4)
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        with tp.profile(steps=8, warmup=2, progress=False, memory=False, clock_hz=0) as prof:
+            gc.callbacks.append(on_gc)  # after tpkit's: its span holds the loop's 60 ms
+            for b in torch.utils.data.DataLoader(DS(), batch_size=8):
+                time.sleep(0.02)  # the loop's own work, a step's time
+                model(b).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        gc.callbacks.remove(on_gc)
+    run = prof.run
+    assert len(truth) == 1 and truth[0] >= 0.06
+    spans = run.spans
+    gcs = spans[(spans["phase"] == "gc") & (spans["duration_s"] >= 0.05)]
+    assert len(gcs) == 1 and int(gcs["step"].iloc[0]) == 4, gcs
+    assert gcs["duration_s"].iloc[0] == pytest.approx(truth[0], abs=0.01)
+    step4 = run.steps[run.steps["step"] == 4].iloc[0]
+    assert step4["data_wait_s"] >= truth[0] - 0.005  # the table's contract: the deepest built-in phase
+    s = run.summary()
+    assert s.verdict.kind != "input-bound", s.verdict.text
+    assert s.data_stall_share < 0.05, s.data_stall_share
+    note = [n for n in s.notes if "garbage collection" in n]
+    assert len(note) == 1 and "in step 4, inside data_wait: not the loader" in note[0], s.notes
+    assert f"{gcs['duration_s'].iloc[0] * 1e3:.0f} ms" in note[0]
+    from tpkit.analysis.recommend import recommendations
+
+    assert not [r for r in recommendations(run) if r.kind == "data-stall"]
+
+
+def test_the_first_slice_in_a_process_leaves_no_full_collection_in_the_measured_steps():
+    """tpkit's start had imported pandas and pyarrow (~490 modules, ~44k objects kept) before
+    the first step, which set off a full collection of 0.13-0.48 s some 10 iterations into the
+    loop, inside ``next()`` (read as waiting for data). The Run's libraries are imported once the
+    slice is over; a fresh process's loop counts its own full collections (gc.callbacks)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = Path(__file__).with_name("gc_first_slice_child.py")
+    here = str(Path(tp.__file__).parents[1])  # this tpkit, not another checkout's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["start"]["pandas"] is False, got
+    assert got["start"]["objects"] < 20_000, got
+    first, last = got["measured"]
+    assert not [f for f in got["full"] if first <= f[0] <= last], got
+    assert got["spans"] == [], got

@@ -8,10 +8,12 @@ colour them); nothing here imports another tpkit module.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported in ``frame``: the probes import this module at a slice's start
 
 # -- phases ---------------------------------------------------------------------------------
 #: Phases with a fixed column in ``run.steps``; every other phase name is a user phase.
@@ -208,6 +210,8 @@ FORMAT_VERSION = 1
 def frame(table: str, rows: Any = None) -> pd.DataFrame:
     """A frame with the table's columns and dtypes (strings as plain Python objects, so a
     Parquet round trip gives back the same frame)."""
+    import pandas as pd  # after the slice: not in its start-up (capture/slice.py, _collect_startup)
+
     schema = SCHEMAS[table]
     defaults = DEFAULTS.get(table, {})
     columns = list(schema)

@@ -25,6 +25,7 @@ measured from the run are named constants below, each with where it comes from.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -48,6 +49,8 @@ from .steps import (
     USER_PHASE_NAMED,
     USER_PHASES_OF_OTHER,
     OtherParts,
+    gc_free_steps,
+    gc_pauses,
     measured,
     other_parts,
 )
@@ -718,7 +721,13 @@ RULES = (data_stall, copies, host_step, evaluation, saving, setup, compilation, 
 
 def recommendations(run: "Run") -> list[Recommendation]:
     """All recommendations for a run, speedups first (largest first), then memory, then the
-    rest. A rule that fails on odd data is skipped, never raised: advice is optional."""
+    rest. A rule that fails on odd data is skipped, never raised: advice is optional. The rules
+    judge the collector's pauses inside ``data_wait`` as other (``steps.gc_free_steps``): a full
+    collection that landed in ``next()`` had asked for loader workers."""
+    judged = gc_free_steps(run.steps, gc_pauses(run.spans, run.steps))
+    if judged is not run.steps:
+        run = copy.copy(run)
+        run.steps = judged
     out: list[Recommendation] = []
     for rule in RULES:
         try:

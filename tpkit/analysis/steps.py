@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import BUILTIN_PHASES, PHASE_COLUMNS, PHASE_NAMES, UNCOUNTED_PHASES, VERDICTS, user_spans
+from ..schema import BUILTIN_PHASES, GC_PHASE, OTHER, PHASE_COLUMNS, PHASE_NAMES, UNCOUNTED_PHASES, VERDICTS, user_spans
 from .memory import memory_notes, stream_note
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
@@ -483,11 +483,94 @@ def first_step_note(m: pd.DataFrame, warmup_steps: int) -> str | None:
             "workers, compilation) and weighs on the shares and the verdict; warmup=1 or 'auto' leaves it out")
 
 
+#: A collector pause inside a measured step is said (``gc_note``) from this share of its step, or
+#: from this long.
+GC_NOTE_SHARE = 0.05
+GC_NOTE_S = 0.05
+_GC_COLUMNS = ["step", "phase", "start_s", "duration_s", "generation", "share"]
+
+
+def gc_pauses(spans: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Python's collector pauses (``gc`` spans) in ``steps``, each with the built-in phase it
+    interrupted: the deepest built-in span of its step that holds it, ``other`` where none does.
+    A ``gc`` span is no built-in phase, so the steps table charged its time to that phase (a full
+    collection that landed in ``next()`` read as a wait for data). Columns: step, phase, start_s,
+    duration_s, generation (-1 unknown), share (of its step's duration)."""
+    if spans is None or spans.empty or steps.empty:
+        return pd.DataFrame(columns=_GC_COLUMNS)
+    gcs = spans[(spans["phase"] == GC_PHASE) & spans["step"].isin(steps["step"])]
+    if gcs.empty:
+        return pd.DataFrame(columns=_GC_COLUMNS)
+    hosts = spans[spans["phase"].isin(set(BUILTIN_PHASES)) & ~spans["phase"].isin(UNCOUNTED_PHASES)
+                  & spans["step"].isin(set(gcs["step"]))]
+    by_step = {int(k): g for k, g in hosts.groupby("step")}
+    durations = dict(zip(steps["step"].astype(int), steps["duration_s"].astype(float)))
+    rows = []
+    for g in gcs.itertuples(index=False):
+        step = int(g.step)
+        h = by_step.get(step)
+        phase = OTHER
+        if h is not None:
+            inside = h[(h["start_s"] <= g.start_s) & (h["end_s"] >= g.end_s) & (h["depth"] < g.depth)]
+            if not inside.empty:
+                phase = str(inside.sort_values(["depth", "start_s"], kind="stable")["phase"].iloc[-1])
+        gen = str(g.source).rsplit("gen", 1)[-1]
+        dur = durations.get(step, float("nan"))
+        rows.append((step, phase, float(g.start_s), float(g.duration_s), int(gen) if gen.isdigit() else -1,
+                     float(g.duration_s) / dur if dur > 0 else float("nan")))
+    return pd.DataFrame(rows, columns=_GC_COLUMNS)
+
+
+def gc_free_steps(steps: pd.DataFrame, pauses: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` as the verdict and the advice judge them: the collector's pauses inside
+    ``data_wait`` moved from ``data_wait_s`` to ``other_s`` (Python's own time, which no loader
+    or worker count shortens). ``run.steps`` itself keeps its contract (each instant charged to
+    the deepest built-in phase open at it); this is a copy."""
+    waits = pauses[pauses["phase"] == "data_wait"] if not pauses.empty else pauses
+    if waits.empty:
+        return steps
+    moved = waits.groupby("step")["duration_s"].sum()
+    out = steps.copy()
+    take = np.minimum(out["step"].map(moved).fillna(0.0).to_numpy(dtype="float64"),
+                      out["data_wait_s"].to_numpy(dtype="float64"))
+    out["data_wait_s"] = out["data_wait_s"] - take
+    out["other_s"] = out["other_s"] + take
+    return out
+
+
+def gc_note(pauses: pd.DataFrame, steps: pd.DataFrame) -> str | None:
+    """The collector's notable pauses in the measured steps, in words (the longest named), or None."""
+    m = set(measured(steps)["step"].astype(int)) if not steps.empty else set()
+    if pauses.empty or not m:
+        return None
+    p = pauses[pauses["step"].isin(m)]
+    p = p[(p["duration_s"] > GC_NOTE_S) | (p["share"] > GC_NOTE_SHARE)]
+    if p.empty:
+        return None
+    top = p.loc[p["duration_s"].idxmax()]
+    kind = "a full garbage collection" if int(top["generation"]) == 2 else (
+        f"a garbage collection (gen{int(top['generation'])})" if int(top["generation"]) >= 0 else "a garbage collection")
+    where = "between phases (other)" if top["phase"] == OTHER else f"inside {top['phase']}"
+    what = f"{kind} of {top['duration_s'] * 1e3:.0f} ms in step {int(top['step'])}, {where}"
+    if top["phase"] == "data_wait":
+        what += ": not the loader"
+    head = (f"Python's garbage collector paused the loop {len(p)} times in the measured steps "
+            f"({p['duration_s'].sum() * 1e3:.0f} ms; the longest: {what})" if len(p) > 1 else what)
+    tail = ("; the verdict and the advice count collections inside data_wait as other (Python's own time), "
+            "not as waiting for data" if (p["phase"] == "data_wait").any() else "")
+    return head + tail + " (gc spans in run.spans)"
+
+
 def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None,
               memory: pd.DataFrame | None = None, spans: pd.DataFrame | None = None) -> Summary:
     """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did,
     with ``memory`` (``run.memory``) it notes memory that keeps growing from step to step, with
-    ``spans`` (``run.spans``) it names the user's phases in ``other`` and where the rest of it sits."""
+    ``spans`` (``run.spans``) it names the user's phases in ``other`` and where the rest of it sits,
+    says the collector's pauses and judges their time as other, never as waiting for data
+    (``gc_free_steps``)."""
+    seen = batches_seen(steps, meta)
+    pauses = gc_pauses(spans, steps) if spans is not None else pd.DataFrame(columns=_GC_COLUMNS)
+    steps = gc_free_steps(steps, pauses)
     m = measured(steps)
     shares = phase_shares(m)
     parts = other_parts(steps, spans) if spans is not None and shares.get("other_s", 0.0) > 0 else None
@@ -507,10 +590,13 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
         user_phase_share={p: f * shares["other_s"] for p, f in parts.phases.items()} if parts else {},
-        verdict=verdict(shares, batches_seen(steps, meta), str(meta.get("compiled_step") or ""), parts,
+        verdict=verdict(shares, seen, str(meta.get("compiled_step") or ""), parts,
                         str((meta.get("model") or {}).get("class") or "")),
         notes=list(meta.get("notes", [])),
     )
+    paused = gc_note(pauses, steps)
+    if paused is not None:
+        out.notes.append(paused)
     first = first_step_note(m, out.warmup_steps)
     if first is not None:
         out.notes.append(first)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..run import Run
 from ..schema import ENV_SAVE_DIR
-from .build import build_run
+
+if TYPE_CHECKING:  # both import pandas: never at a slice's start (slice.py, _collect_startup)
+    from ..run import Run
 
 
 def rank_meta() -> dict[str, Any]:
@@ -212,6 +213,8 @@ class RankWatchdog:
             msg = self.message = stall_message(self.timeout_s, self.stall)
             snap.notes.append(msg)
             warmup = min(self.warmup_steps, len(snap.step_ends))
+            from .build import build_run
+
             run = build_run(snap, warmup, {"complete": False, "stopped_by": "stalled", "error": msg,
                                            "stall": dict(self.stall)})
             finish_rank_run(run, self.save_dir)

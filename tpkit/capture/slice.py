@@ -16,23 +16,24 @@ import threading
 import time
 from contextlib import ContextDecorator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
 
 from .._version import __version__
 from ..errors import ProfileActiveError, StopSlice, TpkitError
-from ..run import Run
 from . import evaluation
 from . import recorder as _rec
-from .build import build_run
 from .frameworks import find_trainer
 from .host import cpu_name, usable_cores
 from .interrupts import TermGuard, held_sigint
 from .probes.compiling import skipped_by_dynamo
 from .probes.cuda_timing import maybe_cuda_timer
 from .probes.phases import PhaseProbe
+
+if TYPE_CHECKING:
+    from ..run import Run
 
 #: ``--warmup auto`` gives up waiting for step times to settle after this many steps.
 WARMUP_AUTO_CAP = 20
@@ -512,6 +513,8 @@ class Profile:
             # on a GPU the tpkit spans are what the GPU waited for tpkit; this is its host time
             meta["cuda_timing"]["tpkit_host_s"] = rec.own_host_ns / 1e9
         try:
+            from .build import build_run  # pandas only once the slice is over (_collect_startup)
+
             self.run = build_run(rec, warmup, meta)
             for probe in self._removed:
                 if hasattr(probe, "table_rows"):  # the ops probe's operator events
@@ -519,6 +522,8 @@ class Profile:
 
                     self.run.ops = frame("ops", probe.table_rows(warmup))
         except Exception as e:  # never lose the user's error to a failure of ours
+            from ..run import Run
+
             self.run = Run(meta={"name": rec.name, "complete": False, "notes": [f"building the Run failed: {e!r}"]})
             _LAST_RUN = self.run
             if exc is None or isinstance(exc, StopSlice):
