@@ -239,6 +239,26 @@ def test_fsdp2s_unsharded_parameters_are_parameters(tmp_path):
         assert any(n.startswith("FSDP2's unsharded parameters") for n in kept["notes"])
 
 
+def test_fsdp1s_unsharded_flat_parameters_are_parameters(tmp_path):
+    """FSDP1 all-gathers each FlatParameter into its padded unsharded copy before a unit's forward;
+    SHARD_GRAD_OP keeps every unit's to the backward, FULL_SHARD the root's. They are parameters:
+    they had read activations (SHARD_GRAD_OP: 315,504 B of a 2-rank forward's exit beside 27,488 B
+    of real activations; FULL_SHARD the root's 5,136 B), as FSDP2's did before. Truth: the bytes
+    of FSDP1's own ``_full_param_padded`` storages alive after each forward, read in the worker."""
+    torchrun("fsdp1_memory_worker.py", 2, str(tmp_path), timeout_s=300)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        grad_op, full = got["SHARD_GRAD_OP"], got["FULL_SHARD"]
+        for case in (grad_op, full):
+            assert len(set(case["kept"])) == 1 and case["kept"][0] > 0
+            assert case["parameters"] == case["shard"] + case["kept"][0]  # shards and the unsharded, to the byte
+            assert any(n.startswith("FSDP's unsharded flat parameters") for n in case["notes"])
+        assert grad_op["kept"][0] > 10 * full["kept"][0]  # every unit's against the root's alone
+        # what forward saved, about the same both ways (gloo's own buffers come and go with its
+        # threads' timing), none of the unsharded parameters among it
+        assert abs(grad_op["activations"] - full["activations"]) < grad_op["kept"][0] // 8
+
+
 def test_two_ranks_late_before_different_collectives_are_both_named_with_their_own_delay(tmp_path):
     """3 DDP ranks: rank 1 sleeps 40 ms before each batch (the others wait at DDP's all-reduce),
     rank 0 30 ms after each step, before an all_gather (the others wait there). One straggler per

@@ -110,6 +110,7 @@ from ..recorder import Recorder, WeakRegistry
 from . import allocator_counter
 from .allocator_counter import CpuAllocatorCounter
 from .compiling import compiling
+from .offload import deepspeed_gradient_tensors
 from .patching import Patches
 from .phases import has_accelerator
 
@@ -192,6 +193,20 @@ def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout in (torch.sparse_csc, torch.sparse_bsc):
         return (t.ccol_indices(), t.row_indices(), t.values())
     return (t,)
+
+
+def _unsharded_flat(flat_param: Any) -> list[tuple[int, int]]:
+    """(address, bytes) of an FSDP1 FlatParameter's padded unsharded copies whose storage is
+    allocated now: the one forward and backward use, and the full-precision one
+    ``summon_full_params`` gathers under parameter mixed precision. Freed, a storage has 0 bytes."""
+    out = []
+    for name in ("_full_param_padded", "_full_prec_full_param_padded"):
+        t = getattr(flat_param, name, None)
+        if isinstance(t, torch.Tensor) and t.is_cpu:
+            s = t.untyped_storage()
+            if s.nbytes():
+                out.append((s.data_ptr(), s.nbytes()))
+    return out
 
 
 def _addresses(tensors: list[torch.Tensor]) -> list[int]:
@@ -633,6 +648,7 @@ class MemoryProbe:
         self._handle: Any = None
         self._fsdp = Patches()  # FSDP2's unshard, while the probe is installed (_watch_fsdp_unshards)
         self.fsdp_unshards = 0  # unshards observed (their parameters counted as parameters)
+        self.fsdp1_unshards = 0  # FSDP1's unshards observed (_watch_fsdp1_unshards)
         self._history = False
         self._cpu_note: str | None = None
         self._stream_lost_at: int | None = None
@@ -678,6 +694,7 @@ class MemoryProbe:
                 self._refill(min(MARKERS_AHEAD_MAX, MARKERS_PER_STEP_AHEAD * self.steps_ahead))
             self._observe()  # what exists already (a model seen before, its optimizer's state)
             self._watch_fsdp_unshards()
+            self._watch_fsdp1_unshards()
             for i in sorted(self._cuda_in_use):
                 # the baseline: the first stretch's peak is measured from here
                 self._cuda_baseline[f"cuda:{i}"] = self._read_cuda(i)
@@ -761,6 +778,16 @@ class MemoryProbe:
                               f"its backward, {self.fsdp_unshards} times in the slice) count as parameters from "
                               "their all-gather to their reshard; kept from forward to backward with "
                               "reshard_after_forward=False")
+            if self.fsdp1_unshards:
+                self.rec.note(f"FSDP's unsharded flat parameters (FullyShardedDataParallel's all-gathered "
+                              f"FlatParameters, {self.fsdp1_unshards} unshards in the slice) count as parameters "
+                              "from their all-gather to their reshard; kept from forward to backward with "
+                              "SHARD_GRAD_OP, and the root's with FULL_SHARD")
+            if self.walks and self._deepspeed_engines():
+                self.rec.note("memory: a DeepSpeed engine's own gradient buffers (ZeRO's accumulators and "
+                              "partitions) are counted as gradients from the CPU allocation stream only; where "
+                              "the categories came from walks at the boundaries (CUDA devices, a loop in another "
+                              "thread, a running torch profiler) they are not walked and read with the rest")
             self._emit(events)
             self._batch = []
             self.optimizers = WeakRegistry()
@@ -845,6 +872,40 @@ class MemoryProbe:
             return out
 
         self._fsdp.set(group, "wait_for_unshard", functools.update_wrapper(wait_for_unshard, wait))
+
+    def _watch_fsdp1_unshards(self) -> None:
+        """FSDP1 (``FullyShardedDataParallel``) all-gathers each FlatParameter into the padded
+        unsharded flat parameter (``FlatParamHandle.unshard``: ``_full_param_padded``, its storage
+        allocated there and resized to 0 at the reshard) before a unit's forward and, where it
+        was resharded, before its backward. SHARD_GRAD_OP keeps every unit's from forward to
+        backward, FULL_SHARD the root's: those had read activations (315,504 B of a 2-rank
+        SHARD_GRAD_OP forward's exit, beside 27,488 B of real activations), inside backward
+        temporaries. As for FSDP2 (``_watch_fsdp_unshards``), each unshard in the loop's thread
+        is an observation of them. One observation per unit and unshard, none under NO_SHARD
+        (its flat parameter is the model's own). Only where the loop imported FSDP1."""
+        mod = sys.modules.get("torch.distributed.fsdp._flat_param")
+        handle = getattr(mod, "FlatParamHandle", None)
+        unshard = vars(handle).get("unshard") if isinstance(handle, type) else None
+        if not callable(unshard):
+            return
+        probe = self
+
+        def fsdp1_unshard(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            if compiling() or not probe._streaming() or not getattr(self_, "uses_sharded_strategy", False):
+                return unshard(self_, *args, **kwargs)
+            flat = getattr(self_, "flat_param", None)
+            before = _unsharded_flat(flat)
+            out = unshard(self_, *args, **kwargs)
+            probe._observe_flat_unsharded([t for t in _unsharded_flat(flat) if t not in before])
+            return out
+
+        self._fsdp.set(handle, "unshard", functools.update_wrapper(fsdp1_unshard, unshard))
+
+    def _observe_flat_unsharded(self, found: list[tuple[int, int]]) -> None:
+        """Unsharded flat-parameter storages (address, bytes) an FSDP1 unshard allocated."""
+        if found:
+            self.fsdp1_unshards += 1
+            self._add_observation([x for ptr, nbytes in found for x in (ptr, nbytes, "parameters", -1)])
 
     def _observe_unsharded(self, fsdp_params: Iterable[Any]) -> None:
         items: list[Any] = []
@@ -1358,6 +1419,7 @@ class MemoryProbe:
                             if slot not in watched and part is g:
                                 watched.add(slot)
                                 self._watch(g, ptr, nbytes)
+            items += self._engine_gradients()
             if grads and not final:  # a look right after a backward: its result is that pass's pattern
                 self._grads_seen_at.append(len(self.observations))
         fp = self._opt_fingerprint()
@@ -1385,6 +1447,34 @@ class MemoryProbe:
         if grads and not final and not items:
             items.extend((0, 0, "gradients", -1))  # none alive: still a look at the gradients
         self._add_observation(items)
+
+    def _deepspeed_engines(self) -> list[Any]:
+        """The DeepSpeed engines among the loop's models (none where DeepSpeed is not imported)."""
+        cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+        return [m for m in self.rec.models.live() if isinstance(m, cls)] if isinstance(cls, type) else []
+
+    def _engine_gradients(self) -> list[Any]:
+        """Observation items (address, bytes, ``gradients``, -1) for the gradients a DeepSpeed
+        engine among the loop's models holds outside ``.grad``: ZeRO-1/2 accumulate a micro-batch's
+        into their own flat buffers (``offload.deepspeed_gradient_tensors``), which had read
+        temporaries at a backward's exit and other at the step's enter (160,800 B of a 2-rank
+        ZeRO-2 engine's, gradients 0). Walked at the looks at the gradients only; nothing where
+        the loop imported no DeepSpeed."""
+        items: list[Any] = []
+        seen: set[int] = set()
+        for m in self._deepspeed_engines():
+            for t in deepspeed_gradient_tensors(m):
+                if not t.is_cpu:
+                    continue
+                try:
+                    s = t.untyped_storage()
+                    ptr, nbytes = s.data_ptr(), s.nbytes()
+                except RuntimeError:  # a storage freed or swapped: nothing alive
+                    continue
+                if nbytes and ptr not in seen:
+                    seen.add(ptr)
+                    items.extend((ptr, nbytes, "gradients", -1))
+        return items
 
     def _add_observation(self, items: list[Any]) -> None:
         if items and self._streaming():

@@ -47,13 +47,62 @@ def tensor_bytes(obj: Any) -> int:
     return total
 
 
+#: Attributes of a ZeRO optimizer that hold the engine's gradients between its backward and its
+#: step (``deepspeed/runtime/zero/stage_1_and_2.py``, ``stage3.py``): the per-parameter
+#: accumulators of ZeRO-1/2 (``all_grad_tensors``, between micro-batches), the partition handed to
+#: the step (``averaged_gradients``), ZeRO-2's contiguous partition buffer and ZeRO-3's flat one.
+ZERO_GRADIENT_ATTRS = ("all_grad_tensors", "averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
+
+
+def deepspeed_gradient_tensors(engine: Any) -> list[torch.Tensor]:
+    """The gradient tensors a DeepSpeed engine holds now, outside the model's ``.grad``: its ZeRO
+    optimizer's buffers (``ZERO_GRADIENT_ATTRS``) and the ``.grad`` of the fp32 partitions its
+    basic optimizer steps (set inside the step, and under ZeRO-Offload copied there in backward).
+    Many are views of one flat storage: count storages, not tensors (``tensor_bytes``)."""
+    zero = getattr(engine, "optimizer", None)
+    if zero is None:
+        return []
+    out: list[torch.Tensor] = []
+    stack: list[Any] = [getattr(zero, name, None) for name in ZERO_GRADIENT_ATTRS]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        for p in getattr(zero, name, None) or []:
+            if isinstance(p, torch.Tensor) and p.grad is not None:
+                out.append(p.grad)
+    return out
+
+
+#: ``meta["deepspeed"]["gradient_bytes"]`` is read at every ``engine.step`` enter (one per
+#: micro-batch) of the slice's first GRADIENT_READ_STEPS engine steps: every position in an
+#: accumulation, and the first step's allocations, are seen; each read walks about two tensors
+#: per parameter (~0.7 us each here: 0.2 ms for 300), so not at every micro-batch of the slice.
+GRADIENT_READ_STEPS = 2
+
+
+def _engine_gradient_bytes(engine: Any) -> int:
+    """Bytes of the gradient storages a DeepSpeed engine holds now: its own buffers and its
+    model's ``.grad`` (ZeRO-1 leaves a micro-batch's there until the accumulation boundary)."""
+    module = getattr(engine, "module", None)
+    grads = [p.grad for p in module.parameters() if p.grad is not None] if module is not None else []
+    return tensor_bytes(deepspeed_gradient_tensors(engine) + grads)
+
+
 def deepspeed_holdings(engine: Any) -> dict[str, Any]:
     """What a DeepSpeed engine holds, by the categories of ``run.memory``.
 
     ``optimizer_state_bytes`` is the basic (torch) optimizer's ``state``, e.g. DeepSpeedCPUAdam's
     exp_avg/exp_avg_sq on the host under offload; ``fp32_master_bytes`` the fp32 partitions
-    the basic optimizer updates (ZeRO counts them as optimizer state too: 12 B/param with
-    Adam); ``gradient_bytes`` the flat gradient partitions ZeRO keeps for the step.
+    the basic optimizer updates (DeepSpeed's own accounting counts them as optimizer state,
+    12 B/param with Adam; ``run.memory`` files them under ``parameters``, being the parameters
+    the basic optimizer steps). ``OffloadProbe.meta`` adds ``gradient_bytes``: the most gradient
+    bytes the engine held entering ``engine.step`` (``_engine_gradient_bytes``, GRADIENT_READ_STEPS).
     """
     zero = getattr(engine, "optimizer", None)
     basic = getattr(zero, "optimizer", zero)
@@ -77,12 +126,6 @@ def deepspeed_holdings(engine: Any) -> dict[str, Any]:
     model_ids = {id(p) for p in engine.module.parameters()} if hasattr(engine, "module") else set()
     masters = [p for p in masters if id(p) not in model_ids]  # ZeRO-0: the basic optimizer owns model params
     out["fp32_master_bytes"] = tensor_bytes(masters)
-    grads = []
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-        for p in getattr(zero, name, None) or []:
-            if isinstance(p, torch.Tensor) and p.grad is not None:
-                grads.append(p.grad)
-    out["gradient_bytes"] = tensor_bytes(grads)
     out["parameter_bytes"] = tensor_bytes(list(engine.module.parameters())) if hasattr(engine, "module") else 0
     return out
 
@@ -97,6 +140,8 @@ class OffloadProbe:
         self.engines: dict[int, Any] = {}
         self._handles: list[Any] = []
         self.engine_steps = 0
+        #: the most gradient bytes an engine held entering its step (GRADIENT_READ_STEPS)
+        self.gradient_bytes: dict[int, int] = {}
         self.deepspeed_watched = False  # DeepSpeedEngine's step and backward were wrapped in this slice
 
     def install(self) -> "OffloadProbe":
@@ -157,6 +202,10 @@ class OffloadProbe:
                 probe.engines[id(engine)] = engine
                 probe._hook_host_optimizer(engine)
             before = getattr(engine, "global_steps", None)
+            if probe.engine_steps < GRADIENT_READ_STEPS:
+                held = _engine_gradient_bytes(engine)
+                if held > probe.gradient_bytes.get(id(engine), 0):
+                    probe.gradient_bytes[id(engine)] = held
             token = rec.enter("optimizer", "DeepSpeedEngine.step")
             try:
                 out = fn(engine, *args, **kwargs)
@@ -257,7 +306,8 @@ class OffloadProbe:
         if self.engines:
             engine = next(iter(self.engines.values()))
             out["deepspeed"] = {**deepspeed_holdings(engine), "engine_steps": self.engine_steps,
-                                "engines": len(self.engines)}
+                                "engines": len(self.engines),
+                                "gradient_bytes": self.gradient_bytes.get(id(engine), 0)}
         return out
 
 
