@@ -161,6 +161,89 @@ def test_targets_the_model_makes_for_itself(eval_mode):
         assert float(run.steps["forward_s"].sum()) >= 2 * N * truth.FORWARD_S
 
 
+def test_an_evaluation_without_model_eval():
+    """``with torch.no_grad():`` over a validation DataLoader every few steps, no ``model.eval()``
+    (nothing in the model depends on the mode, as many small loops write it), a metric (20 ms)
+    between the calls. The calls are in train mode, but the validation loader's batches feed no
+    forward with grad: it is evaluation, read as with ``model.eval()``. Counted as training,
+    eval_s had read 0, the validation's forwards were forward_s, and its batches the step's
+    samples (8 + 32 after every third step). Truth: the loop's clocks."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, val = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+    evals = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="no-eval-mode", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            t = time.perf_counter()
+            x, y = next(it)
+            clock["data_wait"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss = F.mse_loss(model(x), y)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                with torch.no_grad():  # and no model.eval()
+                    t = time.perf_counter()
+                    for k, (vx, vy) in enumerate(val):
+                        F.mse_loss(model(vx), vy)
+                        evals += 1
+                        if k == 1:
+                            break
+                        time.sleep(0.02)  # the metric
+                    clock["eval"] += time.perf_counter() - t
+    run = prof.run
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its waits, its calls, the metric between)")
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (training calls)")
+    close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
+    assert run.meta["evaluation"] == {"calls": evals, "helper_calls": 0, "batches": evals,
+                                      "samples": evals * EVAL_BATCH, "runs": {}}
+    m = run.steps[~run.steps["warmup"]]
+    assert run.summary().throughput == pytest.approx(BATCH * len(m) / m["duration_s"].sum())
+
+
+def test_generate_in_train_mode_on_validation_prompts():
+    """A GPT-2 trained in a plain loop; every few steps ``generate()`` on prompts from a
+    validation DataLoader, the model left in train mode (no ``model.eval()``; generate() runs
+    under no_grad). Its model calls and the waits for its prompts are eval, as in eval mode:
+    they had been forward and data_wait (eval_s 0), the prompts the step's samples (12 for 4),
+    and the verdict COMPUTE-BOUND with the evaluation inside. Truth: the loop's clocks; the
+    model's calls by grad mode (forward hooks)."""
+    truth.import_transformers()
+    model = truth.tiny_gpt2()
+    calls = CallClock(model)
+    opt = truth.SleepyAdamW(model.parameters(), lr=1e-3)
+    train = torch.utils.data.DataLoader(truth.Tokens(), batch_size=4, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Tokens(), range(8)), batch_size=4,
+                                      collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+    evaluations = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="generate-train-mode", progress=False, clock_hz=0) as prof:
+        for step, batch in zip(range(N), train):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                t = time.perf_counter()
+                for prompts in val:
+                    ids = prompts["input_ids"][:, :8]
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                   pad_token_id=0)
+                clock["eval"] += time.perf_counter() - t
+                evaluations += 1
+    run = prof.run
+    assert (run.steps["samples"] == 4).all(), run.steps["samples"].tolist()
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (the prompts' waits and generate())")
+    close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
+    assert run.meta["evaluation"]["calls"] == calls.calls["eval"] == 2 * 3 * evaluations, run.meta["evaluation"]
+    assert run.meta["evaluation"]["batches"] == 2 * evaluations, run.meta["evaluation"]
+
+
 def test_evaluating_the_model_inside_its_wrapper():
     """Trained through a wrapper (DataParallel here; DDP and torch.compile's wrapper alike),
     evaluated by calling the model inside it."""
@@ -381,14 +464,18 @@ def test_an_ema_teacher_evaluated_on_validation_batches():
                                       "samples": reads * EVAL_BATCH, "runs": {}}
 
 
-def test_a_mean_teacher_labelling_its_own_batch_is_training():
+@pytest.mark.parametrize("labeller", ["teacher", "student"])
+def test_a_mean_teacher_labelling_its_own_batch_is_training(labeller):
     """Mean Teacher: each step reads an unlabelled batch, the frozen teacher (eval mode, no grad)
     makes its targets, then the labelled batch is read and the student trains on both. The
     teacher's batch feeds no forward with grad before the next batch is read, but such batches
     come in every step: training (they had been taken as the teacher's evaluation, its forward
-    and wait eval and 8 samples a step lost)."""
+    and wait eval and 8 samples a step lost). So where the student labels it itself, in train
+    mode without grad (pseudo-labels on a batch of their own)."""
     torch.manual_seed(0)
     model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    if labeller == "student":
+        teacher = model
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     lab = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
     unlab = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
