@@ -2,7 +2,8 @@
 Lightning (``val_check_interval``) that evaluate every few steps. The evaluation's model calls
 and the waits for its batches are ``eval``, not ``forward`` / ``data_wait``, and its batches are
 not the steps' samples; a model only ever called without grad (a teacher) and the trained
-model called without grad in train mode (targets for itself) stay ``forward``.
+model called without grad in train mode on the batches it trains on (targets for itself) stay
+``forward``, while its calls in train mode on a validation loader's batches are evaluation.
 
 Truth: the loop's own clocks; for the frameworks, forward hooks on the model that time each
 outermost call by its grad mode, the known sleeps of ``truth``'s parts, and the framework's own
@@ -130,6 +131,40 @@ def test_memory_at_evaluation_is_labelled_eval(plain):
     # every evaluation step has its eval rows; the other steps none
     eval_steps = set(plain["run"].steps.loc[plain["run"].steps["eval_s"] > 0, "step"])
     assert set(at_eval["step"]) == eval_steps
+
+
+def test_memory_held_between_evaluation_calls_is_one_category():
+    """An evaluation under inference_mode keeping ``out = model(vx)`` (64 x 4096 float32 =
+    1,048,576 B): the previous call's output is alive at the wait for the next batch and at the
+    next call's enter. Inside an evaluation what is beyond the known sets is ``other`` at every
+    boundary (the output had read other at the wait and activations at the next enter: the
+    activations bar jumped by one output). Truth: the output's exact bytes."""
+    out_bytes = 64 * 4096 * 4
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 4096)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8 * 20, 64)), batch_size=8)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64 * 3, 64)), batch_size=64)
+    with tp.profile(steps=4, warmup=1, name="eval-memory", progress=False, clock_hz=0) as prof:
+        for i, (x,) in enumerate(train):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                model.eval()
+                with torch.inference_mode():
+                    for (vx,) in val:
+                        out = model(vx)
+                del out
+                model.train()
+    m = prof.run.memory
+    ev = m[(m["phase"] == "eval") & (m["device"] == "cpu") & (m["event"] != "peak")]
+    beyond = ev[ev["category"].isin(["activations", "temporaries", "other"])]
+    assert (beyond.loc[beyond["category"] != "other", "bytes"] == 0).all(), beyond[beyond["bytes"] > 0]
+    other = beyond[beyond["category"] == "other"].sort_values("t_s")
+    held = other["bytes"].tolist()
+    first = held.index(out_bytes)  # the first call's exit: its output
+    assert held[first:] == [out_bytes] + [out_bytes, out_bytes, out_bytes, 2 * out_bytes] * 2, held
 
 
 @pytest.mark.parametrize("eval_mode", [False, True], ids=["train-mode", "eval-mode"])

@@ -398,10 +398,20 @@ def relabel_span(split_: EvalSplit, phase: str, start_ns: int, end_ns: int) -> s
 
 
 def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> list[tuple]:
-    """Memory rows ``(raw_step, phase, event, t_ns, ...)`` with the phase of an evaluation call
-    or wait made ``eval`` (``spans`` as for ``split``). A wait's rows are stamped just outside its
-    span (the probe runs before the span opens and after it closes): each goes with the nearest
-    ``data_wait`` span."""
+    """Memory rows ``(raw_step, phase, event, t_ns, device, category, bytes)`` with the phase of
+    an evaluation call or wait made ``eval`` (``spans`` as for ``split``). A wait's rows are
+    stamped just outside its span (the probe runs before the span opens and after it closes):
+    each goes with the nearest ``data_wait`` span.
+
+    At those rows what is beyond the known sets is ``other`` whole: their ``activations`` and
+    ``temporaries`` are moved into it. The probe had split it by the raw phase, activations at a
+    forward's boundaries and other at a wait's, so the same block (the previous call's output
+    kept by the loop, 1 MiB) read other at each wait and activations at the next call's enter:
+    the evaluation's activations bar jumped by one output at every call. Other is what the same
+    evaluation reads inside a trainer's ``evaluate()`` or ``tp.phase("eval")`` (an eval span's
+    boundaries are no forward's), and what it is: activations are what a forward keeps for a
+    backward, and an evaluation keeps nothing for one (checkpointing them would free nothing, and
+    the memory advice reads the activations at the peak)."""
     if not split_:
         return rows
     waits = sorted((s[1], s[2]) for s in spans if s[0] == "data_wait")
@@ -419,12 +429,20 @@ def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> 
         return best
 
     out = []
+    moved: dict[tuple, int] = {}  # (raw_step, event, t_ns, device) of a relabelled row -> bytes made other
     for row in rows:
         phase, t = row[1], row[3]
         if (phase == "forward" and split_.in_call(t)) or (
                 phase == "data_wait" and nearest_wait(t) in split_.waits):
+            if row[5] in ("activations", "temporaries"):
+                key = (row[0], row[2], t, row[4])
+                moved[key] = moved.get(key, 0) + row[6]
+                row = (*row[:6], 0)
             row = (row[0], EVAL, *row[2:])
         out.append(row)
+    if moved:
+        out = [(*row[:6], row[6] + moved.get((row[0], row[2], row[3], row[4]), 0))
+               if row[1] == EVAL and row[5] == "other" else row for row in out]
     return out
 
 
