@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 #: ``tpkit`` is tpkit's own probe work, shown so that what tpkit costs is measured in every
 #: run instead of hiding in ``other``. ``comm`` is time the rank was blocked in collectives
 #: (capture/probes/comm.py): it is taken out of the phase it happened in. ``eval`` is evaluation
-#: run inside the slice: the trained model called without grad in eval mode, and the batches read
-#: for it (capture/evaluation.py); its samples are not the step's. ``setup`` is a trainer's setup
+#: run inside the slice: the trained model called without grad in eval mode (or in train mode on
+#: batches of a source that feeds no training), and the batches read for it
+#: (capture/evaluation.py); its samples are not the step's. ``setup`` is a trainer's setup
 #: inside the slice: from the previous run's last step (or the slice's start) to a new run's first
 #: batch, what no other phase covered there (capture/setups.py). ``compile`` is torch.compile's
 #: compilations inside the slice (dynamo's, and a backward graph's at its first run), taken out of

@@ -2,7 +2,8 @@
 Lightning (``val_check_interval``) that evaluate every few steps. The evaluation's model calls
 and the waits for its batches are ``eval``, not ``forward`` / ``data_wait``, and its batches are
 not the steps' samples; a model only ever called without grad (a teacher) and the trained
-model called without grad in train mode (targets for itself) stay ``forward``.
+model called without grad in train mode on the batches it trains on (targets for itself) stay
+``forward``, while its calls in train mode on a validation loader's batches are evaluation.
 
 Truth: the loop's own clocks; for the frameworks, forward hooks on the model that time each
 outermost call by its grad mode, the known sleeps of ``truth``'s parts, and the framework's own
@@ -132,6 +133,40 @@ def test_memory_at_evaluation_is_labelled_eval(plain):
     assert set(at_eval["step"]) == eval_steps
 
 
+def test_memory_held_between_evaluation_calls_is_one_category():
+    """An evaluation under inference_mode keeping ``out = model(vx)`` (64 x 4096 float32 =
+    1,048,576 B): the previous call's output is alive at the wait for the next batch and at the
+    next call's enter. Inside an evaluation what is beyond the known sets is ``other`` at every
+    boundary (the output had read other at the wait and activations at the next enter: the
+    activations bar jumped by one output). Truth: the output's exact bytes."""
+    out_bytes = 64 * 4096 * 4
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 4096)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8 * 20, 64)), batch_size=8)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64 * 3, 64)), batch_size=64)
+    with tp.profile(steps=4, warmup=1, name="eval-memory", progress=False, clock_hz=0) as prof:
+        for i, (x,) in enumerate(train):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                model.eval()
+                with torch.inference_mode():
+                    for (vx,) in val:
+                        out = model(vx)
+                del out
+                model.train()
+    m = prof.run.memory
+    ev = m[(m["phase"] == "eval") & (m["device"] == "cpu") & (m["event"] != "peak")]
+    beyond = ev[ev["category"].isin(["activations", "temporaries", "other"])]
+    assert (beyond.loc[beyond["category"] != "other", "bytes"] == 0).all(), beyond[beyond["bytes"] > 0]
+    other = beyond[beyond["category"] == "other"].sort_values("t_s")
+    held = other["bytes"].tolist()
+    first = held.index(out_bytes)  # the first call's exit: its output
+    assert held[first:] == [out_bytes] + [out_bytes, out_bytes, out_bytes, 2 * out_bytes] * 2, held
+
+
 @pytest.mark.parametrize("eval_mode", [False, True], ids=["train-mode", "eval-mode"])
 def test_targets_the_model_makes_for_itself(eval_mode):
     """The trained model called without grad on the batch it then trains on (pseudo-labels for
@@ -159,6 +194,89 @@ def test_targets_the_model_makes_for_itself(eval_mode):
     else:
         assert float(run.steps["eval_s"].sum()) == 0.0 and "evaluation" not in run.meta
         assert float(run.steps["forward_s"].sum()) >= 2 * N * truth.FORWARD_S
+
+
+def test_an_evaluation_without_model_eval():
+    """``with torch.no_grad():`` over a validation DataLoader every few steps, no ``model.eval()``
+    (nothing in the model depends on the mode, as many small loops write it), a metric (20 ms)
+    between the calls. The calls are in train mode, but the validation loader's batches feed no
+    forward with grad: it is evaluation, read as with ``model.eval()``. Counted as training,
+    eval_s had read 0, the validation's forwards were forward_s, and its batches the step's
+    samples (8 + 32 after every third step). Truth: the loop's clocks."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, val = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+    evals = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="no-eval-mode", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            t = time.perf_counter()
+            x, y = next(it)
+            clock["data_wait"] += time.perf_counter() - t
+            t = time.perf_counter()
+            loss = F.mse_loss(model(x), y)
+            clock["forward"] += time.perf_counter() - t
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                with torch.no_grad():  # and no model.eval()
+                    t = time.perf_counter()
+                    for k, (vx, vy) in enumerate(val):
+                        F.mse_loss(model(vx), vy)
+                        evals += 1
+                        if k == 1:
+                            break
+                        time.sleep(0.02)  # the metric
+                    clock["eval"] += time.perf_counter() - t
+    run = prof.run
+    assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (its waits, its calls, the metric between)")
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (training calls)")
+    close(float(run.steps["data_wait_s"].sum()), clock["data_wait"], "data_wait (training batches)")
+    assert run.meta["evaluation"] == {"calls": evals, "helper_calls": 0, "batches": evals,
+                                      "samples": evals * EVAL_BATCH, "runs": {}}
+    m = run.steps[~run.steps["warmup"]]
+    assert run.summary().throughput == pytest.approx(BATCH * len(m) / m["duration_s"].sum())
+
+
+def test_generate_in_train_mode_on_validation_prompts():
+    """A GPT-2 trained in a plain loop; every few steps ``generate()`` on prompts from a
+    validation DataLoader, the model left in train mode (no ``model.eval()``; generate() runs
+    under no_grad). Its model calls and the waits for its prompts are eval, as in eval mode:
+    they had been forward and data_wait (eval_s 0), the prompts the step's samples (12 for 4),
+    and the verdict COMPUTE-BOUND with the evaluation inside. Truth: the loop's clocks; the
+    model's calls by grad mode (forward hooks)."""
+    truth.import_transformers()
+    model = truth.tiny_gpt2()
+    calls = CallClock(model)
+    opt = truth.SleepyAdamW(model.parameters(), lr=1e-3)
+    train = torch.utils.data.DataLoader(truth.Tokens(), batch_size=4, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Tokens(), range(8)), batch_size=4,
+                                      collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+    evaluations = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="generate-train-mode", progress=False, clock_hz=0) as prof:
+        for step, batch in zip(range(N), train):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1:
+                t = time.perf_counter()
+                for prompts in val:
+                    ids = prompts["input_ids"][:, :8]
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                   pad_token_id=0)
+                clock["eval"] += time.perf_counter() - t
+                evaluations += 1
+    run = prof.run
+    assert (run.steps["samples"] == 4).all(), run.steps["samples"].tolist()
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (the prompts' waits and generate())")
+    close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training calls)")
+    assert run.meta["evaluation"]["calls"] == calls.calls["eval"] == 2 * 3 * evaluations, run.meta["evaluation"]
+    assert run.meta["evaluation"]["batches"] == 2 * evaluations, run.meta["evaluation"]
 
 
 def test_evaluating_the_model_inside_its_wrapper():
@@ -381,14 +499,18 @@ def test_an_ema_teacher_evaluated_on_validation_batches():
                                       "samples": reads * EVAL_BATCH, "runs": {}}
 
 
-def test_a_mean_teacher_labelling_its_own_batch_is_training():
+@pytest.mark.parametrize("labeller", ["teacher", "student"])
+def test_a_mean_teacher_labelling_its_own_batch_is_training(labeller):
     """Mean Teacher: each step reads an unlabelled batch, the frozen teacher (eval mode, no grad)
     makes its targets, then the labelled batch is read and the student trains on both. The
     teacher's batch feeds no forward with grad before the next batch is read, but such batches
     come in every step: training (they had been taken as the teacher's evaluation, its forward
-    and wait eval and 8 samples a step lost)."""
+    and wait eval and 8 samples a step lost). So where the student labels it itself, in train
+    mode without grad (pseudo-labels on a batch of their own)."""
     torch.manual_seed(0)
     model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    if labeller == "student":
+        teacher = model
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     lab = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
     unlab = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)

@@ -22,6 +22,16 @@ What is evaluation here:
   trained model (a teacher evaluated next to the student: after an evaluation call with no
   training work between, and before the next one or before training work that is no forward
   with grad), on batches tpkit sees or not;
+- an outermost call without grad of the trained model left in train mode (an evaluation under
+  ``torch.no_grad()`` that never calls ``model.eval()``, ``generate()`` called as is) on the
+  batches of a source that feeds no training: one of its batches' stretches holds such a call
+  and no training work (no forward with grad, backward, optimizer or offload span), and none
+  holds training work without one (a validation loader). It is otherwise the eval-mode case
+  (its batches, waits and the time between its calls alike); such calls had been training's
+  forward, their batches the steps' samples (272 a step for 16), and eval_s 0. A call on a
+  batch that is then trained on (targets the model makes for itself), on batches tpkit does
+  not see, or on a source's batches in every step (pseudo-labels made on a batch of their own
+  before the labelled one is read) stays training's ``forward`` (``_evaluated_in_train_mode``);
 - an outermost call without grad of a module without parameters (a loss such as
   ``nn.MSELoss()``, a metric such as torchmetrics'), in whatever mode, when the last model call
   before it was an evaluation call: a loop shares its loss module between training and
@@ -55,7 +65,8 @@ What is evaluation here:
   nothing tells that time from the step's.
 
 The phase probe records what it takes (``Recorder.handouts``, ``no_grad_calls``,
-``trained_modules``, ``param_free_modules``: a few integers a call or a batch); everything is decided here, after the
+``no_grad_train_calls``, ``trained_modules``, ``param_free_modules``: a few integers a call
+without grad or a batch); everything is decided here, after the
 slice, so that an evaluation at the slice's start (Lightning's sanity check, before the model's
 first training call) is seen too. Memory rows at those calls and waits are relabelled the same
 way, and the run's notes say what was counted as evaluation.
@@ -119,12 +130,14 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
           param_free: set[int], past: int, rows: int | None = None,
-          sources: list[int] | None = None) -> EvalSplit:
+          sources: list[int] | None = None, train_mode_calls: list[int] | None = None) -> EvalSplit:
     """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and sets of
     the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's, and
     what is counted (``describe``) stops at ``rows`` (the steps that have a row: a loop that ended
     early evaluates after its last step too, and that is in no step). ``sources``: per handout,
-    the iterator it came from (``Recorder.handout_sources``; 0 or None: not known)."""
+    the iterator it came from (``Recorder.handout_sources``; 0 or None: not known).
+    ``train_mode_calls``: the calls without grad in train mode (``Recorder.no_grad_train_calls``),
+    flat as ``no_grad_calls``."""
     rows = past if rows is None else min(rows, past)
     out = EvalSplit(rows=rows)
     whole = [s for s in spans if s[0] == EVAL and s[5] < past]  # a trainer's evaluate(), as one span
@@ -136,6 +149,11 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
             if s[5] < rows and s[4] != "tp.phase":  # a trainer's (the loop's own tp.phase("eval") is no run)
                 out.runs[s[4]] = out.runs.get(s[4], 0) + 1
     recorded = [no_grad_calls[i:i + 4] for i in range(0, len(no_grad_calls), 4) if no_grad_calls[i + 3] < past]
+    if train_mode_calls and sources is not None:
+        recorded = sorted(recorded + _evaluated_in_train_mode(
+            [train_mode_calls[i:i + 4] for i in range(0, len(train_mode_calls), 4)
+             if train_mode_calls[i + 3] < past and train_mode_calls[i + 2] in trained],
+            spans, handouts, sources, rows, [(a, b) for a, b, _, _ in recorded]))
     calls = sorted((a, b) for a, b, m, _ in recorded if m in trained and m not in param_free)
     # a model only ever called without grad in eval mode (a teacher, an EMA copy), while another is trained
     untrained = sorted((a, b, step) for a, b, m, step in recorded if trained and m not in trained
@@ -245,6 +263,51 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     return out
 
 
+def _evaluated_in_train_mode(candidates: list[list[int]], spans: list[tuple], handouts: list[int],
+                             sources: list[int], rows: int, eval_mode: list[tuple[int, int]]) -> list[list[int]]:
+    """The calls without grad of the trained model in train mode (``candidates``: start, end,
+    module, raw step) that are an evaluation: a loop that evaluates under ``torch.no_grad()``
+    without ``model.eval()`` (nothing in its model depends on the mode, or ``generate()`` called
+    as is). Those in the stretch (until the next batch) of a batch from a source whose batches
+    feed no forward with grad: a source with a batch whose stretch holds such a call and no
+    training work (no forward with grad, no backward, optimizer or offload span), and none whose
+    stretch holds training work without such a call (a validation loader; the batches of an
+    evaluation at the top of a step, after the step's batch was read, included). A call on a
+    batch that is then trained on (targets the model makes for itself), on batches tpkit does
+    not see (a held list, a rollout's observations), or on a source's batches read in every step
+    (pseudo-labels made on a batch of their own, trained on after the next read) stays the
+    step's ``forward``. Counted as training, such an evaluation read eval_s 0 for 0.345 s by the
+    loop's clock, its forwards in the verdict's compute, and its batches as trained samples
+    (272 a step for 16). The probe's cost is only on calls without grad: one list extend.
+    ``eval_mode``: the other calls without grad (in eval mode, of a loss or a metric), (start, end)."""
+    times = handouts[0::3]
+    if not candidates or not times or len(sources) < len(times):
+        return []
+    candidates = sorted(candidates)
+    no_grad = sorted([(a, b) for a, b, *_ in candidates] + eval_mode)
+    # training work: a forward with grad (a forward span in no call without grad), a backward,
+    # an optimizer step, an offload
+    work = sorted(s[1] for s in spans if s[0] in _TRAINING_WORK or (s[0] == "forward" and not _inside(no_grad, s[1])))
+    starts = [a for a, *_ in candidates]
+    alone: set[int] = set()
+    trains: set[int] = set()
+    stretch: list[tuple[int, int]] = []  # per batch: the candidates in its stretch, as a range
+    for k, t in enumerate(times):
+        end = times[k + 1] if k + 1 < len(times) else 1 << 62
+        lo, hi = bisect.bisect_left(starts, t), bisect.bisect_left(starts, end)
+        stretch.append((lo, hi))
+        worked = bisect.bisect_left(work, t) < bisect.bisect_left(work, end)
+        if sources[k] and lo < hi and not worked:
+            alone.add(sources[k])
+        elif sources[k] and worked and lo == hi:
+            trains.add(sources[k])
+    picked = [candidates[i] for k, (lo, hi) in enumerate(stretch)
+              if sources[k] in alone and sources[k] not in trains for i in range(lo, hi)]
+    if rows > 1 and set(range(rows)) <= {c[3] for c in picked}:
+        return []  # in every step: part of training (targets made on a batch of their own)
+    return picked
+
+
 def _inside_evaluation(untrained: list[tuple[int, int, int]], calls: list[tuple[int, int]],
                        recorded: list[list[int]], spans: list[tuple], grad_fwd: list[int]) -> list[tuple[int, int, int]]:
     """The calls of a model only called without grad (``untrained``: start, end, raw step) made
@@ -335,10 +398,20 @@ def relabel_span(split_: EvalSplit, phase: str, start_ns: int, end_ns: int) -> s
 
 
 def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> list[tuple]:
-    """Memory rows ``(raw_step, phase, event, t_ns, ...)`` with the phase of an evaluation call
-    or wait made ``eval`` (``spans`` as for ``split``). A wait's rows are stamped just outside its
-    span (the probe runs before the span opens and after it closes): each goes with the nearest
-    ``data_wait`` span."""
+    """Memory rows ``(raw_step, phase, event, t_ns, device, category, bytes)`` with the phase of
+    an evaluation call or wait made ``eval`` (``spans`` as for ``split``). A wait's rows are
+    stamped just outside its span (the probe runs before the span opens and after it closes):
+    each goes with the nearest ``data_wait`` span.
+
+    At those rows what is beyond the known sets is ``other`` whole: their ``activations`` and
+    ``temporaries`` are moved into it. The probe had split it by the raw phase, activations at a
+    forward's boundaries and other at a wait's, so the same block (the previous call's output
+    kept by the loop, 1 MiB) read other at each wait and activations at the next call's enter:
+    the evaluation's activations bar jumped by one output at every call. Other is what the same
+    evaluation reads inside a trainer's ``evaluate()`` or ``tp.phase("eval")`` (an eval span's
+    boundaries are no forward's), and what it is: activations are what a forward keeps for a
+    backward, and an evaluation keeps nothing for one (checkpointing them would free nothing, and
+    the memory advice reads the activations at the peak)."""
     if not split_:
         return rows
     waits = sorted((s[1], s[2]) for s in spans if s[0] == "data_wait")
@@ -356,12 +429,20 @@ def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> 
         return best
 
     out = []
+    moved: dict[tuple, int] = {}  # (raw_step, event, t_ns, device) of a relabelled row -> bytes made other
     for row in rows:
         phase, t = row[1], row[3]
         if (phase == "forward" and split_.in_call(t)) or (
                 phase == "data_wait" and nearest_wait(t) in split_.waits):
+            if row[5] in ("activations", "temporaries"):
+                key = (row[0], row[2], t, row[4])
+                moved[key] = moved.get(key, 0) + row[6]
+                row = (*row[:6], 0)
             row = (row[0], EVAL, *row[2:])
         out.append(row)
+    if moved:
+        out = [(*row[:6], row[6] + moved.get((row[0], row[2], row[3], row[4]), 0))
+               if row[1] == EVAL and row[5] == "other" else row for row in out]
     return out
 
 
@@ -400,7 +481,7 @@ def note(split_: EvalSplit, eval_s: float) -> str:
             "sees no loader: wrap the function in tp.watch, averaging the losses) the time stays other: nothing tells "
             "it from the step's (`with tp.phase(\"eval\"):` around your evaluation makes it eval whole)" if plain else "")
     return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it, "
-            f"or of a model only called without grad, on batches that fed no training or inside an evaluation) without grad in eval mode{with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
+            f"or of a model only called without grad, on batches that fed no training or inside an evaluation) without grad in eval mode (or in train mode on batches from a source that fed no training){with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
             f"forward or data_wait, and their samples are not the steps' (samples/s is training's){between}{whole}{rest}. A call of "
             "the trained model without grad in eval mode that is part of training (targets it makes for itself) is "
             "counted as eval too")

@@ -138,6 +138,10 @@ class Recorder:
         self.failed_forwards: list[int] = []
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
         self.no_grad_calls: list[int] = []
+        # calls without grad of a module with parameters in train mode, flat as no_grad_calls: an
+        # evaluation that never calls model.eval() where its batches feed no training
+        # (capture/evaluation.py: _evaluated_in_train_mode), else the step's own work
+        self.no_grad_train_calls: list[int] = []
         # when each forward run without grad began (ns, right after its enter boundary): it makes
         # no loss to backpropagate (the memory probe's replay)
         self.no_grad_forwards: list[int] = []
@@ -206,7 +210,7 @@ class Recorder:
         CPython, so a copy holds whole records)."""
         snap = copy.copy(self)
         for name in ("_spans", "step_ends", "memory", "clocks", "loader", "losses", "notes", "handouts",
-                     "no_grad_calls", "losses_after_reset", "handout_workers", "handout_sources", "handout_ids", "restarts",
+                     "no_grad_calls", "no_grad_train_calls", "losses_after_reset", "handout_workers", "handout_sources", "handout_ids", "restarts",
                      "run_starts", "failed_forwards"):
             setattr(snap, name, list(getattr(self, name)))
         snap.loss_counts = dict(self.loss_counts)

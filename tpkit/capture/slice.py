@@ -561,7 +561,8 @@ def _training_sources(rec: _rec.Recorder) -> set[int]:
     past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends)
     hand = rec.handouts
     ev = evaluation.split(rec.spans, hand, rec.no_grad_calls, rec.trained_modules, rec.param_free_modules, past,
-                          sources=rec.handout_sources)
+                          sources=rec.handout_sources,
+                          train_mode_calls=rec.no_grad_train_calls)
     out = {s for k, s in enumerate(rec.handout_sources) if s and k not in ev.handouts and hand[3 * k + 2] < past}
     if not any(s in out and hand[3 * k + 2] == past - 1 for k, s in enumerate(rec.handout_sources)):
         # the last step's batch came from no source tpkit saw (itertools.cycle past a DataLoader's

@@ -588,7 +588,8 @@ class PhaseProbe:
             return module_calls._torch_call(module, *args, **kwargs)
         rec = self.rec
         token = None
-        no_grad_from = 0  # a call without grad in eval mode: maybe evaluation (capture/evaluation.py)
+        no_grad_from = 0  # a call without grad: maybe evaluation (capture/evaluation.py)
+        in_train_mode = False  # ... of a module with parameters in train mode (Recorder.no_grad_train_calls)
         if not any(rec.is_open(p) for p in _NOT_FORWARD):
             if self._versions_at_backward is not None:
                 self._forward_coming(args, kwargs)
@@ -602,8 +603,8 @@ class PhaseProbe:
                     rec.trained_modules.update(_same_model(module))
             else:
                 no_grad_boundary = not rec.is_open("forward")  # (one open already had its boundary)
-                if self._param_free(module) or not module.training:
-                    no_grad_from = perf_counter_ns()
+                in_train_mode = not self._param_free(module) and module.training
+                no_grad_from = perf_counter_ns()
             token = rec.enter("forward", type(module).__name__)
             if no_grad_boundary:
                 rec.no_grad_forwards.append(perf_counter_ns())
@@ -625,7 +626,8 @@ class PhaseProbe:
                 if token is not None:
                     rec.exit(token)
                     if no_grad_from:
-                        rec.no_grad_calls += (no_grad_from, perf_counter_ns(), id(module), rec.step_index)
+                        (rec.no_grad_train_calls if in_train_mode else rec.no_grad_calls).extend(
+                            (no_grad_from, perf_counter_ns(), id(module), rec.step_index))
 
     def _trains(self, module: torch.nn.Module) -> bool:
         """Whether a call of ``module`` now is a training forward: with grad, in train mode, of a
