@@ -225,6 +225,73 @@ def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(sp
     assert len(prof.run.steps) == N and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
 
 
+@pytest.mark.parametrize("train_in_eval_mode", [False, True], ids=["train()-at-the-top", "trains-in-eval-mode"])
+def test_a_read_of_the_last_steps_loader_stops_the_loop_with_the_model_in_eval_mode(train_in_eval_mode):
+    """A loop that calls ``model.train()`` at the top of each iteration and looks at its batch
+    in eval mode without grad after ``opt.step()`` (or one that trains in eval mode): its next
+    read of the training loader is the next iteration's, with the model in eval mode, and
+    stops it there, as the loop stopped by ``break`` (no batch more made, the model left in eval
+    mode). Taking every read in eval mode for an evaluation's had let the loop read one batch
+    more and run its forward and backward (56 samples made for 48, the model in train mode).
+    Truth: the Dataset's count of samples made and the model's mode, against ``break``."""
+
+    class Counted(Data):
+        made = 0
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            Counted.made += 1
+            return super().__getitem__(i)
+
+    def loop(state: dict, limit: int | None = None) -> None:
+        Counted.made = 0
+        torch.manual_seed(0)
+        state["model"] = model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        state["steps"] = 0
+        for x, y in torch.utils.data.DataLoader(Counted(), batch_size=8):
+            if not train_in_eval_mode:
+                model.train()
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            state["steps"] += 1
+            model.eval()
+            with torch.no_grad():
+                model(x[:2])  # a look at the batch in eval mode
+            if limit is not None and state["steps"] >= limit:
+                break
+
+    def seen(state: dict) -> tuple[int, int, bool]:
+        return state["steps"], Counted.made, state["model"].training
+
+    plain: dict = {}
+    loop(plain, N)
+    truth = seen(plain)
+    profiled: dict = {}
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        loop(profiled)
+    assert seen(profiled) == truth == (N, 8 * N, False)
+    assert len(prof.run.steps) == N and prof.run.meta["stopped_by"] == "slice"
+
+
+def test_a_loader_whose_sampler_has_a_freed_loaders_id_is_a_source_of_its_own():
+    """A loader key is the id of the loader's index sampler: a loader made after another was
+    freed can get its id (a validation loader made after the training loader of the epoch
+    before: the two had been one source, the training loader's settings replaced by the
+    validation loader's). ``Recorder.source_key`` gives it a key of its own; the same loader
+    keeps its key."""
+    from tpkit.capture.recorder import Recorder
+
+    rec = Recorder()
+    a = torch.utils.data.DataLoader(Data(), batch_size=8)
+    b = torch.utils.data.DataLoader(Data(), batch_size=4)
+    key_a = rec.source_key(123, a)
+    assert key_a == 123 and rec.source_key(123, a) == 123  # a's epochs: one key
+    del a
+    key_b = rec.source_key(123, b)  # b's sampler has the id a's had (its id forced here)
+    assert key_b != 123 and rec.key_alias[123] == key_b and rec.source_key(123, b) == key_b
+
+
 def test_a_loop_that_makes_its_loader_anew_each_epoch_stops_before_the_new_loaders_first_batch():
     """A loop that builds a new DataLoader over the same Dataset each epoch (a curriculum, a
     sampler rebuilt per epoch): the slice full at an epoch's last batch, the loop stops at the

@@ -140,7 +140,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         read_ahead.read_ahead(rec.handouts, ev.handouts, slice_steps, Counter([*skipped.values(), *unmatched]))
     dropped = {} if rec.samples_per_step is not None else \
         read_ahead.discarded(rec.restarts, raw_spans, rec.handouts, rec.handout_sources,
-                             ev.handouts | set(skipped), slice_steps)
+                             ev.handouts | set(skipped), slice_steps, rec.source_datasets)
     skipped_by_step: Counter[int] = Counter()
     for k, step in skipped.items():
         skipped_by_step[step] += rec.handouts[3 * k + 1]

@@ -44,16 +44,23 @@ def note(batches: int, samples: int) -> str:
 
 
 def discarded(restarts: list[int], spans: list[tuple], handouts: list[int], sources: list[int],
-              eval_batches: set[int], steps: int) -> dict[int, list[int]]:
+              eval_batches: set[int], steps: int, datasets: dict[int, int] | None = None) -> dict[int, list[int]]:
     """Batches read and thrown away: handed to the loop from a DataLoader that then started again
     (its ``iter()``, ``Recorder.restarts``) before any forward. ``zip(loader_a, loader_b)`` whose
     second loader runs out first reads a batch of the first and drops it; ``for i, b in
     enumerate(loader): if i == n: break`` reads one more than it trains on. Counted, they were
     the step's samples (+13%, +60% samples/s). Only the same loader's restart counts (its
-    ``batches.loader_key``, in ``sources``): another loader cycling, or an evaluation before the training
-    forward, drops nothing. Returns {raw step: [samples of each batch]}."""
+    ``batches.loader_key``, in ``sources``), or that of a DataLoader over the same Dataset
+    (``datasets``: ``Recorder.source_datasets``; a loop making its loader anew each epoch,
+    whose dropped batch had been counted: 16 samples for 8): another loader cycling, or an
+    evaluation before the training forward, drops nothing. Returns {raw step: [samples of
+    each batch]}."""
     if not restarts:
         return {}
+    datasets = datasets or {}
+
+    def same(key: int, source: int) -> bool:
+        return key == source or (key in datasets and datasets[key] == datasets.get(source))
     starts = restarts[0::2]
     forwards = sorted(s[1] for s in spans if s[0] == "forward")
     out: dict[int, list[int]] = {}
@@ -64,7 +71,7 @@ def discarded(restarts: list[int], spans: list[tuple], handouts: list[int], sour
             continue
         nxt = handouts[3 * (k + 1)] if 3 * (k + 1) < len(handouts) else 1 << 62
         r = bisect.bisect_right(starts, t)
-        while r < len(starts) and starts[r] < nxt and restarts[2 * r + 1] != source:
+        while r < len(starts) and starts[r] < nxt and not same(restarts[2 * r + 1], source):
             r += 1
         if r < len(starts) and starts[r] < nxt and \
                 bisect.bisect_right(forwards, t) == bisect.bisect_right(forwards, starts[r]):

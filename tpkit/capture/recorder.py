@@ -134,6 +134,11 @@ class Recorder:
         # them (capture/slice.py: queue_drain; capture/build.py: meta['torch_loader'])
         self.loader_settings: dict[int, dict[str, Any]] = {}
         self.source_datasets: dict[int, int] = {}  # a DataLoader's loader_key -> the id of its Dataset
+        # a loader_key is an id: a loader made anew (each epoch) can get the id of one freed
+        # before it; ``source_key`` gives the new one a key of its own (``key_alias``)
+        self.key_alias: dict[int, int] = {}
+        self._key_refs: dict[int, Callable[[], Any]] = {}
+        self._next_alias = -1  # (negative: never an id)
         # outermost forwards that raised, flat: (ns, batches.forward_identity of their batch, raw_step) (read_ahead.failed)
         self.failed_forwards: list[int] = []
         self.uncounted: str | None = None  # the type of the first batch whose samples no rule could count
@@ -165,6 +170,7 @@ class Recorder:
         # as some loops do each epoch, is the training loader too).
         self.stop_pending: Callable[[], None] | None = None
         self.training_sources: set[int] = set()
+        self.last_sources: set[int] = set()  # of them, the ones that handed out the last step's batch
         self.training_datasets: set[int] = set()
         # an epoch's iterator (a handout source) -> the loader or iterable it reads (tp.data.Loader,
         # tp.watch, accelerate's loader): the next epoch's reads are that loader's too
@@ -319,6 +325,26 @@ class Recorder:
             if self.stop_pending is not None:  # the slice is full: the probes after it are out
                 break
 
+    def source_key(self, key: int, loader: Any) -> int:
+        """The key of a DataLoader's batches at its ``iter()`` (``key``: its ``batches.loader_key``,
+        the id of its index sampler): where that id was another loader's, freed since (a
+        validation loader made after the training loader of the epoch before had taken its
+        sampler's id: the two were one source), a key of its own from now on. Per epoch, not
+        per batch (a batch reads ``key_alias``)."""
+        sampler = getattr(loader, "_index_sampler", None)
+        if sampler is None:
+            return self.key_alias.get(key, key)
+        ref = self._key_refs.get(key)
+        if ref is not None and ref() is sampler:
+            return self.key_alias.get(key, key)
+        try:
+            self._key_refs[key] = weakref.ref(sampler)
+        except TypeError:  # (a sampler that takes no weak reference: its id as it is)
+            return self.key_alias.get(key, key)
+        if ref is not None:  # the id was a freed loader's
+            self.key_alias[key], self._next_alias = self._next_alias, self._next_alias - 1
+        return self.key_alias.get(key, key)
+
     def stop_before_read(self, *sources: int, dataset: int | None = None) -> None:
         """The loop's thread is about to read a batch from ``sources`` (keys of an iterator and
         of the loader it reads; ``dataset``: a torch DataLoader's Dataset's id): where the slice
@@ -335,18 +361,23 @@ class Recorder:
         if (self.stop_pending is None or threading.get_ident() != self.thread_id
                 or not torch.is_grad_enabled()):
             return
-        if (any(s in self.training_sources for s in sources) or (
+        if any(s in self.last_sources for s in sources):
+            self.stop_pending()  # the loader of the last step's batch: the next iteration's read
+        elif (any(s in self.training_sources for s in sources) or (
                 dataset is not None and dataset in self.training_datasets
                 and not any(s in self.source_datasets for s in sources))) and not self._evaluating():
             self.stop_pending()
 
     def _evaluating(self) -> bool:
-        """Every model trained in the slice (called with grad in train mode) is in eval mode:
-        the loop is evaluating, with grad left on (``torch.no_grad()`` forgotten), from a
-        training source (that evaluation's batches are training by the forward's rule, their
-        loader one of the training batches'); it stops at its next read once ``model.train()``
-        has run, as the loop stopped by ``break`` is left (it had been stopped inside the
-        evaluation, the model left in eval mode). Asked only while a stop is pending."""
+        """Every model trained in the slice (called with grad in train mode) is in eval mode
+        while the loop reads a training source other than the last step's batch's: the loop is
+        evaluating, with grad left on (``torch.no_grad()`` forgotten; that evaluation's batches
+        are training by the forward's rule, their loader one of the training batches'); it
+        stops at its next read of the last step's loader, as the loop stopped by ``break`` is
+        left (it had been stopped inside the evaluation, the model left in eval mode). A read of
+        the last step's loader always stops the loop, in eval mode too (a loop calling
+        ``model.train()`` at its top, or training in eval mode). Asked only while a stop is
+        pending."""
         trained = [m for m in self.models.live() if id(m) in self.trained_modules]
         return bool(trained) and not any(getattr(m, "training", True) for m in trained)
 

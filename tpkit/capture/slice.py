@@ -407,9 +407,9 @@ class Profile:
         rec = self.rec
         assert rec is not None  # (only from _stop, which a running slice's steps call)
         try:
-            rec.training_sources = _training_sources(rec)
+            rec.training_sources, rec.last_sources = _training_sources(rec)
         except Exception as e:  # noqa: BLE001 - the stop must come: then at any source's read
-            rec.training_sources = set(rec.handout_sources) | set(rec.source_loaders.values())
+            rec.training_sources = rec.last_sources = set(rec.handout_sources) | set(rec.source_loaders.values())
             rec.note(f"telling the training batches' loaders from the others at the slice's end failed ({e!r}): "
                      "the loop stopped at its next read from any loader")
         rec.training_datasets = {rec.source_datasets[s] for s in rec.training_sources if s in rec.source_datasets}
@@ -554,10 +554,11 @@ def _raised_while_stopping(exc: BaseException) -> bool:
     return False
 
 
-def _training_sources(rec: _rec.Recorder) -> set[int]:
+def _training_sources(rec: _rec.Recorder) -> tuple[set[int], set[int]]:
     """The sources (``Recorder.handout_sources``) of the slice's training batches, with the
     loaders they read (``Recorder.source_loaders``): those read for evaluation told apart as
-    the Run does (capture/evaluation.py). Asked once, when the slice is full."""
+    the Run does (capture/evaluation.py); and of them those that handed out the last step's
+    training batch. Asked once, when the slice is full."""
     past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends)
     hand = rec.handouts
     ev = evaluation.split(rec.spans, hand, rec.no_grad_calls, rec.trained_modules, rec.param_free_modules, past,
@@ -570,8 +571,13 @@ def _training_sources(rec: _rec.Recorder) -> set[int]:
         # waiting for the lead optimizer's next step had run a forward and backward past the slice
         # (BatchNorm's running statistics, the gradients); it stops as a loop with no loader does,
         # at its next trained forward or backward
-        return set()
-    return out | {rec.source_loaders[s] for s in out if s in rec.source_loaders}
+        return set(), set()
+    last = {s for k, s in enumerate(rec.handout_sources) if s in out and hand[3 * k + 2] == past - 1}
+
+    def with_loaders(sources: set[int]) -> set[int]:
+        return sources | {rec.source_loaders[s] for s in sources if s in rec.source_loaders}
+
+    return with_loaders(out), with_loaders(last)
 
 
 def _world_size() -> int:

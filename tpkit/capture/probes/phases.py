@@ -1310,6 +1310,7 @@ class PhaseProbe:
             if not waiting and probe._versions_at_backward is not None:  # (_batch_coming, inlined)
                 probe._unseen_update(at_batch=True)
             key = loader_key(it)
+            key = rec.key_alias.get(key, key)
             if rec.stop_pending is not None and not _handed_all(it):
                 # the slice is full: the loop stops before it reads its training loader's next
                 # batch (no batch taken, no worker's RNG drawn); an epoch's end still ends its loop
@@ -1502,7 +1503,7 @@ class PhaseProbe:
             tid = threading.get_ident()
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(loader)
-            key, dataset = loader_key(loader), loader_dataset(loader)
+            key, dataset = rec.source_key(loader_key(loader), loader), loader_dataset(loader)
             if rec.stop_pending is not None:  # the slice is full: no new epoch of its training loader starts
                 rec.stop_before_read(key, id(loader), dataset=dataset)
             if rec.is_open("data_wait"):
