@@ -332,11 +332,71 @@ def test_time_inside_the_profiled_cell_says_its_report_was_cut_and_where_to_put_
     with capture_output() as cap:
         ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet", "%time x = 1\n" + LOOP)
     assert "Wall time" in cap.stdout and "tpkit: the slice's stop" not in cap.stdout
-    # the line magic form: the statement is the magic
+
+
+def test_a_line_magic_inside_is_told_to_go_in_front_of_tp_profile_and_that_works(ip, shown):
+    """A line magic cannot go above a %%tp_profile line (IPython: a cell magic is the cell's first
+    line; a '%time' line then '%%tp_profile' is a UsageError): it goes in front of %tp_profile."""
     ip.user_ns["train"] = lambda: exec(LOOP, ip.user_ns)  # noqa: S102 - the test's own loop
     with capture_output() as cap:
         ip.run_line_magic("tp_profile", "--steps 2 --warmup 0 --quiet %time train()")
-    assert "Wall time" not in cap.stdout and "ended the loop inside %time with" in cap.stdout
+    assert tp.last_run().complete and "Wall time" not in cap.stdout
+    said = [line for line in cap.stdout.splitlines() if line.startswith("tpkit: the slice's stop")]
+    assert said == ["tpkit: the slice's stop ended the loop inside %time with an exception (StopSlice) that %time "
+                    "does not catch, so what %time does after running its statement (its report) did not run; put "
+                    "%time in front of %tp_profile to have it: %time %tp_profile --steps 2 --warmup 0 --quiet train()"]
+    # the line it gives, run as it is: %time reports, the slice is the same, tpkit says nothing
+    with capture_output() as cap:
+        ip.run_cell(said[0].rsplit("to have it: ", 1)[1])
+    assert "Wall time" in cap.stdout and "tpkit: the slice's stop" not in cap.stdout and shown.shown == []
+    assert tp.last_run().complete and len(tp.last_run().steps) == 2
+    # a %%tp_profile cell that is one %time line: the same advice, with that cell's options
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet", "\n%time train()\n")
+    assert cap.stdout.count("tpkit: the slice's stop") == 1
+    assert "to have it: %time %tp_profile --steps 2 --warmup 0 --quiet train()" in cap.stdout
+
+
+def test_run_of_a_file_inside_the_profiled_cell_shows_no_stop(ip, shown, tmp_path):
+    """%run (IPython's safe_execfile) catches the file's exceptions and shows them itself, not
+    through the custom exception slot: the slice's stop in the file is shown as nothing, an
+    error of the file still is, and %run goes on (the file's names land in the notebook)."""
+    import sys
+
+    (tmp_path / "loop.py").write_text(LOOP + "print('after the loop')\n")
+    (tmp_path / "bad.py").write_text("raise RuntimeError('bad file')\n")
+    before = ip.showtraceback
+    with capture_output() as cap:
+        ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --name runin",
+                         f"%run {tmp_path / 'bad.py'}\n%run {tmp_path / 'loop.py'}\nafter_run = True\n")
+    run = tp.last_run()
+    assert run.name == "runin" and run.complete and run.meta["stopped_by"] == "slice" and len(run.steps) == 2
+    assert ip.user_ns["iterations"] == 2 and ip.user_ns["after_run"]  # stopped reading its 3rd batch; the cell went on
+    assert shown.shown == ["RuntimeError"] and sys.last_value is None
+    assert "after the loop" not in cap.stdout and "StopSlice" not in cap.stdout + cap.stderr
+    assert "tpkit: the slice's stop" not in cap.stdout  # %run did all it does after its file
+    # the shell's showtraceback is its own again: a StopSlice in a %run file outside a slice is shown
+    assert ip.showtraceback is before
+    (tmp_path / "stop.py").write_text("from tpkit.errors import StopSlice\nraise StopSlice()\n")
+    with capture_output():
+        ip.run_cell(f"%run {tmp_path / 'stop.py'}")
+    assert shown.shown[-1] == "StopSlice"
+
+
+def test_kernels_ab_says_the_cut_report_once_per_cell(ip, shown):
+    """--kernels ab runs the cell as two slices, each stopped inside %%time: one line for the cell."""
+    ip.run_cell("import sleepy\nmodel, loader, opt = sleepy.make()")
+    loop = "%%time\nfor batch in loader:\n    model(batch).backward(); opt.step(); opt.zero_grad()\n"
+    try:
+        with capture_output() as cap:
+            ip.run_cell_magic("tp_profile", "--steps 2 --warmup 0 --quiet --kernels ab --name abtime", loop)
+        ab = ip.user_ns["_tp_ab"]
+        assert (ab.a.name, ab.b.name) == ("abtime-A", "abtime-B") and ab.a.complete and ab.b.complete
+        assert "Wall time" not in cap.stdout and shown.shown == []
+        assert cap.stdout.count("tpkit: the slice's stop ended the loop inside %%time") == 1
+    finally:
+        for name in ("model", "loader", "opt"):
+            ip.user_ns.pop(name, None)
 
 
 def test_a_users_own_cell_magic_inside_the_profiled_cell(ip, shown):

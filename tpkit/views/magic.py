@@ -7,6 +7,7 @@ is the Run's own rich representation.
 from __future__ import annotations
 
 import re
+import sys
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -98,26 +99,30 @@ class TpkitMagics(Magics):
         # own, raised with no run (IPython shows its line and caret).
         compiled = compile(code, filename, "exec")
         inner = _inner_magic(cell)
+        said = _cut_said(inner, line, cell) if inner is not None else None
         if kernels == "ab":
-            return self._run_ab(config, compiled, save_dir, inner)
+            return self._run_ab(config, compiled, save_dir, said)
         with _kernels_mode(kernels, self.ip.user_ns) as swaps:
             if kernels is not None:
                 config = _with_kernels(config, kernels, swaps)
-            run, error = self._run(config, compiled, inner)
+            run, error, cut = self._run(config, compiled)
+        if cut and said is not None:
+            print(said)
         if run is not None:
             self._show(run, config, save_dir, compare_with=[previous] if previous is not None else [])
         if error is not None:
             raise error
 
-    def _run(self, config: SliceConfig, code: CodeType, inner: str | None = None) -> tuple[Any, BaseException | None]:
-        """Run the cell's compiled code as one slice; the Run (partial on error) and the error.
+    def _run(self, config: SliceConfig, code: CodeType) -> tuple[Any, BaseException | None, bool]:
+        """Run the cell's compiled code as one slice; the Run (partial on error), the error, and
+        whether the slice's stop (``StopSlice``) unwound the cell's code to here.
 
-        ``inner``: the magic the whole cell is (``%%time`` under ``%%tp_profile``), if any.
-        The slice's stop (``StopSlice``) ends the loop by unwinding it; a magic that runs its
-        cell through ``shell.run_cell`` (``%%capture``) had shown it as an error in a cell that
-        succeeded, and one that runs the cell itself and reports after it (``%%time``,
+        The stop ends the loop by unwinding it; a magic that runs its cell through
+        ``shell.run_cell`` (``%%capture``), or a file (``%run``), had shown it as an error in a
+        cell that succeeded, and one that runs the cell itself and reports after it (``%%time``,
         ``%%timeit``, ``%%prun``) lost its report without a word. The first is kept from showing
-        it (``_stop_not_shown``); for the second a line says what happened and what to do."""
+        it (``_stop_not_shown``); for the second the caller says what happened and what to do
+        (``_cut_said``), once per cell (``--kernels ab`` runs the slice twice)."""
         prof = Profile(config)
         cut = False
         try:
@@ -128,12 +133,8 @@ class TpkitMagics(Magics):
                     cut = True  # through the inner magic, if any: what it does after its cell did not run
                     raise
         except BaseException as e:  # shown with the partial run, then re-raised by the caller
-            return prof.run, e
-        if cut and inner is not None:
-            print(f"tpkit: the slice's stop ended the loop inside {inner} with an exception (StopSlice) that {inner} "
-                  f"does not catch, so what {inner} does after running its cell (its report) did not run; put "
-                  f"{inner} above %%tp_profile to have it")
-        return prof.run, None
+            return prof.run, e, False
+        return prof.run, None, cut
 
     def _show(self, run: Any, config: SliceConfig, save_dir: str | None, compare_with: list, ab: Any = None) -> None:
         self.ip.user_ns["_tp"] = run
@@ -147,11 +148,14 @@ class TpkitMagics(Magics):
         else:
             print(ab.to_text() if ab is not None else run.summary().to_text())
 
-    def _run_ab(self, config: SliceConfig, code: CodeType, save_dir: str | None, inner: str | None = None) -> None:
+    def _run_ab(self, config: SliceConfig, code: CodeType, save_dir: str | None, said: str | None = None) -> None:
         from ..capture.ab import run_ab
 
+        cuts: list[bool] = []
+
         def run_slice(name: str, knobs: dict[str, Any]) -> Any:
-            run, error = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code, inner)
+            run, error, cut = self._run(replace(config, name=name, knobs={**config.knobs, **knobs}), code)
+            cuts.append(cut)
             if error is not None:
                 if run is not None:
                     self._show(run, config, None, [])
@@ -162,6 +166,9 @@ class TpkitMagics(Magics):
             result = run_ab(run_slice, self.ip.user_ns, config.name or "ab")
         except ValueError as e:
             raise UsageError(f"%%tp_profile --kernels ab: {e}") from None
+        finally:
+            if said is not None and any(cuts):
+                print(said)  # one cell, one line: it had been said once per slice
         self.ip.user_ns["_tp_ab"] = result
         if save_dir:
             result.a.save(Path(save_dir) / result.a.name)
@@ -304,6 +311,23 @@ def _inner_magic(cell: str) -> str | None:
     return found.group(0)
 
 
+def _cut_said(inner: str, line: str, cell: str) -> str:
+    """The line for a slice's stop that cut ``inner`` short (the magic the whole cell, or the
+    line form's statement, is), with where the magic goes to keep its report.
+
+    A cell magic goes above ``%%tp_profile``. A line magic goes in front of ``%tp_profile``
+    on one line (``%time %tp_profile --steps 2 train()``): the advice "above %%tp_profile" had
+    been given for it too, and a ``%time`` line above a ``%%tp_profile`` line is a UsageError
+    (a cell magic must be the cell's first line)."""
+    head = (f"tpkit: the slice's stop ended the loop inside {inner} with an exception (StopSlice) that {inner} "
+            f"does not catch, so what {inner} does after running its ")
+    if inner.startswith("%%"):
+        return head + f"cell (its report) did not run; put {inner} above %%tp_profile to have it"
+    statement = cell.strip()[len(inner):].strip()
+    together = " ".join(part for part in (inner, "%tp_profile", line.strip(), statement) if part)
+    return head + f"statement (its report) did not run; put {inner} in front of %tp_profile to have it: {together}"
+
+
 @contextmanager
 def _stop_not_shown(shell: Any) -> Iterator[None]:
     """While the slice runs, IPython's ``run_cell`` (``run_code``) shows no ``StopSlice``: a magic
@@ -311,15 +335,30 @@ def _stop_not_shown(shell: Any) -> Iterator[None]:
     exception and shows it, and the slice's stop read as an error with a traceback through
     tpkit, in a cell that succeeded (and in ``sys.last_value``). It is IPython's custom exception
     slot (``set_custom_exc``): the handlers already there are kept for their exceptions, and the
-    slot is put back as it was on every way out, unless the cell set its own meanwhile."""
+    slot is put back as it was on every way out, unless the cell set its own meanwhile.
+
+    ``%run`` (IPython's ``safe_execfile``) catches every exception of the file and calls the
+    shell's ``showtraceback`` itself, never the slot: the slice's stop in a ``%run`` file was
+    shown as an error. So ``showtraceback`` is wrapped too, for the slice, to show nothing for a
+    ``StopSlice`` (the file ends there, as the loop does; ``%run`` goes on as after any error
+    it shows); it is put back as the slot is."""
     types_before, handler_before = shell.custom_exceptions, shell.CustomTB
+    own_show = shell.__dict__.get("showtraceback")  # an instance's own (a tool's, a test's), else the class's
+    show = shell.showtraceback
 
     def handler(etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
         if issubclass(etype, StopSlice):
             return None  # the inner run_cell ends there, as the loop does: nothing to show
         return handler_before(etype, value, tb, tb_offset=tb_offset)
 
+    def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
+        etype = (exc_tuple or sys.exc_info())[0]
+        if isinstance(etype, type) and issubclass(etype, StopSlice):
+            return None
+        return show(exc_tuple, *args, **kwargs)
+
     shell.custom_exceptions, shell.CustomTB = (*types_before, StopSlice), handler
+    shell.showtraceback = showtraceback
     try:
         yield
     finally:
@@ -327,6 +366,11 @@ def _stop_not_shown(shell: Any) -> Iterator[None]:
             if shell.CustomTB is handler:
                 shell.custom_exceptions = types_before
                 shell.CustomTB = handler_before
+            if shell.__dict__.get("showtraceback") is showtraceback:
+                if own_show is None:
+                    del shell.showtraceback
+                else:
+                    shell.showtraceback = own_show
 
 
 def _split_statement(magic: Any, line: str) -> tuple[str, str]:
