@@ -300,6 +300,32 @@ def test_a_backbone_unfrozen_or_frozen_mid_slice_has_its_gradients_counted(how: 
         assert dict(zip(peak["category"], peak["bytes"]))["gradients"] == truth[13] == 2_988_040
 
 
+def test_sets_trained_by_turns_keep_their_gradients_exact_without_a_look_at_each_switch():
+    """An encoder and a decoder trained by turns (``requires_grad_`` switched every step): after
+    each set's first look the replay has its pattern of gradient sizes, so a switch back to a
+    set seen before needs no look of its own (a look at every switch had made every step a full
+    look: tpkit_s 0.25 ms a step for 0.033); the gradients stay the ``.grad`` storages alive
+    after each step's backward, with sizes that differ by set."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    decoder = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model = torch.nn.Sequential(encoder, decoder)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    truth = []
+    with tp.profile(steps=16, warmup=0, name="by-turns", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            encoder.requires_grad_(i % 2 == 0)
+            decoder.requires_grad_(i % 2 == 1)
+            F.cross_entropy(model(x), y).backward()
+            truth.append(_grad_bytes(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert len(set(truth[:16])) == 2
+    assert _at_optimizer_enter(prof.run, "gradients") == truth[:16]
+    assert not any("could not be told" in n for n in prof.run.meta["notes"])
+
+
 class _Momentum(torch.optim.Optimizer):
     """Heavy-ball SGD keeping its buffers outside ``opt.state``: in its parameter groups (as
     some Muon/Shampoo ports do) or in a dict attribute keyed by parameter."""
