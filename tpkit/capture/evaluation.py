@@ -60,9 +60,16 @@ What is evaluation here:
   its argmax and cat), had only its model calls counted as eval: 0.002 s of 0.336 s by the
   loop's clock, the rest training's ``other``. It is charged as ``eval`` spans of their own
   (``GLUE``), under every phase that opens inside it (an h2d copy stays h2d); inside a
-  trainer's whole evaluation nothing is added. Before an evaluation's first call and after its
-  last (``model.eval()``, a first batch fetched unseen, averaging the losses) it stays other:
-  nothing tells that time from the step's.
+  trainer's whole evaluation nothing is added;
+- the time after an evaluation's last call up to the loop's next training work (the next
+  training batch's wait, a forward with grad, a backward, an optimizer or offload span, the
+  step's end), where that evaluation read a batch of evaluation data: its metrics' ``compute()``,
+  the logging of its results, ``model.train()`` (``TAIL`` spans, ``_tails``). It had been
+  training's ``other``: 170 ms of a 357 ms ``evaluate()``, and the verdict's speed-up 1.58x for
+  3.48x. Where no evaluation batch was read (a rollout, ``generate()`` over held tensors) it
+  stays other, as the time between such calls does. Before an evaluation's first call
+  (``model.eval()``) it stays other too: nothing tells that time from the step's (a log of the
+  training loss); ``iter()`` of a validation loader and its waits are eval already.
 
 The phase probe records what it takes (``Recorder.handouts``, ``no_grad_calls``,
 ``no_grad_train_calls``, ``trained_modules``, ``param_free_modules``: a few integers a call
@@ -82,6 +89,8 @@ from typing import Any, Callable
 EVAL = "eval"
 #: The source of the ``eval`` spans between consecutive evaluation calls (``EvalSplit.glue``).
 GLUE = "between evaluation calls"
+#: The source of the ``eval`` spans after an evaluation's last call (``EvalSplit.tails``).
+TAIL = "after an evaluation's last call"
 #: The phases that are training work: one of them between two evaluation calls keeps the time
 #: between them the step's (a loop that computes a metric in eval mode after every step).
 _TRAINING_WORK = frozenset({"backward", "optimizer", "offload"})
@@ -104,6 +113,9 @@ class EvalSplit:
     glue: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, raw step) between calls
     # stretches between calls with no evaluation data seen among them: left other (a rollout)
     unseen_glue: list[tuple[int, int, int]] = field(default_factory=list)
+    # (start, end, raw step) from an evaluation's last call to the loop's next training work
+    tails: list[tuple[int, int, int]] = field(default_factory=list)
+    unseen_tails: int = 0  # evaluations (in the rows' steps) whose tail was left other: no evaluation batch seen
 
     def __bool__(self) -> bool:
         return bool(self.calls or self.ranges)
@@ -130,14 +142,16 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
           param_free: set[int], past: int, rows: int | None = None,
-          sources: list[int] | None = None, train_mode_calls: list[int] | None = None) -> EvalSplit:
+          sources: list[int] | None = None, train_mode_calls: list[int] | None = None,
+          step_ends: list[int] | None = None) -> EvalSplit:
     """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and sets of
     the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's, and
     what is counted (``describe``) stops at ``rows`` (the steps that have a row: a loop that ended
     early evaluates after its last step too, and that is in no step). ``sources``: per handout,
     the iterator it came from (``Recorder.handout_sources``; 0 or None: not known).
     ``train_mode_calls``: the calls without grad in train mode (``Recorder.no_grad_train_calls``),
-    flat as ``no_grad_calls``."""
+    flat as ``no_grad_calls``. ``step_ends``: when each step ended (``Recorder.step_ends``' times):
+    without them an evaluation's time after its last call is not told (``_tails``)."""
     rows = past if rows is None else min(rows, past)
     out = EvalSplit(rows=rows)
     whole = [s for s in spans if s[0] == EVAL and s[5] < past]  # a trainer's evaluate(), as one span
@@ -249,8 +263,10 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     training_sources = {known[k] for k in range(min(len(known), len(times))) if not eval_batch[k]}
     eval_data = sorted(t for k, t in enumerate(times) if eval_batch[k]
                        and (k >= len(known) or not known[k] or known[k] not in training_sources))
-    out.glue, out.unseen_glue = _glue(out, recorded, spans, others,
-                                      [t for k, t in enumerate(times) if not eval_batch[k]], in_range, eval_data)
+    training_batches = [t for k, t in enumerate(times) if not eval_batch[k]]
+    out.glue, out.unseen_glue = _glue(out, recorded, spans, others, training_batches, in_range, eval_data)
+    out.tails, out.unseen_tails = _tails(out, recorded, spans, others, training_batches, in_range, eval_data,
+                                         step_ends or [])
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
     # ahead, as accelerate's does, hands the previous batch right after each read); one with no
     # batch after it (the evaluation's loader ran out at the slice's last evaluation) to the last
@@ -383,9 +399,80 @@ def _glue(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], othe
     return counted, left
 
 
+def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], others: list[int],
+           training_batches: list[int], in_range: Callable[[int], bool], eval_data: list[int],
+           step_ends: list[int]) -> tuple[list[tuple[int, int, int]], int]:
+    """The time after each evaluation's last call up to the loop's next training work, as
+    (start, end, raw step), and how many evaluations (in the rows' steps) had theirs left other.
+
+    An evaluation here is a run of evaluation calls (``split_.calls``) of one step with no training
+    work between them (``others``: the starts of the other forwards; a backward, optimizer or
+    offload span; ``training_batches``: when the training batches were handed out). Its tail runs
+    from its last call's end to the first of: the next training work, the wait for the next
+    training batch (the last ``data_wait`` that ends by its handout: a validation loader's final
+    read, which hands out nothing, lies before it), a trainer's evaluation, the step's end
+    (``step_ends``). It holds the evaluation's metric ``compute()``, the logging of its results and
+    ``model.train()``: a loop's ``evaluate()`` of 357 ms by its clock had read eval_s 184 ms, its
+    metrics' 170 ms of compute training's other, and the verdict "training alone would run up to
+    1.58x faster" for 3.48x. Phases that open inside it keep their time (a checkpoint saved after
+    the evaluation is ``save``).
+
+    Counted only where the evaluation read a batch of evaluation data (``eval_data``) between the
+    training work before its first call and its last call, as for the time between its calls
+    (``_glue``): an RL rollout or ``generate()`` over held tensors reads none, and what follows
+    them is the step's own work. Before the first call nothing is added: ``iter()`` of a validation
+    loader and its batches' waits are eval already, ``model.eval()`` and what the loop does before
+    the evaluation (a log of the training loss) are not told apart."""
+    if not split_.calls or not step_ends:
+        return [], 0
+    step_of = {a: step for a, _, _, step in recorded}
+    work = sorted([s[1] for s in spans if s[0] in _TRAINING_WORK] + others + training_batches)
+    batches = sorted(training_batches)
+    waits = sorted((s[2], s[1]) for s in spans if s[0] == "data_wait")  # (end, start)
+    wait_ends = [e for e, _ in waits]
+    range_starts = [a for a, _ in split_.ranges]
+    calls = split_.calls
+    tails: list[tuple[int, int, int]] = []
+    unseen = 0
+    i = 0
+    while i < len(calls):
+        first, end = calls[i]
+        step = step_of.get(first, -1)
+        j = i + 1
+        while (j < len(calls) and step_of.get(calls[j][0], -1) == step
+               and bisect.bisect_right(work, end) >= bisect.bisect_left(work, calls[j][0])):
+            end = max(end, calls[j][1])  # the same evaluation's next call: no training work between
+            j += 1
+        i = j
+        if step < 0 or step >= len(step_ends) or in_range(first) or in_range(end):
+            continue  # a step with no end (after the slice's last), or inside a trainer's evaluation
+        w = bisect.bisect_left(work, first)
+        since = max(work[w - 1] if w else -1, step_ends[step - 1] if step else -1)
+        if bisect.bisect_right(eval_data, since) == bisect.bisect_right(eval_data, end):
+            unseen += step < split_.rows
+            continue  # no evaluation batch read: a rollout, generate() over held tensors
+        bound = step_ends[step]
+        w = bisect.bisect_right(work, end)
+        if w < len(work):
+            bound = min(bound, work[w])
+        r = bisect.bisect_right(range_starts, end)
+        if r < len(range_starts):
+            bound = min(bound, range_starts[r])
+        b = bisect.bisect_right(batches, end)
+        if b < len(batches) and batches[b] <= bound:
+            k = bisect.bisect_right(wait_ends, batches[b]) - 1  # the wait that handed it out
+            if k >= 0 and wait_ends[k] > end:
+                bound = min(bound, max(end, waits[k][1]))
+        if bound > end:
+            tails.append((end, bound, step))
+    return tails, unseen
+
+
 def glue_spans(split_: EvalSplit) -> list[tuple]:
-    """Raw spans (as ``Recorder.spans``) of the time between consecutive evaluation calls."""
-    return [(EVAL, a, b, 0, GLUE, step, None, None) for a, b, step in split_.glue]
+    """Raw spans (as ``Recorder.spans``) of the time between consecutive evaluation calls, and
+    after an evaluation's last call (``_tails``)."""
+    return ([(EVAL, a, b, 0, GLUE, step, None, None) for a, b, step in split_.glue]
+            + [(EVAL, a, b, 0, TAIL, step, None, None) for a, b, step in split_.tails])
 
 
 def relabel_span(split_: EvalSplit, phase: str, start_ns: int, end_ns: int) -> str:
@@ -476,10 +563,24 @@ def note(split_: EvalSplit, eval_s: float) -> str:
                     "(get_batch = tp.watch(get_batch), called as get_batch('val')) and that time is eval; "
                     "any evaluation of yours (held tensors sliced, metrics between calls) is eval as a whole "
                     "inside `with tp.phase(\"eval\"):`")
+    tails = [(a, b) for a, b, step in split_.tails if step < split_.rows]
+    if tails:
+        between += (f"; so is the time after an evaluation's last call up to the loop's next training work (the next "
+                    f"training batch's wait, a forward with grad, a backward, an optimizer step, the step's end) where "
+                    f"the evaluation read its batches ({len(tails)} stretch(es), "
+                    f"{sum(b - a for a, b in tails) / 1e9:.3f} s: its metrics' compute, logging, model.train())")
     plain = split_.model_calls + split_.helper_calls > 0 and not split_.runs
-    rest = (". Before an evaluation's first call and after its last (model.eval(), a first batch fetched where tpkit "
-            "sees no loader: wrap the function in tp.watch, averaging the losses) the time stays other: nothing tells "
-            "it from the step's (`with tp.phase(\"eval\"):` around your evaluation makes it eval whole)" if plain else "")
+    rest = ""
+    if plain:
+        rest = (". Before an evaluation's first call (model.eval(), what the loop does before it; iter() of a "
+                "validation loader and the waits for its batches are eval) the time stays other: nothing tells it "
+                "from the step's")
+        if split_.unseen_tails:
+            rest += (f"; so does the time after the last call of {split_.unseen_tails} evaluation(s) that read no "
+                     "batch tpkit saw (held tensors, a function tpkit does not see: wrap it in tp.watch), and the "
+                     "verdict's and recommendations' figures then count it as training (its speed-up, the time "
+                     "outside every phase)")
+        rest += " (`with tp.phase(\"eval\"):` around your evaluation makes it eval whole)"
     return (f"evaluation ran inside the slice: {split_.model_calls} call(s) of the trained model (or a part of it, "
             f"or of a model only called without grad, on batches that fed no training or inside an evaluation) without grad in eval mode (or in train mode on batches from a source that fed no training){with_helpers}{read} {eval_s:.3f} s in all, are counted as eval (eval_s), not "
             f"forward or data_wait, and their samples are not the steps' (samples/s is training's){between}{whole}{rest}. A call of "
