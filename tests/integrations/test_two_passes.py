@@ -302,6 +302,82 @@ def test_a_gan_generator_stepping_twice_an_iteration_keeps_the_discriminator_as_
     assert not any("ends the steps from" in n for n in run.meta["notes"]), run.meta["notes"]
 
 
+def test_a_wgan_generator_stepped_first_keeps_the_lead_over_its_critic_loop():
+    """WGAN, the generator stepped first: each iteration a G step (on noise: no batch read), then
+    3 critic steps, each on a batch of its own. The critic steps twice with a batch read between
+    and no G step, as a fast optimizer does past a slow one stepped first; but G's update had no
+    batch of its own (its backward came after the critic's step, with no read between): G steps
+    once per iteration, the critic's reads inside it, and keeps ending the steps. The critic had
+    taken the lead at its second step: 2 G iterations for 8 steps, 16 samples a step for the
+    loop's 48, step p50 a quarter of the iteration's. Truth: the loop's G step() calls, its
+    batches, its losses (a step: the critic's 3 of the iteration before and G's) and its clock."""
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=1e-3), torch.optim.SGD(d.parameters(), lr=1e-3)
+    batches = iter(torch.utils.data.DataLoader(truth.Regression(), batch_size=4))
+    g_calls, losses, ends = 0, [], []
+    critic = 0.0  # the critic's losses since the last G step
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="wgan-g-first", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 3):
+            opt_g.zero_grad()
+            loss = -d(g(torch.randn(4, 4))).mean()
+            loss.backward()
+            losses.append(critic + loss.item())
+            time.sleep(0.020)  # the iteration's own work
+            g_calls += 1
+            opt_g.step()
+            ends.append(time.perf_counter())
+            critic = 0.0
+            for _ in range(3):
+                real, _y = next(batches)
+                opt_d.zero_grad()
+                loss = d(g(torch.randn(4, 4)).detach()).mean() - d(real).mean()
+                loss.backward()
+                critic += loss.item()
+                opt_d.step()
+    run = prof.run
+    assert g_calls == N and len(run.steps) == N  # a step per G step(): the loop's iteration
+    assert run.steps["samples"].tolist() == [0] + [12] * (N - 1)  # (the first: G's alone, before any batch)
+    truth.assert_losses(run.steps["loss"].tolist(), losses)
+    durations = run.steps["duration_s"].tolist()[WARMUP:]
+    clock = [b - a for a, b in zip(ends[WARMUP - 1:], ends[WARMUP:])]
+    assert abs(sum(durations) - sum(clock)) <= TOLERANCE * sum(clock)
+    assert not any("ends the steps from" in n for n in run.meta["notes"]), run.meta["notes"]
+
+
+def test_a_lead_change_between_two_optimizers_of_one_type_names_them_apart():
+    """The slow-first loop with two plain SGDs: the note on the change had named both "the SGD"
+    ("no step() of the SGD's between, and the SGD, which ended the steps before"); it says which
+    of the SGDs each was to step, and the new lead's parameter count (the trunk's and head a's:
+    8*16+16 + 16+1)."""
+    torch.manual_seed(0)
+    trunk, head_a, head_b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+    fast = torch.optim.SGD([*trunk.parameters(), *head_a.parameters()], lr=0.01)
+    slow = torch.optim.SGD(head_b.parameters(), lr=0.001)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=4)
+    iterations = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="two-sgds", progress=False, clock_hz=0) as prof:
+        for i, (x, y) in enumerate(loader):
+            iterations += 1
+            h = trunk(x)
+            (F.mse_loss(head_a(h), y) + F.mse_loss(head_b(h), y)).backward()
+            if i % 3 == 0:
+                slow.step()
+                slow.zero_grad()
+            fast.step()
+            fast.zero_grad()
+    run = prof.run
+    assert iterations == N and len(run.steps) == N
+    notes = run.meta["notes"]
+    assert [n for n in notes if "ends the steps from" in n] == [
+        "another optimizer (the second SGD to step, 161 parameters) ends the steps from the slice's step 2 on "
+        "(warmup steps counted): it stepped twice with a batch read and no step() of the first SGD's between, "
+        "and the first SGD, which ended the steps before, stepped 2 more time(s) after that: the first SGD "
+        "steps less often, so its step() is now part of the step it falls in."], notes
+    assert any(n.startswith("2 optimizers stepped; steps end at the second SGD's step() from the slice's step "
+                            "2 on (the first SGD's before it") for n in notes), notes
+
+
 def test_optimizers_stepped_in_turn_make_a_step_of_two_iterations():
     """Two heads' optimizers stepped on alternate iterations (each every other one): neither steps
     more often, so the first keeps ending the steps, and a step is two iterations, one of each

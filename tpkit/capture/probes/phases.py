@@ -13,8 +13,9 @@ What is hooked, and why this way:
   ``Module.zero_grad``. The post hook of the *lead* optimizer (the first one that steps)
   ends a step, unless the user marks steps with ``tp.step()``. Another optimizer takes the lead
   where it replaces the lead (``_replaces_lead``: fine-tuning's next stage), or where it steps
-  twice with a batch read between and no step of the lead's (it steps once per iteration, the
-  lead less often).
+  twice with a batch read between and no step of the lead's, whose update had a batch of its own
+  (it steps once per iteration, the lead less often; a lead stepped on no batch of its own, a
+  WGAN's generator before its critic loop, steps once per iteration around the others' batches).
 - data_wait: ``__next__`` of torch's DataLoader iterators and ``DataLoader.__iter__`` (where
   workers start; torchdata's ``StatefulDataLoader`` too, ``LOADER_STARTS``); tpkit's loader
   and ``tp.watch`` report themselves. The batch's leading dimension counts the step's samples
@@ -161,17 +162,33 @@ class _LeadChange:
     kept until the notes are written: whether the old lead stepped again after it is known only
     then (a replacement steps no more; one stepping less often than the new lead goes on)."""
 
-    __slots__ = ("step", "new", "old", "freed", "shared", "batch_between", "later", "merged")
+    __slots__ = ("step", "new", "old", "freed", "shared", "batch_between", "later", "merged", "new_name",
+                 "old_name", "new_params")
 
     def __init__(self, step: int, new: str, old: str, freed: bool = False, shared: bool = False,
                  batch_between: bool = False) -> None:
         self.step = step  # the raw step the change ended (its new lead's step() ended it)
         self.new, self.old = new, old  # the optimizers' types
+        # their names where the note must tell them apart (both step on): the types, or where both are of
+        # one type, which of that type each was to step ("second SGD"), and the new one's parameter count
+        self.new_name, self.old_name = new, old
+        self.new_params: int | None = None
         self.freed = freed  # the old lead was garbage collected
         self.shared = shared  # the new lead holds a parameter of the old one's
         self.batch_between = batch_between  # a batch was handed out between the new lead's two step() calls
         self.later = 0  # the old lead's step() calls after the change
         self.merged = False  # the step the change ended holds more iterations than the one before it
+
+
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+
+
+def _ordinal(n: int) -> str:
+    """``1`` -> ``"first"``; past the tenth, ``"11th"``, ``"22nd"``."""
+    if n <= len(_ORDINALS):
+        return _ORDINALS[n - 1]
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _tail_counts(flat: list, stride: int, step_at: int, step: int, phase: str | None = None) -> tuple[int, int]:
@@ -228,6 +245,15 @@ class PhaseProbe:
         self._sharer_at: int | None = None  # the lead's step() count at the last step() of any of them
         # every other optimizer's last step(): (the lead's step() count, len(rec.handouts)) then
         self._rival_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # len(rec.handouts) at the end of the last step() of any optimizer stepping on its own, and whether a batch
+        # was handed out between that step() and the lead's last one (``_replaces_lead``: the lead's update had a
+        # batch of its own)
+        self._opt_handouts = 0
+        self._lead_own_batch = True
+        # each optimizer stepping on its own -> which of its type it was to step first (1, 2, ...): notes tell two
+        # of one type apart by it (``_names``)
+        self._ordinals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._type_counts: dict[str, int] = {}
         self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # old lead -> its _LeadChange
         self.lead_changes: list[_LeadChange] = []
         self.optimizers: dict[int, str] = {}
@@ -671,6 +697,7 @@ class PhaseProbe:
         self._watch_updates = False  # torch's step hooks run: no update goes unseen
         self._versions_at_backward = None
         key = id(opt)
+        source = type(opt).__name__
         # inside another's step() (not its closure): a wrapper's own optimizer (ZeRO's, Lookahead's base)
         inner = bool(self._opt_tokens) and not self._closure_depth
         if key not in self._run_optimizers and not (inner and key in self.inner_optimizers):
@@ -683,12 +710,14 @@ class PhaseProbe:
             else:
                 self.inner_optimizers.pop(key, None)
                 self._run_optimizers.add(key)
+                if opt not in self._ordinals:  # (a replaced lead stepping again is no new optimizer)
+                    n = self._type_counts[source] = self._type_counts.get(source, 0) + 1
+                    self._ordinals[opt] = n
                 self.rec.optimizer_count = len(self._run_optimizers)
                 if self.lead_optimizer is None:
                     self._set_lead(opt)
         if not self._opt_tokens:
             self._closure_evals = 0
-        source = type(opt).__name__
         self._opt_tokens.append((self.rec.enter("optimizer", source), source))
         # A closure (LBFGS, Lightning's automatic optimization) runs the loop's forward and
         # backward inside step(): it is wrapped so that its time is theirs, not the optimizer's.
@@ -725,6 +754,10 @@ class PhaseProbe:
         self.rec.exit(self._opt_tokens.pop()[0])
         self._opt_posts += 1
         self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
+        own_batch = False  # a batch handed out since the last step() of any optimizer (stepping on its own)
+        if not self._opt_tokens:
+            handouts = len(self.rec.handouts)
+            own_batch, self._opt_handouts = handouts > self._opt_handouts, handouts
         if id(opt) != self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
             change = self._replaces_lead(opt)
             if change is not None:
@@ -738,6 +771,7 @@ class PhaseProbe:
                 self._sharer_at = self._lead_steps + 1  # its own step, counted below: a sharer's last
         if id(opt) == self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
             self._lead_steps += 1
+            self._lead_own_batch = own_batch
             # step() twice per iteration (nothing between: no batch, zero_grad, forward or
             # backward) is one step, not two; a step with only other work before it (a loop
             # that sleeps, or calls the model through code tpkit does not see) is a step
@@ -783,17 +817,22 @@ class PhaseProbe:
         so its first iteration and its second may be one step (said in ``notes()``).
 
         An optimizer of parameters of its own takes the lead where it steps twice with a batch
-        handed out between and no step of the lead's: the lead steps less often than once an
-        iteration (a slow optimizer stepped every 4th iteration before the one stepping every
-        iteration, whose first step() came after it: one step had held 4 iterations), or no
-        more (a stage switching to other parameters). A batch read, not a forward, tells the
-        iterations apart: a GAN's G stepped twice per iteration (a forward between) keeps D, which
-        steps once, as the lead. A loop whose batches tpkit does not see keeps the first lead;
+        handed out between and no step of the lead's, and the lead's last update had a batch of
+        its own (one handed out since the step() of any optimizer before it): the lead then steps
+        less often than once an iteration (a slow optimizer stepped every 4th iteration before the
+        one stepping every iteration, whose first step() came after it: one step had held 4
+        iterations), or no more (a stage switching to other parameters). A batch read, not a
+        forward, tells the iterations apart: a GAN's G stepped twice per iteration (a forward
+        between) keeps D, which steps once, as the lead. A lead whose update had no batch of its
+        own is stepped once per iteration with the others' batches inside it: a WGAN's generator
+        stepped first, on noise, then 3 critic steps each on a batch of its own, keeps the lead (the
+        critic had taken it at its second step: a step of one critic batch, 16 samples, for the
+        loop's iteration of 3, 48). A loop whose batches tpkit does not see keeps the first lead;
         optimizers stepped in turn (each every other iteration) too: one step is then two
         iterations, one of each."""
         lead = self._lead_ref() if self._lead_ref is not None else None
-        name = self.optimizers.get(self.lead_optimizer or 0, "optimizer")
         if lead is None:
+            name = self.optimizers.get(self.lead_optimizer or 0, "optimizer")
             return _LeadChange(self.rec.step_index, type(opt).__name__, name, freed=True)
         replaced = self._replaced.get(opt) if self._replaced else None
         if replaced is not None:
@@ -814,18 +853,33 @@ class PhaseProbe:
             # ones stay referenced, by a list or accelerate's prepare(), had ended 1 step in 8)
             if opt in self._lead_sharers:
                 if self._sharer_at == self._lead_steps:
-                    return self._change(opt, name, shared=True, batch_between=between)
+                    return self._change(opt, lead, shared=True, batch_between=between)
                 self._sharer_at = self._lead_steps
-        if between:
-            return self._change(opt, name, shared=opt in self._lead_sharers, batch_between=True)
+        if between and self._lead_own_batch:
+            return self._change(opt, lead, shared=opt in self._lead_sharers, batch_between=True)
         return None
 
-    def _change(self, opt: torch.optim.Optimizer, old: str, shared: bool, batch_between: bool) -> _LeadChange:
+    def _name_apart(self, change: _LeadChange, new: torch.optim.Optimizer, old: torch.optim.Optimizer) -> None:
+        """Where the two optimizers of a change are of one type (two SGDs), which of that type each
+        was to step ("second SGD", "first SGD") and the new one's parameter count, for the note:
+        one naming both "the SGD" told them not apart."""
+        if change.new != change.old:
+            return
+        for attr, opt in (("new_name", new), ("old_name", old)):
+            n = self._ordinals.get(opt)
+            if n is not None:
+                setattr(change, attr, f"{_ordinal(n)} {change.new}")
+        change.new_params = sum(p.numel() for g in new.param_groups for p in g["params"])
+
+    def _change(self, opt: torch.optim.Optimizer, lead: torch.optim.Optimizer, shared: bool,
+                batch_between: bool) -> _LeadChange:
         """A change decided at ``opt``'s second step() with none of the lead's between; whether the
         step it ends holds more iterations than the one before (batches handed out; outermost
         forward passes where the slice saw no batch) is kept for its note."""
         rec = self.rec
-        change = _LeadChange(rec.step_index, type(opt).__name__, old, shared=shared, batch_between=batch_between)
+        change = _LeadChange(rec.step_index, type(opt).__name__, type(lead).__name__, shared=shared,
+                             batch_between=batch_between)
+        self._name_apart(change, opt, lead)
         if rec.handouts:
             now, before = _tail_counts(rec.handouts, 3, 2, rec.step_index)
         else:
@@ -839,7 +893,7 @@ class PhaseProbe:
         if not beside:
             return "the first one's step()"
         c = beside[-1]
-        return (f"the {c.new}'s step() from the slice's step {c.step + 1} on (the {c.old}'s before it: "
+        return (f"the {c.new_name}'s step() from the slice's step {c.step + 1} on (the {c.old_name}'s before it: "
                 "see the note on that change)")
 
     def _lead_notes(self) -> list[str]:
@@ -856,11 +910,15 @@ class PhaseProbe:
                 why = f"it updates parameters the {c.old} before it held (that one stepped no more)"
             else:
                 read = "a batch read and " if c.batch_between else ""
-                why = f"it stepped twice with {read}no step() of the {c.old}'s between, and the {c.old}, which ended "
-                why += (f"the steps before, stepped {c.later} more time(s) after that: the {c.old} steps less often, "
+                old = c.old_name
+                why = f"it stepped twice with {read}no step() of the {old}'s between, and the {old}, which ended "
+                why += (f"the steps before, stepped {c.later} more time(s) after that: the {old} steps less often, "
                         "so its step() is now part of the step it falls in" if c.later
                         else "the steps before, stepped no more")
-            kinds.setdefault((c.new, why, replaced), []).append(c)
+            name = c.new
+            if not replaced and c.new_params is not None:  # (one type: which one, and its size)
+                name = f"the {c.new_name} to step, {c.new_params:,} parameters"
+            kinds.setdefault((name, why, replaced), []).append(c)
         out = []
         for (name, why, replaced), changes in kinds.items():
             steps = [c.step + 1 for c in changes]
