@@ -47,6 +47,11 @@ COMM_OVERLAPPED = "comm_overlapped"
 FILE_LOAD = "file_load"
 #: The sources of those spans (a user's own ``tp.phase`` of any name is never one of them)
 FILE_LOAD_SOURCES: tuple[str, ...] = ("torch.load", "safetensors.torch.load_file", "safetensors.torch.load_model")
+#: Calls of a metric module (torchmetrics' ``Metric`` or ``MetricCollection``: ``train_acc(logits, y)``,
+#: an update and a compute on the batch) outside evaluation: spans of their own whose time stays
+#: ``other_s`` (not the model's forward), and a note says how much (capture/probes/phases.py). A
+#: metric whose compute took 77% of the step had been forward, the verdict COMPUTE-BOUND.
+METRIC_CALL = "metric_call"
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: The source of a span a user opened with ``tp.phase(name)`` (capture/slice.py).
@@ -62,7 +67,8 @@ def user_spans(spans: pd.DataFrame) -> pd.DataFrame:
         return spans
     ph = spans["phase"]
     tpkits = ph.isin((*BUILTIN_PHASES, GC_PHASE, COMM_OVERLAPPED)) | (
-        (ph == FILE_LOAD) & spans["source"].isin(FILE_LOAD_SOURCES))
+        (ph == FILE_LOAD) & spans["source"].isin(FILE_LOAD_SOURCES)) | (
+        (ph == METRIC_CALL) & (spans["source"] != USER_PHASE_SOURCE))
     return spans[~tpkits]
 
 
@@ -73,6 +79,7 @@ PHASE_NAMES: dict[str, str] = {
     "save": "saving checkpoints", "setup": "a trainer's setup", "compile": "compilation (torch.compile)",
     "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
     FILE_LOAD: "files loaded (torch.load, safetensors; in other)",
+    METRIC_CALL: "metric calls (torchmetrics; in other)",
 }
 
 # -- memory ---------------------------------------------------------------------------------

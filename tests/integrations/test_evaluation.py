@@ -449,6 +449,48 @@ def test_loss_and_metric_modules_of_an_evaluation():
     assert any(f"{2 * evals} call(s) of a loss or metric" in n for n in run.meta["notes"]), run.meta["notes"]
 
 
+def test_a_torchmetrics_metric_called_in_a_training_step_is_not_the_forward():
+    """``train_mae(out, y)`` in every training step, torchmetrics' documented form (an update,
+    and a compute on the batch), is the metric's work, not the model's forward: its time is
+    other (``metric_call`` spans), and a note says how much. A metric whose compute sleeps 40 ms
+    had been counted as forward (forward_s 527 ms for the model's 113) and the verdict read
+    COMPUTE-BOUND. Its output carries grad (a differentiable metric on the model's output) and
+    is only logged; a metric module the backward runs through (``MeanSquaredError`` as the loss)
+    is part of computing the loss: forward, as a loss module's. Truth: the loop's clocks."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    torch.manual_seed(0)
+    model, loss_fn, train_mae = truth.SleepyNet(), torchmetrics.MeanSquaredError(), truth.sleepy_torchmetric(torchmetrics)
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, _ = train_and_val()
+    clock: dict[str, float] = defaultdict(float)
+    logged: list[float] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="metric-in-step", progress=False, clock_hz=0) as prof:
+        for x, y in train:
+            t = time.perf_counter()
+            loss = loss_fn(model(x), y)
+            t1 = time.perf_counter()
+            mae = train_mae(model.lin(x), y)  # (the model's output again, with no sleep: the metric's input)
+            t2 = time.perf_counter()
+            clock["forward"] += t1 - t
+            clock["metric"] += t2 - t1
+            logged.append(float(mae.detach()))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.run
+    assert len(logged) == N and len(run.steps) == N
+    spans = run.spans
+    metric = spans[spans["phase"] == "metric_call"]
+    assert set(metric["source"]) == {"SleepyMAE"} and len(metric) == N, metric
+    close(float(metric["duration_s"].sum()), clock["metric"], "metric_call spans (train_mae(out, y))")
+    close(float(run.steps["forward_s"].sum()), clock["forward"], "forward (the model, and the loss made by a metric)")
+    assert len(spans[(spans["phase"] == "forward") & (spans["source"] == "MeanSquaredError")]) == N
+    assert float(run.steps["other_s"].sum()) >= clock["metric"] * (1 - TOLERANCE)
+    assert run.summary().verdict.kind != "compute-bound"
+    said = [n for n in run.meta["notes"] if n.startswith(f"metric modules were called {STEPS} time(s) in the measured steps")]
+    assert said and "counted in other, not forward" in said[0], run.meta["notes"]
+
+
 def test_an_ema_teacher_evaluated_on_validation_batches():
     """BYOL / DINO style: the teacher is an EMA copy of the student, never called with grad. On
     the training batch (its targets) it is the step's forward; evaluated on validation batches

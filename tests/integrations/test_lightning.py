@@ -583,3 +583,50 @@ def test_an_iterable_dataset_with_validation_counts_each_steps_batch():
     assert trainer.global_step == 10 == len(run.steps)
     assert (run.steps["samples"] == BATCH).all(), run.steps["samples"].tolist()
     assert run.meta["evaluation"]["batches"] == 2 * 2  # the validations after epochs 1 and 2
+
+
+class Metered(Model):
+    """``training_step`` computes a torchmetrics metric the documented way,
+    ``self.train_mae(out, y)`` and ``self.log("train_mae", self.train_mae)``, and clocks the
+    model's call and the metric's."""
+
+    def __init__(self, torchmetrics: object) -> None:
+        super().__init__()
+        self.train_mae = truth.sleepy_torchmetric(torchmetrics)
+        self.clock: dict[str, float] = {"forward": 0.0, "metric": 0.0}
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        x, y = batch
+        t = time.perf_counter()
+        out = self.net(x)
+        t1 = time.perf_counter()
+        self.train_mae(out, y)
+        t2 = time.perf_counter()
+        self.clock["forward"] += t1 - t
+        self.clock["metric"] += t2 - t1
+        self.log("train_mae", self.train_mae)
+        loss = F.mse_loss(out, y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_torchmetrics_metric_in_training_step_is_not_the_forward():
+    """A metric whose compute sleeps 40 ms, called in ``training_step`` (an update and a compute
+    on the batch): its time is other, not forward (it had been the model's forward, the verdict
+    COMPUTE-BOUND), and the run says how much. Truth: ``training_step``'s clocks."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    trainer, _, loader, record = make()
+    model = Metered(torchmetrics)
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="pl-metric", progress=False, clock_hz=0) as prof:
+        trainer.fit(model, loader)
+    run = prof.run
+    assert trainer.global_step == STEPS + WARMUP == len(run.steps)
+    truth.assert_losses(run.steps["loss"].tolist(), record.losses)
+    metric = run.spans[run.spans["phase"] == "metric_call"]
+    assert len(metric) == STEPS + WARMUP and set(metric["source"]) == {"SleepyMAE"}, metric
+    assert float(metric["duration_s"].sum()) == pytest.approx(model.clock["metric"], rel=truth.TOLERANCE)
+    assert float(run.steps["forward_s"].sum()) == pytest.approx(model.clock["forward"], rel=truth.TOLERANCE)
+    assert float(run.steps["other_s"].sum()) >= model.clock["metric"] * (1 - truth.TOLERANCE)
+    assert run.summary().verdict.kind != "compute-bound"
+    assert any(n.startswith(f"metric modules were called {STEPS} time(s) in the measured steps (SleepyMAE")
+               for n in run.meta["notes"]), run.meta["notes"]

@@ -395,3 +395,26 @@ def import_transformers() -> Any:
             if saved_mod is not None:
                 sys.modules["datasets"] = saved_mod
     return pytest.importorskip("transformers")
+
+
+def sleepy_torchmetric(torchmetrics: Any) -> torch.nn.Module:
+    """A torchmetrics ``Metric`` (a running mean absolute error, differentiable) whose
+    ``compute()`` sleeps ``SLEEP_S``: known time that is the metric's, not the model's."""
+
+    class SleepyMAE(torchmetrics.Metric):
+        SLEEP_S = 0.040
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("total", default=torch.zeros(()), dist_reduce_fx="sum")
+            self.add_state("n", default=torch.zeros(()), dist_reduce_fx="sum")
+
+        def update(self, out: torch.Tensor, y: torch.Tensor) -> None:
+            self.total += (out - y).abs().sum()
+            self.n += y.numel()
+
+        def compute(self) -> torch.Tensor:
+            time.sleep(self.SLEEP_S)
+            return self.total / self.n
+
+    return SleepyMAE()

@@ -14,7 +14,18 @@ import numpy as np
 import pandas as pd
 
 from ..run import Run
-from ..schema import BUILTIN_PHASES, FILE_LOAD, FILE_LOAD_SOURCES, PHASE_COLUMNS, SCHEMAS, UNCOUNTED_PHASES, frame, jsonable
+from ..schema import (
+    BUILTIN_PHASES,
+    FILE_LOAD,
+    FILE_LOAD_SOURCES,
+    METRIC_CALL,
+    PHASE_COLUMNS,
+    SCHEMAS,
+    UNCOUNTED_PHASES,
+    USER_PHASE_SOURCE,
+    frame,
+    jsonable,
+)
 from . import evaluation, read_ahead
 from .losses import step_losses
 from .recorder import Recorder
@@ -173,6 +184,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     loads = _file_load_note(spans)
     if loads:
         full_meta["notes"].append(loads)
+    metrics = _metric_call_note(spans)
+    if metrics:
+        full_meta["notes"].append(metrics)
     if extra_batches:
         full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
     if dropped:
@@ -278,11 +292,7 @@ def _file_load_note(spans: pd.DataFrame) -> str | None:
     loads = spans[(spans["phase"] == FILE_LOAD) & spans["source"].isin(FILE_LOAD_SOURCES) & (spans["step"] >= 0)]
     if loads.empty:
         return None
-    inner = spans[spans["phase"].isin(set(BUILTIN_PHASES) - {"tpkit"}) & (spans["step"] >= 0)]
-    other_s = 0.0
-    for s, e in zip(loads["start_s"].to_numpy(), loads["end_s"].to_numpy()):
-        around = inner[(inner["start_s"] <= s) & (inner["end_s"] >= e)]
-        other_s += 0.0 if len(around) else float(e - s)
+    other_s = _in_other(spans, loads)
     steps = sorted({int(k) for k in loads["step"]})
     shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
     return (f"files were read in the loop {len(loads)} time(s) in the measured steps ({', '.join(sorted(set(loads['source'])))}; "
@@ -290,3 +300,27 @@ def _file_load_note(spans: pd.DataFrame) -> str | None:
             f"{other_s * 1e3:.1f} ms of it counted in other (a checkpoint read back, or batches read with no "
             "loader: tpkit cannot tell which; the timeline shows them as 'files loaded')")
 
+
+def _in_other(spans: pd.DataFrame, inside: pd.DataFrame) -> float:
+    """How much of the spans ``inside`` (rows of ``spans``) no built-in phase is open around: other."""
+    inner = spans[spans["phase"].isin(set(BUILTIN_PHASES) - {"tpkit"}) & (spans["step"] >= 0)]
+    other_s = 0.0
+    for s, e in zip(inside["start_s"].to_numpy(), inside["end_s"].to_numpy()):
+        around = inner[(inner["start_s"] <= s) & (inner["end_s"] >= e)]
+        other_s += 0.0 if len(around) else float(e - s)
+    return other_s
+
+
+def _metric_call_note(spans: pd.DataFrame) -> str | None:
+    """What the loop's calls of metric modules (``schema.METRIC_CALL`` spans: ``train_acc(logits,
+    y)``, torchmetrics' update and compute on the batch) took in the measured steps: their time is
+    other, not forward. A metric whose compute took 77% of the step had been the model's forward
+    (COMPUTE-BOUND, with no word)."""
+    calls = spans[(spans["phase"] == METRIC_CALL) & (spans["source"] != USER_PHASE_SOURCE) & (spans["step"] >= 0)]
+    if calls.empty:
+        return None
+    names = ", ".join(sorted(set(calls["source"].astype(str)))[:4])
+    return (f"metric modules were called {len(calls)} time(s) in the measured steps ({names}: an update and a "
+            f"compute on the batch each): {float(calls['duration_s'].sum()) * 1e3:.1f} ms, "
+            f"{_in_other(spans, calls) * 1e3:.1f} ms of it counted in other, not forward (the timeline shows them "
+            "as 'metric calls'); where that is much, update the metric each step and compute it only when you log")

@@ -85,6 +85,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..schema import METRIC_CALL
+
 #: The phase evaluation is counted as (``run.steps.eval_s``).
 EVAL = "eval"
 #: The source of the ``eval`` spans between consecutive evaluation calls (``EvalSplit.glue``).
@@ -94,6 +96,9 @@ TAIL = "after an evaluation's last call"
 #: The phases that are training work: one of them between two evaluation calls keeps the time
 #: between them the step's (a loop that computes a metric in eval mode after every step).
 _TRAINING_WORK = frozenset({"backward", "optimizer", "offload"})
+#: The phases of the calls an evaluation is made of: a model's or a loss's, and a metric's
+#: (``metric(preds, target)``, capture/probes/phases.py).
+_CALLS = frozenset({"forward", METRIC_CALL})
 
 
 @dataclass
@@ -477,7 +482,7 @@ def glue_spans(split_: EvalSplit) -> list[tuple]:
 
 def relabel_span(split_: EvalSplit, phase: str, start_ns: int, end_ns: int) -> str:
     """A span's phase in the Run: ``eval`` for an evaluation call's forward and its waits."""
-    if phase == "forward" and split_.in_call(start_ns):
+    if phase in _CALLS and split_.in_call(start_ns):
         return EVAL
     if phase == "data_wait" and (start_ns, end_ns) in split_.waits:
         return EVAL
@@ -519,7 +524,7 @@ def relabel_memory(split_: EvalSplit, rows: list[tuple], spans: list[tuple]) -> 
     moved: dict[tuple, int] = {}  # (raw_step, event, t_ns, device) of a relabelled row -> bytes made other
     for row in rows:
         phase, t = row[1], row[3]
-        if (phase == "forward" and split_.in_call(t)) or (
+        if (phase in _CALLS and split_.in_call(t)) or (
                 phase == "data_wait" and nearest_wait(t) in split_.waits):
             if row[5] in ("activations", "temporaries"):
                 key = (row[0], row[2], t, row[4])

@@ -260,6 +260,14 @@ class Recorder:
                 # on a GPU it starts at the phase's own end event
                 self._own(t, ev, self.cuda_timer.mark() if ev is not None else None)
 
+    def relabel(self, index: int, was: str, phase: str) -> None:
+        """Give span number ``index`` (in closing order), of phase ``was``, another phase: one
+        known only later (a metric call whose output the backward ran through is a loss,
+        capture/probes/phases.py). Nothing where that span is gone (``drop_spans``)."""
+        i = index * SPAN_FIELDS
+        if i < len(self._spans) and self._spans[i] == was:
+            self._spans[i] = phase
+
     def idle_since_step(self) -> bool:
         """Whether no training work was recorded since the last step ended: no batch handed out,
         no span open, none closed after it but the optimizer's (its ``zero_grad()``) and tpkit's."""

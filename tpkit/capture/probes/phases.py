@@ -68,7 +68,7 @@ import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
-from ...schema import FILE_LOAD, UNSEEN_UPDATES_NOTE
+from ...schema import FILE_LOAD, METRIC_CALL, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import SPAN_FIELDS, Recorder, WeakRegistry
 from . import batches, loss_sums, module_calls
@@ -96,6 +96,10 @@ GC_SPAN_MIN_NS = 1_000_000
 #: Phases during which a module call is not "the forward pass" (a transform in data loading,
 #: recomputation in backward, a module used inside an optimizer).
 _NOT_FORWARD = ("data_wait", "backward", "optimizer", "offload")
+
+#: The classes whose subclasses' calls are metric calls (``schema.METRIC_CALL``), as (module,
+#: name): found in a module class's MRO, so that torchmetrics is never imported by tpkit.
+_METRIC_CLASSES = frozenset({("torchmetrics.metric", "Metric"), ("torchmetrics.collections", "MetricCollection")})
 
 #: True while torch.compile works in this thread: tpkit's hooks then do nothing at all.
 _compiling = compiling
@@ -293,6 +297,9 @@ class PhaseProbe:
         self._watch_updates = True  # False once an optimizer's own step was seen: none goes unseen
         self.static_scaled: dict[float, int] = {}  # a hand-made loss scale -> losses unscaled by it
         self._free: dict[int, bool] = {}  # id(module) -> whether it has no parameters (a loss, a metric)
+        self._metric_types: dict[type, bool] = {}  # module class -> whether it is a metric (``_is_metric``)
+        # metric calls since the last backward whose output carries grad: (span index, its grad_fn nodes)
+        self._metric_outputs: list[tuple[int, list[Any]]] = []
         self.skipped_steps = 0  # steps whose update a GradScaler skipped (inf/NaN gradients)
         self.foreign_steps: dict[str, int] = {}  # thread name -> optimizer steps tpkit did not follow
         self.models = rec.models  # shared: the memory probe reads it
@@ -613,6 +620,9 @@ class PhaseProbe:
         if tid != self.rec.thread_id and not self._adopt(tid, at_step=False):
             return module_calls._torch_call(module, *args, **kwargs)
         rec = self.rec
+        metric = self._metric_types.get(type(module))  # (inline: no frame of tpkit's more a call)
+        if metric or (metric is None and self._is_metric(type(module))):
+            return self._metric_call(module, tid, args, kwargs)
         token = None
         no_grad_from = 0  # a call without grad: maybe evaluation (capture/evaluation.py)
         in_train_mode = False  # ... of a module with parameters in train mode (Recorder.no_grad_train_calls)
@@ -654,6 +664,76 @@ class PhaseProbe:
                     if no_grad_from:
                         (rec.no_grad_train_calls if in_train_mode else rec.no_grad_calls).extend(
                             (no_grad_from, perf_counter_ns(), id(module), rec.step_index))
+
+    def _is_metric(self, cls: type) -> bool:
+        """Whether ``cls`` is a metric module (torchmetrics' ``Metric``, ``MetricCollection``),
+        noted in ``_metric_types``: its MRO is read once a class (about 1.3 us); ``_outer_call``
+        looks the class up there first (a dict lookup, about 60 ns an outermost call)."""
+        metric = self._metric_types[cls] = any((c.__module__, c.__qualname__) in _METRIC_CLASSES for c in cls.__mro__)
+        return metric
+
+    def _metric_call(self, module: torch.nn.Module, tid: int, args: tuple, kwargs: dict) -> Any:
+        """An outermost call of a metric module (``metric(preds, target)``: an update, and a
+        compute on the batch): a ``schema.METRIC_CALL`` span, whose time is other, not the model's
+        forward (a metric whose compute took 77% of the step had read COMPUTE-BOUND). One whose
+        output the next backward runs through is a loss made by a metric (``1 - ssim(x, y)``):
+        its span becomes forward then, as a loss module's (``_metric_losses``). Without grad it is
+        recorded as a call of a module without parameters is, so that after an evaluation call it
+        is evaluation (capture/evaluation.py). Inside a phase that is not the forward (an
+        optimizer's step) nothing is recorded, as for any module. Per call: a span, and where the
+        output carries grad its nodes, kept until the next backward (the last 16 at most)."""
+        rec = self.rec
+        token = None
+        no_grad_from = 0
+        if not any(rec.is_open(p) for p in _NOT_FORWARD):
+            if not torch.is_grad_enabled():
+                no_grad_from = perf_counter_ns()
+                rec.param_free_modules.add(id(module))  # a helper of an evaluation, whatever it holds
+            token = rec.enter(METRIC_CALL, type(module).__name__)
+        gen = self._fwd_gen
+        out: Any = None
+        try:
+            module_calls.set_inside(tid)
+            out = module_calls._torch_call(module, *args, **kwargs)
+            return out
+        finally:
+            if gen == self._fwd_gen:
+                module_calls.set_inside(None)
+                if token is not None:
+                    first = rec.span_count()
+                    rec.exit(token)
+                    if no_grad_from:
+                        rec.no_grad_calls += (no_grad_from, perf_counter_ns(), id(module), rec.step_index)
+                    else:
+                        nodes = _grad_nodes(out)
+                        if nodes:  # its span: the first closed at its depth (tpkit's own may follow)
+                            spans = rec._spans
+                            index = next((k for k in range(first, rec.span_count())
+                                          if spans[k * SPAN_FIELDS + 3] == token), None)
+                            if index is not None:
+                                self._metric_outputs.append((index, nodes))
+                                del self._metric_outputs[:-16]  # no backward since: let the graphs go
+
+    def _metric_losses(self, tensors: Any) -> None:
+        """Before a backward, after metric calls whose output carries grad (``_metric_call``): the
+        ones whose output the backward runs through, found within 256 nodes of its roots (a
+        metric used as the loss, ``loss = 1 - ssim(x, y)``), are forward; the rest (a
+        differentiable metric logged, ``train_mse(preds, y)``) stay metric calls. Their nodes are
+        let go either way. Costs a walk of up to 256 nodes per such backward."""
+        pending, self._metric_outputs = self._metric_outputs, []
+        wanted = {id(n): index for index, nodes in pending for n in nodes}
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor)]
+        seen = 0
+        while todo and wanted and seen < 256:
+            node = todo.pop(0)
+            seen += 1
+            if node is None:
+                continue
+            index = wanted.pop(id(node), None)
+            if index is not None:
+                self.rec.relabel(index, METRIC_CALL, "forward")
+            todo.extend(fn for fn, _ in node.next_functions)
 
     def _trains(self, module: torch.nn.Module) -> bool:
         """Whether a call of ``module`` now is a training forward: with grad, in train mode, of a
@@ -1220,6 +1300,8 @@ class PhaseProbe:
                 probe._none_before_backward = probe._first_grad_is_none()
             if probe._closure_depth == 0 or probe._closure_evals <= 1:
                 probe._add_losses(tensors, args, kwargs)
+            if probe._metric_outputs:
+                probe._metric_losses(tensors)
             token = rec.enter("backward", "autograd")
             raised = True
             try:
@@ -1634,6 +1716,14 @@ def _graph_leaf(tensor: torch.Tensor, limit: int = 256) -> list[Any]:
     return []
 
 
+def _grad_nodes(out: Any) -> list[Any]:
+    """The autograd nodes that made a module call's output (a tensor, or a mapping or sequence of
+    them, one level: a ``MetricCollection``'s dict): what a backward through it would run."""
+    values = [out] if isinstance(out, torch.Tensor) else list(out.values()) if isinstance(out, dict) \
+        else list(out) if isinstance(out, (list, tuple)) else []
+    return [v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+
+
 def _input_ref(args: tuple, kwargs: dict) -> Any:
     """A weak reference to the tensor leading a forward's input (``batches._sized``'s), None where
     it has none. Weak and by object, not by address: a batch made anew often reuses the freed
@@ -1728,3 +1818,4 @@ def _graph_breaks() -> int:
 skip_own_frames(sys.modules[__name__], PhaseProbe, Recorder, WeakRegistry, loss_sums, loss_sums.LossSums, batches)
 skipped_by_dynamo(module_calls.set_inside, callees=True)
 skipped_by_dynamo(PhaseProbe._outer_call)
+skipped_by_dynamo(PhaseProbe._metric_call)
