@@ -209,6 +209,100 @@ def test_ctrl_c_while_the_probes_go_in_leaves_nothing_and_keeps_a_run_that_says_
     assert len(tp.last_run().measured_steps) == STEPS
 
 
+
+def test_ctrl_c_as_the_teardown_begins_leaves_nothing_and_keeps_the_run(monkeypatch):
+    """A Ctrl-C as the body's end starts the teardown (in ``TermGuard.tearing_down``, which had
+    run before SIGINT was held): every probe comes out, the full slice is kept, and the next
+    slice starts. It had left every hook and the active Recorder in, kept no run, and every
+    later ``tp.profile()`` raised ProfileActiveError."""
+    run_slice()
+    before = snapshot()
+    original = TermGuard.tearing_down
+
+    def interrupted(self):
+        ctrl_c()
+        return original(self)
+
+    monkeypatch.setattr(TermGuard, "tearing_down", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_slice()
+    monkeypatch.undo()
+    assert diff(before, snapshot()) == {}
+    assert len(tp.last_run().measured_steps) == STEPS and tp.last_run().complete
+    run_slice()
+    assert len(tp.last_run().measured_steps) == STEPS
+
+
+def test_ctrl_c_before_the_teardown_holds_sigint_leaves_nothing_and_keeps_the_run(monkeypatch):
+    """A Ctrl-C landing as the slice's end begins, before SIGINT is held at all (inside
+    ``held_sigint``'s own first lines): it is raised after the same full teardown."""
+    run_slice()
+    before = snapshot()
+    real = slice_mod.held_sigint
+    fired = []
+
+    def late_hold(*a, **k):
+        if sys._getframe(1).f_code.co_name == "_take_down" and not fired:
+            fired.append(1)
+            ctrl_c()  # raised here, before the hold is in
+        return real(*a, **k)
+
+    monkeypatch.setattr(slice_mod, "held_sigint", late_hold)
+    with pytest.raises(KeyboardInterrupt):
+        run_slice()
+    monkeypatch.undo()
+    assert fired and diff(before, snapshot()) == {}
+    assert len(tp.last_run().measured_steps) == STEPS
+    run_slice()
+    assert len(tp.last_run().measured_steps) == STEPS
+
+
+def test_a_second_ctrl_c_while_an_interrupted_start_is_undone_leaves_nothing(monkeypatch):
+    """A Ctrl-C while the probes go in, and a second one as tpkit begins taking them out again
+    (``TermGuard.tearing_down``): every probe comes out, the run kept says the start was
+    interrupted, and the next slice starts. The second had left every probe in."""
+    run_slice()
+    previous = tp.last_run()
+    before = snapshot()
+    timer, tearing_down = slice_mod.maybe_cuda_timer, TermGuard.tearing_down
+
+    def first(*a, **k):
+        ctrl_c()
+        return timer(*a, **k)
+
+    def second(self):
+        ctrl_c()
+        return tearing_down(self)
+
+    monkeypatch.setattr(slice_mod, "maybe_cuda_timer", first)
+    monkeypatch.setattr(TermGuard, "tearing_down", second)
+    with pytest.raises(KeyboardInterrupt):
+        run_slice()
+    monkeypatch.undo()
+    assert diff(before, snapshot()) == {}
+    run = tp.last_run()
+    assert run is not previous and len(run.steps) == 0 and run.meta["stopped_by"] == "interrupt"
+    run_slice()
+    assert len(tp.last_run().measured_steps) == STEPS
+
+
+def test_a_ctrl_c_held_while_the_probes_go_in_says_so(monkeypatch):
+    """With SIGINT's default action in place (no Python handler), the KeyboardInterrupt tpkit
+    raises for a Ctrl-C it held while installing says "installing", not "removing"."""
+    timer = slice_mod.maybe_cuda_timer
+
+    def interrupted(*a, **k):
+        ctrl_c()  # held: the process does not end
+        return timer(*a, **k)
+
+    monkeypatch.setattr(slice_mod, "maybe_cuda_timer", interrupted)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="^interrupted while tpkit was installing its probes"):
+            run_slice()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 SIGTERM_CHILD = Path(__file__).parent / "sigterm_child.py"
 SIGINT_SOAK = Path(__file__).with_name("sigint_soak.py")
 

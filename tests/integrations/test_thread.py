@@ -134,3 +134,69 @@ def test_a_body_that_starts_the_loop_and_returns_says_the_loop_ran_on():
     assert any("returned after" in t and "'background-loop' ran on" in t and "join" in t for t in notes), notes
     assert not any("the loop ended" in t or "waits for it" in t for t in notes), notes
     truth.assert_hooks_removed(before)
+
+
+def _short_loop(iterations: list[int], n: int):
+    """A SleepyNet loop of exactly ``n`` iterations, fewer than the slice's steps."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+
+    def train() -> str:
+        for i, (x, y) in zip(range(n), loader):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            iterations.append(i)
+        return "done"
+
+    return train
+
+
+def test_a_loop_run_to_its_end_in_a_long_lived_pool_ended_inside_the_slice():
+    """The body waits for the whole loop, run by a pool made before the slice
+    (``pool.submit(train).result()``); the pool's worker thread lives on, idle in its queue. The
+    loop ended inside the slice: ``stopped_by: "loop_end"``, complete, every iteration a step. It
+    had read ``body_returned``, incomplete, with a note that the loop ran on unprofiled."""
+    import concurrent.futures
+
+    iterations: list[int] = []
+    n = STEPS + WARMUP - 3
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pool")
+    try:
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="pool", progress=False, clock_hz=0) as prof:
+            assert pool.submit(_short_loop(iterations, n)).result(timeout=60) == "done"
+        run = prof.run
+        assert len(iterations) == n and len(run.steps) == n
+        assert run.meta["stopped_by"] == "loop_end" and run.complete
+        assert not any("ran on" in t for t in run.meta["notes"]), run.meta["notes"]
+        assert any(t.startswith(f"the loop ended after {n} steps") for t in run.meta["notes"]), run.meta["notes"]
+    finally:
+        pool.shutdown()
+
+
+def test_a_loop_whose_thread_signals_its_end_ended_inside_the_slice():
+    """The body waits on an Event the training thread sets once its loop is over, then the thread
+    takes 10 ms to finish (closing its log): it is still alive as the body returns, but its loop
+    ended inside the slice. Every trial: ``loop_end``, complete. It had read ``body_returned``,
+    incomplete (and 2 of 6 times with nothing after the ``set()``)."""
+    for trial in range(3):
+        iterations: list[int] = []
+        n = 2
+        done = threading.Event()
+        train = _short_loop(iterations, n)
+
+        def signalled(train=train, done=done) -> None:
+            train()
+            done.set()  # the loop is over
+            time.sleep(0.01)  # the thread's last moments: no training
+
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="event", progress=False, clock_hz=0, memory=False) as prof:
+            worker = threading.Thread(target=signalled, name="signalled-loop")
+            worker.start()
+            assert done.wait(timeout=60)
+        worker.join(timeout=60)
+        run = prof.run
+        assert len(run.steps) == n, (trial, len(run.steps))
+        assert run.meta["stopped_by"] == "loop_end" and run.complete, (trial, run.meta["stopped_by"])

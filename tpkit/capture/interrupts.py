@@ -38,9 +38,10 @@ class Held:
 
 
 @contextmanager
-def held_sigint() -> Iterator[Held]:
+def held_sigint(doing: str = "removing its probes (they are all removed)") -> Iterator[Held]:
     """Within the block SIGINT is remembered, not raised; after it, the handler that was in place
-    runs (Python's raises KeyboardInterrupt; IPython's or the user's does what it does)."""
+    runs (Python's raises KeyboardInterrupt; IPython's or the user's does what it does). Where the
+    handler was ``SIG_DFL`` the KeyboardInterrupt says "interrupted while tpkit was ``doing``"."""
     held = Held()
     if threading.current_thread() is not threading.main_thread():
         yield held
@@ -64,7 +65,7 @@ def held_sigint() -> Iterator[Held]:
         if callable(previous):
             previous(signal.SIGINT, frames[0])
         elif previous == signal.SIG_DFL:
-            raise KeyboardInterrupt("interrupted while tpkit was removing its probes (they are all removed)")
+            raise KeyboardInterrupt(f"interrupted while tpkit was {doing}")
 
 
 class TermGuard:

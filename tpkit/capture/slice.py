@@ -16,6 +16,7 @@ import threading
 import time
 from contextlib import ContextDecorator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import numpy as np
@@ -49,7 +50,28 @@ TORCH_PREFETCH = 2
 #: ``fit``): the same count on every rank, so that all stop at the same step.
 RANKS_WARMUP = 5
 
+#: How long the slice's end watches a loop thread that is still alive as the body returns, to
+#: tell a loop running on from a thread that ended it (``Profile._still_looping``): a median step,
+#: within these bounds (seconds).
+LOOP_WATCH_MIN_S, LOOP_WATCH_MAX_S = 0.02, 0.1
+
 _LAST_RUN: Run | None = None
+
+
+def _innermost(ident: int | None) -> tuple[int, int] | None:
+    """Where thread ``ident`` is now: its innermost frame and the instruction in it."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+def _step_caller() -> tuple[int, int, Any] | None:
+    """The frame the current step came from (the first outside torch and tpkit, the loop's code
+    or a trainer's), as (thread ident, id, code): a walk up a few frames, once per step, for a
+    loop in another thread only (``Profile._still_looping``); no reference to the frame is kept."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] in ("tpkit", "torch"):
+        frame = frame.f_back
+    return None if frame is None else (threading.get_ident(), id(frame), frame.f_code)
 
 
 def last_run() -> Run | None:
@@ -123,6 +145,9 @@ class Profile:
         self._term = TermGuard()  # SIGTERM held while the slice runs and is taken down (interrupts.py)
         self._started = False  # every probe went in (False: the start was interrupted or failed)
         self._ran_on: str | None = None  # the loop's thread, running on as the body returned (_loop_running_on)
+        self._slice_tid = threading.get_ident()
+        # a loop in another thread: (thread ident, id, code) of the frame its last step came from
+        self._step_caller: tuple[int, int, Any] | None = None
         self._bar: Any = None
         self._durations: list[float] = []
         self._last_end_ns = 0
@@ -157,7 +182,8 @@ class Profile:
         # times and warmup had carried its notes into the next run and decided its auto warmup
         self.run, self._probes, self._removed, self._durations = None, [], [], []
         self._own, self._ends, self._spans_read = [], [], 0
-        self._started, self._ran_on = False, None
+        self._started, self._ran_on, self._step_caller = False, None, None
+        self._slice_tid = threading.get_ident()
         self._term = TermGuard()  # (the last slice's had been tearing down: SIGTERM was only held)
         self.warmup_steps = cfg.warmup if cfg.warmup != "auto" else None
         # (read before the Recorder exists, so that a Ctrl-C in its tens of ms lands before the
@@ -182,7 +208,7 @@ class Profile:
             # A Ctrl-C while a probe installs would land between registering a hook and keeping
             # its handle (or between enabling torch's profiler and marking it on): it is held
             # until every probe is in, then raised, and the teardown below takes them all out.
-            with held_sigint():
+            with held_sigint("installing its probes (they are all removed)"):
                 rec.cuda_timer = maybe_cuda_timer()
                 self._probes = [PhaseProbe(rec)]
                 self._probes[0].install()
@@ -205,32 +231,45 @@ class Profile:
             # an empty run kept that says so (``tp.last_run()`` and the magic's ``_tp`` had still
             # been the cell before's)
             self._started = False
-            try:
-                self._term.tearing_down()
-                with held_sigint():
-                    try:
-                        self._teardown()
-                    finally:
-                        self._finish(exc)
-            finally:
-                self._term.release()
+            self._take_down(exc, at_end=False)
             raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        # A Ctrl-C here would leave hooks installed and lose the run: it is held until every
-        # probe is out and the run is kept, then raised (tpkit/capture/interrupts.py).
-        try:
-            self._term.tearing_down()
-            with held_sigint():
-                self._ran_on = self._loop_running_on()
-                try:
-                    self._teardown()
-                finally:
-                    self._finish(exc)
-        finally:
-            self._term.release()  # a SIGTERM held meanwhile ends the process now, the run kept
+        self._take_down(exc, at_end=True)
         return exc_type is not None and issubclass(exc_type, StopSlice)
+
+    def _take_down(self, exc: BaseException | None, at_end: bool) -> None:
+        """Every probe out, the run kept (``exc``: what ended the body or the start), then the
+        SIGTERM guard given back (a SIGTERM held meanwhile ends the process now, the run kept).
+        A Ctrl-C here would leave hooks installed and lose the run: from the moment SIGINT is
+        held it waits until the end, and is then raised (tpkit/capture/interrupts.py); one that
+        lands before the hold is in (its own first lines) is kept and raised after the same
+        take-down, which then runs in full. ``TermGuard.tearing_down`` and the thread check run
+        inside the hold: run before it, a Ctrl-C there had skipped the teardown and the run, every
+        probe stayed in and every later slice refused to start (ProfileActiveError)."""
+        early: KeyboardInterrupt | None = None
+        begun = False
+        while not begun:
+            try:
+                with held_sigint():
+                    begun = True
+                    try:
+                        self._term.tearing_down()
+                        if at_end:
+                            self._ran_on = self._loop_running_on()
+                        try:
+                            self._teardown()
+                        finally:
+                            self._finish(exc)
+                    finally:
+                        self._term.release()
+            except KeyboardInterrupt as e:
+                if begun:
+                    raise
+                early = e  # landed before the hold: take everything down, then raise it
+        if early is not None:
+            raise early
 
     def _loop_running_on(self) -> str | None:
         """The name of the thread followed as the loop's (``PhaseProbe._adopt``) where it still
@@ -244,9 +283,39 @@ class Profile:
         for probe in self._probes + self._removed:
             thread = probe.loop_thread if isinstance(probe, PhaseProbe) else None
             if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-                rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop
-                return thread.name
+                rec.thread_id = 0  # no thread has ident 0: every probe now ignores the loop (the Run
+                # holds the steps until the body returned, whatever the thread does next)
+                return thread.name if self._still_looping(thread) else None
         return None
+
+    def _still_looping(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` still runs the loop, not merely lives: watched for up to a median
+        step (at least ``LOOP_WATCH_MIN_S``, at most ``LOOP_WATCH_MAX_S``), it must outlive the
+        watch and either run Python meanwhile (its innermost frame moved) or be inside the
+        frame that called its last step's ``optimizer.step()`` still (a step blocked in one long
+        call). A pool's worker that ran the loop and idles in its queue's ``get`` (the body
+        waited on ``pool.submit(train).result()``), or a thread finishing its last statement
+        after the ``Event`` the body waited on: the loop ended. Both had read as a loop that ran
+        on (``body_returned``, incomplete) for a loop that had run to its end inside the slice."""
+        ident = thread.ident
+        pace = float(np.median(self._durations)) if self._durations else LOOP_WATCH_MAX_S
+        deadline = time.perf_counter() + min(LOOP_WATCH_MAX_S, max(LOOP_WATCH_MIN_S, pace))
+        first = _innermost(ident)
+        moved = False
+        while thread.is_alive() and time.perf_counter() < deadline:
+            time.sleep(0.002)
+            moved = moved or _innermost(ident) != first
+        if not thread.is_alive():
+            return False
+        if moved:
+            return True
+        caller = self._step_caller
+        frame = sys._current_frames().get(ident) if caller is not None and caller[0] == ident else None
+        while frame is not None:
+            if caller is not None and (id(frame), frame.f_code) == caller[1:]:
+                return True
+            frame = frame.f_back
+        return False
 
     def _teardown(self, keep: type | None = None, deactivate: bool = True) -> None:
         """Take every probe out (but those of type ``keep``); safe to run twice and after a
@@ -292,6 +361,8 @@ class Profile:
     # -- steps ------------------------------------------------------------------------------
     def _on_step(self, raw_step: int, end_ns: int) -> None:
         cfg = self.config
+        if threading.get_ident() != self._slice_tid:  # a loop in another thread: where it steps from
+            self._step_caller = _step_caller()
         self._durations.append((end_ns - self._last_end_ns) / 1e9)
         self._last_end_ns = end_ns
         if self.warmup_steps is None:  # --warmup auto
