@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,42 @@ def test_the_straggler_named_first_costs_the_most_time_and_noise_holds_no_step_b
     v = straggler_verdict(rank_stragglers(steps), steps)
     assert (v["rank"], v["phase"], v["steps"]) == (1, "other", 3)
     assert [(f["rank"], f["phase"], f["steps"]) for f in v["also"]] == [(0, "data_wait", 4)]
+
+
+def late_every_step(late_ms: float, jitter_ms: float) -> pd.DataFrame:
+    """2 ranks, 9 measured steps of ~75 ms ending together at a collective: rank 1 waits
+    ``late_ms`` longer for data on every step, by construction; both ranks' backward wanders by
+    0-``jitter_ms`` of scheduling noise (seeded)."""
+    rng = random.Random(3)
+    rows = []
+    for step in range(9):
+        own = {0: (0.005, 0.060 + rng.uniform(0, jitter_ms) * 1e-3),
+               1: (0.005 + late_ms * 1e-3, 0.060 + rng.uniform(0, jitter_ms) * 1e-3)}
+        end = max(sum(o) for o in own.values()) + 0.001
+        for rank, (data, bwd) in own.items():
+            rows.append(dict(rank=rank, step=step, warmup=False, duration_s=end, data_wait_s=data, forward_s=0.0,
+                             backward_s=bwd, other_s=0.0, comm_s=end - (data + bwd)))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("late_ms", "jitter_ms", "held", "p50_ms"),
+                         [(10.0, 12.0, 9, 9.7), (15.0, 12.0, 9, 14.7), (12.0, 16.0, 8, 8.9)])
+def test_a_rank_late_every_step_under_jitter_holds_every_step_it_leads(late_ms, jitter_ms, held, p50_ms):
+    """A rank late by the same time on every step, under jitter as large: its steps' hold-backs
+    spread across the noise floor (3x the quietest rank's spread, 8.7-11.6 ms here), and only
+    the steps above it had counted ("5 of 9 steps back by 12.8 ms" for 10 ms late on all 9).
+    It holds back every step where it is the longest hold (the jitter of 0-16 ms outran 12 ms
+    once: 8 of 9), by the table's own p50 there."""
+    steps = late_every_step(late_ms, jitter_ms)
+    st = rank_stragglers(steps)
+    mine = st[(st["rank"] == 1) & (st["phase"] == "data_wait")]
+    assert len(mine) == held
+    v = straggler_verdict(st, steps)
+    assert (v["rank"], v["phase"], v["steps"], v["of_steps"]) == (1, "data_wait", held, 9)
+    assert v["excess_p50_s"] == pytest.approx(mine["excess_s"].median())
+    assert v["excess_p50_s"] * 1e3 == pytest.approx(p50_ms, abs=0.05)
+    assert v["excess_p50_s"] * 1e3 == pytest.approx(late_ms, abs=3.5)  # the lateness, give or take the jitter
+    assert v["noise_s"] > 0.008  # the floor lies inside the spread of its hold-backs
 
 
 def test_comm_is_taken_out_of_the_phase_it_interrupts_and_overlap_is_never_charged():
