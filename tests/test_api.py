@@ -892,12 +892,13 @@ def test_the_run_names_every_model_the_loop_trains(one_thread):
     assert prof.run.meta["model"] == {"class": "Linear + Sequential", "parameters": trained, "trainable": trained}
 
 
-def test_a_collection_inside_next_is_said_and_never_waiting_for_data():
+def test_a_collection_inside_next_is_said_and_never_waiting_for_data(tmp_path):
     """A full collection that lands in the loop's ``next()`` (here: a loader's ``__getitem__``
     makes cyclic garbage and collects it, and the loop's own gc callback holds the collection
     60 ms) is a ``gc`` span inside ``data_wait``. The steps table keeps charging it to
     ``data_wait_s`` (each instant to the deepest built-in phase open at it); the verdict and the
-    advice judge it as other, and a note names it. It had read INPUT-BOUND, "more workers"."""
+    advice judge it as other, and a note names it. It had read INPUT-BOUND, "more workers", and
+    the run store's table (``tp.runs()``) still read input-bound for the stored run."""
     import gc
 
     truth: list[float] = []
@@ -933,7 +934,8 @@ def test_a_collection_inside_next_is_said_and_never_waiting_for_data():
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
-        with tp.profile(steps=8, warmup=2, progress=False, memory=False, clock_hz=0) as prof:
+        with tp.profile(steps=8, warmup=2, progress=False, memory=False, clock_hz=0, save_dir=tmp_path / "runs",
+                        name="gcrun") as prof:
             gc.callbacks.append(on_gc)  # after tpkit's: its span holds the loop's 60 ms
             for b in torch.utils.data.DataLoader(DS(), batch_size=8):
                 time.sleep(0.02)  # the loop's own work, a step's time
@@ -959,6 +961,7 @@ def test_a_collection_inside_next_is_said_and_never_waiting_for_data():
     from tpkit.analysis.recommend import recommendations
 
     assert not [r for r in recommendations(run) if r.kind == "data-stall"]
+    assert list(tp.runs(tmp_path / "runs")["verdict"]) == [s.verdict.kind]  # the store's table says the same
 
 
 def test_the_first_slice_in_a_process_leaves_no_full_collection_in_the_measured_steps():

@@ -1,7 +1,8 @@
 """``tp.runs()``: the run store as a table, one row per stored run, damaged ones flagged.
 
-Reads each folder's ``meta.json`` and ``steps.parquet`` only (never the big tables), so a store
-of hundreds of runs lists quickly.
+Reads each folder's ``meta.json`` and ``steps.parquet``, and of ``spans.parquet`` only the
+collector's pauses and the spans of the steps they fell in (never the big tables whole), so a
+store of hundreds of runs lists quickly and its verdict is ``run.summary()``'s.
 """
 
 from __future__ import annotations
@@ -14,16 +15,35 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
+from ..schema import BUILTIN_PHASES, GC_PHASE
 from ..store import handles, store_path, stored_folders
-from .steps import summarize
+from .steps import gc_free_steps, gc_pauses, summarize
 
 #: Columns of ``tp.runs()``, in order.
 RUNS_COLUMNS: tuple[str, ...] = ("name", "stored_as", "start_time", "steps", "throughput", "step_p50_ms", "verdict",
                                  "complete", "damaged", "path", "knobs", "problem")
 
 
+def _verdict_spans(path: Path, steps: pd.DataFrame) -> pd.DataFrame | None:
+    """What of ``spans.parquet`` the verdict reads (``steps.gc_pauses``, ``steps.gc_free_steps``):
+    the collector's ``gc`` spans in the steps that waited for data and those steps' built-in spans
+    (the phase each pause interrupted), or None where there are none. A filtered read: the
+    ``phase`` column scanned, the rest only for those steps. Without it a full collection inside
+    ``next()`` read "input-bound" here while ``run.summary()`` counted it as other. Only the
+    verdict's kind is taken from it (where ``other`` sits, ``steps.other_parts``, needs every span
+    and names no kind)."""
+    waited = set(steps.loc[steps["data_wait_s"] > 0, "step"].astype(int)) if "data_wait_s" in steps else set()
+    if not waited:
+        return None
+    gcs = pq.read_table(path, columns=["step"], filters=[("phase", "=", GC_PHASE)]).column("step").to_pylist()
+    hit = sorted(waited.intersection(int(k) for k in gcs))
+    if not hit:
+        return None
+    return pd.read_parquet(path, filters=[("step", "in", hit), ("phase", "in", [*BUILTIN_PHASES, GC_PHASE])])
+
+
 def _row(folder: Path, handle: str | None = None) -> dict[str, Any]:
-    """One ``tp.runs()`` row, read from meta.json and steps.parquet only (never the big tables);
+    """One ``tp.runs()`` row, read from meta.json, steps.parquet and the spans the verdict needs;
     ``handle``: the name that loads exactly this run (``store.handles``)."""
     row: dict[str, Any] = dict.fromkeys(RUNS_COLUMNS)
     row.update(name=folder.name, stored_as=folder.name, path=str(folder), damaged=True, complete=False, knobs="",
@@ -41,7 +61,9 @@ def _row(folder: Path, handle: str | None = None) -> dict[str, Any]:
                 pq.read_metadata(folder / f"{t}.parquet")
             except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
                 raise ValueError(f"{t}.parquet is damaged: {e}") from None
-        s = summarize(steps, meta)
+        spans = _verdict_spans(folder / "spans.parquet", steps)
+        # run.summary()'s verdict: the collector's pauses in data_wait judged as other
+        s = summarize(gc_free_steps(steps, gc_pauses(spans, steps)) if spans is not None else steps, meta)
     except FileNotFoundError as e:
         row["problem"] = f"incomplete folder: {Path(e.filename).name if e.filename else e}"
         return row
