@@ -276,6 +276,45 @@ def test_an_optimizer_stepping_every_iteration_ends_the_steps_though_a_slower_on
                for n in notes), notes
 
 
+@pytest.mark.parametrize("watched", [False, True], ids=["get_batch", "tp.watch(get_batch)"])
+def test_two_optimizers_with_no_batch_source_seen_say_a_step_may_hold_several_iterations(watched):
+    """The slower optimizer stepping first every 3rd iteration, batches from a function of the
+    loop's own: with no batch read seen tpkit cannot tell which optimizer steps once an
+    iteration, the first one to step ends the steps (a step holds 3 iterations), and the run
+    says so and how to mend it (it had said only "2 optimizers stepped"); with the function
+    watched, each iteration is a step and the note has no such clause. Truth: the loop's own
+    iteration count."""
+    torch.manual_seed(0)
+    trunk, head_a, head_b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+    fast = torch.optim.SGD([*trunk.parameters(), *head_a.parameters()], lr=0.01)
+    slow = SlowSGD([*head_b.parameters()], lr=0.001)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(4, 8), torch.randn(4, 1)
+
+    fetch = tp.watch(get_batch) if watched else get_batch
+    iterations = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="no-source", progress=False, clock_hz=0) as prof:
+        for i in range(1000):
+            x, y = fetch()
+            h = trunk(x)
+            (F.mse_loss(head_a(h), y) + F.mse_loss(head_b(h), y)).backward()
+            if i % 3 == 0:
+                slow.step()
+                slow.zero_grad()
+            fast.step()
+            fast.zero_grad()
+            iterations += 1
+    notes = " ".join(prof.run.meta["notes"])
+    if watched:
+        assert len(prof.run.steps) == N and iterations == N
+        assert "no batch source was seen" not in notes
+    else:
+        assert len(prof.run.steps) == N and iterations > 2 * N  # the first to step (the slow one) ends them
+        assert "no batch source was seen, so tpkit cannot tell which optimizer steps once an iteration" in notes
+        assert "get_batch = tp.watch(get_batch)" in notes
+
+
 def test_a_gan_generator_stepping_twice_an_iteration_keeps_the_discriminator_as_lead():
     """D steps once per batch, then G twice (a forward and backward between its steps, no batch
     read): G steps more often than D, but within one iteration, so D, stepping once an

@@ -836,9 +836,14 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
         rec.note(f"{several} optimizers stepped; steps end at tp.step() (once it is called, no "
                  "optimizer's step() ends one)")
     elif several > 1 and not probe.steps_in_backward:  # (its note says how steps end then)
+        unseen = "" if rec.handouts else (
+            "; no batch source was seen, so tpkit cannot tell which optimizer steps once an iteration: where "
+            "another steps more often than that one (a slower optimizer stepping first every few iterations), a "
+            "step holds several iterations; wrap the batch source in tp.watch (get_batch = tp.watch(get_batch)) "
+            "to have each iteration a step")
         rec.note(f"{several} optimizers stepped; steps end at {probe.lead_phrase()}, and a "
                  "step's loss is everything backpropagated since the previous one (with that optimizer "
-                 "stepping before the others' backward, a step holds their losses of the iteration before)")
+                 f"stepping before the others' backward, a step holds their losses of the iteration before){unseen}")
     probe.claim_parts()
     for text in probe.notes():
         rec.note(text)
