@@ -109,3 +109,74 @@ def tail_run(named: bool) -> tuple:
                 time.sleep(0.06)
             tail.append(time.perf_counter() - t)
     return prof.run, tail
+
+
+def gap_run(order: str) -> tuple:
+    """A slice (4 steps + 1 warmup) with a 20 ms forward and 50 ms of the loop's own code at a
+    known place, timed by the loop's clock (returned with the run):
+
+    - ``"zero_grad_top"``: ``zero_grad()`` first in the loop, then 50 ms of batch prep, then the
+      forward (the truth: after the batch is read, before the forward);
+    - ``"log_before_zero_grad"``: 50 ms of logging between ``optimizer.step()`` and ``zero_grad()``
+      (the loop's tail);
+    - ``"train_step"``: ``tp.phase("train")`` around the loop and ``tp.phase("train_step")`` around
+      30 ms of prep (timed), the forward, 50 ms between forward and backward (timed second),
+      backward and the update;
+    - ``"get_batch"``: no loader: ``get_batch()`` sleeps 50 ms at the loop's top;
+    - ``"phase_gc"``: 50 ms after the update inside the user's own ``tp.phase("gc")``."""
+    import contextlib
+
+    import tpkit as tp
+
+    class Slow(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return super().forward(x)
+
+    model = Slow(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4)
+    clock: list[list[float]] = [[], []]
+
+    def timed(i: int, s: float) -> None:
+        t = time.perf_counter()
+        time.sleep(s)
+        clock[i].append(time.perf_counter() - t)
+
+    def get_batch() -> torch.Tensor:
+        timed(0, 0.05)
+        return torch.randn(4, 4)
+
+    with tp.profile(steps=4, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        outer = tp.phase("train") if order == "train_step" else contextlib.nullcontext()
+        with outer:
+            for x in (loader if order != "get_batch" else (get_batch() for _ in range(20))):
+                if order == "zero_grad_top":
+                    opt.zero_grad()
+                    timed(0, 0.05)
+                    model(x).sum().backward()
+                    opt.step()
+                elif order == "log_before_zero_grad":
+                    model(x).sum().backward()
+                    opt.step()
+                    timed(0, 0.05)
+                    opt.zero_grad()
+                elif order == "train_step":
+                    with tp.phase("train_step"):
+                        timed(0, 0.03)
+                        out = model(x).sum()
+                        timed(1, 0.05)
+                        out.backward()
+                        opt.step()
+                        opt.zero_grad()
+                elif order == "phase_gc":
+                    model(x).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    with tp.phase("gc"):
+                        timed(0, 0.05)
+                else:
+                    model(x).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+    return prof.run, clock

@@ -10,11 +10,15 @@ import sleepy
 from tpkit.analysis import steps as analysis
 from tpkit.capture import build
 from tpkit.capture import slice as slice_mod
+from tpkit.schema import BUILTIN_PHASES, USER_PHASE_SOURCE
 
 
 def spans(rows):
-    return pd.DataFrame(rows, columns=["step", "phase", "start_s", "end_s", "depth"]).assign(
-        duration_s=lambda d: d.end_s - d.start_s, source="test")
+    """Spans by hand: a phase of no built-in name is the user's (``tp.phase``, as capture/slice.py
+    records it), ``gc`` the collector's."""
+    d = pd.DataFrame(rows, columns=["step", "phase", "start_s", "end_s", "depth"])
+    source = np.where(d.phase.isin(BUILTIN_PHASES), "test", np.where(d.phase == "gc", "gen0", USER_PHASE_SOURCE))
+    return d.assign(duration_s=d.end_s - d.start_s, source=source)
 
 
 def test_innermost_builtin_phase_gets_the_time():
@@ -274,3 +278,94 @@ def test_other_parts_by_hand():
     assert "other 49% (of it your phases 'logging' 30% and 'log_io' 10%)" in s.to_text()
     assert analysis.summarize(steps, {"name": "x"}).verdict.advice == analysis.GUESS  # no spans: as ever
     assert analysis.other_parts(steps, None) is None
+
+
+def _per_step(s, frac: float) -> float:
+    """Seconds per measured step of a fraction of other."""
+    return s.phase_share["other_s"] * frac * s.total_s / s.steps
+
+
+@pytest.mark.parametrize("order, place, words", [
+    ("zero_grad_top", "before_forward", "after the batch is read, before the forward"),
+    ("log_before_zero_grad", "tail", "after optimizer.step(), before the next batch is read")])
+def test_zero_grad_is_no_place_of_its_own(order, place, words):
+    """``zero_grad()`` is an optimizer span, not the update: 50 ms of batch prep after a loop-top
+    ``zero_grad()`` sits after the batch is read, before the forward (it had read the loop's tail,
+    "after optimizer.step(), before the next forward: log and compute metrics less often"), and
+    50 ms of logging between ``step()`` and ``zero_grad()`` in the loop's tail (it had read "between
+    optimizer step calls", with no advice of its own)."""
+    run, clock = sleepy.gap_run(order)
+    s = run.summary()
+    top, frac = analysis.other_parts(run.steps, run.spans).top_place()
+    assert top == place and frac > 0.9
+    assert _per_step(s, frac) == pytest.approx(float(np.median(clock[0])), abs=0.005)  # the loop's clock
+    assert f"% {words}" in s.verdict.evidence
+
+
+def test_a_user_phase_around_built_in_phases_owns_only_its_time_outside_them():
+    """``tp.phase("train")`` around the loop and ``tp.phase("train_step")`` around prep (30 ms),
+    forward, 50 ms of metrics, backward and the update: the gap between its built-in children is
+    the step's (between the forward and the backward), only the prep before its first child is
+    train_step's, and "train" holds nothing of its own. Both phases had taken all of other, and the
+    advice had been "Run your phase 'train_step' less often"."""
+    run, clock = sleepy.gap_run("train_step")
+    s = run.summary()
+    parts = analysis.other_parts(run.steps, run.spans)
+    assert _per_step(s, parts.phases["train_step"]) == pytest.approx(float(np.median(clock[0])), abs=0.005)
+    assert _per_step(s, parts.phases.get("train", 0.0)) < 0.002
+    assert _per_step(s, parts.places["forward_backward"]) == pytest.approx(float(np.median(clock[1])), abs=0.005)
+    assert "between the forward and the backward" in s.verdict.evidence and "'train'" not in s.verdict.text
+
+
+def test_a_users_own_phase_named_gc_is_named():
+    """``tp.phase("gc")`` is the user's (its source is tp.phase; the collector's gc spans are
+    tpkit's): its 50 ms after each update are named as the user's phase. It had been filtered out by
+    its name and read as the loop's tail."""
+    run, clock = sleepy.gap_run("phase_gc")
+    s = run.summary()
+    assert s.user_phase_share["gc"] * s.total_s / s.steps == pytest.approx(float(np.median(clock[0])), abs=0.005)
+    assert "your phase 'gc'" in s.verdict.evidence and "(of it your phase 'gc' " in s.to_text()
+
+
+def test_the_time_line_names_the_users_phases_as_the_verdict_does():
+    """A user phase holding 2% of other (1% of the step) is named neither in the time line nor
+    in the verdict: both name phases from 5% of other (the time line had named it from 0.5% of the
+    step, the verdict not)."""
+    rows = []
+    for k, t in enumerate((0.0, 10.0)):
+        rows += [(k, "data_wait", t, t + 1.0, 0), (k, "forward", t + 1.0, t + 6.0, 0),
+                 (k, "tiny", t + 6.0, t + 6.1, 0), (k, "optimizer", t + 9.0, t + 10.0, 0)]
+    bounds = pd.DataFrame({"step": [0, 1], "warmup": [False, False], "start_s": [0.0, 10.0],
+                           "end_s": [10.0, 20.0], "samples": [5, 5], "loss": [1.0, 1.0]})
+    steps = build.step_breakdown(spans(rows), bounds)
+    s = analysis.summarize(steps, {"name": "x"}, spans=spans(rows))
+    assert s.user_phase_share == pytest.approx({"tiny": 0.01})
+    assert "tiny" not in s.verdict.text and "tiny" not in s.to_text()
+
+
+def test_run_summary_is_kept_until_a_table_or_the_meta_changes(monkeypatch):
+    """``run.summary()`` is made once for the run's tables and meta (a notebook's display asked
+    three times, a tuner's refresh once per run, ~100 ms each on 3,000 steps) and made again when
+    a column is assigned in place or the meta changes; a caller's edits never reach the next
+    caller; ``where=False`` never looks for where other sits."""
+    import tpkit.analysis.steps as steps_mod
+
+    run, _ = sleepy.tail_run(named=True)
+    made, looked = [], []
+    summarize, other_parts = steps_mod.summarize, steps_mod.other_parts
+    monkeypatch.setattr(steps_mod, "summarize", lambda *a, **k: made.append(1) or summarize(*a, **k))
+    monkeypatch.setattr(steps_mod, "other_parts", lambda *a, **k: looked.append(1) or other_parts(*a, **k))
+    kept = run.steps.copy()
+    first = run.summary()
+    first.notes.append("mine")
+    again = run.summary()
+    assert len(made) == 1 and "mine" not in again.notes and again.verdict.text == first.verdict.text
+    assert run.summary(where=False).verdict.text == first.verdict.text and len(made) == 1
+    run.steps["other_s"] = run.steps["other_s"] * 0.0  # a column assigned in place
+    assert run.summary().phase_share["other_s"] == 0.0 and len(made) == 2
+    run.meta["name"] = "renamed"
+    assert run.summary().name == "renamed" and len(made) == 3
+    looked.clear()
+    fresh = type(run)(steps=kept, spans=run.spans, meta=dict(run.meta))
+    quick = fresh.summary(where=False)
+    assert looked == [] and quick.verdict.kind == fresh.summary().verdict.kind and looked == [1]

@@ -622,3 +622,65 @@ def test_unnamed_time_in_the_loops_tail_first_asks_to_log_less_often():
     ms = float(re.search(r"\((\d+\.\d+) ms per step\)", first.evidence).group(1))
     assert ms == pytest.approx(float(np.median(tail)) * 1e3, abs=5.0)
     assert first.gain >= recs[1].gain
+
+
+def test_with_no_batch_seen_the_time_before_the_forward_is_advised_as_the_batches_first():
+    """No loader: ``get_batch()`` sleeps 50 ms at the loop's top (a nanoGPT loop). The time sits
+    between the update and the forward, where the batches are made: the first advice is to time
+    them with tp.watch (with the loop's time there), never to log less often (it had read "Log
+    and compute metrics less often", with no logging in the loop)."""
+    run, clock = sleepy.gap_run("get_batch")
+    recs = rc.recommendations(run)
+    first = recs[0]
+    assert (first.kind, first.knob) == ("unseen-loader", "tp.watch") and "tp.watch" in first.title
+    assert "overhead-tail" not in [r.kind for r in recs]
+    ms = float(re.search(r"\((\d+\.\d+) ms per step\)", first.evidence).group(1))
+    assert ms == pytest.approx(float(np.median(clock[0])) * 1e3, abs=5.0)  # the loop's clock
+
+
+def test_a_user_phase_around_the_step_gets_no_advice_to_run_less_often():
+    """``tp.phase("train_step")`` around forward, 50 ms of metrics, backward and the update (and
+    ``tp.phase("train")`` around the loop): the advice is on the place between forward and
+    backward, with the loop's time there; "Run your phase 'train_step' less often" had been the
+    only advice."""
+    run, clock = sleepy.gap_run("train_step")
+    recs = rc.recommendations(run)
+    assert all(r.kind != "user-phase" for r in recs)
+    place = next(r for r in recs if r.kind == "overhead-place")
+    assert "between the forward and the backward" in place.evidence
+    ms = float(re.search(r"\((\d+\.\d+) ms per step\)", place.evidence).group(1))
+    assert ms == pytest.approx(float(np.median(clock[1])) * 1e3, abs=5.0)
+
+
+def _spans_run(eval_s: float) -> Run:
+    """4 measured steps (+1 warmup) of 20 ms forward, ``eval_s`` of evaluation, then 30 ms of the
+    loop's own code before the next forward, with the spans that say so."""
+    run = make_run(forward=0.02, eval=eval_s, other=0.03, knobs={"batch_size": 8})
+    rows = []
+    for step, start in zip(run.steps["step"], run.steps["start_s"]):
+        d = float(run.steps.loc[run.steps["step"] == step, "duration_s"].iloc[0])
+        rows += [(step, "forward", start, start + min(0.02, d), 0, "Linear")]
+        if eval_s:
+            rows += [(step, "eval", start + 0.02, start + 0.02 + eval_s, 0, "evaluate")]
+    end = float(run.steps["end_s"].max())
+    rows += [(int(run.steps["step"].max()) + 1, "forward", end, end + 0.02, 0, "Linear")]  # the next step's
+    cols = list(zip(*rows))
+    run.spans = _frame("spans", {"step": cols[0], "phase": cols[1], "start_s": cols[2], "end_s": cols[3],
+                                 "duration_s": np.subtract(cols[3], cols[2]), "depth": cols[4], "source": cols[5]})
+    return run
+
+
+def test_the_place_and_the_doubled_batch_rank_by_their_gains():
+    """30 ms of a step's other in one place: with nothing else in the step the place's advice
+    gains d / (d - o) = 50 / 20 = 2.5x, above the doubled batch's 2d / (2d - o) = 1.43x, and comes
+    first; with a 50 ms evaluation in every step the doubled batch serves twice the samples per
+    evaluation, 2 x 100 / (2 x 50 - 30 + 50) = 1.67x, above the place's 100 / 70 = 1.43x, and comes
+    second, after evaluating less often (2x). (The docs had said the place's advice always comes first where it holds half of other.)"""
+    for eval_s, order, place_gain, batch_gain in ((0.0, ["overhead-place", "launch-bound"], 0.05 / 0.02,
+                                                   0.1 / 0.07),
+                                                  (0.05, ["evaluation", "launch-bound", "overhead-place"],
+                                                   0.1 / 0.07, 0.2 / 0.12)):
+        recs = [r for r in rc.recommendations(_spans_run(eval_s)) if r.knob != "cuda_graphs"]
+        assert [r.kind for r in recs] == order
+        gains = {r.kind: r.gain for r in recs}
+        assert gains["overhead-place"] == pytest.approx(place_gain) and gains["launch-bound"] == pytest.approx(batch_gain)

@@ -35,6 +35,7 @@ class Run:
         self.loader = loader if loader is not None else frame("loader")
         self.ops = ops if ops is not None else frame("ops")  # operator events (``--ops``), else empty
         self.meta: dict[str, Any] = meta or {}
+        self._summary_kept: tuple | None = None  # (key, where, Summary): see summary()
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -52,11 +53,41 @@ class Run:
 
         return measured(self.steps)
 
-    def summary(self) -> "Summary":
-        """The slice in numbers and words (``tpkit.analysis.steps.summarize``)."""
+    def summary(self, where: bool = True) -> "Summary":
+        """The slice in numbers and words (``tpkit.analysis.steps.summarize``). ``where=False``:
+        without saying where time outside every phase sits (the figures and the verdict's kind
+        are the same; a tuner's table needs no more).
+
+        Kept for the tables and meta it was made from (compared by their content's hash, so a
+        column assigned in place makes a new one): a notebook's display asks three times and a
+        tuner's refresh once per run, and on 3,000 steps each had cost ~100 ms. A copy is
+        returned, so a caller's edits never reach the next caller."""
+        import copy
+
         from .analysis.steps import summarize
 
-        return summarize(self.steps, self.meta, clocks=self.clocks, memory=self.memory, spans=self.spans)
+        key = self._summary_key()
+        kept = getattr(self, "_summary_kept", None)
+        if kept is not None and kept[0] == key and (kept[1] or not where):
+            return copy.deepcopy(kept[2])
+        s = summarize(self.steps, self.meta, clocks=self.clocks, memory=self.memory, spans=self.spans, where=where)
+        self._summary_kept = (key, where, s)
+        return copy.deepcopy(s)
+
+    def _summary_key(self) -> tuple:
+        """What ``summary`` is made of: each table's content hash and the meta as JSON."""
+        from pandas.util import hash_pandas_object
+
+        def digest(df: pd.DataFrame) -> tuple:
+            if df.empty:
+                return (tuple(df.columns), 0)
+            try:
+                return (tuple(df.columns), len(df), int(hash_pandas_object(df, index=False).to_numpy().sum()))
+            except TypeError:  # a cell that cannot be hashed (a list): the frame itself
+                return (tuple(df.columns), len(df), id(df))
+
+        return (tuple(digest(t) for t in (self.steps, self.spans, self.clocks, self.memory)),
+                json.dumps(self.meta, sort_keys=True, default=str))
 
     def memory_peak(self, device: str | None = None) -> pd.DataFrame:
         """What was alive at the memory peak: one row per (device, category) with ``bytes``, and

@@ -56,20 +56,21 @@ METRIC_CALL = "metric_call"
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: The source of a span a user opened with ``tp.phase(name)`` (capture/slice.py).
 USER_PHASE_SOURCE = "tp.phase"
+#: The source of an ``optimizer`` span that is ``optimizer.zero_grad()`` (capture/probes/phases.py),
+#: not the parameter update: no place of the step is named after it (analysis/steps.py).
+ZERO_GRAD_SOURCE = "zero_grad"
 
 
 def user_spans(spans: pd.DataFrame) -> pd.DataFrame:
-    """The spans of phases the user named (``tp.phase``): every span phase that is not a built-in
-    phase nor one tpkit writes beside them (``gc``, ``comm_overlapped``, and ``file_load`` from
-    its sources; a user's own ``tp.phase("file_load")`` is the user's). Their own time is
-    ``other_s`` (capture/build.py): analysis/steps.py ``other_parts`` names it."""
+    """The spans of phases the user named (``tp.phase``, whose source is ``USER_PHASE_SOURCE``)
+    under a name that is no built-in phase (a built-in name counts as that phase). Any other name
+    is the user's, ``gc``, ``file_load`` or ``metric_call`` included: tpkit's own spans of those
+    names have sources of their own (a collection's generation, ``FILE_LOAD_SOURCES``, a metric's
+    class), and a user's ``tp.phase("gc")`` had never been named. Their own time is ``other_s`` (capture/build.py): analysis/steps.py
+    ``other_parts`` names it."""
     if spans.empty:
         return spans
-    ph = spans["phase"]
-    tpkits = ph.isin((*BUILTIN_PHASES, GC_PHASE, COMM_OVERLAPPED)) | (
-        (ph == FILE_LOAD) & spans["source"].isin(FILE_LOAD_SOURCES)) | (
-        (ph == METRIC_CALL) & (spans["source"] != USER_PHASE_SOURCE))
-    return spans[~tpkits]
+    return spans[(spans["source"] == USER_PHASE_SOURCE) & ~spans["phase"].isin(BUILTIN_PHASES)]
 
 
 #: Phases as a person reads them (waterfall bars, ops sections); a phase not listed keeps its name.

@@ -44,15 +44,17 @@ from .steps import (
     ONE_PLACE,
     OPTIMIZER_BOUND,
     OVERHEAD_BOUND,
-    PLACES,
     TAIL_PLACES,
     USER_PHASE_NAMED,
     USER_PHASES_OF_OTHER,
+    WATCH_IT,
     OtherParts,
+    batches_seen,
     gc_free_steps,
     gc_pauses,
     measured,
     other_parts,
+    place_text,
 )
 
 if TYPE_CHECKING:
@@ -624,11 +626,19 @@ def throttled_clocks(run: "Run") -> list[Recommendation]:
     return [Recommendation("throttled", "power_limit", title, evidence, gain, speedup, "x", {})]
 
 
-def _other_where(t: _Totals, parts: OtherParts) -> list[Recommendation]:
+#: Places of the step where a batch source tpkit does not see (a generator, ``get_batch()``)
+#: spends its time: between the update and the forward.
+BATCH_PLACES = (*TAIL_PLACES, "before_forward")
+
+
+def _other_where(t: _Totals, parts: OtherParts, seen: bool = True) -> list[Recommendation]:
     """Time outside every phase held by phases the user named (``tp.phase``), or sitting in one
     place of the step (analysis/steps.py ``other_parts``): advice on that code. Its knob is the
     loop's own: named, not turned. Doubling the batch had been the only advice for a phase the user
-    named "logging" taking 77% of each step, and for a logger's 30 ms after each update."""
+    named "logging" taking 77% of each step, and for a logger's 30 ms after each update.
+    ``seen``: whether any batch was seen (``steps.batches_seen``); where none was, the time between
+    the update and the forward is where the batches are made: tp.watch first (a 50 ms ``get_batch()``
+    had been advised "Log and compute metrics less often")."""
     other_s = t.phase_s.get("other_s", 0.0)
     if parts.named >= USER_PHASES_OF_OTHER:
         out = []
@@ -648,9 +658,14 @@ def _other_where(t: _Totals, parts: OtherParts) -> list[Recommendation]:
     if frac < ONE_PLACE:
         return []
     part = other_s * frac
-    where = PLACES[place][0] if place in PLACES else place
+    where = place_text(place)
     evidence = f"{part / t.total_s:.0%} of {t.of} is outside every phase {where} ({_ms(part / t.steps)} per step)"
     s = t.speedup(part)
+    if not seen and place in BATCH_PLACES:
+        return [Recommendation(
+            "unseen-loader", "tp.watch", "Time the batches: no loader was seen, and the time sits where the next "
+            f"batch is made; {WATCH_IT}", evidence + "; no batch was seen (data_wait 0)",
+            f"up to {s:.2f}x samples/s were that time gone (batches made ahead, loader workers)", s, "x", {})]
     if place in TAIL_PLACES:
         less = t.speedup(part, LESS_OFTEN)
         return [Recommendation(
@@ -668,7 +683,10 @@ def launch_bound(run: "Run") -> list[Recommendation]:
 
     Where phases the user named hold most of that time, the advice is theirs (``_other_where``),
     not a larger batch; where it sits in one place of the step, the advice on that place comes
-    first (its gain is at least the larger batch's: that place holds half the time or more)."""
+    too. Both are ranked by their gains (``recommendations``): where nothing interrupts training,
+    removing a place that holds half of other or more gains at least what a doubled batch does;
+    where an evaluation or a save runs in each step, a doubled batch also halves its cost per
+    sample and can rank above the place's advice (the docstring had said it never does)."""
     t = _totals(run.steps, training=True)
     if t.steps == 0:
         return []
@@ -678,7 +696,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
     if not tiny and other < OVERHEAD_SHARE:
         return []
     parts = other_parts(run.steps, run.spans) if other >= OVERHEAD_SHARE else None
-    first = _other_where(t, parts) if parts is not None else []
+    first = _other_where(t, parts, batches_seen(run.steps, run.meta)) if parts is not None else []
     if first and parts is not None and parts.named >= USER_PHASES_OF_OTHER and not tiny:
         return first  # the user's own code: a larger batch is no answer to it
     knobs = _knobs(run.meta)
@@ -692,8 +710,10 @@ def launch_bound(run: "Run") -> list[Recommendation]:
         why.append(f"{other:.0%} of {t.of} is outside every phase ({t.per_step_ms('other_s')} per step)")
     evidence = "; ".join(why)
     # Doubling the batch keeps a fixed per-step cost o and doubles the rest of training's d; an
-    # interruption's a stays in each step as it was: samples/s gains 2(d + a) / (2d - o + a); a
-    # launch-bound step (o ~ d, a = 0) gains up to 2x.
+    # interruption's a stays in each step as it was (the loop as it runs: an evaluation every step
+    # then serves twice the samples): samples/s gains 2(d + a) / (2d - o + a); a launch-bound step
+    # (o ~ d, a = 0) gains up to 2x. With a = 0 this is never above removing a place holding half of
+    # o (d / (d - o / 2)); with a > 0 it can be, and recommendations() ranks by the gains as they are.
     fixed = t.total_s if tiny else t.phase_s.get("other_s", 0.0)
     speedup = 2 * t.whole_s / (2 * t.total_s - fixed + t.away_s) if t.total_s > 0 else float("nan")
     out = first

@@ -12,7 +12,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import BUILTIN_PHASES, GC_PHASE, OTHER, PHASE_COLUMNS, PHASE_NAMES, UNCOUNTED_PHASES, VERDICTS, user_spans
+from ..schema import (
+    BUILTIN_PHASES,
+    GC_PHASE,
+    OTHER,
+    PHASE_COLUMNS,
+    PHASE_NAMES,
+    UNCOUNTED_PHASES,
+    USER_PHASE_SOURCE,
+    VERDICTS,
+    ZERO_GRAD_SOURCE,
+)
 from .memory import memory_notes, stream_note
 
 #: Verdict thresholds, as shares of measured step time (TraceML warns at 10% and 20%).
@@ -92,12 +102,12 @@ class Summary:
         return asdict(self)
 
     def _in_other(self) -> str:
-        """``" (of it your phase 'logging' 77%)"``: the user's phases ``other`` holds."""
-        mine = [(p, v) for p, v in self.user_phase_share.items() if v >= 0.005]
-        if not mine:
-            return ""
-        return (f" (of it your phase{'s' if len(mine) > 1 else ''} "
-                + " and ".join(f"'{p}' {v:.0%}" for p, v in mine) + ")")
+        """``" (of it your phase 'logging' 77%)"``: the user's phases ``other`` holds, named from
+        the same share of it as the verdict names them (``USER_PHASE_NAMED``; the time line had
+        named them from 0.5% of the step)."""
+        least = USER_PHASE_NAMED * self.phase_share.get("other_s", 0.0)
+        mine = phases_text({p: v for p, v in self.user_phase_share.items() if v > 0 and v >= least})
+        return f" (of it {mine})" if mine else ""
 
     def to_frame(self) -> pd.DataFrame:
         """One row per figure: ``figure, value, unit``."""
@@ -236,44 +246,81 @@ def _place(prev: str, nxt: str) -> str:
     return f"{after}, before {PHASE_NAMES.get(nxt, nxt)}" if nxt else f"{after}, at the slice's end"
 
 
-def _innermost(pts: np.ndarray, mid: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """For each piece between consecutive ``pts`` (middles ``mid``), the index of the span open
-    there that comes last (spans sorted by depth, then start: the innermost), or -1."""
+def _innermost(mid: np.ndarray, starts: np.ndarray, ends: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """For each piece's middle ``mid``, the index of the deepest interval open there, or -1.
+    The intervals nest (one thread's stack): those of one depth never overlap, so each depth is
+    laid over the shallower ones with one ``searchsorted`` (a Python loop per span had taken
+    most of a 3,000-step summary's 100 ms)."""
     owner = np.full(len(mid), -1)
-    if not len(starts):
-        return owner
-    order = np.argsort(starts, kind="stable")
-    if (starts[order][1:] >= ends[order][:-1]).all():  # no two overlap (the usual case): no painting
-        at = np.searchsorted(starts[order], mid, side="right") - 1
-        inside = (at >= 0) & (mid < ends[order][np.maximum(at, 0)])
-        owner[inside] = order[at[inside]]
-        return owner
-    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):  # the innermost painted last
-        owner[np.searchsorted(pts, a):np.searchsorted(pts, b)] = i
+    for d in np.unique(depth):
+        idx = np.flatnonzero(depth == d)
+        idx = idx[np.argsort(starts[idx], kind="stable")]
+        a, b = starts[idx], ends[idx]
+        at = np.searchsorted(a, mid, side="right") - 1
+        inside = (at >= 0) & (mid < b[np.maximum(at, 0)])
+        owner[inside] = idx[at[inside]]
     return owner
+
+
+def _own_time(us: np.ndarray, ue: np.ndarray, depth: np.ndarray, ks: np.ndarray,
+              ke: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The stretches of each user phase (``us``, ``ue``, ``depth``) that are its own: before its
+    first built-in child and after its last (built-in spans' sorted starts ``ks`` and ends
+    ``ke``); where it has none, the whole span. The time between built-in children is the
+    step's, placed as if the phase were not there: ``tp.phase("train_step")`` around forward,
+    backward and optimizer.step() (or ``tp.phase("train")`` around the loop) had taken every gap
+    of the step as its own, with the advice "run your phase 'train_step' less often".
+    Returns (index of the span, start, end, depth) of each stretch."""
+    first = np.searchsorted(ks, us, side="left")
+    has = first < np.searchsorted(ks, ue, side="left")  # a built-in span starts inside it
+    fs = ks[np.minimum(first, len(ks) - 1)] if len(ks) else us
+    le = ke[np.maximum(np.searchsorted(ke, ue, side="right") - 1, 0)] if len(ke) else ue
+    pre_end = np.where(has, fs, ue)
+    post_start = np.where(has, np.maximum(le, fs), ue)
+    i = np.arange(len(us))
+    return (np.concatenate([i, i]), np.concatenate([us, post_start]), np.concatenate([pre_end, ue]),
+            np.concatenate([depth, depth]))
 
 
 def other_parts(steps: pd.DataFrame, spans: pd.DataFrame | None) -> OtherParts | None:
     """Where the measured steps' time outside every built-in phase sits (``OtherParts``), from the
     spans: each instant of the measured steps that no built-in span covers is the innermost user
-    phase's open there, else it is placed between the built-in phases around it (tpkit's own
-    spans skipped). None where no such time or no span was recorded (a hand-made frame).
+    phase's open there (of its own stretches: ``_own_time``), else it is placed between the
+    built-in phases around it (tpkit's own spans and ``zero_grad()`` skipped: the place is the
+    same whichever side of it the time is). None where no such time or no span was recorded (a
+    hand-made frame).
 
     A phase the user named takes 77% of a step: ``other_s`` holds it (capture/build.py keeps the
     steps table's columns fixed), and the verdict had read "77% outside every known phase;
-    Python between phases, logging" with no word of that phase."""
+    Python between phases, logging" with no word of that phase. Arrays throughout (names
+    factorized once): on 3,000 steps (21,000 spans) frames and string compares had cost ~100 ms."""
     m = measured(steps)
     if m.empty or spans is None or spans.empty:
         return None
     w0, w1 = float(m["start_s"].min()), float(m["end_s"].max())
+    f64 = "float64"
+    start, end = spans["start_s"].to_numpy(f64), spans["end_s"].to_numpy(f64)
+    depth = spans["depth"].to_numpy()
+    code, names = pd.factorize(spans["phase"], sort=False)
+    names = np.asarray(names, dtype=object).astype(str)
+    src_code, srcs = pd.factorize(spans["source"], sort=False)
+
+    def codes_of(values: tuple[str, ...], vocab: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(np.isin(vocab, values))
+
+    ok = (end > start) & ~np.isin(code, codes_of(UNCOUNTED_PHASES, names))
+    builtin = ok & np.isin(code, codes_of(BUILTIN_PHASES, names))
     # every span, not only the measured steps': the first measured step's tail follows the last
     # warmup step's update
-    s = spans[~spans["phase"].isin(UNCOUNTED_PHASES) & (spans["end_s"] > spans["start_s"])]
-    built = s[s["phase"].isin(BUILTIN_PHASES)]
-    users = user_spans(s).sort_values(["depth", "start_s"], kind="stable")
-    f64 = "float64"
-    bs, be = built["start_s"].to_numpy(f64), built["end_s"].to_numpy(f64)
-    us, ue = (np.clip(users[c].to_numpy(f64), w0, w1) for c in ("start_s", "end_s"))
+    user = ok & ~builtin & np.isin(src_code, codes_of((USER_PHASE_SOURCE,), np.asarray(srcs, dtype=object)))
+    tpkit = np.isin(code, codes_of(("tpkit",), names))
+    bs, be = start[builtin], end[builtin]
+    kid = builtin & ~tpkit
+    users = np.flatnonzero(user)
+    which, us, ue, ud = _own_time(start[users], end[users], depth[users], np.sort(start[kid]), np.sort(end[kid]))
+    us, ue = np.clip(us, w0, w1), np.clip(ue, w0, w1)
+    keep = ue > us
+    which, us, ue, ud = which[keep], us[keep], ue[keep], ud[keep]
     pts = np.unique(np.clip(np.concatenate([bs, be, us, ue, [w0, w1]]), w0, w1))
     lo, hi = pts[:-1], pts[1:]
     mid, length = (lo + hi) / 2, hi - lo
@@ -282,26 +329,31 @@ def other_parts(steps: pd.DataFrame, spans: pd.DataFrame | None) -> OtherParts |
     total = float(length[free].sum())
     if total <= 0:
         return None
-    owner = _innermost(pts, mid, us, ue)
+    owner = _innermost(mid, us, ue, ud)
     named = free & (owner >= 0)
-    by_span = np.bincount(owner[named], weights=length[named], minlength=len(users))
-    phases = pd.Series(by_span, index=users["phase"].astype(str).to_numpy()).groupby(level=0).sum() / total
+    by_name = np.bincount(code[users[which[owner[named]]]], weights=length[named], minlength=len(names)) / total
     rest = free & (owner < 0)
     # the built-in phases around each unnamed piece: the one ended last before it (the outermost
-    # among equals), the first started after it; tpkit's own spans are no place
-    ref = built[built["phase"] != "tpkit"]
-    by_end = ref.assign(_d=-ref["depth"]).sort_values(["end_s", "_d"], kind="stable")
-    by_start = ref.sort_values(["start_s", "depth"], kind="stable")
-    i_prev = np.searchsorted(by_end["end_s"].to_numpy(f64), lo[rest], side="right") - 1
-    i_next = np.searchsorted(by_start["start_s"].to_numpy(f64), hi[rest], side="left")
-    prev = np.append(by_end["phase"].astype(str).to_numpy(), "")[np.where(i_prev >= 0, i_prev, len(by_end))]
-    nxt = np.append(by_start["phase"].astype(str).to_numpy(), "")[i_next]
-    pairs = pd.DataFrame({"p": prev, "n": nxt, "s": length[rest]}).groupby(["p", "n"])["s"].sum()
-    places = pd.Series(pairs.to_numpy(), index=[_place(str(p), str(n)) for p, n in pairs.index]) \
-        .groupby(level=0).sum() / total
-    return OtherParts(
-        {str(k): float(v) for k, v in phases.sort_values(ascending=False).items() if v > 0},
-        {str(k): float(v) for k, v in places.sort_values(ascending=False).items() if v > 0})
+    # among equals), the first started after it; tpkit's own spans and zero_grad() are no place
+    zero = np.isin(src_code, codes_of((ZERO_GRAD_SOURCE,), np.asarray(srcs, dtype=object)))
+    ref = np.flatnonzero(kid & ~zero)
+    rd, rs, re_, rp = depth[ref], start[ref], end[ref], code[ref]
+    by_end, by_start = np.lexsort((-rd, re_)), np.lexsort((rd, rs))
+    i_prev = np.searchsorted(re_[by_end], lo[rest], side="right") - 1
+    i_next = np.searchsorted(rs[by_start], hi[rest], side="left")
+    none = len(names)  # no phase: the slice's start or end
+    prev = np.append(rp[by_end], none)[np.where(i_prev >= 0, i_prev, len(by_end))]
+    nxt = np.append(rp[by_start], none)[i_next]
+    pair, inv = np.unique(prev * (none + 1) + nxt, return_inverse=True)
+    pair_s = np.bincount(inv.ravel(), weights=length[rest], minlength=len(pair))
+    label = np.append(names, "")
+    places: dict[str, float] = {}
+    for pn, sec in zip(pair.tolist(), pair_s.tolist()):
+        key = _place(str(label[pn // (none + 1)]), str(label[pn % (none + 1)]))
+        places[key] = places.get(key, 0.0) + sec / total
+    phases = {str(n): float(v) for n, v in zip(names, by_name) if v > 0}
+    return OtherParts(dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+                      dict(sorted(((k, v) for k, v in places.items() if v > 0), key=lambda kv: -kv[1])))
 
 
 def batches_seen(steps: pd.DataFrame, meta: dict | None = None) -> bool:
@@ -411,14 +463,19 @@ def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str
 GUESS = "Python between phases, logging, .item() syncs"
 
 
+def phases_text(shares: dict[str, float]) -> str:
+    """``"your phase 'logging' 77%"``: the user's phases with their shares of step time, in
+    words (the one place that says them: the time line, the verdict and the advice)."""
+    if not shares:
+        return ""
+    return (f"your phase{'s' if len(shares) > 1 else ''} "
+            + " and ".join(f"'{p}' {v:.0%}" for p, v in shares.items()))
+
+
 def your_phases(parts: OtherParts, other: float, least: float = USER_PHASE_NAMED) -> str:
     """``"your phase 'logging' 77%"``: the user's phases holding at least ``least`` of ``other``
     (a share of step time), with their shares of step time."""
-    named = [(p, f) for p, f in parts.phases.items() if f >= least]
-    if not named:
-        return ""
-    return (f"your phase{'s' if len(named) > 1 else ''} "
-            + " and ".join(f"'{p}' {other * f:.0%}" for p, f in named))
+    return phases_text({p: other * f for p, f in parts.phases.items() if f >= least})
 
 
 def _overhead_verdict(other: float, seen: bool, parts: OtherParts | None) -> Verdict:
@@ -562,18 +619,20 @@ def gc_note(pauses: pd.DataFrame, steps: pd.DataFrame) -> str | None:
 
 
 def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = None,
-              memory: pd.DataFrame | None = None, spans: pd.DataFrame | None = None) -> Summary:
+              memory: pd.DataFrame | None = None, spans: pd.DataFrame | None = None, where: bool = True) -> Summary:
     """The run's summary; with ``clocks`` (``run.clocks``) it also says what clocks and energy did,
     with ``memory`` (``run.memory``) it notes memory that keeps growing from step to step, with
     ``spans`` (``run.spans``) it names the user's phases in ``other`` and where the rest of it sits,
     says the collector's pauses and judges their time as other, never as waiting for data
-    (``gc_free_steps``)."""
+    (``gc_free_steps``). ``where=False`` skips saying where ``other`` sits (``other_parts``, most of
+    a long run's cost): for callers that read only the figures and the verdict's kind (a tuner's
+    table), which it leaves as they are."""
     seen = batches_seen(steps, meta)
     pauses = gc_pauses(spans, steps) if spans is not None else pd.DataFrame(columns=_GC_COLUMNS)
     steps = gc_free_steps(steps, pauses)
     m = measured(steps)
     shares = phase_shares(m)
-    parts = other_parts(steps, spans) if spans is not None and shares.get("other_s", 0.0) > 0 else None
+    parts = other_parts(steps, spans) if where and spans is not None and shares.get("other_s", 0.0) > 0 else None
     total = float(m["duration_s"].sum()) if not m.empty else 0.0
     samples = int(m["samples"].sum()) if not m.empty else 0
     dur = m["duration_s"].to_numpy() if not m.empty else np.array([])

@@ -49,7 +49,7 @@ def results_frame(runs: Iterable["Run"]) -> pd.DataFrame:
     asked: ``short_of_steps``)."""
     rows = []
     for run in runs:
-        s = run.summary()
+        s = run.summary(where=False)  # figures and the verdict's kind only
         peak = peak_memory_bytes(run.memory).get("total", math.nan)
         knobs = {k: v for k, v in run.meta.get("knobs", {}).items()}
         rows.append({"run": run.name, **knobs, "throughput": s.throughput, "step_p50_ms": s.step_p50_s * 1e3,
