@@ -1340,8 +1340,8 @@ class MemoryProbe:
     def _opt_outside_tensors(self) -> list[torch.Tensor]:
         """Tensors an optimizer holds outside ``opt.state``: in its parameter groups (beside
         ``params``: momentum buffers some Muon/Shampoo ports keep there, a tensor learning rate)
-        or in an attribute of its own (a dict of buffers keyed by parameter), parameters left
-        out. ``opt.state`` alone had left a momentum optimizer's buffers kept there read other
+        or in a public attribute of its own (a dict of buffers keyed by parameter), parameters
+        left out. ``opt.state`` alone had left a momentum optimizer's buffers kept there read other
         (546,856 B), optimizer_state 0 B. Walked at the looks at the gradients only
         (``_scan_outside``), never per step."""
         out: list[torch.Tensor] = []
@@ -1351,8 +1351,10 @@ class MemoryProbe:
                 for key, v in group.items():
                     if key != "params" and type(v) not in _PLAIN:
                         out += (t for t in _tensors(v) if id(t) not in params)
-            for name, v in vars(opt).items():
-                if name not in _OPT_OWN_ATTRS and type(v) not in _PLAIN:
+            for name, v in vars(opt).items():  # its public attributes: a private one is a scratch
+                # or staging buffer (tpkit's offload optimizer's spent gradient copies had read as
+                # 26,912 B of state; FusedAdam's 4-byte _dummy_overflow_buf)
+                if name not in _OPT_OWN_ATTRS and not name.startswith("_") and type(v) not in _PLAIN:
                     out += (t for t in _tensors(v) if id(t) not in params)
         return out
 
