@@ -666,6 +666,11 @@ def _other_where(t: _Totals, parts: OtherParts, seen: bool = True) -> list[Recom
             "unseen-loader", "tp.watch", "Time the batches: no loader was seen, and the time sits where the next "
             f"batch is made; {WATCH_IT}", evidence + "; no batch was seen (data_wait 0)",
             f"up to {s:.2f}x samples/s were that time gone (batches made ahead, loader workers)", s, "x", {})]
+    if place == "gc":
+        return [Recommendation(
+            "gc-pause", "gc", "Make fewer objects the collector must walk: it paused the loop inside the wait for "
+            "data (not the loader); keep fewer objects alive between steps, or call gc.freeze() once the model "
+            "and data are built", evidence, f"up to {s:.2f}x samples/s were those pauses gone", s, "x", {})]
     if place in TAIL_PLACES:
         less = t.speedup(part, LESS_OFTEN)
         return [Recommendation(
@@ -695,7 +700,7 @@ def launch_bound(run: "Run") -> list[Recommendation]:
     tiny = gpu and t.p50_s < LAUNCH_BOUND_P50_S
     if not tiny and other < OVERHEAD_SHARE:
         return []
-    parts = other_parts(run.steps, run.spans) if other >= OVERHEAD_SHARE else None
+    parts = other_parts(run.steps, run.spans, gc_pauses(run.spans, run.steps)) if other >= OVERHEAD_SHARE else None
     first = _other_where(t, parts, batches_seen(run.steps, run.meta)) if parts is not None else []
     if first and parts is not None and parts.named >= USER_PHASES_OF_OTHER and not tiny:
         return first  # the user's own code: a larger batch is no answer to it
