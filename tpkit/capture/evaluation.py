@@ -290,14 +290,16 @@ def _evaluated_in_train_mode(candidates: list[list[int]], spans: list[tuple], ha
     module, raw step) that are an evaluation: a loop that evaluates under ``torch.no_grad()``
     without ``model.eval()`` (nothing in its model depends on the mode, or ``generate()`` called
     as is). Those in the stretch (until the next batch) of a batch from a source whose batches
-    feed no forward with grad: a source with a batch whose stretch holds such a call and no
-    training work (no forward with grad, no backward, optimizer or offload span), and none whose
+    feed no forward with grad: a source with two batches in a row whose stretches hold such a
+    call and no training work (no forward with grad, no backward, optimizer or offload span; an
+    evaluation reading one batch stays the step's), and none whose
     stretch holds training work without such a call (a validation loader; the batches of an
     evaluation at the top of a step, after the step's batch was read, included). A call on a
     batch that is then trained on (targets the model makes for itself), on batches tpkit does
-    not see (a held list, a rollout's observations), or on a source's batches read in every step
-    (pseudo-labels made on a batch of their own, trained on after the next read) stays the
-    step's ``forward``. Counted as training, such an evaluation read eval_s 0 for 0.345 s by the
+    not see (a held list, a rollout's observations), or on a source's batches read one at a time
+    between training reads (pseudo-labels made on a batch of their own, trained on after the next
+    read) stays the step's ``forward``; an evaluation of two batches or more in every step is
+    one (an every-step rule had kept it training: eval 0 for 0.653 s, 40 samples a step for 8). Counted as training, such an evaluation read eval_s 0 for 0.345 s by the
     loop's clock, its forwards in the verdict's compute, and its batches as trained samples
     (272 a step for 16). The probe's cost is only on calls without grad: one list extend.
     ``eval_mode``: the other calls without grad (in eval mode, of a loss or a metric), (start, end)."""
@@ -313,19 +315,27 @@ def _evaluated_in_train_mode(candidates: list[list[int]], spans: list[tuple], ha
     alone: set[int] = set()
     trains: set[int] = set()
     stretch: list[tuple[int, int]] = []  # per batch: the candidates in its stretch, as a range
+    evaluated_before = False  # the batch before: of the same source, its stretch holding only such calls
     for k, t in enumerate(times):
         end = times[k + 1] if k + 1 < len(times) else 1 << 62
         lo, hi = bisect.bisect_left(starts, t), bisect.bisect_left(starts, end)
         stretch.append((lo, hi))
         worked = bisect.bisect_left(work, t) < bisect.bisect_left(work, end)
-        if sources[k] and lo < hi and not worked:
+        if handouts[3 * k + 2] >= rows:  # past the slice's steps (its calls are not candidates)
+            evaluated_before = False
+            continue
+        evaluated = bool(sources[k]) and lo < hi and not worked
+        if evaluated and evaluated_before and sources[k - 1] == sources[k]:
+            # two batches in a row of one source, each with such calls and no training work: an
+            # evaluation's pass over its loader (a batch labelled without grad and trained on
+            # after the next read - self-training, FixMatch - is one such batch between training
+            # reads: read as an evaluation, its 4 calls had been 0.163 s of eval)
             alone.add(sources[k])
         elif sources[k] and worked and lo == hi:
             trains.add(sources[k])
+        evaluated_before = evaluated
     picked = [candidates[i] for k, (lo, hi) in enumerate(stretch)
               if sources[k] in alone and sources[k] not in trains for i in range(lo, hi)]
-    if rows > 1 and set(range(rows)) <= {c[3] for c in picked}:
-        return []  # in every step: part of training (targets made on a batch of their own)
     return picked
 
 
