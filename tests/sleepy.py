@@ -81,18 +81,21 @@ def registries() -> dict:
     }
 
 
+class SlowLinear(torch.nn.Linear):
+    """A Linear whose forward sleeps 20 ms (the loops of ``tail_run`` and ``gap_run``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return super().forward(x)
+
+
 def tail_run(named: bool) -> tuple:
     """A slice (4 steps + 1 warmup) with known sleeps: a forward of 20 ms, and 60 ms after each
     optimizer.step() (a logger), inside ``tp.phase("logging")`` or not. Returns the run and the
     loop's own clock around that code."""
     import tpkit as tp
 
-    class Slow(torch.nn.Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            time.sleep(0.02)
-            return super().forward(x)
-
-    model = Slow(4, 1)
+    model = SlowLinear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4)
     tail: list[float] = []
@@ -128,12 +131,7 @@ def gap_run(order: str) -> tuple:
 
     import tpkit as tp
 
-    class Slow(torch.nn.Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            time.sleep(0.02)
-            return super().forward(x)
-
-    model = Slow(4, 1)
+    model = SlowLinear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4)
     clock: list[list[float]] = [[], []]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import sleepy
@@ -892,6 +893,46 @@ def test_the_run_names_every_model_the_loop_trains(one_thread):
     assert prof.run.meta["model"] == {"class": "Linear + Sequential", "parameters": trained, "trainable": trained}
 
 
+class _CollectingData(torch.utils.data.Dataset):
+    """``n`` samples of ones; at the indices ``collect_at`` picks, cyclic garbage is made and
+    collected inside ``__getitem__`` (a full collection inside the loop's ``next()``), and the
+    loop's own gc callback (``on_gc``, to append to ``gc.callbacks``) holds each such collection
+    ``hold_s``; ``held``: their lengths by that callback's clock."""
+
+    def __init__(self, n: int, collect_at: Callable[[int], bool], hold_s: float) -> None:
+        self.n, self.collect_at, self.hold_s = n, collect_at, hold_s
+        self.held: list[float] = []
+        self._on, self._t = False, 0.0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if not self._on:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+            time.sleep(self.hold_s)
+        else:
+            self.held.append(time.perf_counter() - self._t)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.collect_at(i):
+            import gc
+
+            junk: list = [[] for _ in range(200)]
+            for a, b in zip(junk, junk[1:]):
+                a.append(b)
+                b.append(a)
+            del junk
+            self._on = True
+            try:
+                gc.collect()
+            finally:
+                self._on = False
+        return torch.ones(4)
+
+
 def test_a_collection_inside_next_is_said_and_never_waiting_for_data(tmp_path):
     """A full collection that lands in the loop's ``next()`` (here: a loader's ``__getitem__``
     makes cyclic garbage and collects it, and the loop's own gc callback holds the collection
@@ -901,35 +942,8 @@ def test_a_collection_inside_next_is_said_and_never_waiting_for_data(tmp_path):
     the run store's table (``tp.runs()``) still read input-bound for the stored run."""
     import gc
 
-    truth: list[float] = []
-    hold = {"on": False, "t": 0.0}
-
-    def on_gc(phase: str, info: dict) -> None:
-        if not hold["on"]:
-            return
-        if phase == "start":
-            hold["t"] = time.perf_counter()
-            time.sleep(0.06)
-        elif info["generation"] == 2:
-            truth.append(time.perf_counter() - hold["t"])
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 8 * 12
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            if i == 8 * 6:  # the first sample of step 4 (2 warmup steps)
-                junk: list = [[] for _ in range(2000)]
-                for a, b in zip(junk, junk[1:]):
-                    a.append(b)
-                    b.append(a)
-                del junk
-                hold["on"] = True
-                try:
-                    gc.collect()
-                finally:
-                    hold["on"] = False
-            return torch.ones(4)
+    data = _CollectingData(8 * 12, lambda i: i == 8 * 6, 0.06)  # the first sample of step 4 (2 warmup steps)
+    truth, on_gc = data.held, data.on_gc
 
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -937,7 +951,7 @@ def test_a_collection_inside_next_is_said_and_never_waiting_for_data(tmp_path):
         with tp.profile(steps=8, warmup=2, progress=False, memory=False, clock_hz=0, save_dir=tmp_path / "runs",
                         name="gcrun") as prof:
             gc.callbacks.append(on_gc)  # after tpkit's: its span holds the loop's 60 ms
-            for b in torch.utils.data.DataLoader(DS(), batch_size=8):
+            for b in torch.utils.data.DataLoader(data, batch_size=8):
                 time.sleep(0.02)  # the loop's own work, a step's time
                 model(b).sum().backward()
                 opt.step()
@@ -973,42 +987,15 @@ def test_collections_inside_next_are_a_place_of_their_own_not_the_loops_tail():
     compute metrics less often" for a loop that logs nothing. Truth: the loop's own gc callback."""
     import gc
 
-    held: list[float] = []
-    hold = {"on": False, "t": 0.0}
-
-    def on_gc(phase: str, info: dict) -> None:
-        if not hold["on"]:
-            return
-        if phase == "start":
-            hold["t"] = time.perf_counter()
-            time.sleep(0.04)
-        else:
-            held.append(time.perf_counter() - hold["t"])
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 8 * 40
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            if i % 8 == 0:
-                junk: list = [[] for _ in range(200)]
-                for a, b in zip(junk, junk[1:]):
-                    a.append(b)
-                    b.append(a)
-                del junk
-                hold["on"] = True
-                try:
-                    gc.collect()
-                finally:
-                    hold["on"] = False
-            return torch.ones(4)
+    data = _CollectingData(8 * 40, lambda i: i % 8 == 0, 0.04)
+    held, on_gc = data.held, data.on_gc
 
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
         with tp.profile(steps=8, warmup=2, progress=False, memory=False, clock_hz=0) as prof:
             gc.callbacks.append(on_gc)
-            for b in torch.utils.data.DataLoader(DS(), batch_size=8):
+            for b in torch.utils.data.DataLoader(data, batch_size=8):
                 model(b).sum().backward()
                 opt.step()
                 opt.zero_grad()
