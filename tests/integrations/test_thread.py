@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -61,15 +62,15 @@ def test_thread_loop_steps_are_counted(threaded):
     assert not any("tp.step()" in n for n in run.meta.get("notes", []))
 
 
-def test_thread_loop_longer_than_the_slice_runs_on():
-    """A loop that goes on after the slice: 7 steps recorded, nothing raised into its thread
-    (no one there could catch a stop), and the run says the loop ran on."""
+def _loop_for_a_thread(n: int) -> tuple[Callable[[], None], list[int], list[BaseException]]:
+    """A training loop of ``n`` iterations to run in a thread of its own: the function, the
+    iterations it finished, and what it raised (nothing may be raised into it)."""
     torch.manual_seed(0)
     model = truth.SleepyNet()
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
-    iterations, errors = [], []
-    n = STEPS + WARMUP + 3
+    iterations: list[int] = []
+    errors: list[BaseException] = []
 
     def train() -> None:
         try:
@@ -80,6 +81,15 @@ def test_thread_loop_longer_than_the_slice_runs_on():
                 iterations.append(i)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
+
+    return train, iterations, errors
+
+
+def test_thread_loop_longer_than_the_slice_runs_on():
+    """A loop that goes on after the slice: 7 steps recorded, nothing raised into its thread
+    (no one there could catch a stop), and the run says the loop ran on."""
+    n = STEPS + WARMUP + 3
+    train, iterations, errors = _loop_for_a_thread(n)
 
     before = truth.hook_state()
     with tp.profile(steps=STEPS, warmup=WARMUP, name="thread-long", progress=False, clock_hz=0) as prof:
@@ -100,22 +110,8 @@ def test_a_body_that_starts_the_loop_and_returns_says_the_loop_ran_on():
     what happened: the steps until then, incomplete, ``stopped_by: "body_returned"``, a note that
     tells to join the thread. It had said the loop ended (``loop_end``, complete, "the loop ended
     after 2 steps") and that the slice's thread waited for the loop, while it trained on."""
-    torch.manual_seed(0)
-    model = truth.SleepyNet()
-    opt = truth.SleepySGD(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
-    iterations, errors = [], []
     n = STEPS + WARMUP + 3
-
-    def train() -> None:
-        try:
-            for i, (x, y) in zip(range(n), loader):
-                F.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                iterations.append(i)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    train, iterations, errors = _loop_for_a_thread(n)
 
     before = truth.hook_state()
     with tp.profile(steps=STEPS, warmup=WARMUP, name="thread-nojoin", progress=False, clock_hz=0) as prof:

@@ -276,6 +276,20 @@ def test_an_optimizer_stepping_every_iteration_ends_the_steps_though_a_slower_on
                for n in notes), notes
 
 
+def _slow_first_iteration(i: int, x: torch.Tensor, y: torch.Tensor, parts: tuple, slow: torch.optim.Optimizer,
+                          fast: torch.optim.Optimizer) -> None:
+    """One iteration of the two-headed loop with a slow optimizer stepping first every 3rd
+    iteration and a fast one every iteration (``parts``: the trunk and the two heads)."""
+    trunk, head_a, head_b = parts
+    h = trunk(x)
+    (F.mse_loss(head_a(h), y) + F.mse_loss(head_b(h), y)).backward()
+    if i % 3 == 0:
+        slow.step()
+        slow.zero_grad()
+    fast.step()
+    fast.zero_grad()
+
+
 @pytest.mark.parametrize("watched", [False, True], ids=["get_batch", "tp.watch(get_batch)"])
 def test_two_optimizers_with_no_batch_source_seen_say_a_step_may_hold_several_iterations(watched):
     """The slower optimizer stepping first every 3rd iteration, batches from a function of the
@@ -297,13 +311,7 @@ def test_two_optimizers_with_no_batch_source_seen_say_a_step_may_hold_several_it
     with tp.profile(steps=STEPS, warmup=WARMUP, name="no-source", progress=False, clock_hz=0) as prof:
         for i in range(1000):
             x, y = fetch()
-            h = trunk(x)
-            (F.mse_loss(head_a(h), y) + F.mse_loss(head_b(h), y)).backward()
-            if i % 3 == 0:
-                slow.step()
-                slow.zero_grad()
-            fast.step()
-            fast.zero_grad()
+            _slow_first_iteration(i, x, y, (trunk, head_a, head_b), slow, fast)
             iterations += 1
     notes = " ".join(prof.run.meta["notes"])
     if watched:
@@ -398,13 +406,7 @@ def test_a_lead_change_between_two_optimizers_of_one_type_names_them_apart():
     with tp.profile(steps=STEPS, warmup=WARMUP, name="two-sgds", progress=False, clock_hz=0) as prof:
         for i, (x, y) in enumerate(loader):
             iterations += 1
-            h = trunk(x)
-            (F.mse_loss(head_a(h), y) + F.mse_loss(head_b(h), y)).backward()
-            if i % 3 == 0:
-                slow.step()
-                slow.zero_grad()
-            fast.step()
-            fast.zero_grad()
+            _slow_first_iteration(i, x, y, (trunk, head_a, head_b), slow, fast)
     run = prof.run
     assert iterations == N and len(run.steps) == N
     notes = run.meta["notes"]
