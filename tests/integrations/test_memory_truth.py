@@ -300,6 +300,33 @@ def test_a_backbone_unfrozen_or_frozen_mid_slice_has_its_gradients_counted(how: 
         assert dict(zip(peak["category"], peak["bytes"]))["gradients"] == truth[13] == 2_988_040
 
 
+@pytest.mark.parametrize("at", [9, 10, 11, 12])
+def test_layers_frozen_between_full_reads_or_in_the_last_passes_keep_their_gradients_exact(at: int):
+    """Which parameters require grad is read in full every 4th look only (the looks between read
+    the frozen ones: a loop training everything reads none); a layer frozen between two full
+    reads is found at the next (the look it sets off gives the pattern that also fits the
+    passes before it), and one frozen 1-3 passes before the slice's end, after the last full
+    read, by the parameters that require grad at the end (2 and 1 passes had read as
+    temporaries, with a note)."""
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU())
+    model = torch.nn.Sequential(backbone, torch.nn.Linear(256, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    truth = []
+    with tp.profile(steps=14, warmup=0, name="frozen-late", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            if i == at:
+                backbone[2].requires_grad_(False)
+            F.cross_entropy(model(x), y).backward()
+            truth.append(_grad_bytes(model))
+            opt.step()
+            opt.zero_grad()
+    assert truth[at - 1] - truth[at] == 256 * 256 * 4 + 256 * 4
+    assert _at_optimizer_enter(prof.run, "gradients") == truth[:14]
+    assert not any("could not be told" in n for n in prof.run.meta["notes"])
+
+
 def test_sets_trained_by_turns_keep_their_gradients_exact_without_a_look_at_each_switch():
     """An encoder and a decoder trained by turns (``requires_grad_`` switched every step): after
     each set's first look the replay has its pattern of gradient sizes, so a switch back to a

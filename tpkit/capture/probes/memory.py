@@ -476,6 +476,9 @@ GRAD_HOOK_MIN_BYTES = MIB
 #: A look at a 2-layer GPT-2's ~30 gradients took 106 us (median; 200 mean): every 8th step that
 #: was a fifth of the probe's own time per step, every 16th a tenth.
 GRAD_LOOKS_FIRST, GRAD_LOOK_EVERY = 3, 16
+#: Every look after a backward pass reads whether the parameters frozen before are still frozen;
+#: every TRAINABLE_FULL_EVERY-th reads every parameter's ``requires_grad`` (``_trainable_changed``).
+TRAINABLE_FULL_EVERY = 4
 #: Pseudo category of model buffers: counted with what the allocator holds beyond the known sets.
 _BUFFER = "buffer"
 #: Pseudo category of tpkit's own tensors (``Recorder.own_tensors``): counted nowhere.
@@ -626,6 +629,9 @@ class MemoryProbe:
         # with the _params_version it was read at (_trainable_changed)
         self._cpu_params: list[weakref.ref[torch.Tensor]] = []
         self._trainable: tuple[int, list[bool]] | None = None
+        # the CPU parameters frozen at the last full read (weakly): the looks between full reads
+        # read these only (none where the loop trains everything)
+        self._frozen: list[weakref.ref[torch.Tensor]] = []
         # every (parameters' version, which require grad) looked at: a loop alternating between
         # sets (an encoder and a decoder by turns) has each set's pattern after its first look
         self._trainable_seen: set[tuple[int, tuple[bool, ...]]] = set()
@@ -1185,15 +1191,30 @@ class MemoryProbe:
         """At each look after a backward pass (once a step): whether the CPU parameters that
         require grad are other ones than at the last look (a backbone unfrozen by
         ``requires_grad_(True)``, with or without a new optimizer; layers frozen). Between two
-        looks at the gradients the replay finds them by the last look's pattern of sizes, as a
-        subsequence: an unfrozen backbone's gradients were left out of it (570,408 B of
+        looks at the gradients the replay finds them by the looks' patterns of sizes, as a
+        subsequence: an unfrozen backbone's gradients were left out of them (570,408 B of
         gradients read 10,280 B for up to 16 steps, the rest temporaries, no note). Newly
-        trainable parameters get their grad hook here. One attribute read per CPU parameter
-        (none on a CUDA model): 25-33 us for 148 parameters on a 2-core VM at load 7, twice a
-        148-element list of id() there (docs/DESIGN_CHANGES.md)."""
-        self._refresh_params()  # a new optimizer over parameters not read yet
-        now = [p.requires_grad for r in self._cpu_params if (p := r()) is not None]
-        last, self._trainable = self._trainable, (self._params_version, now)
+        trainable parameters get their grad hook here.
+
+        Incremental: every look reads the parameters frozen at the last full read (none where
+        the loop trains everything), so an unfreezing is seen at once; every
+        TRAINABLE_FULL_EVERY-th look (and where the parameters were read anew) reads them all,
+        so a freezing is seen within that many passes. The look it sets off gives the replay
+        the new set's pattern, which fits the passes since the freezing too (patterns serve
+        the whole slice, longest first): their gradients stay exact. A read of every
+        parameter at every look cost 5-8 us a step on a 2-layer GPT-2 (28 parameters; a 0.6
+        point rise of the default profile's cost on a 6 ms Trainer step, docs/DESIGN_CHANGES.md)."""
+        if (self._groups_grew or self._died or len(self.optimizers.entries) != self._seen_opts
+                or len(self.rec.models.entries) != self._seen_key[0]):
+            self._refresh_params()  # a new optimizer over parameters not read yet
+        last, frozen = self._trainable, self._frozen
+        if (last is not None and last[0] == self._params_version and self._grad_looks % TRAINABLE_FULL_EVERY
+                and (not frozen or not any(p.requires_grad for r in frozen if (p := r()) is not None))):
+            return False  # nothing unfrozen, and no full read due
+        live = [p for r in self._cpu_params if (p := r()) is not None]
+        now = [p.requires_grad for p in live]
+        self._trainable = (self._params_version, now)
+        self._frozen = [weakref.ref(p) for p, grad in zip(live, now) if not grad]
         if last is None:
             self._trainable_seen.add((self._params_version, tuple(now)))
             return False  # the first look: a look at the gradients anyway
@@ -1917,6 +1938,19 @@ class MemoryProbe:
                 grads = [a for a in blocks if tag[a] == "gradients"]
                 patterns.setdefault(tuple(size[a] for a in grads), [slot_of.get(a, -1) for a in grads])
         ordered = sorted(patterns.items(), key=lambda kv: -len(kv[0]))
+        # parameters frozen in the slice's last passes, before a full read of requires_grad
+        # found it (_trainable_changed): no look gave their pattern. Each pattern cut down to
+        # the parameters that require grad at the slice's end is tried after every real one
+        # (a freezing 1-2 passes before the end had read as temporaries, with a note)
+        trainable = {self._slots[id(p)] for p in self._live_params()
+                     if p.is_cpu and p.requires_grad and id(p) in self._slots}
+        cut: dict[tuple[int, ...], list[int]] = {}
+        for sizes, slots in ordered:
+            keep = [k for k, slot in enumerate(slots) if slot < 0 or slot in trainable]
+            if 0 < len(keep) < len(sizes):
+                cut.setdefault(tuple(sizes[k] for k in keep), [slots[k] for k in keep])
+        ordered[len(ordered) - (() in patterns):len(ordered) - (() in patterns)] = sorted(
+            (kv for kv in cut.items() if kv[0] not in patterns), key=lambda kv: -len(kv[0]))  # before the empty one
         missed = 0
         for (_, end, blocks), seen in zip(spans, looked):
             if seen or any(tag[a] == "gradients" for a in blocks):
