@@ -606,3 +606,28 @@ def test_a_run_whose_updates_or_data_waits_tpkit_could_not_see_is_named():
     c = cmp.compare(make_run("watched", NOISE), blind)
     assert any(w.startswith("'unwatched': no batch was seen") for w in c.warnings), c.warnings
     assert cmp.compare(make_run("a", NOISE), make_run("b", NOISE)).warnings == []
+
+
+def test_a_collector_pause_inside_a_wait_for_data_is_no_data_stall():
+    """A full collection that lands in ``next()`` (a first slice's) is Python's own time, which no
+    loader shortens: ``compare`` reads it as other, as the summary's verdict does, where it had
+    read a data stall 3x the loader's (30 ms of wait a step for the loader's 10 ms)."""
+    from tpkit.capture import build
+    from tpkit.schema import BUILTIN_PHASES
+
+    rows = []
+    for k in range(6):
+        t = k * 0.1
+        rows += [(k, "data_wait", t, t + 0.03, 0), (k, "gc", t + 0.005, t + 0.025, 1),
+                 (k, "forward", t + 0.03, t + 0.07, 0), (k, "backward", t + 0.07, t + 0.1, 0)]
+    d = pd.DataFrame(rows, columns=["step", "phase", "start_s", "end_s", "depth"])
+    spans = d.assign(duration_s=d.end_s - d.start_s, source=np.where(d.phase.isin(BUILTIN_PHASES), "test", "gen2"))
+    bounds = pd.DataFrame({"step": range(6), "warmup": False, "start_s": np.arange(6) * 0.1,
+                           "end_s": np.arange(1, 7) * 0.1, "samples": 8, "loss": 1.0})
+    steps = build.step_breakdown(spans, bounds)
+    assert steps["data_wait_s"].tolist() == pytest.approx([0.03] * 6)  # the table's contract: as charged
+    run = Run(steps=steps, spans=spans, meta={"name": "gc"})
+    c = cmp.compare(run, make_run("b", [0.1] * 6, samples=8, data_share=0.1))
+    assert row(c, "data_wait_time", "gc")["value"] == pytest.approx(10.0)
+    assert row(c, "other_time", "gc")["value"] == pytest.approx(20.0)
+    assert row(c, "data_stall_share", "gc")["value"] == pytest.approx(10.0)

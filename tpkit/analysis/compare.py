@@ -79,7 +79,7 @@ from .stats import (
     resamples_for,
     step_resamples,
 )
-from .steps import INTERRUPTIONS, batches_seen, measured
+from .steps import INTERRUPTIONS, batches_seen, gc_free_steps, gc_pauses, measured
 
 if TYPE_CHECKING:
     from ..run import Run
@@ -126,8 +126,10 @@ def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
                 seed_by_content: bool = False) -> list[Metric]:
     """Every comparable figure of one run, with confidence intervals (and the bootstrap draws
     behind them) where steps give them. ``seed_by_content``: seed the resamples from ``seed``
-    and the run's durations (what ``compare`` does)."""
-    m, _ = clean_measured(run.steps)
+    and the run's durations (what ``compare`` does). The phases are as the verdict judges them
+    (``steps.gc_free_steps``): a collector pause inside ``data_wait`` is other, as in the
+    summary (a first slice's full collection in ``next()`` had read as a data stall here only)."""
+    m, _ = clean_measured(gc_free_steps(run.steps, gc_pauses(run.spans, run.steps)))
     out: list[Metric] = []
     dur = m["duration_s"].to_numpy(dtype="float64") if not m.empty else np.array([])
     total = float(dur.sum())
