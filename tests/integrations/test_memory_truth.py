@@ -272,7 +272,7 @@ def test_a_backbone_unfrozen_or_frozen_mid_slice_has_its_gradients_counted(how: 
     after that step's backward: the unfrozen backbone's had read temporaries until the next
     periodic look (10,280 B of 570,408, no note); a frozen one's absence left the head's read
     0 B. Unfrozen, the 600 x 600 weights (1.44 MB) get tpkit's grad hook (a frozen parameter
-    cannot have one): at the peak the gradients are all of them."""
+    cannot have one): at the peak the gradients are all of them, in backward's from the first pass."""
     torch.manual_seed(0)
     w = 600 if how == "new_optimizer" else 256
     backbone = torch.nn.Sequential(torch.nn.Linear(32, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
@@ -298,6 +298,12 @@ def test_a_backbone_unfrozen_or_frozen_mid_slice_has_its_gradients_counted(how: 
     if how == "new_optimizer":
         peak = prof.run.memory_peak()
         assert dict(zip(peak["category"], peak["bytes"]))["gradients"] == truth[13] == 2_988_040
+        # at backward's peak too, from the first unfrozen pass: the weights' hooks, made at the
+        # look after it, are the next pass's (their gradients had read temporaries there)
+        m = prof.run.memory
+        at = m[(m["phase"] == "backward") & (m["event"] == "peak") & (m["device"] == "cpu")
+               & (m["category"] == "gradients")]
+        assert at.groupby("step")["bytes"].sum().tolist() == truth[:14]
 
 
 @pytest.mark.parametrize("at", [9, 10, 11, 12])
