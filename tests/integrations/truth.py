@@ -295,7 +295,8 @@ def _class_attrs() -> list[type]:
              ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop"),
              ("torch.optim.swa_utils", "AveragedModel"),
              ("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader"),
-             ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter")]
+             ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter"),
+             ("keras.src.optimizers.base_optimizer", "BaseOptimizer"), ("keras.src.models.model", "Model")]
     for mod, name in names:
         if mod in sys.modules:
             classes.append(getattr(sys.modules[mod], name))

@@ -1,4 +1,5 @@
-"""Training frameworks seen running the slice: Hugging Face ``Trainer`` and Lightning ``Trainer``.
+"""Training frameworks seen running the slice: Hugging Face ``Trainer``, Lightning ``Trainer`` and
+Keras 3's ``Model.fit`` (its ``stop_training``, which its own early stopping sets).
 
 A slice inside ``trainer.train()`` / ``trainer.fit()`` ends through the framework's own stop
 instead of tpkit's ``StopSlice`` exception: its last step is logged and its end hooks run. HF:
@@ -29,6 +30,8 @@ _KNOWN: tuple[tuple[str, str, str], ...] = (
     ("transformers.Trainer", "transformers.trainer", "Trainer"),
     ("lightning.Trainer", "lightning.pytorch.trainer.trainer", "Trainer"),
     ("pytorch_lightning.Trainer", "pytorch_lightning.trainer.trainer", "Trainer"),
+    # Keras 3's ``Model.fit`` (a Model is a Trainer; on the torch backend, probes/keras_optimizers.py)
+    ("keras.Model", "keras.src.trainers.trainer", "Trainer"),
 )
 
 #: Frames walked up from the optimizer step at most (Lightning's automatic optimization sits
@@ -62,6 +65,12 @@ class FrameworkTrainer:
             if control is None or not hasattr(control, "should_training_stop"):
                 return False
             control.should_training_stop = True  # read after on_step_end and the step's logging
+        elif self.name == "keras.Model":
+            # fit reads it after the batch's callbacks (as its EarlyStopping sets it): its History
+            # and on_train_end come as after an early stop; the next fit() clears it
+            if not hasattr(trainer, "stop_training"):
+                return False
+            trainer.stop_training = True
         else:
             loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
             if loop is None or not self.fitting() or not isinstance(getattr(loop, "max_steps", None), int):
@@ -83,7 +92,8 @@ class FrameworkTrainer:
     def runs_on(self) -> bool:
         """Whether the trainer is in a stage that no switch ends (Lightning's ``validate``,
         ``test``, ``predict``): the slice ends and leaves it running, unprofiled."""
-        return self.name != "transformers.Trainer" and self.trainer is not None and not self.fitting()
+        return (self.name not in ("transformers.Trainer", "keras.Model") and self.trainer is not None
+                and not self.fitting())
 
     def restore(self) -> None:
         """Put back what ``request_stop`` changed (Lightning's ``max_steps``): a later ``fit``
@@ -102,6 +112,8 @@ class FrameworkTrainer:
             return None
         if self.name == "transformers.Trainer":
             return getattr(trainer, "model", None)
+        if self.name == "keras.Model":
+            return trainer
         return getattr(trainer, "lightning_module", None)
 
     def loss_divisor(self) -> int:

@@ -29,6 +29,10 @@ SAVERS: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed.checkpoint.state_dict_saver", "", "_stateful_to_state_dict"),
     ("torch.distributed.checkpoint.state_dict_saver", "", "_save_state_dict"),
     ("torch.distributed.checkpoint.staging", "DefaultStager", "stage"),
+    # Keras 3 writes through h5py / a zip file, never torch.save (its ModelCheckpoint calls these):
+    # a save each epoch had read other, save_s 0 (OVERHEAD-BOUND, "Python between phases")
+    ("keras.src.models.model", "Model", "save"),
+    ("keras.src.models.model", "Model", "save_weights"),
 )
 
 #: Files read whole, as ``SAVERS`` (besides ``torch.load``): ``schema.FILE_LOAD`` spans, in other.

@@ -72,7 +72,7 @@ from ...errors import StopSlice
 from ...schema import FILE_LOAD, METRIC_CALL, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import SPAN_FIELDS, Recorder, WeakRegistry
-from . import batches, loss_sums, module_calls
+from . import batches, keras_optimizers, loss_sums, module_calls
 from .batches import forward_identity, handed_out, loader_dataset, loader_key, loader_settings
 from .compiling import compiling, skip_own_frames, skipped_by_dynamo, watch_sessions
 from .hook_places import (
@@ -229,6 +229,7 @@ class PhaseProbe:
         self._fwd_gen = 0  # bumped when an early adoption is taken back: that thread's call no longer counts
         self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
         self._closure_depth = 0  # > 0 while an optimizer's closure runs
+        self._keras_depth = 0  # > 0 while a Keras optimizer's update runs (``_wrap_keras_step``)
         self._closure_evals = 0  # closure calls in the current optimizer step
         self._opt_posts = 0  # optimizer post hooks seen (a GradScaler step without one was skipped)
         self._worked = False  # a forward, backward, zero_grad or batch since the last step ended
@@ -396,6 +397,10 @@ class PhaseProbe:
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
                     self._patched.set(join, attr, self._wrap_join(vars(join)[attr], enter=attr == "__enter__"))
+            for cls in keras_optimizers.optimizer_classes():  # only where the loop imported Keras
+                for attr in keras_optimizers.STEP_ATTRS:
+                    if callable(vars(cls).get(attr)):
+                        self._patched.set(cls, attr, self._wrap_keras_step(vars(cls)[attr]))
             self._patch_each(COMPILED_STEPS, lambda fn, *_: self._wrap_compiled_step(fn))
             self._patch_each(TRAINER_RUNS, lambda fn, *_: self._wrap_trainer_run(fn))
             self._patch_each(SEARCHES, lambda fn, module, owner, attr:
@@ -816,6 +821,27 @@ class PhaseProbe:
         elif len(args) > 1 and callable(args[1]):  # args = (optimizer, closure, ...)
             return (args[0], self._wrap_closure(args[1]), *args[2:]), kwargs
         return None
+
+    def _wrap_keras_step(self, fn: Any) -> Any:
+        """A Keras optimizer's update (``keras_optimizers``), the outermost call: the step hooks
+        torch.optim's ``step()`` runs, around it, on the optimizer's torch.optim-shaped view."""
+        probe, rec = self, self.rec
+
+        def keras_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            if _compiling() or threading.get_ident() != rec.thread_id or probe._keras_depth:
+                return fn(opt, *args, **kwargs)
+            shaped = keras_optimizers.view(opt)
+            probe._opt_pre(shaped, (shaped,), {})  # type: ignore[arg-type]
+            probe._keras_depth += 1
+            try:
+                out = fn(opt, *args, **kwargs)
+            finally:
+                probe._keras_depth -= 1
+            shaped.refresh()  # (variables Keras built at this first update)
+            probe._opt_post(shaped, (shaped,), {})  # type: ignore[arg-type]
+            return out
+
+        return skipped_by_dynamo(functools.update_wrapper(keras_step, fn))
 
     def _wrap_closure(self, closure: Any) -> Any:
         probe = self
