@@ -100,6 +100,21 @@ class SlowAdam(keras.optimizers.Adam):
         return out
 
 
+def test_fit_ending_before_the_slice_is_full_says_so() -> None:
+    """A fit that runs its epochs before the slice is full: every batch a step, its History as
+    without tpkit, and the note says Keras's fit ended by itself (its epochs, not a max_steps)."""
+    x, y = data()
+    want = model(keras.optimizers.Adam(1e-3)).fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history
+    m = model(keras.optimizers.Adam(1e-3))
+    with tp.profile(steps=30, warmup=WARMUP, progress=False) as prof:
+        history = m.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history
+    assert history == want
+    assert len(prof.run.steps) == 2 * BATCHES == int(m.optimizer.iterations.numpy())
+    assert prof.run.meta["stopped_by"] == "loop_end"
+    assert any(n.startswith("keras.Model stopped by itself (its epochs, early stopping or a callback) after 16 steps")
+               for n in prof.run.meta["notes"]), prof.run.meta["notes"]
+
+
 def test_update_is_optimizer_time_and_its_variables_optimizer_state() -> None:
     """``tp.step()`` in a callback: the update (a subclass's ``apply`` whole) is optimizer_s, its
     variables (Adam's moments, its iteration count) optimizer_state, to the byte."""

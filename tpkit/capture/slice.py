@@ -538,8 +538,9 @@ class Profile:
         elif exc is None:
             meta["stopped_by"] = "loop_end"
             if cfg.stop and done < warmup + cfg.steps:
-                who = (f"{rec.framework.name} stopped by itself (its max_steps, max_time, early stopping or a "
-                       "callback)" if rec.framework is not None else "the loop ended")
+                how = ("its epochs, early stopping or a callback" if getattr(rec.framework, "name", "") == "keras.Model"
+                       else "its max_steps, max_time, early stopping or a callback")
+                who = f"{rec.framework.name} stopped by itself ({how})" if rec.framework is not None else "the loop ended"
                 rec.note(f"{who} after {done} steps, before the slice was full "
                          f"({warmup} warmup + {cfg.steps} steps): the Run holds the steps that happened")
         elif rec.slice_steps is not None and not isinstance(exc, StopSlice):
