@@ -52,6 +52,12 @@ FILE_LOAD_SOURCES: tuple[str, ...] = ("torch.load", "safetensors.torch.load_file
 #: ``other_s`` (not the model's forward), and a note says how much (capture/probes/phases.py). A
 #: metric whose compute took 77% of the step had been forward, the verdict COMPUTE-BOUND.
 METRIC_CALL = "metric_call"
+#: ``torch.jit.trace`` (``trace_module``, ``_get_trace_graph``) run in the loop's thread: spans of
+#: their own whose time stays ``other_s``, and a note says how much (capture/build.py). Its calls
+#: of the model are no forward and no evaluation: TensorBoard's ``add_graph`` (tensorboardX's,
+#: Lightning's ``log_graph=True``) traces the model in eval mode, and had read as an evaluation
+#: of 2 calls, the verdict OVERHEAD-BOUND "between evaluation calls".
+JIT_TRACE = "jit_trace"
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: The source of a span a user opened with ``tp.phase(name)`` (capture/slice.py).
@@ -81,6 +87,7 @@ PHASE_NAMES: dict[str, str] = {
     "tpkit": "tpkit's own work", "other": "other (no phase)", "gc": "garbage collection",
     FILE_LOAD: "files loaded (torch.load, safetensors; in other)",
     METRIC_CALL: "metric calls (torchmetrics; in other)",
+    JIT_TRACE: "torch.jit.trace (in other)",
 }
 
 # -- memory ---------------------------------------------------------------------------------

@@ -1089,6 +1089,46 @@ def test_an_rl_rollout_is_not_evaluation():
     assert f"where no evaluation batch was read ({4 * N} stretch(es)" in note, note
 
 
+@pytest.mark.filterwarnings("ignore")  # torch.jit.trace is deprecated; the sleep is a Python call it warns about
+def test_a_jit_trace_of_the_model_is_neither_forward_nor_evaluation():
+    """``torch.jit.trace(model, x)`` in eval mode at one step, as TensorBoard's ``add_graph``
+    (tensorboardX's, Lightning's ``log_graph=True``) does: a span of its own in other with a note,
+    and its calls of the model (the trace's and its check's) no forward and no evaluation. They
+    had read as an evaluation ("evaluation ran inside the slice: 2 call(s)", eval_s a few ms of
+    a 72 ms add_graph) and the verdict OVERHEAD-BOUND between evaluation calls. Truth: the loop's
+    clock around the trace."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    at, traced = 4, 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="jit-trace", progress=False, clock_hz=0) as prof:
+        for i, (x, y) in enumerate(loader):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == at:  # after the step's update: the next step's
+                model.eval()
+                t = time.perf_counter()
+                torch.jit.trace(model, x)
+                traced = time.perf_counter() - t
+                model.train()
+    run = prof.run
+    assert traced > 2 * truth.FORWARD_S  # the trace and its check each ran the forward's sleep
+    steps = run.steps
+    assert float(steps["eval_s"].sum()) == 0.0
+    assert not any(n.startswith("evaluation ran inside the slice") for n in run.meta["notes"]), run.meta["notes"]
+    k = at + 1  # the step the trace ran in (rows: the warmup's, then the measured ones)
+    assert float(steps["forward_s"].iloc[k]) < 1.5 * float(steps["forward_s"].drop(index=steps.index[k]).median())
+    assert float(steps["other_s"].iloc[k]) >= 0.9 * traced
+    spans = run.spans[run.spans["phase"] == "jit_trace"]
+    assert len(spans) == 1 and spans["source"].iloc[0] == "torch.jit.trace"
+    close(float(spans["duration_s"].iloc[0]), traced, "the trace")
+    note = next(n for n in run.meta["notes"] if n.startswith("torch.jit.trace ran inside the slice 1 time(s)"))
+    assert f"{float(spans['duration_s'].iloc[0]):.3f} s" in note, note
+    assert "evaluation" not in run.summary().verdict.text, run.summary().verdict.text
+
+
 def test_a_metric_in_eval_mode_every_micro_batch_leaves_training_alone():
     """A loop that computes a metric with the model in eval mode without grad after each
     micro-batch's backward (two a step, gradient accumulation): between two such calls run a

@@ -18,6 +18,7 @@ from ..schema import (
     BUILTIN_PHASES,
     FILE_LOAD,
     FILE_LOAD_SOURCES,
+    JIT_TRACE,
     METRIC_CALL,
     PHASE_COLUMNS,
     SCHEMAS,
@@ -187,6 +188,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     metrics = _metric_call_note(spans)
     if metrics:
         full_meta["notes"].append(metrics)
+    traces = _jit_trace_note(spans)
+    if traces:
+        full_meta["notes"].append(traces)
     if extra_batches:
         full_meta["notes"].append(read_ahead.note(extra_batches, extra_samples))
     if dropped:
@@ -309,6 +313,19 @@ def _in_other(spans: pd.DataFrame, inside: pd.DataFrame) -> float:
         around = inner[(inner["start_s"] <= s) & (inner["end_s"] >= e)]
         other_s += 0.0 if len(around) else float(e - s)
     return other_s
+
+
+def _jit_trace_note(spans: pd.DataFrame) -> str | None:
+    """What ``torch.jit.trace`` (``schema.JIT_TRACE`` spans) took in the measured steps, and how
+    much of it is other: TensorBoard's ``add_graph`` traces the model, whose calls had read as
+    an evaluation inside the slice."""
+    traces = spans[(spans["phase"] == JIT_TRACE) & (spans["source"] != USER_PHASE_SOURCE) & (spans["step"] >= 0)]
+    if traces.empty:
+        return None
+    return (f"torch.jit.trace ran inside the slice {len(traces)} time(s) (TensorBoard's add_graph? tensorboardX's, "
+            f"Lightning's log_graph=True): {float(traces['duration_s'].sum()):.3f} s, "
+            f"{_in_other(spans, traces):.3f} s of it in other; its calls of the model are neither forward nor "
+            "evaluation (the timeline shows them as 'torch.jit.trace'); log the graph before or after profiling")
 
 
 def _metric_call_note(spans: pd.DataFrame) -> str | None:

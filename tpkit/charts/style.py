@@ -7,8 +7,8 @@ import altair as alt
 from .. import schema
 
 #: The steps' phases, then the spans tpkit records inside ``other`` (files the loop read itself,
-#: metric calls).
-PHASE_ORDER: list[str] = [*schema.PHASE_ORDER, schema.FILE_LOAD, schema.METRIC_CALL]
+#: metric calls, torch.jit.trace).
+PHASE_ORDER: list[str] = [*schema.PHASE_ORDER, schema.FILE_LOAD, schema.METRIC_CALL, schema.JIT_TRACE]
 PHASE_COLORS: dict[str, str] = {
     "data_wait": "#d62728",  # red: the stall the eye must find first
     "h2d": "#ff7f0e",
@@ -25,6 +25,7 @@ PHASE_COLORS: dict[str, str] = {
     "other": "#b0b0b0",
     schema.FILE_LOAD: "#8a8a8a",  # files the loop read itself, inside other: a darker other
     schema.METRIC_CALL: "#9c9ede",  # metric calls (torchmetrics), inside other
+    schema.JIT_TRACE: "#dbdb8d",  # torch.jit.trace (TensorBoard's add_graph), inside other
 }
 _USER_COLORS = ["#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#9edae5", "#c49c94"]
 

@@ -140,3 +140,18 @@ EVALUATORS: tuple[tuple[str, str, str], ...] = (
     ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop", "run"),
     ("pytorch_lightning.loops.evaluation_loop", "_EvaluationLoop", "run"),
 )
+
+#: TorchScript's tracing, as ``SAVERS``: each call is a ``schema.JIT_TRACE`` span (other), and the
+#: model's calls inside it go straight to torch, neither forward nor evaluation. TensorBoard's
+#: ``add_graph`` (tensorboardX's, Lightning's ``TensorBoardLogger(log_graph=True)``) calls
+#: ``torch.jit.trace`` in eval mode: its calls had read as an evaluation (eval_s 0.3-8.6 ms of a
+#: 72 ms add_graph, the rest other, "evaluation ran inside the slice: 2 call(s)"). Both modules'
+#: names: torch.jit's as callers spell them, torch.jit._trace's as ``trace`` calls
+#: ``trace_module`` (a nested trace is part of the outer one).
+TRACERS: tuple[tuple[str, str, str], ...] = (
+    ("torch.jit", "", "trace"),
+    ("torch.jit", "", "trace_module"),
+    ("torch.jit._trace", "", "trace"),
+    ("torch.jit._trace", "", "trace_module"),
+    ("torch.jit._trace", "", "_get_trace_graph"),
+)

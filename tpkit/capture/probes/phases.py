@@ -69,7 +69,7 @@ import torch.optim.optimizer as _optim
 import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
-from ...schema import FILE_LOAD, METRIC_CALL, UNSEEN_UPDATES_NOTE
+from ...schema import FILE_LOAD, JIT_TRACE, METRIC_CALL, UNSEEN_UPDATES_NOTE
 from ..frameworks import find_trainer, frame_self
 from ..recorder import SPAN_FIELDS, Recorder, WeakRegistry
 from . import batches, keras_optimizers, loss_sums, module_calls
@@ -85,6 +85,7 @@ from .hook_places import (
     LOADER_STARTS,
     SAVERS,
     SEARCHES,
+    TRACERS,
     TRAINER_RUNS,
 )
 from .loss_sums import LossSums, static_scale
@@ -390,6 +391,7 @@ class PhaseProbe:
             self._patched.set(torch, "load", self._wrap_whole(torch.load, FILE_LOAD, "torch.load"))
             self._patch_each(FILE_LOADERS, lambda fn, module, owner, attr:
                              self._wrap_whole(fn, FILE_LOAD, f"{module}.{attr}"))
+            self._patch_each(TRACERS, lambda fn, module, owner, attr: self._wrap_trace(fn, f"torch.jit.{attr}"))
             for phase, places in (("save", SAVERS), ("eval", EVALUATORS), ("optimizer", AVERAGERS)):
                 self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
                                  self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
@@ -1527,6 +1529,29 @@ class PhaseProbe:
                 rec.exit(token)
 
         return skipped_by_dynamo(functools.update_wrapper(whole, fn))
+
+    def _wrap_trace(self, fn: Any, source: str) -> Any:
+        """TorchScript's tracing in the loop's thread (``TRACERS``): a ``schema.JIT_TRACE`` span, and
+        the module calls inside it pass straight to torch as a forward's inner calls do (the
+        thread is marked inside an outermost call for the trace's length): no forward, no
+        evaluation call, nothing more per module call. TensorBoard's ``add_graph`` traces the
+        model so, in eval mode: it had read as an evaluation inside the slice."""
+        rec = self.rec
+
+        def trace(*args: Any, **kwargs: Any) -> Any:
+            tid = threading.get_ident()
+            if _compiling() or tid != rec.thread_id or rec.is_open(JIT_TRACE):
+                return fn(*args, **kwargs)
+            token = rec.enter(JIT_TRACE, source)
+            was = module_calls.inside()
+            try:
+                module_calls.set_inside(tid)
+                return fn(*args, **kwargs)
+            finally:
+                module_calls.set_inside(was)
+                rec.exit(token)
+
+        return skipped_by_dynamo(functools.update_wrapper(trace, fn))
 
     def _patch_each(self, places: tuple[tuple[str, str, str], ...], wrap: Callable[..., Any]) -> None:
         """Patch each ``(module, owner, attribute)`` of ``places`` with ``wrap(fn, module, owner,
