@@ -58,6 +58,24 @@ METRIC_CALL = "metric_call"
 #: Lightning's ``log_graph=True``) traces the model in eval mode, and had read as an evaluation
 #: of 2 calls, the verdict OVERHEAD-BOUND "between evaluation calls".
 JIT_TRACE = "jit_trace"
+#: What to do about a third-party package's hooks on the trained model (``meta["model"]["hooks"]``,
+#: capture/foreign_hooks.py), by package; any other package's: ``HOOKS_REMEDY``.
+HOOK_REMEDIES: dict[str, str] = {
+    "wandb": "log them less often (wandb.watch(model, log_freq=100)) or call wandb.unwatch(model) while profiling",
+}
+HOOKS_REMEDY = "register them less often, or remove them while profiling to time the model alone"
+
+
+def hooks_phrase(hooks: dict[str, int]) -> str:
+    """``"7 hook(s) of wandb on the model"``: the third-party hooks ``meta["model"]["hooks"]`` counts, in words."""
+    return " and ".join(f"{n} hook(s) of {name}" for name, n in sorted(hooks.items())) + " on the model"
+
+
+def hooks_remedy(hooks: dict[str, int]) -> str:
+    """What the note and the verdict advise about them (``HOOK_REMEDIES``)."""
+    return "; ".join(dict.fromkeys(HOOK_REMEDIES.get(name, HOOKS_REMEDY) for name in sorted(hooks)))
+
+
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).
 UNCOUNTED_PHASES: tuple[str, ...] = (COMM_OVERLAPPED,)
 #: The source of a span a user opened with ``tp.phase(name)`` (capture/slice.py).

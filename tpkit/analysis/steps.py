@@ -22,6 +22,8 @@ from ..schema import (
     USER_PHASE_SOURCE,
     VERDICTS,
     ZERO_GRAD_SOURCE,
+    hooks_phrase,
+    hooks_remedy,
 )
 from .memory import memory_notes, stream_note
 
@@ -470,6 +472,17 @@ def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str
                     "the input pipeline keeps up" if seen else f"{UNSEEN_LOADER}: {WATCH_IT} to time it")
 
 
+def _with_hooks(v: Verdict, hooks: Any) -> Verdict:
+    """A compute-bound verdict where a third-party package's hooks sit on the trained model
+    (``meta["model"]["hooks"]``, capture/foreign_hooks.py): their time is inside forward and
+    backward, and the advice names them first (wandb.watch(log="all", log_freq=1) had made 90% of
+    a step forward and backward, "COMPUTE-BOUND" with no word of it)."""
+    if v.kind != "compute-bound" or not isinstance(hooks, dict) or not hooks:
+        return v
+    return _verdict(v.kind, v.evidence, f"{hooks_phrase(hooks)} run inside forward and backward: "
+                    f"{hooks_remedy(hooks)}; " + v.advice)
+
+
 #: The overhead verdict's advice where nothing says where ``other`` sits (no spans: a frame by hand).
 GUESS = "Python between phases, logging, .item() syncs"
 
@@ -661,8 +674,9 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         phase_share=shares,
         data_stall_share=shares.get("data_wait_s", 0.0),
         user_phase_share={p: f * shares["other_s"] for p, f in parts.phases.items()} if parts else {},
-        verdict=verdict(shares, seen, str(meta.get("compiled_step") or ""), parts,
-                        str((meta.get("model") or {}).get("class") or "")),
+        verdict=_with_hooks(verdict(shares, seen, str(meta.get("compiled_step") or ""), parts,
+                                    str((meta.get("model") or {}).get("class") or "")),
+                            (meta.get("model") or {}).get("hooks")),
         notes=list(meta.get("notes", [])),
     )
     paused = gc_note(pauses, steps)

@@ -24,7 +24,7 @@ import torch
 
 from .._version import __version__
 from ..errors import ProfileActiveError, StopSlice, TpkitError
-from . import evaluation
+from . import evaluation, foreign_hooks
 from . import recorder as _rec
 from .frameworks import find_trainer
 from .host import cpu_name, usable_cores
@@ -862,6 +862,10 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
         out["model"] = {"class": " + ".join(type(m).__name__ for m in models),
                         "parameters": int(sum(p.numel() for p in params)),
                         "trainable": int(sum(p.numel() for p in params if p.requires_grad))}
+        hooks = foreign_hooks.find(models)
+        if hooks:
+            out["model"]["hooks"] = hooks
+            rec.note(foreign_hooks.note(hooks))
     return out
 
 
