@@ -75,9 +75,8 @@ def test_a_trackers_hooks_are_named_in_the_notes_and_the_verdict(tmp_path, monke
     run = train(tracker.watch)
     m = run.steps[~run.steps["warmup"]]
     # the phases hold the hooks (as they should: they run inside them) ...
-    forward = float(m["forward_s"].median())
-    assert abs(forward - (truth.FORWARD_S + FORWARD_HOOK_S)) <= TOLERANCE * (truth.FORWARD_S + FORWARD_HOOK_S), forward
-    assert float(m["backward_s"].median()) >= truth.BACKWARD_S + 2 * GRAD_HOOK_S * 0.9
+    assert float(m["forward_s"].median()) >= (1 - TOLERANCE) * (truth.FORWARD_S + FORWARD_HOOK_S)
+    assert float(m["backward_s"].median()) >= (1 - TOLERANCE) * (truth.BACKWARD_S + 2 * GRAD_HOOK_S)
     # ... and the run says whose they are: one forward hook and two gradient hooks, the user's not
     assert run.meta["model"]["hooks"] == {"hooktrack": 3}
     note = next(n for n in run.meta["notes"] if n.startswith("3 hook(s) of hooktrack on the model"))
