@@ -151,6 +151,7 @@ EVALUATORS: tuple[tuple[str, str, str], ...] = (
 TRACERS: tuple[tuple[str, str, str], ...] = (
     ("torch.jit", "", "trace"),
     ("torch.jit", "", "trace_module"),
+    ("torch.jit", "", "_get_trace_graph"),  # torch.onnx.export's TorchScript path
     ("torch.jit._trace", "", "trace"),
     ("torch.jit._trace", "", "trace_module"),
     ("torch.jit._trace", "", "_get_trace_graph"),
