@@ -29,7 +29,7 @@ from ..schema import hooks_phrase, hooks_remedy
 #: Packages whose hooks on a model are how it trains, not an observer's: never noted.
 TRAINING: frozenset[str] = frozenset({
     "torch", "tpkit", "deepspeed", "accelerate", "transformers", "peft", "lightning", "pytorch_lightning",
-    "lightning_fabric", "fairscale", "opacus", "torchao", "bitsandbytes", "apex", "torch_xla", "torchvision",
+    "lightning_fabric", "keras", "fairscale", "opacus", "torchao", "bitsandbytes", "apex", "torch_xla", "torchvision",
 })
 #: Where the hook's function comes from the user's own code.
 _OWN = frozenset({"__main__", "builtins", "functools", "__mp_main__"})
