@@ -130,6 +130,9 @@ class Recorder:
         self.handout_sources: list[int] = []
         self.handout_ids: list[int] = []  # per handout: batches.identity of its leading tensor (0: none)
         self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, its loader_key)
+        # a DataLoader's workers shut down where its iterator was dropped, flat: (the start_ns of
+        # that data_wait span, its loader_key): an evaluation loader's is eval (capture/evaluation.py)
+        self.shutdowns: list[int] = []
         # a torch DataLoader's settings, by its loader_key, as its latest iter() in the slice saw
         # them (capture/slice.py: queue_drain; capture/build.py: meta['torch_loader'])
         self.loader_settings: dict[int, dict[str, Any]] = {}
@@ -280,6 +283,10 @@ class Recorder:
             if spans[i] not in ("optimizer", "tpkit", "gc"):
                 return False
         return True
+
+    def opened_at(self, token: int) -> int:
+        """The start (ns) of the span opened with ``token``, still open."""
+        return int(self._stack[token][1])
 
     def is_open(self, phase: str) -> bool:
         return self._open.get(phase, 0) > 0
