@@ -1489,7 +1489,8 @@ class PhaseProbe:
             if rec.stop_pending is not None and not _handed_all(it):
                 # the slice is full: the loop stops before it reads its training loader's next
                 # batch (no batch taken, no worker's RNG drawn); an epoch's end still ends its loop
-                rec.stop_before_read(key, id(it), dataset=loader_dataset(it))
+                rec.stop_before_read(key, id(it), dataset=loader_dataset(it),
+                                     epoch_start=getattr(it, "_num_yielded", None) == 0)
             if waiting:
                 return fn(it)
             probe._worked = True  # a batch read: a new iteration (see _opt_post)
@@ -1702,7 +1703,7 @@ class PhaseProbe:
                 return fn(loader)
             key, dataset = rec.source_key(loader_key(loader), loader), loader_dataset(loader)
             if rec.stop_pending is not None:  # the slice is full: no new epoch of its training loader starts
-                rec.stop_before_read(key, id(loader), dataset=dataset)
+                rec.stop_before_read(key, id(loader), dataset=dataset, epoch_start=True)
             if rec.is_open("data_wait"):
                 return fn(loader)
             token = rec.enter("data_wait", f"{source}.__iter__")
