@@ -90,3 +90,33 @@ def test_an_exception_raised_handler_that_does_not_reraise_swallows_the_stop_and
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors and all(m.startswith("Engine run is terminating due to exception: tpkit's profiling slice is full "
                                        "and recorded") for m in errors), errors
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_an_evaluator_over_the_training_loader_after_the_slices_last_step(grad):
+    """The slice ends on an epoch's last batch; at ``EPOCH_COMPLETED`` a handler runs an
+    evaluator over the training loader itself (ignite's canonical ``train_evaluator.run``). Its
+    first read is of the last step's loader, with grad, the model still in train mode (the
+    evaluator's step calls ``model.eval()`` after it): the loop stops there, the evaluation cut,
+    and the run says so (the README had said such a read goes on in eval mode). Under
+    ``torch.no_grad()`` it runs whole and the trainer stops at its next epoch's first read.
+    Truth: the handler's own log."""
+    model, trainer, _ = _trainer()
+    train = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(8 * N)), batch_size=8)
+    evaluator = ignite_engine.create_supervised_evaluator(model)
+    log: list[str] = []
+
+    @trainer.on(Events.EPOCH_COMPLETED)
+    def results(engine) -> None:  # noqa: ANN001
+        log.append(f"epoch {engine.state.epoch}")
+        with torch.enable_grad() if grad else torch.no_grad():
+            evaluator.run(train)
+        log.append(f"evaluated {evaluator.state.iteration} batches")
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        trainer.run(train, max_epochs=3)
+    run = prof.run
+    assert log == (["epoch 1"] if grad else ["epoch 1", f"evaluated {N} batches"])
+    assert len(run.steps) == N and trainer.state.iteration == N and run.meta["stopped_by"] == "slice"
+    said = [n for n in run.meta["notes"] if n.startswith("the loop was stopped where an ignite Engine run from inside")]
+    assert len(said) == grad, run.meta["notes"]

@@ -23,9 +23,11 @@ Hooks for other probes:
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import weakref
 from time import perf_counter_ns
+from types import FrameType
 from typing import Any, Callable
 
 PhaseListener = Callable[[str, str, int], None]
@@ -44,6 +46,26 @@ EVAL_MODE_STOP = ("the loop was stopped where it began a new pass over the loade
                   "training loader (model.eval(), then for batch in train_loader), it was cut at its "
                   "first batch and did not run; run such an evaluation under torch.no_grad() for it to run whole, or "
                   "profile with stop=False")
+#: The note of such a stop at the read of an ignite Engine run from inside another Engine's run
+#: (``_nested_engine_run``): an evaluator's, whose step calls ``model.eval()`` after its read.
+NESTED_ENGINE_STOP = ("the loop was stopped where an ignite Engine run from inside another Engine's run (an evaluator "
+                      "run from a handler, as train_evaluator.run(train_loader) at EPOCH_COMPLETED) began a pass over "
+                      "the loader of the last step's batch, with grad enabled: that evaluation was cut at its first "
+                      "batch and did not run; run it under torch.no_grad() (with torch.no_grad(): "
+                      "train_evaluator.run(train_loader)) for it to run whole, or profile with stop=False")
+
+
+def _nested_engine_run(max_frames: int = 256) -> bool:
+    """Whether the calling thread is inside the runs of two ignite Engines, one started from
+    inside the other's (an evaluator run from a trainer's handler). Read once, at the stop."""
+    engines: set[int] = set()
+    f: FrameType | None = sys._getframe(1)
+    n = 0
+    while f is not None and n < max_frames:
+        if f.f_code.co_name == "_internal_run" and "ignite" in f.f_code.co_filename:
+            engines.add(id(f.f_locals.get("self")))
+        f, n = f.f_back, n + 1
+    return len(engines) > 1
 
 
 def active() -> "Recorder | None":
@@ -392,6 +414,8 @@ class Recorder:
         if any(s in self.last_sources for s in sources):
             if epoch_start and self._evaluating():
                 self.note(EVAL_MODE_STOP)
+            elif epoch_start and _nested_engine_run():
+                self.note(NESTED_ENGINE_STOP)
             self.stop_pending()  # the loader of the last step's batch: the next iteration's read
         elif (any(s in self.training_sources for s in sources) or (
                 dataset is not None and dataset in self.training_datasets
