@@ -28,8 +28,20 @@ class StopSlice(BaseException):
     trained forward, backward, optimizer step or ``tp.step()``: ``capture/slice.py``,
     ``Profile._stopping``); caught by ``tp.profile`` and the magic.
 
-    A BaseException so that a user's ``except Exception`` in the loop does not swallow it.
+    A BaseException so that a user's ``except Exception`` in the loop does not swallow it. Its
+    message says what it is: a framework that logs what ended its run (ignite's "Engine run is
+    terminating due to exception: ") had logged an empty ERROR line with every profile.
     """
+
+    MESSAGE = ("tpkit's profiling slice is full and recorded: tpkit stopped the training loop here on purpose, "
+               "this is not an error (tp.profile catches it; a handler that catches BaseException should "
+               "re-raise it, or profile with tp.profile(stop=False))")
+
+    def __init__(self, message: str = MESSAGE) -> None:
+        super().__init__(message)
+        # set where tpkit's own code ended the loop's code with it and goes on (the magic's inner
+        # run_cell, %run): no stop the loop swallowed (capture/slice.py, Profile._swallowed_note)
+        self.handled_by_tpkit = False
 
 
 class NvmlError(TpkitError):

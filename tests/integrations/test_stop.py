@@ -176,9 +176,10 @@ def test_a_watched_iterable_and_tpkits_loader_stop_before_their_next_batch():
         assert (len(made) if how == "watch" else batches.batches_done) == N, how
 
 
+@pytest.mark.parametrize("loss", ["F.mse_loss", "nn.MSELoss"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad_left_on"])
 @pytest.mark.parametrize("split", ["samplers", "train_accuracy"])
-def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(split, grad):
+def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(split, grad, loss):
     """The loop evaluates every 3rd step (the last one's too) in eval mode, without grad or
     with grad left on (``torch.no_grad()`` forgotten), on a DataLoader of its own over the
     training Dataset (a train/val split by samplers; a train-accuracy loader over the whole
@@ -186,8 +187,12 @@ def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(sp
     as in the same loop stopped by ``break``. The evaluation's ``iter()`` had stopped the loop
     after ``model.eval()``: one evaluation short and the model left in eval mode (without grad,
     sharing the Dataset with the training loader, until 6bb5575; with grad, its batches
-    training by the forward's rule, until the stop waited for a trained model in train mode)."""
+    training by the forward's rule, until the stop waited for a trained model in train mode).
+    A loss module (``nn.MSELoss()``, called with grad in train mode, never put in eval mode) is
+    no trained model: with one, the evaluation with grad left on had been stopped at its first
+    read all the same."""
     ds = Data()
+    loss_fn = F.mse_loss if loss == "F.mse_loss" else torch.nn.MSELoss()
 
     def loop(limit: int | None = None) -> tuple[int, list, bool]:
         torch.manual_seed(0)
@@ -203,7 +208,7 @@ def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(sp
         box["model"] = model
         for _ in range(100):
             for x, y in loader:
-                F.mse_loss(model(x), y).backward()
+                loss_fn(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
                 steps += 1
@@ -211,7 +216,7 @@ def test_an_evaluation_on_its_own_loader_over_the_training_dataset_runs_whole(sp
                 if steps % 3 == 1:  # (the 7th step's too)
                     model.eval()
                     with contextlib.nullcontext() if grad else torch.no_grad():
-                        evals.append(sum(1 for a, b in eval_loader if F.mse_loss(model(a), b) is not None))
+                        evals.append(sum(1 for a, b in eval_loader if loss_fn(model(a), b) is not None))
                     model.train()
                 if limit is not None and steps >= limit:
                     return steps, evals, model.training
@@ -272,6 +277,56 @@ def test_a_read_of_the_last_steps_loader_stops_the_loop_with_the_model_in_eval_m
         loop(profiled)
     assert seen(profiled) == truth == (N, 8 * N, False)
     assert len(prof.run.steps) == N and prof.run.meta["stopped_by"] == "slice"
+    # a read in the middle of an epoch is no evaluation's first: no note says it may have been
+    assert not any(n.startswith("the loop was stopped where it began a new pass") for n in prof.run.meta["notes"])
+
+
+@pytest.mark.parametrize("model_mode", ["eval", "train"])
+def test_an_evaluation_with_grad_over_the_last_steps_loader_is_cut_at_its_first_read(model_mode):
+    """The slice ends on an epoch's last batch; the loop then evaluates over its training loader
+    itself with grad enabled (no ``torch.no_grad()``; ignite's ``train_evaluator.run(train_loader)``
+    at ``EPOCH_COMPLETED`` reads so, before its step's ``model.eval()``). That read is the loader
+    of the last step's batch, with grad: the next iteration's as far as tpkit can tell, so the loop
+    stops there, in eval mode too (README, "How the loop is stopped"). With the model in eval mode
+    at that read, the run notes that an evaluation over the training loader may have been cut
+    (the README had said such a read goes on). Truth: the loop's own log."""
+    log: list[str] = []
+
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(Data(), range(8 * N)), batch_size=8)
+        loss_fn = torch.nn.MSELoss()
+        for epoch in range(3):
+            model.train()
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            log.append(f"epoch {epoch} trained")
+            if model_mode == "eval":
+                model.eval()
+            n = 0
+            for x, _ in loader:  # grad enabled
+                with torch.no_grad():
+                    model(x)
+                n += 1
+            log.append(f"epoch {epoch} evaluated {n} batches")
+
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        loop()
+    assert log == ["epoch 0 trained"]
+    assert len(prof.run.steps) == N and prof.run.complete and prof.run.meta["stopped_by"] == "slice"
+    said = [n for n in prof.run.meta["notes"] if n.startswith("the loop was stopped where it began a new pass")]
+    assert len(said) == (model_mode == "eval"), prof.run.meta["notes"]
+    if said:
+        assert said[0] == (
+            "the loop was stopped where it began a new pass over the loader of its last step's batch, with grad "
+            "enabled, while the trained model was in eval mode: if that pass was an evaluation over the training "
+            "loader (model.eval(), then for batch in train_loader), it was cut at its first batch "
+            "and did not run; run such an evaluation under torch.no_grad() for it to run whole, or profile with "
+            "stop=False")
 
 
 def test_a_loader_whose_sampler_has_a_freed_loaders_id_is_a_source_of_its_own():
@@ -440,3 +495,54 @@ def test_a_loop_stopped_at_its_optimizer_step_runs_none_of_its_own_step_hooks_fo
     assert fires == truth_fires
     for a, b in zip(model.parameters(), truth.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("then", ["returns", "trains-again"])
+def test_a_stop_the_loop_catches_and_does_not_reraise_is_said(then):
+    """A training function whose ``except BaseException:`` saves an "interrupted" checkpoint and
+    returns (as an ignite handler on ``Events.EXCEPTION_RAISED`` that does not re-raise): it
+    swallows tpkit's stop, and the code after it runs. The Run says so, with what to do; it had
+    read ``stopped_by=slice``, complete, with no note. A second training call after it is stopped
+    again at its first read (``trains-again``: that stop ends the body). The stop's own message
+    says what it is (ignite had logged "Engine run is terminating due to exception: " and
+    nothing). Truth: the loop's own record of what it caught and what ran after it."""
+    caught: list[str] = []
+    after: list[int] = []
+
+    def train(state: dict) -> None:
+        try:
+            _train(state)
+        except BaseException as e:  # noqa: BLE001 - the swallowing handler under test
+            caught.append(str(e))
+
+    got: dict = {}
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        train(got)
+        after.append(got["steps"])
+        if then == "trains-again":
+            _train({})  # no handler: the stop ends the body here
+            after.append(-1)  # never runs
+    run = prof.run
+    assert after == [N] and len(caught) == 1
+    assert "slice is full and recorded" in caught[0] and "not an error" in caught[0]
+    assert len(run.steps) == N and run.complete and run.meta["stopped_by"] == "slice"
+    again = "tpkit stopped it again at its next training action (1 time); " if then == "trains-again" else ""
+    end = "the last stop ended the body" if then == "trains-again" else "the body then returned without the stop"
+    note = ("tpkit stopped the loop after the slice's last step with StopSlice (tpkit.errors.StopSlice), and the loop "
+            f"caught it and went on ({again}{end}): an except BaseException: or bare except:")
+    assert any(n.startswith(note) for n in run.meta["notes"]), run.meta["notes"]
+    assert any("tp.profile(stop=False)" in n for n in run.meta["notes"])
+
+
+def test_a_stop_that_propagates_is_not_said_to_be_caught():
+    """The stop unwinding through a ``finally`` and an ``except BaseException: ... raise`` is no
+    swallowed stop: no note."""
+    seen: list[str] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, progress=False, clock_hz=0) as prof:
+        try:
+            _train({})
+        except BaseException:
+            seen.append("re-raised")
+            raise
+    assert seen == ["re-raised"]
+    assert not any("caught it" in n for n in prof.run.meta["notes"]), prof.run.meta["notes"]

@@ -203,3 +203,48 @@ def test_warmup_auto_settles_where_nothing_filled_the_queue(workers, prefetch, b
     warmup = run.meta["warmup_steps"]
     assert warmup < 12, run.meta["notes"]
     assert f"warmup auto: ended after {warmup} steps (step times settled)" in run.meta["notes"]
+
+
+def test_a_validation_loaders_workers_shutting_down_after_a_break_are_the_evaluations():
+    """An evaluation every other step reads two batches of a 2-worker validation loader and
+    ``break``s out: the dropped iterator shuts its workers down inside the evaluation. That wait
+    is the evaluation's (``eval``), not training's ``data_wait``: it had been the next training
+    batch's (a plain loop's eval_s 0.400 s for 0.492 s by its clock, 0.087 s of shutdowns added to
+    data_wait; ignite's evaluator, which drops its iterator at the epoch's length, alike). A
+    training loader's own shutdown stays data_wait (the test above). Truth: the loop's clock
+    around each ``next()`` of the training loader and around the whole evaluation."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_size=8, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(truth.Regression(), batch_size=8, num_workers=2)
+    waits: list[float] = []
+    evaluated: list[float] = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="val-break", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(STEPS + WARMUP + 1):
+            t = time.perf_counter()
+            x, y = next(it)
+            waits.append(time.perf_counter() - t)
+            F.mse_loss(model(x), y).backward()
+            opt.step()  # the slice ends inside the last
+            opt.zero_grad()
+            if step % 2 == 1:
+                t = time.perf_counter()
+                model.eval()
+                with torch.no_grad():
+                    for j, (vx, _) in enumerate(val):
+                        model(vx)
+                        if j == 1:
+                            break  # its workers shut down here
+                model.train()
+                evaluated.append(time.perf_counter() - t)
+    run = prof.run
+    shutdowns = run.spans[run.spans["source"] == "DataLoader._shutdown_workers"]
+    assert len(shutdowns) == len(evaluated) and set(shutdowns["phase"]) == {"eval"}, shutdowns
+    got = run.steps["data_wait_s"].tolist()
+    assert len(got) == STEPS + WARMUP
+    for step, (g, w) in enumerate(zip(got, waits)):
+        assert abs(g - w) <= TOLERANCE * w + 0.002, f"step {step}: data_wait {g * 1e3:.1f} ms, truth {w * 1e3:.1f} ms"
+    eval_s, want = float(run.steps["eval_s"].sum()), sum(evaluated)
+    assert abs(eval_s - want) <= TOLERANCE * want, f"eval {eval_s * 1e3:.1f} ms, truth {want * 1e3:.1f} ms"

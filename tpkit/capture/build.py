@@ -125,7 +125,8 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # evaluation inside the slice: its calls and waits are ``eval``, its samples not the steps'
     ev = evaluation.split(raw_spans, rec.handouts, rec.no_grad_calls, rec.trained_modules,
                           rec.param_free_modules, past, rows=len(rec.step_ends), sources=rec.handout_sources,
-                          train_mode_calls=rec.no_grad_train_calls, step_ends=[e for e, _ in rec.step_ends])
+                          train_mode_calls=rec.no_grad_train_calls, step_ends=[e for e, _ in rec.step_ends],
+                          shutdowns=rec.shutdowns)
     relabel = evaluation.relabel_span if ev else (lambda _ev, phase, _s, _e: phase)
     spans = frame("spans", [
         (step - warmup_steps, relabel(ev, phase, s, e), at(s, sev), at(e, eev), 0.0, depth, source)

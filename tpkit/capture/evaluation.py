@@ -148,7 +148,7 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
           param_free: set[int], past: int, rows: int | None = None,
           sources: list[int] | None = None, train_mode_calls: list[int] | None = None,
-          step_ends: list[int] | None = None) -> EvalSplit:
+          step_ends: list[int] | None = None, shutdowns: list[int] | None = None) -> EvalSplit:
     """What was evaluation: ``spans`` as ``Recorder.spans`` gives them, the flat lists and sets of
     the Recorder (see the module's docstring); raw steps from ``past`` on are not the slice's, and
     what is counted (``describe``) stops at ``rows`` (the steps that have a row: a loop that ended
@@ -156,7 +156,8 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     the iterator it came from (``Recorder.handout_sources``; 0 or None: not known).
     ``train_mode_calls``: the calls without grad in train mode (``Recorder.no_grad_train_calls``),
     flat as ``no_grad_calls``. ``step_ends``: when each step ended (``Recorder.step_ends``' times):
-    without them an evaluation's time after its last call is not told (``_tails``)."""
+    without them an evaluation's time after its last call is not told (``_tails``). ``shutdowns``:
+    a DataLoader's workers shut down where its iterator was dropped (``Recorder.shutdowns``)."""
     rows = past if rows is None else min(rows, past)
     out = EvalSplit(rows=rows)
     whole = [s for s in spans if s[0] == EVAL and s[5] < past]  # a trainer's evaluate(), as one span
@@ -272,12 +273,28 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     out.glue, out.unseen_glue = _glue(out, recorded, spans, others, training_batches, in_range, eval_data)
     out.tails, out.unseen_tails = _tails(out, recorded, spans, others, training_batches, in_range, eval_data,
                                          step_ends or [])
+    # a loader's workers shut down where its iterator is dropped belong to its own last batch
+    # before (a validation loader dropped at its epoch's length, as ignite's evaluator does, or
+    # left by ``break``: they had been the next training batch's data_wait)
+    shut = dict(zip(shutdowns[0::2], shutdowns[1::2])) if shutdowns and known else {}
+    by_source: dict[int, tuple[list[int], list[int]]] = {}  # source -> (its batches' times, their indexes)
+    for k, source in enumerate(known[:len(times)] if shut else []):
+        at, ks = by_source.setdefault(source, ([], []))
+        at.append(times[k])
+        ks.append(k)
     # a wait belongs to the first batch handed out at or after its end (a loader that reads one
     # ahead, as accelerate's does, hands the previous batch right after each read); one with no
     # batch after it (the evaluation's loader ran out at the slice's last evaluation) to the last
     for s in spans:
         if s[0] != "data_wait":
             continue
+        if s[1] in shut:
+            at, ks = by_source.get(shut[s[1]], ([], []))
+            i = bisect.bisect_right(at, s[1]) - 1
+            if i >= 0:
+                if in_range(s[1]) or eval_batch[ks[i]]:
+                    out.waits.add((s[1], s[2]))
+                continue
         k = min(bisect.bisect_left(times, s[2]), len(times) - 1)
         if in_range(s[1]) or (k >= 0 and eval_batch[k]):
             out.waits.add((s[1], s[2]))

@@ -23,9 +23,11 @@ Hooks for other probes:
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import weakref
 from time import perf_counter_ns
+from types import FrameType
 from typing import Any, Callable
 
 PhaseListener = Callable[[str, str, int], None]
@@ -35,6 +37,35 @@ _ACTIVE: "Recorder | None" = None
 
 #: Values per span in the Recorder's flat span log.
 SPAN_FIELDS = 8
+
+#: The note of a stop at a new pass over the loader of the last step's batch, read with grad while
+#: the trained model was in eval mode (``Recorder.stop_before_read``): that pass is the next
+#: epoch's as far as tpkit can tell, but it may have been an evaluation over the training loader.
+EVAL_MODE_STOP = ("the loop was stopped where it began a new pass over the loader of its last step's batch, with grad "
+                  "enabled, while the trained model was in eval mode: if that pass was an evaluation over the "
+                  "training loader (model.eval(), then for batch in train_loader), it was cut at its "
+                  "first batch and did not run; run such an evaluation under torch.no_grad() for it to run whole, or "
+                  "profile with stop=False")
+#: The note of such a stop at the read of an ignite Engine run from inside another Engine's run
+#: (``_nested_engine_run``): an evaluator's, whose step calls ``model.eval()`` after its read.
+NESTED_ENGINE_STOP = ("the loop was stopped where an ignite Engine run from inside another Engine's run (an evaluator "
+                      "run from a handler, as train_evaluator.run(train_loader) at EPOCH_COMPLETED) began a pass over "
+                      "the loader of the last step's batch, with grad enabled: that evaluation was cut at its first "
+                      "batch and did not run; run it under torch.no_grad() (with torch.no_grad(): "
+                      "train_evaluator.run(train_loader)) for it to run whole, or profile with stop=False")
+
+
+def _nested_engine_run(max_frames: int = 256) -> bool:
+    """Whether the calling thread is inside the runs of two ignite Engines, one started from
+    inside the other's (an evaluator run from a trainer's handler). Read once, at the stop."""
+    engines: set[int] = set()
+    f: FrameType | None = sys._getframe(1)
+    n = 0
+    while f is not None and n < max_frames:
+        if f.f_code.co_name == "_internal_run" and "ignite" in f.f_code.co_filename:
+            engines.add(id(f.f_locals.get("self")))
+        f, n = f.f_back, n + 1
+    return len(engines) > 1
 
 
 def active() -> "Recorder | None":
@@ -130,6 +161,9 @@ class Recorder:
         self.handout_sources: list[int] = []
         self.handout_ids: list[int] = []  # per handout: batches.identity of its leading tensor (0: none)
         self.restarts: list[int] = []  # a DataLoader's iter(), flat: (start_ns, its loader_key)
+        # a DataLoader's workers shut down where its iterator was dropped, flat: (the start_ns of
+        # that data_wait span, its loader_key): an evaluation loader's is eval (capture/evaluation.py)
+        self.shutdowns: list[int] = []
         # a torch DataLoader's settings, by its loader_key, as its latest iter() in the slice saw
         # them (capture/slice.py: queue_drain; capture/build.py: meta['torch_loader'])
         self.loader_settings: dict[int, dict[str, Any]] = {}
@@ -281,6 +315,10 @@ class Recorder:
                 return False
         return True
 
+    def opened_at(self, token: int) -> int:
+        """The start (ns) of the span opened with ``token``, still open."""
+        return int(self._stack[token][1])
+
     def is_open(self, phase: str) -> bool:
         return self._open.get(phase, 0) > 0
 
@@ -353,7 +391,7 @@ class Recorder:
             self.key_alias[key], self._next_alias = self._next_alias, self._next_alias - 1
         return self.key_alias.get(key, key)
 
-    def stop_before_read(self, *sources: int, dataset: int | None = None) -> None:
+    def stop_before_read(self, *sources: int, dataset: int | None = None, epoch_start: bool = False) -> None:
         """The loop's thread is about to read a batch from ``sources`` (keys of an iterator and
         of the loader it reads; ``dataset``: a torch DataLoader's Dataset's id): where the slice
         is full and the slice's training batches came from one of them, the loop stops here,
@@ -363,13 +401,21 @@ class Recorder:
         samplers, a train-accuracy pass) goes on, and so does one without grad (under
         ``torch.no_grad()`` or ``inference_mode``): an evaluation with the Dataset's id for its
         source had stopped the loop after its ``model.eval()`` and before its ``model.train()``;
-        a loop that ended by itself runs such a read on."""
+        a loop that ended by itself runs such a read on. ``epoch_start``: the read begins a pass
+        over the loader (its ``iter()``): one of the last step's loader in eval mode may be an
+        evaluation over the training loader, cut at its first batch: the run says so (ignite's
+        ``train_evaluator.run(train_loader)`` reads before its step's ``model.eval()``, in train
+        mode: nothing tells that read from the next epoch's, README "How the loop is stopped")."""
         import torch  # (loaded: the loop reads through torch's or tpkit's loader)
 
         if (self.stop_pending is None or threading.get_ident() != self.thread_id
                 or not torch.is_grad_enabled()):
             return
         if any(s in self.last_sources for s in sources):
+            if epoch_start and self._evaluating():
+                self.note(EVAL_MODE_STOP)
+            elif epoch_start and _nested_engine_run():
+                self.note(NESTED_ENGINE_STOP)
             self.stop_pending()  # the loader of the last step's batch: the next iteration's read
         elif (any(s in self.training_sources for s in sources) or (
                 dataset is not None and dataset in self.training_datasets
@@ -384,9 +430,12 @@ class Recorder:
         stops at its next read of the last step's loader, as the loop stopped by ``break`` is
         left (it had been stopped inside the evaluation, the model left in eval mode). A read of
         the last step's loader always stops the loop, in eval mode too (a loop calling
-        ``model.train()`` at its top, or training in eval mode). Asked only while a stop is
-        pending."""
-        trained = [m for m in self.models.live() if id(m) in self.trained_modules]
+        ``model.train()`` at its top, or training in eval mode). A module without parameters (a
+        loss module such as ``nn.CrossEntropyLoss()``, called with grad in train mode and never
+        put in eval mode) is none of them: it had kept every loop with one from reading as
+        evaluating. Asked only while a stop is pending."""
+        trained = [m for m in self.models.live()
+                   if id(m) in self.trained_modules and next(m.parameters(), None) is not None]
         return bool(trained) and not any(getattr(m, "training", True) for m in trained)
 
     # -- other tables ---------------------------------------------------------------------

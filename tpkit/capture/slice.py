@@ -156,6 +156,11 @@ class Profile:
         self._own: list[float] = []
         self._ends: list[int] = []
         self._spans_read = 0
+        # StopSlice raised into the loop, and of them those raised after the loop had caught the
+        # one before and gone on (an ``except BaseException:``, ignite's EXCEPTION_RAISED handler
+        # that does not re-raise): ``_count_stop``, ``_swallowed_note``
+        self._stops_after_caught = 0
+        self._last_stop: StopSlice | None = None
         self.warmup_steps: int | None = config.warmup if config.warmup != "auto" else None
         self.on_step: list[Callable[[int], None]] = []  # extra callbacks (e.g. the tuner's bar)
 
@@ -464,7 +469,7 @@ class Profile:
                 return
             self._stopping()
             return
-        raise StopSlice()
+        raise self._count_stop()
 
     def _stopping(self) -> None:
         """A plain loop's slice is full, inside its last ``optimizer.step()`` (or ``tp.step()``):
@@ -500,7 +505,18 @@ class Profile:
                      "inputs) before its next step, where stopping it would leave the ranks that joined waiting: "
                      "it ran on to its end, no longer profiled")
             return
-        raise StopSlice()
+        raise self._count_stop()
+
+    def _count_stop(self) -> StopSlice:
+        """The StopSlice to raise into the loop now: one raised while none is being handled, after
+        an earlier one the loop's code caught (not tpkit's magic: ``StopSlice.handled_by_tpkit``),
+        means the loop went on (its next training action stops it again, as ``stop_pending``
+        stays set)."""
+        last = self._last_stop
+        if last is not None and not last.handled_by_tpkit and not isinstance(sys.exc_info()[1], StopSlice):
+            self._stops_after_caught += 1
+        self._last_stop = StopSlice()
+        return self._last_stop
 
     def _after_stopped_run(self) -> None:
         """What the slice left running at its end has returned (the trainer run it stopped
@@ -566,6 +582,9 @@ class Profile:
             else:
                 rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
                          "the Run holds what was recorded")
+        returned = exc is None and self._last_stop is not None and not self._last_stop.handled_by_tpkit
+        if returned or self._stops_after_caught:
+            rec.note(self._swallowed_note("returned" if returned else "stopped" if isinstance(exc, StopSlice) else ""))
         if done == 0 and self._started and not any(isinstance(p, PhaseProbe) and p.says_why_no_step()
                                                    for p in self._removed):
             rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
@@ -607,6 +626,23 @@ class Profile:
 
         autosave(self.run)  # never raises; a failure is noted on the run
         _LAST_RUN = self.run
+
+    def _swallowed_note(self, end: str) -> str:
+        """The note of a stop the loop caught and did not re-raise (``_count_stop``): the Run
+        had read ``stopped_by=slice``, complete, with no word, while an ignite handler on
+        ``Events.EXCEPTION_RAISED`` had saved an "interrupted" checkpoint and the code after
+        ``trainer.run`` had run."""
+        again = self._stops_after_caught
+        what = [f"tpkit stopped it again at its next training action ({again} time{'s' if again > 1 else ''})"
+                ] if again else []
+        if end:  # "returned": the body returned after a stop; "stopped": the last one ended it
+            what.append("the body then returned without the stop" if end == "returned" else "the last stop ended the body")
+        return (f"tpkit stopped the loop after the slice's last step with StopSlice (tpkit.errors.StopSlice), and "
+                f"the loop caught it and went on ({'; '.join(what)}): an except BaseException: or bare except:, or a framework's "
+                "handler that does not re-raise (ignite's Events.EXCEPTION_RAISED), swallowed the stop, and the code "
+                "after it ran as if training had ended or failed (a checkpoint saved as interrupted, a final "
+                "evaluation). The Run holds the slice's steps as recorded; re-raise BaseException (or StopSlice) in "
+                "such handlers, or profile with tp.profile(stop=False) to let the loop run to its end")
 
 
 # raised from a wrapper dynamo runs at a graph break (a backward in a step compiled whole): no frame

@@ -348,12 +348,16 @@ def _stop_not_shown(shell: Any) -> Iterator[None]:
 
     def handler(etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> Any:
         if issubclass(etype, StopSlice):
+            if isinstance(value, StopSlice):
+                value.handled_by_tpkit = True  # no stop the loop swallowed
             return None  # the inner run_cell ends there, as the loop does: nothing to show
         return handler_before(etype, value, tb, tb_offset=tb_offset)
 
     def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
-        etype = (exc_tuple or sys.exc_info())[0]
+        etype, value = (exc_tuple or sys.exc_info())[:2]
         if isinstance(etype, type) and issubclass(etype, StopSlice):
+            if isinstance(value, StopSlice):
+                value.handled_by_tpkit = True  # no stop the loop swallowed
             return None
         return show(exc_tuple, *args, **kwargs)
 
