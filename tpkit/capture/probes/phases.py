@@ -274,6 +274,9 @@ class PhaseProbe:
         # Lookahead's base) -> the wrapper's type: not counted in ``_run_optimizers`` (ZeRO(Adam) had read
         # "2 optimizers stepped"); one that then steps on its own moves there
         self.inner_optimizers: dict[int, str] = {}
+        # the lead stepped inside the step() now running (not its closure): that optimizer wraps it
+        # (``_wraps_lead``)
+        self._lead_inside = False
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self._most_in_past_runs = 0  # the most optimizers that stepped in one trainer run before this one
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
@@ -812,6 +815,8 @@ class PhaseProbe:
                     self._set_lead(opt)
         if not self._opt_tokens:
             self._closure_evals = 0
+        elif inner and key == self.lead_optimizer:
+            self._lead_inside = True
         self._opt_tokens.append((self.rec.enter("optimizer", source), source))
         # A closure (LBFGS, Lightning's automatic optimization) runs the loop's forward and
         # backward inside step(): it is wrapped so that its time is theirs, not the optimizer's.
@@ -870,11 +875,17 @@ class PhaseProbe:
         self._opt_posts += 1
         self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
         own_batch = False  # a batch handed out since the last step() of any optimizer (stepping on its own)
+        lead_inside = False
         if not self._opt_tokens:
             handouts = len(self.rec.handouts)
             own_batch, self._opt_handouts = handouts > self._opt_handouts, handouts
+            lead_inside, self._lead_inside = self._lead_inside, False
         if id(opt) != self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
-            change = self._replaces_lead(opt)
+            change = None
+            if lead_inside:
+                self._wraps_lead(opt)
+            else:
+                change = self._replaces_lead(opt)
             if change is not None:
                 self.lead_changes.append(change)
                 old = self._lead_ref() if self._lead_ref is not None else None
@@ -912,6 +923,23 @@ class PhaseProbe:
         self._lead_sharers = weakref.WeakSet()
         self._sharer_at = None
         self._rival_at = weakref.WeakKeyDictionary()
+
+    def _wraps_lead(self, opt: torch.optim.Optimizer) -> None:
+        """``opt``'s step() stepped the lead inside it: ``opt`` wraps it (Lookahead, ZeRO), so it is the
+        loop's one optimizer, and it ends the steps from this step() on, this one included; the lead
+        it wraps is its inner optimizer, no second one and no lead change for the notes.
+
+        The lead had stepped on its own before: torch hooks a class's step() in
+        ``Optimizer.__init__`` or at the first ``zero_grad()``, and a wrapper that skips
+        ``Optimizer.__init__`` (timm's Lookahead) steps unhooked until its first ``zero_grad()``,
+        so the step() inside it had looked like one standing alone and took the lead. Told as a
+        new optimizer replacing it (``_replaces_lead``, at its second step()), the wrapper's first
+        step() had ended no step: the slice's second step held two iterations (8 samples for 4,
+        the two losses summed), and only in the first profile of a process (the hook stays)."""
+        self._run_optimizers.discard(self.lead_optimizer or 0)
+        self.inner_optimizers[self.lead_optimizer or 0] = type(opt).__name__
+        self.rec.optimizer_count = len(self._run_optimizers)
+        self._set_lead(opt)
 
     def _replaces_lead(self, opt: torch.optim.Optimizer) -> _LeadChange | None:
         """Whether ``opt``, another optimizer than the lead, stepping on its own (not inside another's
