@@ -23,7 +23,8 @@ What is hooked, and why this way:
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
 - save: ``torch.save`` and the frameworks' checkpoint writers (``SAVERS``); eval: a trainer's whole
   evaluation (``EVALUATORS``), besides the evaluation calls told apart after the slice; weight
-  averaging (``AveragedModel.update_parameters``, ``AVERAGERS``) is optimizer time. The frameworks'
+  averaging (``AveragedModel.update_parameters``, diffusers' and timm's EMA, ``AVERAGERS``: a module
+  imported inside the slice patched at the step's end) is optimizer time. The frameworks'
   methods wrapped (these tables and the others) are listed, each with why, in ``hook_places.py``.
 
 Every hook ignores calls from threads other than the loop's (a loader thread running a
@@ -277,6 +278,9 @@ class PhaseProbe:
         # the lead stepped inside the step() now running (not its closure): that optimizer wraps it
         # (``_wraps_lead``)
         self._lead_inside = False
+        # the AVERAGERS whose module was not imported yet, and len(sys.modules) when that was looked at
+        self._averagers_left: tuple[tuple[str, str, str], ...] = AVERAGERS
+        self._modules_seen = 0
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self._most_in_past_runs = 0  # the most optimizers that stepped in one trainer run before this one
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
@@ -393,9 +397,10 @@ class PhaseProbe:
             self._patched.set(torch, "load", self._wrap_whole(torch.load, FILE_LOAD, "torch.load"))
             self._patch_each(FILE_LOADERS, lambda fn, module, owner, attr:
                              self._wrap_whole(fn, FILE_LOAD, f"{module}.{attr}"))
-            for phase, places in (("save", SAVERS), ("eval", EVALUATORS), ("optimizer", AVERAGERS)):
+            for phase, places in (("save", SAVERS), ("eval", EVALUATORS)):
                 self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
                                  self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
+            self._patch_averagers()
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
@@ -1089,9 +1094,23 @@ class PhaseProbe:
             self._step_in_backward = None
             self._end_step(opt)
 
+    def _patch_averagers(self) -> None:
+        """Patch the ``AVERAGERS`` whose module is imported now (nothing is imported here): ``optimizer``
+        spans. Called at install and at each step's end where a module was imported since (a length
+        compared, a step): a loop importing its EMA class inside the slice (``from diffusers.training_utils
+        import EMAModel`` in its training function) had its updates read other."""
+        self._modules_seen = len(sys.modules)
+        now = tuple(p for p in self._averagers_left if p[0] in sys.modules)
+        if now:
+            self._averagers_left = tuple(p for p in self._averagers_left if p[0] not in sys.modules)
+            self._patch_each(now, lambda fn, module, owner, attr:
+                             self._wrap_whole(fn, "optimizer", f"{owner or module}.{attr}"))
+
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
         self._worked = False
+        if self._averagers_left and len(sys.modules) != self._modules_seen:
+            self._patch_averagers()
         self._versions_at_backward = None
         if not rec.framework_looked:
             rec.framework_looked = True
