@@ -12,6 +12,7 @@ Truth: the losses the loop itself computed, and its clocks.
 
 from __future__ import annotations
 
+import collections
 import gc
 import time
 from collections import defaultdict
@@ -630,6 +631,86 @@ class Lookahead(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base_optimizer.zero_grad(set_to_none)
+
+
+def _unhooked_lookahead() -> type:
+    """A Lookahead written as timm's is (timm/optim/lookahead.py): it skips ``Optimizer.__init__`` on
+    purpose, so torch hooks its step() only at its first ``zero_grad()``. Made anew per call: torch
+    marks the class hooked for good once it did."""
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, base_optimizer: torch.optim.Optimizer, alpha: float = 0.5, k: int = 3) -> None:
+            # NOTE super().__init__() not called on purpose, as timm's
+            self._optimizer_step_pre_hooks: dict = collections.OrderedDict()
+            self._optimizer_step_post_hooks: dict = collections.OrderedDict()
+            defaults = dict(lookahead_alpha=alpha, lookahead_k=k, lookahead_step=0)
+            self._base_optimizer = base_optimizer
+            self.param_groups = base_optimizer.param_groups
+            self.defaults = base_optimizer.defaults
+            self.defaults.update(defaults)
+            self.state: dict = defaultdict(dict)
+            for name, default in defaults.items():
+                for group in self._base_optimizer.param_groups:
+                    group.setdefault(name, default)
+
+        @torch.no_grad()
+        def update_slow(self, group: dict) -> None:
+            for fast_p in group["params"]:
+                if fast_p.grad is None:
+                    continue
+                param_state = self._base_optimizer.state[fast_p]
+                if "lookahead_slow_buff" not in param_state:
+                    param_state["lookahead_slow_buff"] = torch.empty_like(fast_p)
+                    param_state["lookahead_slow_buff"].copy_(fast_p)
+                slow = param_state["lookahead_slow_buff"]
+                slow.add_(fast_p - slow, alpha=group["lookahead_alpha"])
+                fast_p.copy_(slow)
+
+        @torch.no_grad()
+        def step(self, closure=None):  # type: ignore[override]
+            loss = self._base_optimizer.step(closure)
+            for group in self._base_optimizer.param_groups:
+                group["lookahead_step"] += 1
+                if group["lookahead_step"] % group["lookahead_k"] == 0:
+                    self.update_slow(group)
+            return loss
+
+    return Lookahead
+
+
+@pytest.mark.parametrize("zero_grad_first", [False, True])
+def test_a_wrapper_whose_step_torch_hooks_late_ends_every_step(zero_grad_first):
+    """timm's Lookahead skips ``Optimizer.__init__``: torch hooks its step() at its first
+    ``zero_grad()``, so in a loop that zeroes after stepping the first update's inner step() looks
+    like one standing alone. Every iteration is still one step, with the loop's samples and loss,
+    one optimizer, ``Lookahead(SleepySGD)``, and no note of a new optimizer: the wrapper's second
+    step() had merged two iterations (samples 4, 8, 4..., the two losses summed, a note that the
+    inner optimizer "stepped no more"), only in a process's first profile (the hook stays).
+    ``zero_grad()`` before the first step() hooks it in time: read right before too."""
+    lookahead = _unhooked_lookahead()
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = lookahead(truth.SleepySGD(model.parameters(), lr=0.01))
+    batches = iter(torch.utils.data.DataLoader(truth.Regression(), batch_size=4))
+    losses = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="late-hooked", progress=False, clock_hz=0) as prof:
+        for _ in range(N + 1):
+            x, y = next(batches)
+            if zero_grad_first:
+                opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()  # the slice ends inside the last
+            if not zero_grad_first:
+                opt.zero_grad()
+            losses.append(loss.item())
+    run = prof.run
+    assert len(losses) == N  # the loop's updates: one per step
+    assert len(run.steps) == N
+    assert run.steps["samples"].tolist() == [4] * N
+    truth.assert_losses(run.steps["loss"].tolist(), losses)
+    assert run.meta["optimizers"] == ["Lookahead(SleepySGD)"]
+    assert not any("new optimizer" in n or "optimizers stepped" in n for n in run.meta["notes"]), run.meta["notes"]
 
 
 @pytest.mark.parametrize("wrapper", ["lookahead", "zero_redundancy"])

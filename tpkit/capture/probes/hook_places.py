@@ -55,8 +55,17 @@ FILE_LOADERS: tuple[tuple[str, str, str], ...] = (
 #: (an EMA or SWA copy of the weights updated each step had been ``other``, and a loop averaging
 #: every step read OVERHEAD-BOUND 45%, "Python between phases"). Inside a step's post hook it is
 #: the optimizer's already.
+#: The modules need not be imported before the slice: one imported inside it (a training function that
+#: imports its EMA class) is patched at the end of the step it was imported in (``PhaseProbe._patch_averagers``).
 AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
+    # the other libraries' EMA copies, updated by the loop after each step: diffusers' EMAModel.step
+    # had read other (0.115 s of other's 0.133 s in a 0.244 s slice: OVERHEAD-BOUND 54%, "log and
+    # compute metrics less often"), and timm's ModelEma* update alike
+    ("diffusers.training_utils", "EMAModel", "step"),
+    ("timm.utils.model_ema", "ModelEma", "update"),
+    ("timm.utils.model_ema", "ModelEmaV2", "update"),
+    ("timm.utils.model_ema", "ModelEmaV3", "update"),
     # gradient clipping, part of the update: the gradients' norm over every parameter (it had
     # been other, "Python between phases"; inside Lightning's closure it still was, and a
     # Trainer's clipping with it). Called by these names by HF's Trainer, accelerate, Lightning.
@@ -66,6 +75,12 @@ AVERAGERS: tuple[tuple[str, str, str], ...] = (
     # clip_grad_norm_ by name before the slice (from torch.nn.utils import ...) calls them too
     ("torch.nn.utils.clip_grad", "", "_get_total_norm"),
     ("torch.nn.utils.clip_grad", "", "_clip_grads_with_norm_"),
+    # timm's adaptive gradient clipping (clip_mode="agc"), as clip_grad_norm_: its own module's, the
+    # name timm's dispatch_clip_grad (its scalers, train.py) looks up in its module at each call, and
+    # the package's (its time had been other: other 0.915 s in a loop whose clip clock read 0.776 s)
+    ("timm.utils.agc", "", "adaptive_clip_grad"),
+    ("timm.utils.clip_grad", "", "adaptive_clip_grad"),
+    ("timm.utils", "", "adaptive_clip_grad"),
     # Lightning's call of the module's configure_gradient_clipping hook, whole (in its closure,
     # after backward): an override's own work had been other (81 of 233 ms read optimizer)
     ("lightning.pytorch.plugins.precision.precision", "Precision", "_clip_gradients"),

@@ -23,7 +23,8 @@ What is hooked, and why this way:
 - h2d: ``Tensor.to`` / ``Tensor.cuda`` when the tensor leaves the host.
 - save: ``torch.save`` and the frameworks' checkpoint writers (``SAVERS``); eval: a trainer's whole
   evaluation (``EVALUATORS``), besides the evaluation calls told apart after the slice; weight
-  averaging (``AveragedModel.update_parameters``, ``AVERAGERS``) is optimizer time. The frameworks'
+  averaging (``AveragedModel.update_parameters``, diffusers' and timm's EMA, ``AVERAGERS``: a module
+  imported inside the slice patched at the step's end) is optimizer time. The frameworks'
   methods wrapped (these tables and the others) are listed, each with why, in ``hook_places.py``.
 
 Every hook ignores calls from threads other than the loop's (a loader thread running a
@@ -275,6 +276,12 @@ class PhaseProbe:
         # Lookahead's base) -> the wrapper's type: not counted in ``_run_optimizers`` (ZeRO(Adam) had read
         # "2 optimizers stepped"); one that then steps on its own moves there
         self.inner_optimizers: dict[int, str] = {}
+        # the lead stepped inside the step() now running (not its closure): that optimizer wraps it
+        # (``_wraps_lead``)
+        self._lead_inside = False
+        # the AVERAGERS whose module was not imported yet, and len(sys.modules) when that was looked at
+        self._averagers_left: tuple[tuple[str, str, str], ...] = AVERAGERS
+        self._modules_seen = 0
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self._most_in_past_runs = 0  # the most optimizers that stepped in one trainer run before this one
         self.trainer_runs = 0  # runs of a trainer that stepped and ended before the slice was full
@@ -392,9 +399,10 @@ class PhaseProbe:
             self._patch_each(FILE_LOADERS, lambda fn, module, owner, attr:
                              self._wrap_whole(fn, FILE_LOAD, f"{module}.{attr}"))
             self._patch_each(TRACERS, lambda fn, module, owner, attr: self._wrap_trace(fn, f"torch.jit.{attr}"))
-            for phase, places in (("save", SAVERS), ("eval", EVALUATORS), ("optimizer", AVERAGERS)):
+            for phase, places in (("save", SAVERS), ("eval", EVALUATORS)):
                 self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
                                  self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
+            self._patch_averagers()
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
@@ -814,6 +822,8 @@ class PhaseProbe:
                     self._set_lead(opt)
         if not self._opt_tokens:
             self._closure_evals = 0
+        elif inner and key == self.lead_optimizer:
+            self._lead_inside = True
         self._opt_tokens.append((self.rec.enter("optimizer", source), source))
         # A closure (LBFGS, Lightning's automatic optimization) runs the loop's forward and
         # backward inside step(): it is wrapped so that its time is theirs, not the optimizer's.
@@ -872,11 +882,17 @@ class PhaseProbe:
         self._opt_posts += 1
         self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
         own_batch = False  # a batch handed out since the last step() of any optimizer (stepping on its own)
+        lead_inside = False
         if not self._opt_tokens:
             handouts = len(self.rec.handouts)
             own_batch, self._opt_handouts = handouts > self._opt_handouts, handouts
+            lead_inside, self._lead_inside = self._lead_inside, False
         if id(opt) != self.lead_optimizer and not self._opt_tokens and not self.rec.explicit_steps:
-            change = self._replaces_lead(opt)
+            change = None
+            if lead_inside:
+                self._wraps_lead(opt)
+            else:
+                change = self._replaces_lead(opt)
             if change is not None:
                 self.lead_changes.append(change)
                 old = self._lead_ref() if self._lead_ref is not None else None
@@ -914,6 +930,23 @@ class PhaseProbe:
         self._lead_sharers = weakref.WeakSet()
         self._sharer_at = None
         self._rival_at = weakref.WeakKeyDictionary()
+
+    def _wraps_lead(self, opt: torch.optim.Optimizer) -> None:
+        """``opt``'s step() stepped the lead inside it: ``opt`` wraps it (Lookahead, ZeRO), so it is the
+        loop's one optimizer, and it ends the steps from this step() on, this one included; the lead
+        it wraps is its inner optimizer, no second one and no lead change for the notes.
+
+        The lead had stepped on its own before: torch hooks a class's step() in
+        ``Optimizer.__init__`` or at the first ``zero_grad()``, and a wrapper that skips
+        ``Optimizer.__init__`` (timm's Lookahead) steps unhooked until its first ``zero_grad()``,
+        so the step() inside it had looked like one standing alone and took the lead. Told as a
+        new optimizer replacing it (``_replaces_lead``, at its second step()), the wrapper's first
+        step() had ended no step: the slice's second step held two iterations (8 samples for 4,
+        the two losses summed), and only in the first profile of a process (the hook stays)."""
+        self._run_optimizers.discard(self.lead_optimizer or 0)
+        self.inner_optimizers[self.lead_optimizer or 0] = type(opt).__name__
+        self.rec.optimizer_count = len(self._run_optimizers)
+        self._set_lead(opt)
 
     def _replaces_lead(self, opt: torch.optim.Optimizer) -> _LeadChange | None:
         """Whether ``opt``, another optimizer than the lead, stepping on its own (not inside another's
@@ -1063,9 +1096,23 @@ class PhaseProbe:
             self._step_in_backward = None
             self._end_step(opt)
 
+    def _patch_averagers(self) -> None:
+        """Patch the ``AVERAGERS`` whose module is imported now (nothing is imported here): ``optimizer``
+        spans. Called at install and at each step's end where a module was imported since (a length
+        compared, a step): a loop importing its EMA class inside the slice (``from diffusers.training_utils
+        import EMAModel`` in its training function) had its updates read other."""
+        self._modules_seen = len(sys.modules)
+        now = tuple(p for p in self._averagers_left if p[0] in sys.modules)
+        if now:
+            self._averagers_left = tuple(p for p in self._averagers_left if p[0] not in sys.modules)
+            self._patch_each(now, lambda fn, module, owner, attr:
+                             self._wrap_whole(fn, "optimizer", f"{owner or module}.{attr}"))
+
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
         self._worked = False
+        if self._averagers_left and len(sys.modules) != self._modules_seen:
+            self._patch_averagers()
         self._versions_at_backward = None
         if not rec.framework_looked:
             rec.framework_looked = True
