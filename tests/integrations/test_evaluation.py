@@ -734,14 +734,15 @@ def test_an_evaluations_metric_compute_after_its_last_call_is_eval(where):
 UPLOAD_S = 0.050
 
 
-@pytest.mark.parametrize("after", ["tp.phase", "torch.save"])
+@pytest.mark.parametrize("after", ["tp.phase", "torch.save", "torch.jit.trace"])
 def test_the_loops_own_work_after_an_evaluation_ends_its_tail(after):
     """After ``evaluate()`` (two validation batches, its metric's compute, ``model.train()``) the
     loop does work of its own before the next step: a tracker upload inside
     ``tp.phase("upload")``, as the notes advise, or a checkpoint ``torch.save`` followed by an
-    unwrapped upload. That work ends the evaluation's tail (a user's phase around each of its
-    batches, closing right after its last call, does not: the compute after it is eval): the user's phase keeps its time (the
-    tail had covered it, a user phase takes none from a built-in span: eval ~2x the evaluation's
+    unwrapped upload, or a ``torch.jit.trace`` (TensorBoard's ``add_graph``) followed by one. That
+    work ends the evaluation's tail (a user's phase around each of its batches, closing right
+    after its last call, does not: the compute after it is eval): the user's phase keeps its time
+    (the tail had covered it, a user phase takes none from a built-in span: eval ~2x the evaluation's
     clock, and "upload" named nowhere), and after a save the loop's upload is other, not eval. A
     collection (``gc.collect()``) in the tail before it is cut out of the tail: the collector's,
     other. Truth: the loop's clock around ``evaluate()``, the upload's known sleep."""
@@ -787,8 +788,11 @@ def test_the_loops_own_work_after_an_evaluation_ends_its_tail(after):
                     if after == "tp.phase":
                         with tp.phase("upload"):
                             time.sleep(UPLOAD_S)
-                    else:
+                    elif after == "torch.save":
                         torch.save(model.state_dict(), io.BytesIO())
+                        time.sleep(UPLOAD_S)
+                    else:  # TensorBoard's add_graph traces a model
+                        torch.jit.trace(torch.nn.Linear(8, 1), torch.randn(2, 8))
                         time.sleep(UPLOAD_S)
                     clock["upload"] += time.perf_counter() - t
     finally:

@@ -85,7 +85,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..schema import FILE_LOAD, GC_PHASE, METRIC_CALL, USER_PHASE_SOURCE
+from ..schema import FILE_LOAD, GC_PHASE, JIT_TRACE, METRIC_CALL, USER_PHASE_SOURCE
 
 #: The phase evaluation is counted as (``run.steps.eval_s``).
 EVAL = "eval"
@@ -453,12 +453,12 @@ def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], oth
     range_starts = [a for a, _ in split_.ranges]
     calls = split_.calls
     # the loop's own work after the evaluation, which ends its tail: a user's phase opening
-    # (``tp.phase("upload")``), a save, a file read, a metric call that is not the evaluation's
-    # (a training metric); and a user's phase around the whole evaluation closing (one around
+    # (``tp.phase("upload")``), a save, a file read, a TorchScript trace (TensorBoard's add_graph),
+    # a metric call that is not the evaluation's (a training metric); and a user's phase around the whole evaluation closing (one around
     # each of its batches closes right after its last call: its metrics' compute stays the tail)
     user = sorted((s[2], s[1]) for s in spans if s[4] == USER_PHASE_SOURCE and s[0] != EVAL)  # (end, start)
     user_ends = [e for e, _ in user]
-    moved_on = sorted([a for _, a in user] + [s[1] for s in spans if s[0] in ("save", FILE_LOAD)
+    moved_on = sorted([a for _, a in user] + [s[1] for s in spans if s[0] in ("save", FILE_LOAD, JIT_TRACE)
                                               or (s[0] == METRIC_CALL and not split_.in_call(s[1]))])
     # the collector's pauses: cut out of a tail, they stay other (as ``analysis.steps.gc_pauses`` reads them)
     pauses = sorted((s[1], s[2]) for s in spans if s[0] == GC_PHASE and s[4] != USER_PHASE_SOURCE)
