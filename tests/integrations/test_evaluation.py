@@ -730,6 +730,91 @@ def test_an_evaluations_metric_compute_after_its_last_call_is_eval(where):
 
 
 
+#: What the loop's own work after an evaluation sleeps (a tracker upload, a log shipped).
+UPLOAD_S = 0.050
+
+
+@pytest.mark.parametrize("after", ["tp.phase", "torch.save", "torch.jit.trace"])
+def test_the_loops_own_work_after_an_evaluation_ends_its_tail(after):
+    """After ``evaluate()`` (two validation batches, its metric's compute, ``model.train()``) the
+    loop does work of its own before the next step: a tracker upload inside
+    ``tp.phase("upload")``, as the notes advise, or a checkpoint ``torch.save`` followed by an
+    unwrapped upload, or a ``torch.jit.trace`` (TensorBoard's ``add_graph``) followed by one. That
+    work ends the evaluation's tail (a user's phase around each of its batches, closing right
+    after its last call, does not: the compute after it is eval): the user's phase keeps its time
+    (the tail had covered it, a user phase takes none from a built-in span: eval ~2x the evaluation's
+    clock, and "upload" named nowhere), and after a save the loop's upload is other, not eval. A
+    collection (``gc.collect()``) in the tail before it is cut out of the tail: the collector's,
+    other. Truth: the loop's clock around ``evaluate()``, the upload's known sleep."""
+    import gc
+    import io
+
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = train_and_val()[0]
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
+                                      batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    clock: dict[str, float] = defaultdict(float)
+
+    def evaluate() -> None:
+        t = time.perf_counter()
+        model.eval()
+        losses = []
+        with torch.no_grad():
+            for vx, vy in val:
+                with tp.phase("val_batch"):  # closes right after the last call: the tail goes on
+                    losses.append(F.mse_loss(model(vx), vy))
+        time.sleep(0.02)  # the metric's compute(), after the last call
+        float(torch.stack(losses).mean())
+        model.train()
+        clock["eval"] += time.perf_counter() - t
+
+    evaluated = [s for s in range(N - 1) if s % EVERY == EVERY - 1]
+    gc.freeze()  # the process's objects out of the collections: each pause is of the containers below
+    young = [[] for _ in range(200_000)]  # a full collection walks these: a few ms
+    try:
+        with tp.profile(steps=STEPS, warmup=WARMUP, name="eval-then-upload", progress=False, clock_hz=0) as prof:
+            it = iter(train)
+            for step in range(N):
+                x, y = next(it)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if step in evaluated:
+                    evaluate()
+                    gc.collect()
+                    t = time.perf_counter()
+                    if after == "tp.phase":
+                        with tp.phase("upload"):
+                            time.sleep(UPLOAD_S)
+                    elif after == "torch.save":
+                        torch.save(model.state_dict(), io.BytesIO())
+                        time.sleep(UPLOAD_S)
+                    else:  # TensorBoard's add_graph traces a model
+                        torch.jit.trace(torch.nn.Linear(8, 1), torch.randn(2, 8))
+                        time.sleep(UPLOAD_S)
+                    clock["upload"] += time.perf_counter() - t
+    finally:
+        gc.unfreeze()
+        del young
+    run = prof.run
+    measured = [s - WARMUP for s in evaluated if s >= WARMUP - 1]  # an evaluation falls in the next step
+    assert run.meta["evaluation"]["batches"] == 2 * len(measured)
+    close(float(run.steps["eval_s"].sum()), clock["eval"], "eval (evaluate() whole)")
+    # the upload is the loop's own, outside every built-in phase (save's few ms aside)
+    assert float(run.steps["other_s"].sum()) >= 0.9 * UPLOAD_S * len(measured), run.steps["other_s"].tolist()
+    spans = run.spans
+    if after == "tp.phase":
+        close(float(spans.loc[spans["phase"] == "upload", "duration_s"].sum()), clock["upload"], "the user's phase")
+        assert "your phase 'upload'" in run.summary().to_text()
+    tails = spans[spans["source"] == "after an evaluation's last call"]
+    pauses = spans[spans["phase"] == "gc"]
+    assert len(tails) >= len(measured) and len(pauses) >= len(measured)
+    for p in pauses.itertuples():
+        assert not ((tails["start_s"] < p.end_s) & (tails["end_s"] > p.start_s)).any(), "a gc pause inside a tail"
+
+
 def unseen_batches(size: int = BATCH):
     """Training batches from a plain generator tpkit does not see (no loader, no ``tp.watch``)."""
     while True:

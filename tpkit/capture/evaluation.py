@@ -85,7 +85,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..schema import METRIC_CALL
+from ..schema import FILE_LOAD, GC_PHASE, JIT_TRACE, METRIC_CALL, USER_PHASE_SOURCE
 
 #: The phase evaluation is counted as (``run.steps.eval_s``).
 EVAL = "eval"
@@ -446,8 +446,13 @@ def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], oth
     (``step_ends``). It holds the evaluation's metric ``compute()``, the logging of its results and
     ``model.train()``: a loop's ``evaluate()`` of 357 ms by its clock had read eval_s 184 ms, its
     metrics' 170 ms of compute training's other, and the verdict "training alone would run up to
-    1.58x faster" for 3.48x. Phases that open inside it keep their time (a checkpoint saved after
-    the evaluation is ``save``).
+    1.58x faster" for 3.48x. The loop's own work ends it too: a user's ``tp.phase`` opening (a
+    tracker upload wrapped as the notes advise) or one around the whole evaluation closing, a
+    save, a file read, a metric call
+    that is not the evaluation's (an on_epoch_end callback after a validation, wrapped in
+    ``tp.phase("upload")``, had read eval 0.287 s for the validation's 0.084 s: the tail covered
+    the user's phase, which takes no time from a built-in span); the collector's pauses are cut
+    out of it (other, as elsewhere outside a phase).
 
     Counted only where the evaluation read a batch of evaluation data (``eval_data``) between the
     training work before its first call and its last call, as for the time between its calls
@@ -464,6 +469,16 @@ def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], oth
     wait_ends = [e for e, _ in waits]
     range_starts = [a for a, _ in split_.ranges]
     calls = split_.calls
+    # the loop's own work after the evaluation, which ends its tail: a user's phase opening
+    # (``tp.phase("upload")``), a save, a file read, a TorchScript trace (TensorBoard's add_graph),
+    # a metric call that is not the evaluation's (a training metric); and a user's phase around the whole evaluation closing (one around
+    # each of its batches closes right after its last call: its metrics' compute stays the tail)
+    user = sorted((s[2], s[1]) for s in spans if s[4] == USER_PHASE_SOURCE and s[0] != EVAL)  # (end, start)
+    user_ends = [e for e, _ in user]
+    moved_on = sorted([a for _, a in user] + [s[1] for s in spans if s[0] in ("save", FILE_LOAD, JIT_TRACE)
+                                              or (s[0] == METRIC_CALL and not split_.in_call(s[1]))])
+    # the collector's pauses: cut out of a tail, they stay other (as ``analysis.steps.gc_pauses`` reads them)
+    pauses = sorted((s[1], s[2]) for s in spans if s[0] == GC_PHASE and s[4] != USER_PHASE_SOURCE)
     tails: list[tuple[int, int, int]] = []
     unseen = 0
     i = 0
@@ -490,11 +505,25 @@ def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], oth
         r = bisect.bisect_right(range_starts, end)
         if r < len(range_starts):
             bound = min(bound, range_starts[r])
+        m = bisect.bisect_right(moved_on, end)
+        if m < len(moved_on):
+            bound = min(bound, moved_on[m])
+        u = bisect.bisect_right(user_ends, end)
+        while u < len(user) and user[u][0] < bound:
+            if user[u][1] <= first:  # opened before the evaluation's first call: around it
+                bound = user[u][0]
+                break
+            u += 1
         b = bisect.bisect_right(batches, end)
         if b < len(batches) and batches[b] <= bound:
             k = bisect.bisect_right(wait_ends, batches[b]) - 1  # the wait that handed it out
             if k >= 0 and wait_ends[k] > end:
                 bound = min(bound, max(end, waits[k][1]))
+        p = bisect.bisect_left(pauses, (end, -1))
+        while bound > end and p < len(pauses) and pauses[p][0] < bound:
+            if pauses[p][0] > end:
+                tails.append((end, pauses[p][0], step))
+            end, p = max(end, pauses[p][1]), p + 1
         if bound > end:
             tails.append((end, bound, step))
     return tails, unseen

@@ -1,5 +1,6 @@
 """Training frameworks seen running the slice: Hugging Face ``Trainer``, Lightning ``Trainer`` and
-Keras 3's ``Model.fit`` (its ``stop_training``, which its own early stopping sets).
+Keras 3's ``Model.fit`` (its ``stop_training``, which its own early stopping sets); and, for
+where an evaluation ends, pytorch-ignite's ``Engine`` and skorch's fit loop (``EVALUATING``).
 
 A slice inside ``trainer.train()`` / ``trainer.fit()`` ends through the framework's own stop
 instead of tpkit's ``StopSlice`` exception: its last step is logged and its end hooks run. HF:
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -169,6 +171,52 @@ def frame_self(f: FrameType) -> Any:
     if type(d) is dict and f.f_code.co_flags & _CO_OPTIMIZED and sys.getrefcount(d) <= 3:
         d.clear()
     return obj
+
+
+#: The generator (and pre-0.4.8 plain) method of an ignite Engine's run: a frame of one on the stack
+#: is an Engine running.
+_IGNITE_RUNNING = frozenset({"_internal_run_as_gen", "_internal_run_legacy"})
+
+
+def ignite_inner_run(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Engine.run(engine, ...)`` (``args``) is called while another Engine runs (from
+    a handler of the trainer's: ``evaluator.run(val_loader)``): that run is an evaluation. The
+    frames are walked up to ``MAX_FRAMES`` for a running Engine's method; once per ``run``."""
+    engine = args[0] if args else None
+    engines = sys.modules.get("ignite.engine.engine")
+    cls = getattr(engines, "Engine", None)
+    if engine is None or not isinstance(cls, type):
+        return False
+    f: FrameType | None = sys._getframe(1)
+    n = 0
+    while f is not None and n < MAX_FRAMES:
+        if f.f_code.co_name in _IGNITE_RUNNING and f.f_code.co_filename == getattr(engines, "__file__", None):
+            obj = frame_self(f)
+            if isinstance(obj, cls) and obj is not engine:
+                return True
+        f, n = f.f_back, n + 1
+    return False
+
+
+def skorch_validation(args: tuple, kwargs: dict) -> bool:
+    """Whether skorch's ``run_single_epoch(self, iterator, training, ...)`` is its pass over the
+    validation data (``training=False``)."""
+    training = kwargs["training"] if "training" in kwargs else (args[2] if len(args) > 2 else True)
+    return not training
+
+
+def skorch_validation_scoring(args: tuple, kwargs: dict) -> bool:
+    """Whether skorch's ``EpochScoring.on_epoch_end(self, net, ...)`` scores the validation data
+    (``on_train=False``, as the classifier's default ``valid_acc``)."""
+    return bool(args) and not getattr(args[0], "on_train", False)
+
+
+#: The tests of ``hook_places.EVALUATORS_WHEN``, by name.
+EVALUATING: dict[str, Callable[[tuple, dict], bool]] = {
+    "ignite_inner_run": ignite_inner_run,
+    "skorch_validation": skorch_validation,
+    "skorch_validation_scoring": skorch_validation_scoring,
+}
 
 
 def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:

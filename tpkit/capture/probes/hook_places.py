@@ -171,3 +171,18 @@ TRACERS: tuple[tuple[str, str, str], ...] = (
     ("torch.jit._trace", "", "trace_module"),
     ("torch.jit._trace", "", "_get_trace_graph"),
 )
+
+#: Calls that are a trainer's evaluation only where a test says so (module, class, attribute, the
+#: test's name in capture/frameworks.py ``EVALUATING``), then as ``EVALUATORS``: the evaluation
+#: ends where the framework's call returns, and what the loop does after it (a logging handler, a
+#: tracker upload) is the step's other. Bounded only by the evaluation's calls, that work had been
+#: the evaluation's tail (capture/evaluation.py ``_tails``): an ignite handler logging 40 ms after
+#: ``evaluator.run`` read eval 0.393 s for evaluator.run's 0.229 s, and the verdict EVAL-BOUND.
+EVALUATORS_WHEN: tuple[tuple[str, str, str, str], ...] = (
+    # pytorch-ignite: an Engine run from inside another Engine's run (a handler's evaluator.run)
+    ("ignite.engine.engine", "Engine", "run", "ignite_inner_run"),
+    # skorch: its fit loop's pass over the validation data (run_single_epoch(training=False))
+    ("skorch.net", "NeuralNet", "run_single_epoch", "skorch_validation"),
+    # ... and its scoring of that data at the epoch's end (valid_acc: an EpochScoring with on_train False)
+    ("skorch.callbacks.scoring", "EpochScoring", "on_epoch_end", "skorch_validation_scoring"),
+)

@@ -71,7 +71,7 @@ import torch.utils.data.dataloader as _dl
 
 from ...errors import StopSlice
 from ...schema import FILE_LOAD, JIT_TRACE, METRIC_CALL, UNSEEN_UPDATES_NOTE
-from ..frameworks import find_trainer, frame_self
+from ..frameworks import EVALUATING, find_trainer, frame_self
 from ..recorder import SPAN_FIELDS, Recorder, WeakRegistry
 from . import batches, keras_optimizers, loss_sums, module_calls
 from .batches import forward_identity, handed_out, loader_dataset, loader_key, loader_settings
@@ -80,6 +80,7 @@ from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
     EVALUATORS,
+    EVALUATORS_WHEN,
     FILE_LOADERS,
     LAUNCHERS,
     LOADER_SHUTDOWNS,
@@ -403,6 +404,10 @@ class PhaseProbe:
                 self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
                                  self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
             self._patch_averagers()
+            for module, owner, attr, test in EVALUATORS_WHEN:
+                self._patch_each(((module, owner, attr),), lambda fn, module, owner, attr, test=test:
+                                 self._wrap_whole(fn, "eval", f"{module.split('.')[0]}.{owner}.{attr}",
+                                                  when=EVALUATING[test]))
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
@@ -1557,18 +1562,20 @@ class PhaseProbe:
         __next__.__wrapped__ = fn  # type: ignore[attr-defined]
         return skipped_by_dynamo(__next__)
 
-    def _wrap_whole(self, fn: Any, phase: str, source: str) -> Any:
+    def _wrap_whole(self, fn: Any, phase: str, source: str,
+                    when: Callable[[tuple, dict], bool] | None = None) -> Any:
         """A call in the loop's thread that is ``phase`` as a whole: a checkpoint written
         (``torch.save``, a trainer's save: counted as ``other`` it had made a Trainer saving every
         few steps read OVERHEAD-BOUND, with advice about Python and logging), or a trainer's
         evaluation (its metrics had been ``other`` too). Inside a wait for data it is that wait's:
         tpkit's loader pickles a batch it cannot lay out in shared memory (a dataclass), and a
-        tensor pickles through ``torch.save`` (44.5 ms of a 1354.7 ms wait had read as saving)."""
+        tensor pickles through ``torch.save`` (44.5 ms of a 1354.7 ms wait had read as saving).
+        ``when(args, kwargs)``: only the calls it says (``EVALUATORS_WHEN``)."""
         rec = self.rec
 
         def whole(*args: Any, **kwargs: Any) -> Any:
             if (_compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase)
-                    or rec.is_open("data_wait")):
+                    or rec.is_open("data_wait") or (when is not None and not when(args, kwargs))):
                 return fn(*args, **kwargs)
             token = rec.enter(phase, source)
             try:
