@@ -217,8 +217,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     uncounted = sum(1 for i in range(0, len(rec.handouts), 3) if rec.handouts[i + 1] == 0 and rec.handouts[i + 2] < past)
     if uncounted and rec.samples_per_step is None and rec.uncounted is not None:
         full_meta["notes"].append(f"{uncounted} batch(es) read in the slice held samples tpkit could not count "
-                                  f"(a {rec.uncounted}: no tensor, array, mapping, sequence or dataclass field to "
-                                  "take a leading dimension from): samples/s leaves them out; give the batch size "
+                                  f"(a {rec.uncounted}: no batch_size or num_graphs it says, no tensor, array, mapping, "
+                                  "sequence or dataclass field to take a leading dimension from, or tensors whose "
+                                  "leading dimensions differ): samples/s leaves them out; give the batch size "
                                   "with samples_per_step=N (--samples-per-step N)")
     given = _samples_given_note(rec, ev.handouts, past)
     if given:
