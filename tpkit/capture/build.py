@@ -27,7 +27,7 @@ from ..schema import (
     frame,
     jsonable,
 )
-from . import evaluation, read_ahead
+from . import evaluation, read_ahead, sampling
 from .losses import step_losses
 from .recorder import Recorder
 from .setups import setup_spans
@@ -239,6 +239,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     if ev and evaluation.in_rows(ev, eval_s):
         full_meta["evaluation"] = evaluation.describe(ev)
         full_meta["notes"].append(evaluation.note(ev, eval_s))
+    sampled = sampling.train_mode_runs(rec.no_grad_train_calls, rec.no_grad_calls, rec.trained_modules, raw_spans,
+                                       rec.handouts, ev, min(len(rec.step_ends), past))
+    if sampled.calls:
+        full_meta["notes"].append(sampling.note(sampled))
     return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
 
 
