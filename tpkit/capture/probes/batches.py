@@ -138,10 +138,13 @@ def held_values(mapping: Mapping) -> Iterable[Any]:
     attrs = getattr(mapping, "__dict__", None)
     if not isinstance(attrs, dict):
         return ()
+    dicts = [v for v in attrs.values() if type(v) is dict]
+    if not dicts:  # (before its len(): an h5py group's reads its file)
+        return ()
     try:
         n = len(mapping)
-        for v in attrs.values():
-            if type(v) is dict and len(v) == n and all(k in v for k in mapping):
+        for v in dicts:
+            if len(v) == n and all(k in v for k in mapping):
                 return v.values()
     except Exception:  # noqa: BLE001 - a mapping tpkit cannot read holds nothing it sees
         pass
