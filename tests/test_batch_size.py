@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import UserDict
-from typing import NamedTuple
+from collections.abc import Iterator, MutableMapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -131,13 +132,14 @@ def test_what_it_cannot_tell_is_none(batch):
 
 
 def test_a_batch_it_cannot_count_is_said_with_its_type():
-    """A graph library's batch keeps its tensors deeper than tpkit looks: samples/s is unknown,
-    and the run says why (it had said "no batch seen" of batches it had seen) and what to do."""
+    """A graph batch that does not say its size and whose stored tensors differ in length (nodes,
+    edges): samples/s is unknown, and the run says why (it had said "no batch seen" of batches it
+    had seen) and what to do, not to read them through a DataLoader they came from."""
     import tpkit as tp
 
     class GraphBatch:
         def __init__(self) -> None:
-            self._store = {"x": torch.zeros(B, 8)}
+            self._store = {"x": torch.zeros(3 * B, 8), "edge_index": torch.zeros(2, 40, dtype=torch.long)}
 
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -146,7 +148,7 @@ def test_a_batch_it_cannot_count_is_said_with_its_type():
     def train(prof_kwargs: dict) -> tp.Run:
         with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0, memory=False, **prof_kwargs) as prof:
             for batch in loader:
-                model(batch._store["x"]).sum().backward()
+                model(batch._store["x"][:B]).sum().backward()
                 opt.step()
                 opt.zero_grad()
         return prof.run
@@ -156,7 +158,9 @@ def test_a_batch_it_cannot_count_is_said_with_its_type():
     assert any(n.startswith("4 batch(es) read in the slice held samples tpkit could not count (a "
                             "test_a_batch_it_cannot_count_is_said_with_its_type.<locals>.GraphBatch")
                and "samples_per_step=N" in n for n in run.meta["notes"])
-    assert "samples/s unknown (no samples counted" in run.summary().to_text()
+    text = run.summary().to_text()
+    assert "samples/s unknown (no samples counted: tpkit saw the batches but could not count their samples" in text
+    assert "through a DataLoader" not in text
     given = train({"samples_per_step": B})
     assert given.steps["samples"].tolist() == [B] * 4
     assert not any("could not count" in n for n in given.meta["notes"])
@@ -196,3 +200,88 @@ def test_a_given_samples_per_step_the_batches_contradict_is_kept_and_said():
 def test_two_different_mappings_are_not_records():
     """(inputs, targets) as two mappings with different keys: the inputs' leading dimension."""
     assert batch_size_of(({"ids": torch.zeros(B, 16)}, {"labels": torch.zeros(B)})) == B
+
+
+class Storage(MutableMapping):
+    """A graph library's store, as PyG's ``GlobalStorage``: a ``MutableMapping`` over its
+    ``_mapping`` dict, with bookkeeping of its own beside it."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__["_mapping"] = dict(values)
+        self.__dict__["_slice_dict"] = {k: torch.zeros(3, dtype=torch.long) for k in values}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._mapping[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._mapping[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._mapping[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping)
+
+    def __len__(self) -> int:
+        return len(self._mapping)
+
+
+class GraphBatch:
+    """A batch of graphs, as PyG's ``Batch``: its tensors (node-, edge- and graph-level) in a
+    ``_store``, read as attributes; the graphs it holds said by ``num_graphs``."""
+
+    def __init__(self, graphs: int, nodes: int = 10, said: bool = True) -> None:
+        self.__dict__["_store"] = Storage(
+            x=torch.zeros(graphs * nodes, 16), edge_index=torch.zeros(2, graphs * 3 * nodes, dtype=torch.long),
+            y=torch.zeros(graphs, dtype=torch.long), batch=torch.arange(graphs).repeat_interleave(nodes),
+            ptr=torch.arange(graphs + 1) * nodes)
+        self.__dict__["_said"] = said
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["_store"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @property
+    def num_graphs(self) -> int:
+        if not self._said:
+            raise AttributeError("num_graphs")
+        return int(self.y.shape[0])
+
+
+class Records:
+    """A batch object of records whose tensors sit in a store and agree in length."""
+
+    def __init__(self) -> None:
+        self.store = Storage(x=torch.zeros(B, 8), y=torch.zeros(B))
+
+
+def test_a_batch_that_says_its_size_is_counted_by_it():
+    """A graph batch is as many samples as it says it holds (PyG's ``num_graphs``), not its
+    node count (its first tensor's leading dimension); one that says nothing, with tensors in a
+    store that differ in length, cannot be told; one whose stored tensors agree is their length.
+    Truth: the graphs each batch was built of."""
+    assert batch_size_of(GraphBatch(B)) == B
+    assert batch_size_of(GraphBatch(B, said=False)) is None
+    assert batch_size_of(Records()) == B
+
+
+def test_a_graph_loop_counts_its_graphs():
+    """A DataLoader of graph batches (PyG's DataLoader is a torch one): samples are the graphs
+    (it had read 0 a step, samples/s unknown, and said to read batches through a DataLoader).
+    Truth: the loop's own count of graphs."""
+    import tpkit as tp
+
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(range(40), batch_size=B, collate_fn=lambda items: GraphBatch(len(items)))
+    seen = []
+    with tp.profile(steps=3, warmup=1, progress=False, clock_hz=0, memory=False) as prof:
+        for batch in loader:
+            seen.append(batch.num_graphs)
+            model(batch.x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert prof.run.steps["samples"].tolist() == seen[:4] == [B] * 4
+    assert not any("could not count" in n for n in prof.run.meta["notes"])

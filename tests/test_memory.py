@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import UserDict
+from collections.abc import Iterator, Mapping, MutableMapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -144,6 +145,100 @@ def test_a_mapping_batch_that_is_no_dict_is_data():
             opt.step()
             opt.zero_grad()
     assert rows(prof.run, "forward", "exit", "data").tolist() == [B * D * 4] * 4
+
+
+class Storage(MutableMapping):
+    """A graph library's store, as PyG's ``GlobalStorage``: a ``MutableMapping`` over its
+    ``_mapping`` dict."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__["_mapping"] = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._mapping[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._mapping[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._mapping[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping)
+
+    def __len__(self) -> int:
+        return len(self._mapping)
+
+
+class GraphBatch:
+    """A batch of graphs, as PyG's ``Batch``: its tensors in a ``_store``, read as attributes."""
+
+    def __init__(self, x: torch.Tensor, graphs: int) -> None:
+        nodes = x.shape[0] // graphs
+        self.__dict__["_store"] = Storage(
+            x=x, edge_index=torch.zeros(2, 3 * x.shape[0], dtype=torch.long), y=torch.zeros(graphs, dtype=torch.long),
+            batch=torch.arange(graphs).repeat_interleave(nodes), ptr=torch.arange(graphs + 1) * nodes)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["_store"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @property
+    def num_graphs(self) -> int:
+        return int(self.y.shape[0])
+
+
+def test_a_batch_that_keeps_its_tensors_in_a_store_is_data():
+    """A graph batch's tensors, kept in a ``MutableMapping`` store as PyG's ``Batch`` keeps them,
+    are ``data`` to the byte (they had read 0 B: the walk looked at dicts, sequences and
+    dataclasses only). Truth: the bytes of its five tensors."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(torch.randn(20 * B, D), batch_size=B,
+                                         collate_fn=lambda xs: GraphBatch(torch.stack(xs), B // 4))
+    truth = []
+    with tp.profile(steps=3, warmup=1, progress=False, clocks=False) as prof:
+        for batch in loader:
+            truth.append(sum(t.numel() * t.element_size() for t in batch._store.values()))
+            model(batch.x).backward()
+            opt.step()
+            opt.zero_grad()
+    assert rows(prof.run, "forward", "exit", "data").tolist() == truth[:4]
+    assert prof.run.steps["samples"].tolist() == [B // 4] * 4
+
+
+class LazyColumns(Mapping):
+    """A mapping that makes each value at its first read, as a datasets ``LazyBatch`` formats a
+    column: what it holds is the dict of values made so far."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {"x": None, "y": None}
+        self.made = 0
+
+    def __getitem__(self, key: str) -> Any:
+        if self.data[key] is None:
+            self.made += 1
+            self.data[key] = torch.zeros(B, D)
+        return self.data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def test_a_lazy_mapping_is_read_without_making_its_values():
+    """The walk reads what a mapping holds, never through its ``__getitem__``: a lazy one's
+    values are not made for tpkit (a column the loop never reads would be formatted)."""
+    batch = LazyColumns()
+    assert mem._batch_tensors(batch) == [] and batch.made == 0
+    x = batch["x"]
+    assert [t is x for t in mem._batch_tensors(batch)] == [True] and batch.made == 1
+    assert [t is x for t in mem._batch_tensors((batch,))] == [True] and batch.made == 1
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ logged losses and step counters.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 
@@ -1212,6 +1213,112 @@ def test_a_jit_trace_of_the_model_is_neither_forward_nor_evaluation():
     note = next(n for n in run.meta["notes"] if n.startswith("torch.jit.trace ran inside the slice 1 time(s)"))
     assert f"{float(spans['duration_s'].iloc[0]):.3f} s" in note, note
     assert "evaluation" not in run.summary().verdict.text, run.summary().verdict.text
+
+
+SAMPLED = re.compile(r"(\d+) call\(s\) of the trained model without grad in train mode, in (\d+) run\(s\) "
+                     r"of 3 or more .*\(([\d.]+) s\), are counted as training's forward")
+
+
+@pytest.mark.parametrize("how", ["train-mode", "eval-mode", "pseudo-label"])
+def test_sampling_in_train_mode_is_forward_and_said(how):
+    """A loop that samples from the model it trains every few updates, as diffusers'
+    train_unconditional.py does: 4 denoising calls without grad in a row, no batch read, no
+    backward. Left in train mode nothing tells them from an RL rollout's policy calls (training):
+    they stay forward, and the run says so with their count and time and how to make them eval
+    (it had said nothing: sampling read as 55% of the forward, COMPUTE-BOUND). In eval mode they
+    are eval, with no such note; one call on the step's batch before training on it (a
+    pseudo-label) is no run. Truth: the model's calls by grad mode (forward hooks)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    calls = CallClock(model)
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train, _ = train_and_val()
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="sampling", progress=False, clock_hz=0) as prof:
+        for step, (x, y) in zip(range(N), train):
+            if how == "pseudo-label":
+                with torch.no_grad():
+                    y = model(x)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1 and how != "pseudo-label":
+                model.train(how == "train-mode")
+                with torch.no_grad():
+                    z = x[:2]
+                    for _ in range(4):
+                        z = z - 0.1 * model(z)
+                model.train()
+    run = prof.run
+    said = [m for m in map(SAMPLED.search, run.meta["notes"]) if m]
+    eval_s, forward_s = float(run.steps["eval_s"].sum()), float(run.steps["forward_s"].sum())
+    if how != "train-mode":
+        assert not said, run.meta["notes"]
+        if how == "eval-mode":
+            close(eval_s, calls.seconds["eval"], "eval (the sampling's calls)")
+        return
+    assert len(said) == 1 and said[0].group(1, 2) == (str(calls.calls["eval"]), "2"), run.meta["notes"]
+    close(float(said[0].group(3)), calls.seconds["eval"], "the note's seconds (the sampling's calls)")
+    close(forward_s, calls.seconds["train"] + calls.seconds["eval"], "forward (training and sampling)")
+    assert eval_s == 0
+    assert "put model.eval() or tp.phase(\"eval\") around them" in said[0].string
+
+
+@pytest.mark.parametrize("made", ["before", "inside"])
+def test_a_diffusion_pipelines_sampling_is_eval(made):
+    """diffusers' train_unconditional.py: every few updates it samples images with a
+    ``DDPMPipeline`` over the UNet it trains, left in train mode. The pipeline's ``__call__`` is
+    eval whole (its denoising calls had been training's forward: 3.8 s for 1.7 s of training
+    and 2.1 s of sampling), and the forward is the training's; so for a pipeline class made
+    inside the slice (diffusers imports a pipeline's module at its first use). Truth: the
+    loop's clock of the pipeline's call, the model's calls by grad mode (forward hooks)."""
+    diffusers = pytest.importorskip("diffusers")
+    pipeline_base = diffusers.DiffusionPipeline  # the loop imports diffusers' pipelines before the slice
+    if made == "before":
+        pipeline_class = diffusers.DDPMPipeline
+    torch.manual_seed(0)
+    model = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                  block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
+                                  up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
+    sched = diffusers.DDPMScheduler(num_train_timesteps=100)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(torch.randn(64, 3, 8, 8), batch_size=4)
+    calls = CallClock(model)
+    clock = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="diffusion", progress=False, clock_hz=0) as prof:
+        if made == "inside":
+            class Sampler(pipeline_base):  # a pipeline of the loop's own, made inside the slice
+                def __init__(self, unet: torch.nn.Module, scheduler: object) -> None:
+                    super().__init__()
+                    self.register_modules(unet=unet, scheduler=scheduler)
+
+                @torch.no_grad()
+                def __call__(self, batch_size: int, num_inference_steps: int, **_: object) -> torch.Tensor:
+                    z = torch.randn(batch_size, 3, 8, 8)
+                    self.scheduler.set_timesteps(num_inference_steps)
+                    for t in self.scheduler.timesteps:
+                        z = self.scheduler.step(self.unet(z, t).sample, t, z).prev_sample
+                    return z
+
+                def set_progress_bar_config(self, **_: object) -> None:
+                    pass
+
+            pipeline_class = Sampler
+        for step, clean in zip(range(N), loader):
+            noise, ts = torch.randn_like(clean), torch.randint(0, 100, (4,))
+            pred = model(sched.add_noise(clean, noise, ts), ts).sample
+            F.mse_loss(pred, noise).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == EVERY - 1 and step < N - 1:  # (after the last step's end: in no step)
+                pipe = pipeline_class(unet=model, scheduler=sched)
+                pipe.set_progress_bar_config(disable=True)
+                t = time.perf_counter()
+                pipe(batch_size=2, num_inference_steps=5, output_type="np", generator=torch.Generator().manual_seed(0))
+                clock += time.perf_counter() - t
+    run = prof.run
+    close(float(run.steps["eval_s"].sum()), clock, "eval (the pipeline's sampling)")
+    close(float(run.steps["forward_s"].sum()), calls.seconds["train"], "forward (training's calls alone)")
+    assert not any(SAMPLED.search(n) for n in run.meta["notes"]), run.meta["notes"]
 
 
 def test_a_metric_in_eval_mode_every_micro_batch_leaves_training_alone():

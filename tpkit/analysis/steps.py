@@ -99,6 +99,9 @@ class Summary:
     notes: list[str] = field(default_factory=list)
     clocks: dict = field(default_factory=dict)  # analysis.clocks.ClockSummary.to_dict(), when clocks were sampled
     clock_lines: list[str] = field(default_factory=list)
+    #: batches were read (``batches_seen``) but none of the measured steps' samples counted: a
+    #: batch type tpkit cannot count (the notes name it), not a loader it did not see
+    uncounted: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,7 +135,7 @@ class Summary:
             lines.append("  no measured steps")
         else:
             lines.append(f"  {self.steps} steps (+{self.warmup_steps} warmup), "
-                         f"{_rate(self.throughput)}, step p50 {self.step_p50_s * 1e3:.2f} ms, "
+                         f"{_rate(self.throughput, self.uncounted)}, step p50 {self.step_p50_s * 1e3:.2f} ms, "
                          f"p95 {self.step_p95_s * 1e3:.2f} ms")
             shares = ", ".join(f"{c[:-2]} {v:.0%}" + (self._in_other() if c == "other_s" else "")
                                for c, v in self.phase_share.items() if v >= 0.005)
@@ -146,11 +149,15 @@ class Summary:
 #: Why samples/s is unknown when steps were timed: no batch was seen, or none whose samples
 #: could be counted (the run's notes then name the batch's type).
 RATE_UNKNOWN = ("no samples counted: read batches through a DataLoader or tp.watch, or give samples_per_step")
+#: Why, where batches were seen but tpkit could not count their samples (``Summary.uncounted``):
+#: it had said to read them through a DataLoader of batches a DataLoader had handed out.
+RATE_UNCOUNTED = ("no samples counted: tpkit saw the batches but could not count their samples (a note says "
+                  "which), give samples_per_step")
 
 
-def _rate(throughput: float) -> str:
+def _rate(throughput: float, uncounted: bool = False) -> str:
     if throughput != throughput:  # NaN
-        return f"samples/s unknown ({RATE_UNKNOWN})"
+        return f"samples/s unknown ({RATE_UNCOUNTED if uncounted else RATE_UNKNOWN})"
     return f"{throughput:,.1f} samples/s"
 
 
@@ -678,6 +685,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
                                     str((meta.get("model") or {}).get("class") or "")),
                             (meta.get("model") or {}).get("hooks")),
         notes=list(meta.get("notes", [])),
+        uncounted=seen and samples == 0,
     )
     paused = gc_note(pauses, steps)
     if paused is not None:

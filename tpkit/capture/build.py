@@ -27,7 +27,7 @@ from ..schema import (
     frame,
     jsonable,
 )
-from . import evaluation, read_ahead
+from . import evaluation, read_ahead, sampling
 from .losses import step_losses
 from .recorder import Recorder
 from .setups import setup_spans
@@ -217,8 +217,9 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     uncounted = sum(1 for i in range(0, len(rec.handouts), 3) if rec.handouts[i + 1] == 0 and rec.handouts[i + 2] < past)
     if uncounted and rec.samples_per_step is None and rec.uncounted is not None:
         full_meta["notes"].append(f"{uncounted} batch(es) read in the slice held samples tpkit could not count "
-                                  f"(a {rec.uncounted}: no tensor, array, mapping, sequence or dataclass field to "
-                                  "take a leading dimension from): samples/s leaves them out; give the batch size "
+                                  f"(a {rec.uncounted}: no batch_size or num_graphs it says, no tensor, array, mapping, "
+                                  "sequence or dataclass field to take a leading dimension from, or tensors whose "
+                                  "leading dimensions differ): samples/s leaves them out; give the batch size "
                                   "with samples_per_step=N (--samples-per-step N)")
     given = _samples_given_note(rec, ev.handouts, past)
     if given:
@@ -238,6 +239,10 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     if ev and evaluation.in_rows(ev, eval_s):
         full_meta["evaluation"] = evaluation.describe(ev)
         full_meta["notes"].append(evaluation.note(ev, eval_s))
+    sampled = sampling.train_mode_runs(rec.no_grad_train_calls, rec.no_grad_calls, rec.trained_modules, raw_spans,
+                                       rec.handouts, ev, min(len(rec.step_ends), past))
+    if sampled.calls:
+        full_meta["notes"].append(sampling.note(sampled))
     return Run(steps, spans, memory, clocks, loader, jsonable(full_meta))
 
 

@@ -211,7 +211,7 @@ def key_figures(run: "Run", s: "analysis.Summary | None" = None) -> list[tuple[s
     timed = s.step_p50_s == s.step_p50_s  # False when the step durations are missing (NaN)
     out.append(("throughput", f"{_num(s.throughput)} samples/s" if s.throughput == s.throughput
                 else "unknown (step durations missing)" if not timed
-                else f"unknown ({analysis.RATE_UNKNOWN})"))
+                else f"unknown ({analysis.RATE_UNCOUNTED if s.uncounted else analysis.RATE_UNKNOWN})"))
     out.append(("step time", f"p50 {s.step_p50_s * 1e3:,.2f} ms, p95 {s.step_p95_s * 1e3:,.2f} ms" if timed
                 else "unknown (step durations missing)"))
     out.append(("measured steps", f"{s.steps:,d} (+{s.warmup_steps:,d} warmup), {s.samples:,d} samples"))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections import UserDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ def batch_size_of(batch: Any) -> int | None:
     batch), found through mappings (a dict, HF's ``BatchEncoding``, a ``UserDict``: their first
     such tensor, before any list among them), sequences (past a name or a number before the
     batch: ``("task", batch)``) and dataclasses (a ``Batch`` class of the loop's own; other
-    objects: the first tensor among their attributes), except where a sequence holds one record
+    objects: ``_object_sized``, the size they say of themselves, a PyG ``Batch``'s
+    ``num_graphs``), except where a sequence holds one record
     per sample: strings or numbers, mappings with the same keys, columns of equal length one of
     which holds mappings (a detection loader's ``tuple(zip(*batch))``: per-sample targets next
     to a tuple of images whose first dimension is their channels, at any batch size), a list of
@@ -86,10 +88,98 @@ def _sized(batch: Any) -> tuple[int | None, Any]:
             fields = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]  # (init=False, unset)
             batch, in_mapping = next((v for v in fields if v is not None and not _is_scalar(v)), None), False
         else:
-            attrs = getattr(batch, "__dict__", None)
-            return _sized(next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)) \
-                if isinstance(attrs, dict) else (None, None)
+            return _object_sized(batch)
     return None, None
+
+
+#: Attributes by which a batch object says how many samples it holds: a PyG ``Batch``'s
+#: ``num_graphs`` (its ``batch_size`` too), the seed nodes of a PyG ``NeighborLoader``'s ``Data``
+#: (``batch_size``), a batch class of the loop's own.
+SIZE_ATTRIBUTES = ("batch_size", "num_graphs")
+
+
+def _object_sized(batch: Any) -> tuple[int | None, Any]:
+    """``_sized`` of an object that is no container: the size it says of itself
+    (``SIZE_ATTRIBUTES``), else its first tensor attribute's leading dimension (a batch class
+    of the loop's own), else that of the tensors in its stores (``stored_tensors``: a graph
+    library's batch) where they all agree: a store mixes node-, edge- and graph-level tensors
+    in the order its library collated them (PyG's first, ``x``, holds the nodes: it had read
+    no tensor at all, samples 0). The tensor returned is its first either way (``identity``)."""
+    said = None
+    for name in SIZE_ATTRIBUTES:
+        try:
+            value = getattr(batch, name, None)
+        except Exception:  # noqa: BLE001 - a property that raises: it says nothing
+            value = None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            said = value
+            break
+    attrs = getattr(batch, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return said, None
+    direct = next((v for v in attrs.values() if isinstance(v, torch.Tensor)), None)
+    if direct is not None:
+        return (said if said is not None else _sized(direct)[0]), direct
+    tensors = stored_tensors(batch)
+    lead = tensors[0] if tensors else None
+    if said is not None:
+        return said, lead
+    dims = {int(t.shape[0]) for t in tensors if t.dim() > 0}
+    return (dims.pop() if len(dims) == 1 else None), lead
+
+
+def held_values(mapping: Mapping) -> Iterable[Any]:
+    """The values a ``Mapping`` that is no dict holds, read from the dict it keeps them in (an
+    attribute dict with its keys: a ``UserDict``'s ``data``, a PyG storage's ``_mapping``), never
+    through its ``__getitem__``: a lazy one (a datasets ``LazyBatch``) formats or stacks at each
+    read there, and its dict holds only what was read. Nothing where no such dict is found."""
+    if isinstance(mapping, UserDict):
+        return mapping.data.values()
+    attrs = getattr(mapping, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return ()
+    dicts = [v for v in attrs.values() if type(v) is dict]
+    if not dicts:  # (before its len(): an h5py group's reads its file)
+        return ()
+    try:
+        n = len(mapping)
+        for v in dicts:
+            if len(v) == n and all(k in v for k in mapping):
+                return v.values()
+    except Exception:  # noqa: BLE001 - a mapping tpkit cannot read holds nothing it sees
+        pass
+    return ()
+
+
+def stored_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors an object that is no container holds: its tensor attributes, and those in the
+    dicts, lists and mappings (``held_values``) among its attributes, three levels down (PyG's
+    ``Data``/``Batch`` keep theirs in ``_store``, a ``MutableMapping``; ``HeteroData`` in dicts
+    of them). Not in other objects among them: a model it refers to holds parameters, no batch."""
+    attrs = getattr(obj, "__dict__", None)
+    out: list[torch.Tensor] = []
+    if isinstance(attrs, dict):
+        for v in attrs.values():
+            _store_tensors(v, 0, out)
+    return out
+
+
+#: Values with no tensor inside.
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _store_tensors(value: Any, depth: int, out: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif depth < 3 and type(value) not in _PLAIN:
+        if isinstance(value, (dict, list, tuple)):
+            values: Iterable[Any] = value.values() if isinstance(value, dict) else value
+        elif isinstance(value, Mapping):
+            values = held_values(value)
+        else:
+            return
+        for v in values:
+            _store_tensors(v, depth + 1, out)
 
 
 def _is_array(x: Any) -> bool:

@@ -186,3 +186,28 @@ EVALUATORS_WHEN: tuple[tuple[str, str, str, str], ...] = (
     # ... and its scoring of that data at the epoch's end (valid_acc: an EpochScoring with on_train False)
     ("skorch.callbacks.scoring", "EpochScoring", "on_epoch_end", "skorch_validation_scoring"),
 )
+
+
+#: diffusers' pipelines (module, class): a subclass's own ``__call__`` samples (images every few
+#: updates in diffusers' train_unconditional.py, the UNet left in train mode under the pipeline's
+#: no_grad). Each call is an ``eval`` span, as ``EVALUATORS``' are: its denoising calls had been
+#: training's forward (3.8 s for 1.7 s of training and 2.1 s of sampling by the loop's clocks).
+#: Nothing in tpkit's own numbers tells them from an RL rollout's policy calls, which are training
+#: (capture/sampling.py). Patched where the loop imported diffusers, in the subclasses imported
+#: before the slice and those made inside it (``PhaseProbe._patch_pipelines``).
+DIFFUSION_PIPELINE = ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline")
+
+
+def subclasses(base: type) -> list[type]:
+    """Every subclass of ``base`` made so far, at any depth."""
+    out: list[type] = []
+    todo: list[type] = [base]
+    seen: set[type] = {base}
+    while todo:
+        subs: list[type] = todo.pop().__subclasses__()
+        for sub in subs:
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+                out.append(sub)
+    return out

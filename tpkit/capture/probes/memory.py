@@ -88,6 +88,7 @@ import os
 import sys
 import weakref
 from collections import UserDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from threading import get_ident
 from time import perf_counter_ns
@@ -109,6 +110,7 @@ from ...schema import (
 from ..recorder import Recorder, WeakRegistry
 from . import allocator_counter
 from .allocator_counter import CpuAllocatorCounter
+from .batches import held_values, stored_tensors
 from .compiling import compiling
 from .offload import deepspeed_gradient_tensors
 from .patching import Patches
@@ -485,7 +487,7 @@ _BUFFER = "buffer"
 _OWN = "tpkit"
 
 
-#: Values with no tensor inside: skipped before the (slower) ``UserDict`` check.
+#: Values with no tensor inside: skipped before the (slower) ``Mapping`` check.
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
 #: An optimizer's own attributes (``torch.optim.Optimizer.__init__``) that hold no state of its
 #: own: its state and groups are walked apart, its defaults are the groups' settings.
@@ -493,9 +495,10 @@ _OPT_OWN_ATTRS = frozenset({"state", "param_groups", "defaults"})
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
-    """Tensors in a (nested) batch or optimizer-state value, bounded in depth. A ``UserDict``
-    is walked too: HF's ``BatchEncoding`` (what
-    ``DataCollatorWithPadding`` returns), whose bytes had read ``other``, ``data`` 0."""
+    """Tensors in a (nested) batch or optimizer-state value, bounded in depth. A ``Mapping``
+    that is no dict is walked too, through the dict that holds its values (``held_values``):
+    HF's ``BatchEncoding`` (a ``UserDict``, what ``DataCollatorWithPadding`` returns), whose
+    bytes had read ``other``, ``data`` 0."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4:
@@ -505,8 +508,8 @@ def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 yield from _tensors(v, depth + 1)
-        elif type(obj) not in _PLAIN and isinstance(obj, UserDict):
-            for v in obj.values():
+        elif type(obj) not in _PLAIN and isinstance(obj, Mapping):
+            for v in held_values(obj):
                 yield from _tensors(v, depth + 1)
         elif _is_dataclass_instance(obj):
             for f in dataclasses.fields(obj):
@@ -520,8 +523,11 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 def _batch_tensors(batch: Any) -> list[torch.Tensor]:
     """``list(_tensors(batch))``, without a generator for a tensor or a flat dict, list or
-    tuple of tensors (what loaders hand out), or a flat ``UserDict`` of them (``_tensors``). Not
-    any ``Mapping``: a lazy one (a datasets ``LazyBatch``) would format or stack at each read."""
+    tuple of tensors (what loaders hand out), or a flat ``UserDict`` of them (``_tensors``); any
+    other ``Mapping`` through the dict that holds its values, never its ``__getitem__`` (a lazy
+    one, a datasets ``LazyBatch``, would format or stack at each read). An object that is no
+    container: the tensors it holds (``batches.stored_tensors``: a PyG ``Batch`` keeps them in a
+    ``MutableMapping``, whose bytes had read other, data 0 B), and so at the top of a list or tuple."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, dict):
@@ -529,18 +535,25 @@ def _batch_tensors(batch: Any) -> list[torch.Tensor]:
     elif isinstance(batch, (list, tuple)):
         values = batch
     elif isinstance(batch, UserDict):
-        values = batch.values()
+        values = batch.data.values()
     elif _is_dataclass_instance(batch):
         values = [getattr(batch, f.name, None) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, Mapping):
+        values = held_values(batch)
     else:
-        return []
+        return stored_tensors(batch)
     out: list[torch.Tensor] = []
     for v in values:
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif type(v) not in _PLAIN:
-            out += _tensors(v, 1)
+            out += _tensors(v, 1) if _walked(v) else stored_tensors(v)
     return out
+
+
+def _walked(obj: Any) -> bool:
+    """Whether ``_tensors`` walks ``obj``: a container, a mapping or a dataclass."""
+    return isinstance(obj, (dict, list, tuple, Mapping)) or _is_dataclass_instance(obj)
 
 
 @dataclass

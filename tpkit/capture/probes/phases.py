@@ -79,6 +79,7 @@ from .compiling import compiling, skip_own_frames, skipped_by_dynamo, watch_sess
 from .hook_places import (
     AVERAGERS,
     COMPILED_STEPS,
+    DIFFUSION_PIPELINE,
     EVALUATORS,
     EVALUATORS_WHEN,
     FILE_LOADERS,
@@ -89,6 +90,7 @@ from .hook_places import (
     SEARCHES,
     TRACERS,
     TRAINER_RUNS,
+    subclasses,
 )
 from .loss_sums import LossSums, static_scale
 from .patching import UNIT_RESCALE_SKIPPERS, Patches, skip_unit_rescale
@@ -408,6 +410,7 @@ class PhaseProbe:
                 self._patch_each(((module, owner, attr),), lambda fn, module, owner, attr, test=test:
                                  self._wrap_whole(fn, "eval", f"{module.split('.')[0]}.{owner}.{attr}",
                                                   when=EVALUATING[test]))
+            self._patch_pipelines()
             join = getattr(sys.modules.get("torch.distributed.algorithms.join"), "Join", None)
             if isinstance(join, type):  # only where the loop imported it (DDP does)
                 for attr in ("__enter__", "__exit__"):
@@ -1639,6 +1642,34 @@ class PhaseProbe:
             fn = vars(target).get(attr) if target is not None else None
             if callable(fn):
                 self._patched.set(target, attr, wrap(fn, module, owner, attr))
+
+    def _patch_pipelines(self) -> None:
+        """diffusers' pipelines (``hook_places.DIFFUSION_PIPELINE``): each subclass's own
+        ``__call__`` is an ``eval`` span whole (``_wrap_whole``), those made before the slice and
+        those made inside it (diffusers imports a pipeline's module at its first use: the loop's
+        ``diffusers.DDPMPipeline`` inside the slice had stayed training's forward), through an
+        ``__init_subclass__`` on the base while the probe is in. Nothing where the loop did not
+        import diffusers (nothing is imported here)."""
+        base = getattr(sys.modules.get(DIFFUSION_PIPELINE[0]), DIFFUSION_PIPELINE[1], None)
+        if not isinstance(base, type):
+            return
+
+        def wrap(cls: type) -> None:
+            fn = vars(cls).get("__call__")
+            if callable(fn):
+                self._patched.set(cls, "__call__", self._wrap_whole(fn, "eval", f"{cls.__name__}.__call__"))
+
+        for cls in subclasses(base):
+            wrap(cls)
+        if "__init_subclass__" not in vars(base):
+            owner: type = base
+
+            def made(cls: type, **kwargs: Any) -> None:
+                super(owner, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]
+                if self.installed:
+                    wrap(cls)
+
+            self._patched.set(base, "__init_subclass__", classmethod(made))
 
     def _wrap_compiled_step(self, fn: Any) -> Any:
         """Lightning's ``Strategy.training_step`` (``COMPILED_STEPS``): ``forward`` when the
