@@ -121,6 +121,11 @@ MEMORY_EVENTS: tuple[str, ...] = ("enter", "exit", "peak")
 #: How a run's note on steps ended where no optimizer hook ran begins, after its count (the
 #: capture writes it, a comparison reads it: the update's time is other there, not optimizer)
 UNSEEN_UPDATES_NOTE = "step(s) ended with no optimizer.step() tpkit saw run"
+#: Why backward passes ran with no optimizer step seen, in each note that says so (no step
+#: recorded; steps ended by ``tp.step()`` with optimizer time 0): the loop's optimizer is one tpkit
+#: does not follow. A loop "without an optimizer" had been said of fastai's and Keras's fits.
+UNSEEN_OPTIMIZER_NOTE = ("the loop's optimizer is not one tpkit sees (a framework's or a library's own, or an "
+                         "update by hand; tpkit follows torch.optim optimizers, fastai's and Keras 3's)")
 KIB = 1024
 MIB = 1024 * 1024
 GIB = 1024 * 1024 * 1024

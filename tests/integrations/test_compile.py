@@ -24,6 +24,7 @@ from truth import STEPS, WARMUP
 
 import tpkit as tp
 from tpkit.analysis import recommend
+from tpkit.schema import UNSEEN_OPTIMIZER_NOTE
 
 
 class Net(torch.nn.Module):
@@ -544,6 +545,54 @@ def test_steps_marked_with_tp_step_around_an_update_by_hand():
     assert len(losses) == STEPS + WARMUP
     assert prof.run.steps["loss"].tolist() == pytest.approx(losses, rel=1e-6)
     assert not any("no optimizer.step() tpkit saw" in n for n in prof.run.meta["notes"])
+    # backward passes ran and no optimizer step was seen: the run says its update is other
+    assert any("no optimizer step was seen" in n and UNSEEN_OPTIMIZER_NOTE in n for n in prof.run.meta["notes"])
+
+
+class OwnSGD:
+    """A framework's own optimizer (no ``torch.optim.Optimizer``, none tpkit follows): SGD, the
+    gradients zeroed in place after the update, as fastai's and Keras's keep them."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            p -= 0.01 * p.grad
+            p.grad.zero_()
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "tp.step()"])
+def test_backward_passes_with_an_optimizer_tpkit_does_not_see_are_never_a_loop_without_one(marked):
+    """Every iteration runs a backward and an update by an optimizer tpkit does not follow (a
+    framework's own). Unmarked, no step is recorded and the run had said "in a loop without an
+    optimizer, call tp.step()": it says backward passes ran and the loop's optimizer is not one
+    tpkit sees, and where to call ``tp.step()``. Marked, the steps are the loop's and the run
+    says the update's time and state are other, not optimizer. Truth: the loop's own count of
+    backward passes and updates."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = OwnSGD(list(model.parameters()))
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    passes = 0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="own-optimizer", progress=False, clock_hz=0) as prof:
+        for _ in range(STEPS + WARMUP):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            passes += 1
+            if marked:
+                tp.step()
+    notes = prof.run.meta["notes"]
+    assert passes == STEPS + WARMUP
+    assert len(prof.run.steps) == (passes if marked else 0)
+    assert not any("without an optimizer" in n for n in notes), notes
+    if marked:
+        assert any("no optimizer step was seen" in n and UNSEEN_OPTIMIZER_NOTE in n for n in notes), notes
+        assert prof.run.steps["optimizer_s"].sum() == 0
+    else:
+        assert any("no step was recorded although backward passes ran" in n and UNSEEN_OPTIMIZER_NOTE in n
+                   and "call tp.step() right after each update" in n for n in notes), notes
 
 
 class WithUnused(torch.nn.Module):

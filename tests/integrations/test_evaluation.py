@@ -1057,6 +1057,49 @@ def test_a_validation_loader_split_from_the_training_dataset_by_samplers_is_eval
     close(float(run.steps["eval_s"].sum()), evaluation_s, "eval (the whole evaluation, its metric too)")
 
 
+def test_a_validation_loader_sharing_the_training_loaders_index_sampler_is_evaluation_data():
+    """Two DataLoaders given one index sampler object (``batch_sampler=``) over different
+    Datasets: fastai hands every loader's torch iterator the same ``_index_sampler`` (its
+    ``_FakeLoader``'s class attribute). Keyed by that sampler alone, the validation loader was
+    the training loader's source: its batches were no evaluation data and the time between the
+    evaluation's calls (a 20 ms metric after each) read other. Each loader is its own source:
+    eval_s holds the whole evaluation. Truth: the loop's clock around the evaluation."""
+    metric_s = 0.02
+    shared = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(8 * BATCH)), BATCH, False)
+    train = torch.utils.data.DataLoader(truth.Regression(), batch_sampler=shared, collate_fn=truth.sleepy_collate)
+    val = torch.utils.data.DataLoader(TensorDatasetOf(8 * BATCH), batch_sampler=shared)  # 8 batches too
+    assert val._index_sampler is train._index_sampler
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    evaluation_s = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="shared-sampler", progress=False, clock_hz=0) as prof:
+        for step, (x, y) in enumerate(train):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % EVERY == 1 and step >= WARMUP:
+                t = time.perf_counter()
+                model.eval()
+                with torch.no_grad():
+                    for vx, vy in val:
+                        F.mse_loss(model(vx), vy)
+                        time.sleep(metric_s)  # the metric, between the calls
+                model.train()
+                evaluation_s += time.perf_counter() - t
+    run = prof.run
+    assert run.meta["evaluation"]["batches"] == 8 * len([s for s in range(WARMUP, N) if s % EVERY == 1])
+    close(float(run.steps["eval_s"].sum()), evaluation_s, "eval (the whole evaluation, its metric too)")
+
+
+class TensorDatasetOf(torch.utils.data.TensorDataset):
+    """``n`` (x (8,), y (1,)) pairs held in tensors: a Dataset other than ``truth.Regression``."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        super().__init__(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
+
+
 def test_a_metric_called_with_grad_keeps_no_graph_alive():
     """An evaluation written with ``model.eval()`` but no ``torch.no_grad()``, a differentiable
     torchmetrics metric called on each batch's output: tpkit keeps none of those outputs' autograd

@@ -17,6 +17,13 @@ ends the loop: the slice ends and the trainer runs on, unprofiled. The trainer i
 first step's end, by walking the frames of the loop for a ``self`` that is one of these
 trainers; nothing is imported (a framework that was never imported cannot be running) and
 nothing is patched.
+
+fastai's ``Learner`` has no such switch: a fit is stopped at the loop's next training action,
+as a plain loop is, by an exception that is fastai's own ``CancelFitException`` as well as
+tpkit's ``StopSlice`` (``stop_exception``), so that the fit ends as a callback's cancel ends
+it: ``after_cancel_fit`` and ``after_fit`` run, its batch is let go, and ``fit`` returns.
+``StopSlice`` alone went through fastai's handlers: no end event ran and ``learn.loss``,
+``pred``, ``xb`` and ``yb`` still held the last batch.
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..errors import StopSlice
+
 #: (name, module that defines the class, class name)
 _KNOWN: tuple[tuple[str, str, str], ...] = (
+    ("fastai.Learner", "fastai.learner", "Learner"),  # (no switch: stop_exception)
     ("transformers.Trainer", "transformers.trainer", "Trainer"),
     ("lightning.Trainer", "lightning.pytorch.trainer.trainer", "Trainer"),
     ("pytorch_lightning.Trainer", "pytorch_lightning.trainer.trainer", "Trainer"),
@@ -60,8 +70,8 @@ class FrameworkTrainer:
         the optimizer's step returned); from inside the optimizer's step it has not. Returns
         False when the trainer is gone or has no such switch."""
         trainer = self.trainer
-        if trainer is None:
-            return False
+        if trainer is None or self.name == FASTAI:
+            return False  # (fastai: stopped at the loop's next training action, ``stop_exception``)
         if self.name == "transformers.Trainer":
             control = getattr(trainer, "control", None)
             if control is None or not hasattr(control, "should_training_stop"):
@@ -86,8 +96,11 @@ class FrameworkTrainer:
         return True
 
     def fitting(self) -> bool:
-        """Whether a Lightning trainer is in ``fit`` (not ``validate``, ``test``, ``predict``)."""
+        """Whether a Lightning trainer is in ``fit`` (not ``validate``, ``test``, ``predict``);
+        a fastai Learner in its fit's epochs (not ``validate``, ``get_preds``)."""
         trainer = self.trainer
+        if self.name == FASTAI:
+            return trainer is not None and _fastai_fitting(trainer)
         fn = getattr(getattr(trainer, "state", None), "fn", None)
         return trainer is not None and str(getattr(fn, "value", fn)) == "fit"
 
@@ -136,6 +149,51 @@ class FrameworkTrainer:
                 or not getattr(module, "automatic_optimization", False) or len(getattr(trainer, "optimizers", ())) != 1):
             return 1
         return n
+
+    def stop_exception(self) -> StopSlice | None:
+        """What stops the loop at its first training action after a full slice instead of a plain
+        ``StopSlice`` (``slice.Profile._stop_now``): in a fastai Learner's fit, an exception that
+        is fastai's ``CancelFitException`` too, which its fit catches (``after_cancel_fit``,
+        ``after_fit``, its clean-up; ``fit`` returns). None elsewhere (outside a fit, the loop's
+        own code after it, it is ``StopSlice``)."""
+        trainer = self.trainer
+        if self.name != FASTAI or trainer is None:
+            return None
+        cancel = getattr(sys.modules.get("fastai.callback.core"), "CancelFitException", None)
+        if not (isinstance(cancel, type) and issubclass(cancel, Exception)) or not _fastai_fitting(trainer):
+            return None
+        self.stop_requested = True  # (the Run's stopped_through)
+        stop = _STOPS.get(cancel)
+        if stop is None:
+            stop = _STOPS[cancel] = type("FastaiStopSlice", (cancel, StopSlice), {
+                "__doc__": "tpkit's stop of a full slice, as fastai's own cancel of the fit",
+                "__init__": _fastai_stop_init})
+        return stop()
+
+
+FASTAI = "fastai.Learner"
+#: fastai's CancelFitException -> the class tpkit raises inside a fit (both it and StopSlice)
+_STOPS: dict[type, type] = {}
+
+
+def _fastai_stop_init(self: StopSlice) -> None:
+    """The fastai stop's ``__init__``: ``StopSlice``'s (its message), past fastai's own (which
+    sets no message); its fit catches it, as meant: no stop the loop swallowed."""
+    StopSlice.__init__(self)
+    self.handled_by_tpkit = True
+
+
+def _fastai_fitting(learner: Any) -> bool:
+    """Whether ``learner``'s ``_do_fit`` is on this thread's stack: an exception raised there is
+    caught by its ``fit`` (fastai's ``Learner._with_events(..., 'fit', CancelFitException)``).
+    Walked once, at the slice's stop."""
+    f: FrameType | None = sys._getframe(1)
+    n = 0
+    while f is not None and n < MAX_FRAMES:
+        if f.f_code.co_name == "_do_fit" and frame_self(f) is learner:
+            return True
+        f, n = f.f_back, n + 1
+    return False
 
 
 def accelerate_loss_divisor() -> int:

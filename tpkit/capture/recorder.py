@@ -373,7 +373,7 @@ class Recorder:
 
     def source_key(self, key: int, loader: Any) -> int:
         """The key of a DataLoader's batches at its ``iter()`` (``key``: its ``batches.loader_key``,
-        the id of its index sampler): where that id was another loader's, freed since (a
+        its index sampler's id, with its Dataset's): where that id was another loader's, freed since (a
         validation loader made after the training loader of the epoch before had taken its
         sampler's id: the two were one source), a key of its own from now on. Per epoch, not
         per batch (a batch reads ``key_alias``)."""

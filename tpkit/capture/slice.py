@@ -24,6 +24,7 @@ import torch
 
 from .._version import __version__
 from ..errors import ProfileActiveError, StopSlice, TpkitError
+from ..schema import UNSEEN_OPTIMIZER_NOTE
 from . import evaluation, foreign_hooks
 from . import recorder as _rec
 from .frameworks import find_trainer
@@ -515,7 +516,7 @@ class Profile:
         last = self._last_stop
         if last is not None and not last.handled_by_tpkit and not isinstance(sys.exc_info()[1], StopSlice):
             self._stops_after_caught += 1
-        self._last_stop = StopSlice()
+        self._last_stop = _stop_exception(self.rec)
         return self._last_stop
 
     def _after_stopped_run(self) -> None:
@@ -585,10 +586,14 @@ class Profile:
         returned = exc is None and self._last_stop is not None and not self._last_stop.handled_by_tpkit
         if returned or self._stops_after_caught:
             rec.note(self._swallowed_note("returned" if returned else "stopped" if isinstance(exc, StopSlice) else ""))
-        if done == 0 and self._started and not any(isinstance(p, PhaseProbe) and p.says_why_no_step()
-                                                   for p in self._removed):
-            rec.note("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
-                     "without an optimizer, call tp.step() at the end of each iteration")
+        phases = next((p for p in self._removed if isinstance(p, PhaseProbe)), None)
+        if done == 0 and self._started and not (phases is not None and phases.says_why_no_step()):
+            rec.note(_no_step_note(phases))
+        elif done and rec.explicit_steps and phases is not None and phases.backward_seen and not phases.optimizers:
+            rec.note(f"the steps ended at tp.step() and backward passes ran, but no optimizer step was seen: "
+                     f"{UNSEEN_OPTIMIZER_NOTE}; its update's time is in other_s, not optimizer_s, and its state in "
+                     "memory's other, not optimizer_state (where the update is your code, wrap it in "
+                     "`with tp.phase(\"optimizer\"):`)")
         if self.warmup_steps is None and done:
             rec.note(f"warmup auto: step times never settled; all {done} steps are flagged warmup")
         for probe in self._removed:
@@ -648,6 +653,24 @@ class Profile:
 # raised from a wrapper dynamo runs at a graph break (a backward in a step compiled whole): no frame
 # of it is compiled (capture/probes/compiling.py)
 skipped_by_dynamo(Profile._stop_now, callees=True)
+
+
+def _no_step_note(phases: PhaseProbe | None) -> str:
+    """The run's note on a slice that recorded no step: where backward passes ran, the loop's
+    optimizer is one tpkit does not see (never "a loop without an optimizer")."""
+    if phases is not None and phases.backward_seen:
+        return (f"no step was recorded although backward passes ran: {UNSEEN_OPTIMIZER_NOTE}, so no step ended "
+                "at its update; call tp.step() right after each update, at the end of each iteration (in a "
+                "framework's fit, in a callback at each batch's end)")
+    return ("no step was recorded: tpkit ends a step at each optimizer.step(); in a loop "
+            "without an optimizer, call tp.step() at the end of each iteration")
+
+
+def _stop_exception(rec: _rec.Recorder | None) -> StopSlice:
+    """What stops the loop: ``StopSlice``, or inside a fastai fit an exception that is fastai's
+    own cancel of the fit as well (``frameworks.FrameworkTrainer.stop_exception``)."""
+    fw = rec.framework if rec is not None else None
+    return (fw.stop_exception() if fw is not None else None) or StopSlice()
 
 
 def _raised_while_stopping(exc: BaseException) -> bool:

@@ -87,6 +87,21 @@ AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("pytorch_lightning.plugins.precision.precision", "Precision", "_clip_gradients"),
 )
 
+#: Optimizers that are no ``torch.optim.Optimizer``, as ``SAVERS``: their ``step`` runs none of
+#: torch's step hooks, so the phase probe runs its own around it, as torch.optim's step does
+#: (``PhaseProbe._wrap_foreign_step``): it ends the loop's steps, is ``optimizer`` time, and its
+#: state (``opt.state``, keyed by parameter, and ``param_groups``, which fastai builds from its
+#: ``param_lists`` and ``hypers``) is the memory probe's ``optimizer_state``. fastai's own (a
+#: ``Learner``'s default ``opt_func=Adam``): a fit had recorded no step at all (0 of 16, "NO
+#: STEPS"), and with ``tp.step()`` optimizer 0 s of 1.2 s, its 2,121,744 B of state other.
+OPTIMIZER_STEPS: tuple[tuple[str, str, str], ...] = (
+    ("fastai.optimizer", "Optimizer", "step"),
+)
+#: ... and their ``zero_grad``, which zeroes the gradients in place: ``optimizer`` time.
+OPTIMIZER_ZERO_GRADS: tuple[tuple[str, str, str], ...] = (
+    ("fastai.optimizer", "Optimizer", "zero_grad"),
+)
+
 #: Lightning's training step, where the LightningModule was compiled whole
 #: (``trainer.fit(torch.compile(module))``): Lightning compiles its ``training_step``, the model's
 #: calls inside run as compiled code and no module call is seen; the step's call is the forward

@@ -86,6 +86,8 @@ from .hook_places import (
     LAUNCHERS,
     LOADER_SHUTDOWNS,
     LOADER_STARTS,
+    OPTIMIZER_STEPS,
+    OPTIMIZER_ZERO_GRADS,
     SAVERS,
     SEARCHES,
     TRACERS,
@@ -419,6 +421,9 @@ class PhaseProbe:
                 for attr in keras_optimizers.STEP_ATTRS:
                     if callable(vars(cls).get(attr)):
                         self._patched.set(cls, attr, self._wrap_keras_step(vars(cls)[attr]))
+            self._patch_each(OPTIMIZER_STEPS, lambda fn, *_: self._wrap_foreign_step(fn))
+            self._patch_each(OPTIMIZER_ZERO_GRADS, lambda fn, *_: self._wrap_phase(fn, "optimizer", "zero_grad",
+                                                                                   to_none=False))
             self._patch_each(COMPILED_STEPS, lambda fn, *_: self._wrap_compiled_step(fn))
             self._patch_each(TRAINER_RUNS, lambda fn, *_: self._wrap_trainer_run(fn))
             self._patch_each(SEARCHES, lambda fn, module, owner, attr:
@@ -469,6 +474,11 @@ class PhaseProbe:
         for model in self.models.live():
             if id(model) in alone and any(i in rec.trained_modules for i in _same_model(model)[1:]):
                 rec.trained_modules.add(id(model))
+
+    @property
+    def backward_seen(self) -> bool:
+        """Whether the loop ran a backward pass in the slice (in its thread)."""
+        return self._backward_seen
 
     def says_why_no_step(self) -> bool:
         """Whether the run's notes already say why a slice recorded no step (the loop trained in
@@ -863,6 +873,21 @@ class PhaseProbe:
 
         return skipped_by_dynamo(functools.update_wrapper(keras_step, fn))
 
+    def _wrap_foreign_step(self, fn: Any) -> Any:
+        """The step of an optimizer that is no ``torch.optim.Optimizer`` (``OPTIMIZER_STEPS``),
+        between the phase probe's step hooks, as torch.optim runs its global ones around a step."""
+        probe = self
+
+        def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            changed = probe._opt_pre(opt, (opt, *args), kwargs)
+            if changed is not None:  # (a closure wrapped)
+                args, kwargs = tuple(changed[0][1:]), changed[1]
+            out = fn(opt, *args, **kwargs)
+            probe._opt_post(opt, (opt, *args), kwargs)
+            return out
+
+        return skipped_by_dynamo(functools.update_wrapper(step, fn))
+
     def _wrap_closure(self, closure: Any) -> Any:
         probe = self
 
@@ -1144,10 +1169,13 @@ class PhaseProbe:
                 owners += [m for m in self.models.live() if id(m) in rec.trained_modules]
             for each in dict.fromkeys(owners):
                 zero_grad = type(each).zero_grad
+                plain = getattr(zero_grad, "__wrapped__", zero_grad)
                 try:
-                    getattr(zero_grad, "__wrapped__", zero_grad)(each, set_to_none=self._grads_to_none
-                                                                 if self._grads_to_none is not None
-                                                                 else self._none_before_backward)
+                    try:
+                        plain(each, set_to_none=self._grads_to_none if self._grads_to_none is not None
+                              else self._none_before_backward)
+                    except TypeError:  # one without set_to_none (fastai's: it zeroes them in place)
+                        plain(each)
                 except Exception:  # noqa: BLE001 - an optimizer's own zero_grad must not replace the stop
                     pass
             raise
@@ -1339,7 +1367,9 @@ class PhaseProbe:
         return skipped_by_dynamo(step)
 
     # -- wrappers ---------------------------------------------------------------------------
-    def _wrap_phase(self, fn: Any, phase: str, source: str) -> Any:
+    def _wrap_phase(self, fn: Any, phase: str, source: str, to_none: bool | None = None) -> Any:
+        """``to_none``: how a ``zero_grad`` drops the gradients where its arguments do not say
+        (fastai's zeroes them in place); None: torch's ``set_to_none``, True by default."""
         rec, probe = self.rec, self
         reset = source == "zero_grad"
 
@@ -1355,7 +1385,8 @@ class PhaseProbe:
                     rec.optimizers.add(args[0])
                 probe.losses.reset(rec.step_index)
                 # how this loop drops its gradients, for the stop to drop them alike
-                probe._grads_to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
+                probe._grads_to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True)) \
+                    if to_none is None else to_none
             token = rec.enter(phase, source)
             try:
                 out = fn(*args, **kwargs)
