@@ -285,3 +285,25 @@ def test_a_graph_loop_counts_its_graphs():
             opt.zero_grad()
     assert prof.run.steps["samples"].tolist() == seen[:4] == [B] * 4
     assert not any("could not count" in n for n in prof.run.meta["notes"])
+
+
+class LoopBatch:
+    """A batch class of the loop's own, given the loader's nominal batch size."""
+
+    def __init__(self, x: torch.Tensor, batch_size: int) -> None:
+        self.x, self.y, self.batch_size = x, x.sum(1), batch_size
+
+
+class Task:
+    """A task object a multitask loader hands out before the batch: settings, no tensor."""
+
+    batch_size = 256
+
+
+def test_a_batch_object_is_its_rows_and_an_object_without_tensors_is_no_batch():
+    """A loop's own batch class is as many samples as its tensors' rows: the last batch of 40
+    in 16s is 8, whatever nominal ``batch_size`` it was given (it had read 16); an object
+    holding no tensor says no size (a task's settings before the batch had read 256 for 16;
+    unknown, as before the stores were read). Truth: the rows the loop made."""
+    assert batch_size_of(LoopBatch(torch.zeros(8, 4), batch_size=16)) == 8
+    assert batch_size_of((Task(), torch.zeros(16, 4))) is None

@@ -525,9 +525,10 @@ def _batch_tensors(batch: Any) -> list[torch.Tensor]:
     """``list(_tensors(batch))``, without a generator for a tensor or a flat dict, list or
     tuple of tensors (what loaders hand out), or a flat ``UserDict`` of them (``_tensors``); any
     other ``Mapping`` through the dict that holds its values, never its ``__getitem__`` (a lazy
-    one, a datasets ``LazyBatch``, would format or stack at each read). An object that is no
-    container: the tensors it holds (``batches.stored_tensors``: a PyG ``Batch`` keeps them in a
-    ``MutableMapping``, whose bytes had read other, data 0 B), and so at the top of a list or tuple."""
+    one, a datasets ``LazyBatch``, would format or stack at each read). A batch that is an object
+    (no container): the tensors in its mapping stores (``batches.stored_tensors``: a PyG ``Batch``
+    keeps them in a ``MutableMapping``, whose bytes had read other, data 0 B). Objects inside a
+    batch are not walked (a config with class weights beside the tensors is no data)."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, dict):
@@ -547,7 +548,7 @@ def _batch_tensors(batch: Any) -> list[torch.Tensor]:
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif type(v) not in _PLAIN:
-            out += _tensors(v, 1) if _walked(v) else stored_tensors(v)
+            out += _tensors(v, 1) if _walked(v) else ()
     return out
 
 
