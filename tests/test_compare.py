@@ -631,3 +631,5 @@ def test_a_collector_pause_inside_a_wait_for_data_is_no_data_stall():
     assert row(c, "data_wait_time", "gc")["value"] == pytest.approx(10.0)
     assert row(c, "other_time", "gc")["value"] == pytest.approx(20.0)
     assert row(c, "data_stall_share", "gc")["value"] == pytest.approx(10.0)
+    phases = c.phases[c.phases["run"] == "gc"].set_index("phase")["median_ms"]  # the chart's too
+    assert phases["data_wait"] == pytest.approx(10.0) and phases["other"] == pytest.approx(20.0)

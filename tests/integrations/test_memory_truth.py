@@ -333,6 +333,37 @@ def test_layers_frozen_between_full_reads_or_in_the_last_passes_keep_their_gradi
     assert not any("could not be told" in n for n in prof.run.meta["notes"])
 
 
+def test_the_first_backward_after_an_unfreezing_keeps_its_gradients_when_they_are_zeroed_in_place():
+    """``zero_grad(set_to_none=False)``: the unfrozen weights' gradients are made at the first
+    backward after the unfreezing and never freed; tpkit's grad hook on them is made at the look
+    after that backward, so the first marker after their allocation is the next pass's: at that
+    first backward's peak they had read temporaries (2,918,404 B, gradients 108,040 for
+    2,988,040). Truth: the ``.grad`` storages alive after each backward."""
+    torch.manual_seed(0)
+    w = 600
+    backbone = torch.nn.Sequential(torch.nn.Linear(32, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
+                                   torch.nn.Linear(w, w), torch.nn.ReLU())
+    model = torch.nn.Sequential(backbone, torch.nn.Linear(w, 10))
+    backbone.requires_grad_(False)
+    opt = torch.optim.Adam(model[1].parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    truth = []
+    with tp.profile(steps=12, warmup=0, name="unfreeze-zeroed", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            if i == 6:
+                backbone.requires_grad_(True)
+                opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            F.cross_entropy(model(x), y).backward()
+            truth.append(_grad_bytes(model))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    assert truth[5] != truth[6] == 2_988_040
+    m = prof.run.memory
+    at = m[(m["phase"] == "backward") & (m["event"] == "peak") & (m["device"] == "cpu")
+           & (m["category"] == "gradients")]
+    assert at.groupby("step")["bytes"].sum().tolist() == truth[:12]
+
+
 def test_sets_trained_by_turns_keep_their_gradients_exact_without_a_look_at_each_switch():
     """An encoder and a decoder trained by turns (``requires_grad_`` switched every step): after
     each set's first look the replay has its pattern of gradient sizes, so a switch back to a

@@ -107,6 +107,12 @@ class Metric:
     step_ms: float = float("nan")  # the run's mean step (ms), the "time" test's scale
 
 
+def judged_steps(run: "Run") -> pd.DataFrame:
+    """The run's steps as the verdict judges them (``steps.gc_free_steps``): a collector pause
+    inside ``data_wait`` moved to other."""
+    return gc_free_steps(run.steps, gc_pauses(run.spans, run.steps))
+
+
 def clean_measured(steps: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """The measured steps with a finite duration (NaN phase times as 0), and how many
     measured steps were dropped for a NaN or infinite duration."""
@@ -129,7 +135,7 @@ def run_metrics(run: "Run", n: int = BOOTSTRAP_N, seed: int = BOOTSTRAP_SEED,
     and the run's durations (what ``compare`` does). The phases are as the verdict judges them
     (``steps.gc_free_steps``): a collector pause inside ``data_wait`` is other, as in the
     summary (a first slice's full collection in ``next()`` had read as a data stall here only)."""
-    m, _ = clean_measured(gc_free_steps(run.steps, gc_pauses(run.spans, run.steps)))
+    m, _ = clean_measured(judged_steps(run))
     out: list[Metric] = []
     dur = m["duration_s"].to_numpy(dtype="float64") if not m.empty else np.array([])
     total = float(dur.sum())
@@ -537,10 +543,12 @@ def steps_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
 
 def phases_frame(runs: list["Run"], labels: list[str]) -> pd.DataFrame:
     """Median milliseconds and share of step time per phase per run (measured steps):
-    ``run, phase, median_ms, share``. Phases no run spent time in are left out."""
+    ``run, phase, median_ms, share``. Phases no run spent time in are left out. As judged
+    (``judged_steps``): the phase chart had shown a collector pause in ``next()`` as data_wait
+    beside a table that read it other."""
     rows = []
     for r, label in zip(runs, labels):
-        m, _ = clean_measured(r.steps)
+        m, _ = clean_measured(judged_steps(r))
         total = float(m["duration_s"].sum()) if not m.empty else 0.0
         for col in PHASE_COLUMNS:
             if col in m.columns and not m.empty:

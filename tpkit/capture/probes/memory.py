@@ -1637,21 +1637,24 @@ class MemoryProbe:
         span_start = 0
         grads_seen = set(self._grads_seen_at)
 
+        # gradient block -> the end of the backward pass it was made in (the look after it):
+        # filled once the stream is read, for ``first_hook``
+        pass_end: dict[int, int] = {}
+
         def first_hook(slot: int, after: int, block: int = -1) -> int:
             """The first grad-set marker of ``slot`` after ``after`` (a gradient's allocation);
-            ``after`` where there is none, or (``block``: its index, once the frees are known)
-            where the block was freed before it outside a backward pass: the marker is a later
-            pass's. A parameter unfrozen mid-slice gets its hook at the look after its first
-            backward, and the gradient had read temporaries through that backward (its peak:
-            2,918,404 B of temporaries for 38,404). A gradient freed inside backward, before the
-            marker, keeps it (an optimizer stepped in an earlier hook of the loop's dropped it)."""
+            ``after`` where there is none, or (``block``: its index, once the stream is read)
+            where that marker comes after the end of the backward pass the block was made in:
+            it is a later pass's. A parameter unfrozen mid-slice gets its hook at the look after
+            its first backward, and the gradient had read temporaries through that backward (its
+            peak: 2,918,404 B of temporaries for 38,404), with ``set_to_none=False`` too (the
+            block never freed). A marker inside the pass is the block's own, also after its free
+            (an optimizer stepped in an earlier hook of the loop's dropped it)."""
             pos = hooks.get(slot)
             if not pos:
                 return after
             h = bisect.bisect_right(pos, after)
-            if h == len(pos):
-                return after
-            if block >= 0 and block not in freed_in_backward and pos[h] > freed_at.get(block, 1 << 62):
+            if h == len(pos) or (block >= 0 and pos[h] > pass_end.get(block, 1 << 62)):
                 return after
             return pos[h]
 
@@ -1798,6 +1801,7 @@ class MemoryProbe:
                     freed_at[a] = i
                     if bwd_depth > 0:
                         freed_in_backward.add(a)
+        pass_end.update((a, end) for _, end, blocks in spans for a in blocks)
         for a, seen in grad_seen_at.items():
             # in .grad from the boundary before the observation that found it, at the latest (the
             # observation of an optimizer stepped in backward comes right after its enter): a
