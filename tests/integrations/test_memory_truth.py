@@ -364,6 +364,32 @@ def test_the_first_backward_after_an_unfreezing_keeps_its_gradients_when_they_ar
     assert at.groupby("step")["bytes"].sum().tolist() == truth[:12]
 
 
+@pytest.mark.parametrize("freeze_at", [None, 11])
+def test_a_second_backward_that_makes_no_parameter_gradient_leaves_the_gradients_counted(freeze_at):
+    """Two backward passes a step, the second making no parameter gradient (an input gradient's,
+    a penalty on the inputs): the look after both finds the first's gradients; between looks
+    they had read 0 B at every ``step()`` from the 4th look on, no note (a pattern was taken
+    from the second pass alone, which made none). With a layer frozen late too. Truth: the
+    ``.grad`` storages alive at each ``step()``."""
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU())
+    model = torch.nn.Sequential(backbone, torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    truth = []
+    with tp.profile(steps=14, warmup=0, name="two-backwards", progress=False, clock_hz=0) as prof:
+        for i in range(100):
+            if i == freeze_at:
+                backbone[2].requires_grad_(False)
+            F.cross_entropy(model(x), y).backward()
+            (x.clone().requires_grad_(True) * 2).sum().backward()
+            truth.append(_grad_bytes(model))
+            opt.step()
+            opt.zero_grad()
+    assert _at_optimizer_enter(prof.run, "gradients") == truth[:14]
+    assert not any("could not be told" in n for n in prof.run.meta["notes"])
+
+
 def test_sets_trained_by_turns_keep_their_gradients_exact_without_a_look_at_each_switch():
     """An encoder and a decoder trained by turns (``requires_grad_`` switched every step): after
     each set's first look the replay has its pattern of gradient sizes, so a switch back to a

@@ -1632,6 +1632,7 @@ class MemoryProbe:
         # set by hand) are the pass's too
         spans: list[list[Any]] = []
         after_bwd = False  # from a backward's exit to the look after it
+        merged_looked = False  # whether the pass a second backward joined was looked at
         looked: list[bool] = []  # whether the gradients were looked at after each backward pass
         span_ids: list[int] = []
         span_start = 0
@@ -1700,11 +1701,18 @@ class MemoryProbe:
                         bwd_depth += 1 if event == "enter" else -1
                         if event == "enter" and bwd_depth == 1:
                             if after_bwd:
-                                spans[-1][1], after_bwd = i, False
-                            span_ids, span_start = [], i
+                                # another backward before any look (a second loss's, an input
+                                # gradient's): one pass with the one before, whose gradients
+                                # the look after both finds (a second backward making no
+                                # parameter gradient had left the first's read 0 B between looks)
+                                span_start, _, span_ids = spans.pop()
+                                merged_looked, after_bwd = looked.pop(), False
+                            else:
+                                span_ids, span_start = [], i
                         elif event == "exit" and bwd_depth == 0:
                             spans.append([span_start, i, span_ids])
-                            looked.append(False)
+                            looked.append(merged_looked)
+                            merged_looked = False
                             after_bwd = True
                     elif after_bwd and event == "enter" and phase in _LOOK_AT:
                         spans[-1][1], after_bwd = i, False  # where the gradients are looked at
