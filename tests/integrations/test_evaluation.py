@@ -816,6 +816,63 @@ def test_the_loops_own_work_after_an_evaluation_ends_its_tail(after):
         assert not ((tails["start_s"] < p.end_s) & (tails["end_s"] > p.start_s)).any(), "a gc pause inside a tail"
 
 
+def test_the_evaluations_metric_called_with_grad_after_its_batches_is_the_evaluations():
+    """``evaluate()`` collects its predictions under ``no_grad``, then calls its torchmetrics metric
+    on all of them outside that block, then ``compute()``: the metric call is the evaluation's tail,
+    not the loop's own work ending it (a first version of that rule read eval 0.003 s for the
+    evaluations' 0.369, OVERHEAD-BOUND "after evaluation"). Truth: the loop's clock around
+    ``evaluate()``."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class SlowAccuracy(torchmetrics.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("hits", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+        def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+            time.sleep(0.03)
+            self.hits += (pred - target).abs().lt(1.0).float().sum()
+
+        def compute(self) -> torch.Tensor:
+            time.sleep(0.03)
+            return self.hits
+
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    train = train_and_val()[0]
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(2 * EVAL_BATCH)),
+                                      batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate)
+    metric = SlowAccuracy()
+    clock = {"eval": 0.0}
+
+    def evaluate() -> None:
+        t = time.perf_counter()
+        model.eval()
+        preds, targets = [], []
+        with torch.no_grad():
+            for vx, vy in val:
+                preds.append(model(vx))
+                targets.append(vy)
+        metric(torch.cat(preds), torch.cat(targets))  # outside no_grad, on all the predictions
+        float(metric.compute())
+        metric.reset()
+        model.train()
+        clock["eval"] += time.perf_counter() - t
+
+    evaluated = [s for s in range(N - 1) if s % EVERY == EVERY - 1]
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="eval-metric-after", progress=False, clock_hz=0) as prof:
+        it = iter(train)
+        for step in range(N):
+            x, y = next(it)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in evaluated:
+                evaluate()
+    close(float(prof.run.steps["eval_s"].sum()), clock["eval"], "eval (evaluate() whole)")
+
+
 def unseen_batches(size: int = BATCH):
     """Training batches from a plain generator tpkit does not see (no loader, no ``tp.watch``)."""
     while True:

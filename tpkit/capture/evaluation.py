@@ -448,8 +448,7 @@ def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], oth
     metrics' 170 ms of compute training's other, and the verdict "training alone would run up to
     1.58x faster" for 3.48x. The loop's own work ends it too: a user's ``tp.phase`` opening (a
     tracker upload wrapped as the notes advise) or one around the whole evaluation closing, a
-    save, a file read, a metric call
-    that is not the evaluation's (an on_epoch_end callback after a validation, wrapped in
+    save, a file read, a trace (an on_epoch_end callback after a validation, wrapped in
     ``tp.phase("upload")``, had read eval 0.287 s for the validation's 0.084 s: the tail covered
     the user's phase, which takes no time from a built-in span); the collector's pauses are cut
     out of it (other, as elsewhere outside a phase).
@@ -470,13 +469,15 @@ def _tails(split_: EvalSplit, recorded: list[list[int]], spans: list[tuple], oth
     range_starts = [a for a, _ in split_.ranges]
     calls = split_.calls
     # the loop's own work after the evaluation, which ends its tail: a user's phase opening
-    # (``tp.phase("upload")``), a save, a file read, a TorchScript trace (TensorBoard's add_graph),
-    # a metric call that is not the evaluation's (a training metric); and a user's phase around the whole evaluation closing (one around
-    # each of its batches closes right after its last call: its metrics' compute stays the tail)
+    # (``tp.phase("upload")``), a save, a file read, a TorchScript trace (TensorBoard's add_graph);
+    # and a user's phase around the whole evaluation closing (one around each of its batches
+    # closes right after its last call: its metrics' compute stays the tail). Not a metric call:
+    # the evaluation's own metric on all its predictions, called with grad after its no_grad
+    # block, is the tail's (a first version ended it there: eval 0.003 s for 0.369); a training
+    # metric comes after the next training forward, which ends the tail anyway
     user = sorted((s[2], s[1]) for s in spans if s[4] == USER_PHASE_SOURCE and s[0] != EVAL)  # (end, start)
     user_ends = [e for e, _ in user]
-    moved_on = sorted([a for _, a in user] + [s[1] for s in spans if s[0] in ("save", FILE_LOAD, JIT_TRACE)
-                                              or (s[0] == METRIC_CALL and not split_.in_call(s[1]))])
+    moved_on = sorted([a for _, a in user] + [s[1] for s in spans if s[0] in ("save", FILE_LOAD, JIT_TRACE)])
     # the collector's pauses: cut out of a tail, they stay other (as ``analysis.steps.gc_pauses`` reads them)
     pauses = sorted((s[1], s[2]) for s in spans if s[0] == GC_PHASE and s[4] != USER_PHASE_SOURCE)
     tails: list[tuple[int, int, int]] = []
