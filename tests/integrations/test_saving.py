@@ -296,3 +296,49 @@ def test_a_model_logged_to_mlflow_is_save(tmp_path, monkeypatch):
     assert [i for i, s in enumerate(save_s) if s > 0] == sorted(saves)
     for i, want in saves.items():
         close(save_s[i], want, f"step {i}'s log_model")
+
+
+SAVER_MODULE = '''
+import time
+
+def log_model(model):
+    time.sleep({sleep})
+'''
+
+
+def test_a_saver_whose_module_is_loaded_inside_the_slice_is_save_from_the_next_step(tmp_path, monkeypatch):
+    """A save place listed in ``SAVERS`` whose module the loop loads inside the slice (``import
+    mlflow`` makes ``mlflow.pytorch`` a lazy module, loaded at the first ``log_model``): its calls
+    are save from the end of the step it was loaded in, as the loop's clock around them says (only
+    a module loaded before the slice had been patched: MLflow's log_model read other after a plain
+    ``import mlflow``)."""
+    import sys
+
+    from tpkit.capture.probes import phases
+
+    (tmp_path / "tp_late_saver.py").write_text(SAVER_MODULE.format(sleep=0.03))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tp_late_saver", raising=False)
+    monkeypatch.setattr(phases, "SAVERS", (*phases.SAVERS, ("tp_late_saver", "", "log_model")))
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(truth.Regression(), batch_size=8, collate_fn=truth.sleepy_collate)
+    saves: dict[int, float] = {}
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="late-saver", progress=False, clock_hz=0) as prof:
+        import tp_late_saver  # noqa: PLC0415 - loaded inside the slice, as a lazy module is
+
+        for i, (x, y) in enumerate(loader):
+            if i % EVERY == EVERY - 1:
+                t = time.perf_counter()
+                tp_late_saver.log_model(model)
+                saves[i] = time.perf_counter() - t
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    save_s = prof.run.steps["save_s"].tolist()
+    assert [i for i, s in enumerate(save_s) if s > 0] == sorted(i for i in saves if i < len(save_s))
+    for i, want in saves.items():
+        if i < len(save_s):
+            close(save_s[i], want, f"step {i}'s log_model")
+    assert not hasattr(sys.modules["tp_late_saver"].log_model, "__wrapped__")  # put back

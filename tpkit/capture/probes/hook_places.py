@@ -56,7 +56,7 @@ FILE_LOADERS: tuple[tuple[str, str, str], ...] = (
 #: every step read OVERHEAD-BOUND 45%, "Python between phases"). Inside a step's post hook it is
 #: the optimizer's already.
 #: The modules need not be imported before the slice: one imported inside it (a training function that
-#: imports its EMA class) is patched at the end of the step it was imported in (``PhaseProbe._patch_averagers``).
+#: imports its EMA class) is patched at the end of the step it was imported in (``PhaseProbe._patch_late``).
 AVERAGERS: tuple[tuple[str, str, str], ...] = (
     ("torch.optim.swa_utils", "AveragedModel", "update_parameters"),
     # the other libraries' EMA copies, updated by the loop after each step: diffusers' EMAModel.step

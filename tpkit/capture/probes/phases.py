@@ -284,8 +284,10 @@ class PhaseProbe:
         # the lead stepped inside the step() now running (not its closure): that optimizer wraps it
         # (``_wraps_lead``)
         self._lead_inside = False
-        # the AVERAGERS whose module was not imported yet, and len(sys.modules) when that was looked at
-        self._averagers_left: tuple[tuple[str, str, str], ...] = AVERAGERS
+        # the SAVERS and AVERAGERS whose module was not imported yet, with their phase, and
+        # len(sys.modules) when that was looked at (``_patch_late``)
+        self._late_left: tuple[tuple[str, tuple[str, str, str]], ...] = (
+            *(("save", p) for p in SAVERS), *(("optimizer", p) for p in AVERAGERS))
         self._modules_seen = 0
         self._joins: set[int] = set()  # ids of the DDP Join contexts the loop entered in the slice
         self._most_in_past_runs = 0  # the most optimizers that stepped in one trainer run before this one
@@ -404,10 +406,9 @@ class PhaseProbe:
             self._patch_each(FILE_LOADERS, lambda fn, module, owner, attr:
                              self._wrap_whole(fn, FILE_LOAD, f"{module}.{attr}"))
             self._patch_each(TRACERS, lambda fn, module, owner, attr: self._wrap_trace(fn, f"torch.jit.{attr}"))
-            for phase, places in (("save", SAVERS), ("eval", EVALUATORS)):
-                self._patch_each(places, lambda fn, module, owner, attr, phase=phase:
-                                 self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
-            self._patch_averagers()
+            self._patch_each(EVALUATORS, lambda fn, module, owner, attr:
+                             self._wrap_whole(fn, "eval", f"{owner or module}.{attr}"))
+            self._patch_late()
             for module, owner, attr, test in EVALUATORS_WHEN:
                 self._patch_each(((module, owner, attr),), lambda fn, module, owner, attr, test=test:
                                  self._wrap_whole(fn, "eval", f"{module.split('.')[0]}.{owner}.{attr}",
@@ -1129,23 +1130,27 @@ class PhaseProbe:
             self._step_in_backward = None
             self._end_step(opt)
 
-    def _patch_averagers(self) -> None:
-        """Patch the ``AVERAGERS`` whose module is imported now (nothing is imported here): ``optimizer``
-        spans. Called at install and at each step's end where a module was imported since (a length
-        compared, a step): a loop importing its EMA class inside the slice (``from diffusers.training_utils
-        import EMAModel`` in its training function) had its updates read other."""
+    def _patch_late(self) -> None:
+        """Patch the ``SAVERS`` (``save``) and ``AVERAGERS`` (``optimizer``) whose module is
+        imported now (nothing is imported here): called at install and at each step's end where a
+        module was imported since (a length compared, a step). A loop importing its EMA class
+        inside the slice (``from diffusers.training_utils import EMAModel`` in its training
+        function) had its updates read other; ``mlflow.pytorch`` is loaded lazily at its first
+        use (``import mlflow`` makes it a lazy module), so ``log_model`` had been save only where the
+        loop imported ``mlflow.pytorch`` itself (the call that loads it stays other)."""
         self._modules_seen = len(sys.modules)
-        now = tuple(p for p in self._averagers_left if p[0] in sys.modules)
+        now = tuple(e for e in self._late_left if e[1][0] in sys.modules)
         if now:
-            self._averagers_left = tuple(p for p in self._averagers_left if p[0] not in sys.modules)
-            self._patch_each(now, lambda fn, module, owner, attr:
-                             self._wrap_whole(fn, "optimizer", f"{owner or module}.{attr}"))
+            self._late_left = tuple(e for e in self._late_left if e[1][0] not in sys.modules)
+            for phase, place in now:
+                self._patch_each((place,), lambda fn, module, owner, attr, phase=phase:
+                                 self._wrap_whole(fn, phase, f"{owner or module}.{attr}"))
 
     def _end_step(self, opt: torch.optim.Optimizer | None) -> None:
         rec = self.rec
         self._worked = False
-        if self._averagers_left and len(sys.modules) != self._modules_seen:
-            self._patch_averagers()
+        if self._late_left and len(sys.modules) != self._modules_seen:
+            self._patch_late()
         self._versions_at_backward = None
         if not rec.framework_looked:
             rec.framework_looked = True
