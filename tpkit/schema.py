@@ -58,12 +58,16 @@ METRIC_CALL = "metric_call"
 #: Lightning's ``log_graph=True``) traces the model in eval mode, and had read as an evaluation
 #: of 2 calls, the verdict OVERHEAD-BOUND "between evaluation calls".
 JIT_TRACE = "jit_trace"
-#: What to do about a third-party package's hooks on the trained model (``meta["model"]["hooks"]``,
-#: capture/foreign_hooks.py), by package; any other package's: ``HOOKS_REMEDY``.
-HOOK_REMEDIES: dict[str, str] = {
-    "wandb": "log them less often (wandb.watch(model, log_freq=100)) or call wandb.unwatch(model) while profiling",
-}
-HOOKS_REMEDY = "register them less often, or remove them while profiling to time the model alone"
+#: Experiment trackers, whose hooks on a model observe it (``wandb.watch``; comet_ml's and
+#: neptune's watches): the only packages whose hooks (``meta["model"]["hooks"]``,
+#: capture/foreign_hooks.py) are called a tracker's and get advice. Any other package's hooks may be
+#: how the model trains (a ZeRO-style parameter gather, a compression library's): named, no advice.
+TRACKERS: frozenset[str] = frozenset({
+    "wandb", "comet_ml", "neptune", "neptune_pytorch", "clearml", "aim", "mlflow", "tensorboard", "tensorboardX",
+    "dvclive", "swanlab",
+})
+#: What to do about a tracker's hooks other than wandb's (whose advice reads its ``log_freq``).
+TRACKER_REMEDY = "stop its watching of the model while profiling to time the model alone"
 
 
 def hooks_phrase(hooks: dict[str, int]) -> str:
@@ -71,9 +75,25 @@ def hooks_phrase(hooks: dict[str, int]) -> str:
     return " and ".join(f"{n} hook(s) of {name}" for name, n in sorted(hooks.items())) + " on the model"
 
 
-def hooks_remedy(hooks: dict[str, int]) -> str:
-    """What the note and the verdict advise about them (``HOOK_REMEDIES``)."""
-    return "; ".join(dict.fromkeys(HOOK_REMEDIES.get(name, HOOKS_REMEDY) for name in sorted(hooks)))
+def hooks_remedy(hooks: dict[str, int], every: dict[str, int] | None = None, steps: int = 0) -> str:
+    """What the note and the verdict advise about the trackers' hooks among ``hooks`` ("" for none):
+    ``every``: how often each logs (``meta["model"]["hooks_log_freq"]``, wandb's ``log_freq``);
+    ``steps``: the steps profiled. Hooks logging less often than once in those steps are advised
+    nothing (``wandb.watch``'s default, every 1000th call, had been told to log "less often" with
+    ``log_freq=100``); no advice names a smaller interval than theirs."""
+    out: list[str] = []
+    for name in sorted(hooks):
+        if name not in TRACKERS:
+            continue
+        n = (every or {}).get(name)
+        if name != "wandb":
+            out.append(f"{name}: {TRACKER_REMEDY}")
+        elif n is None:
+            out.append("wandb: call wandb.unwatch(model) while profiling, or watch it with a larger log_freq")
+        elif not steps or n <= steps:
+            out.append(f"wandb.watch logs every {n} call(s) (log_freq={n}): call wandb.unwatch(model) while "
+                       f"profiling, or watch it with a log_freq above the {steps} steps profiled")
+    return "; ".join(dict.fromkeys(out))
 
 
 #: Span phases left out of the steps table's accounting (they overlap the phases, not nest in them).

@@ -18,6 +18,7 @@ from ..schema import (
     OTHER,
     PHASE_COLUMNS,
     PHASE_NAMES,
+    TRACKERS,
     UNCOUNTED_PHASES,
     USER_PHASE_SOURCE,
     VERDICTS,
@@ -479,15 +480,21 @@ def _training_verdict(shares: dict[str, float], seen: bool = True, compiled: str
                     "the input pipeline keeps up" if seen else f"{UNSEEN_LOADER}: {WATCH_IT} to time it")
 
 
-def _with_hooks(v: Verdict, hooks: Any) -> Verdict:
-    """A compute-bound verdict where a third-party package's hooks sit on the trained model
-    (``meta["model"]["hooks"]``, capture/foreign_hooks.py): their time is inside forward and
-    backward, and the advice names them first (wandb.watch(log="all", log_freq=1) had made 90% of
-    a step forward and backward, "COMPUTE-BOUND" with no word of it)."""
+def _with_hooks(v: Verdict, model: dict[str, Any], steps: int) -> Verdict:
+    """A compute-bound verdict where a tracker's hooks sit on the trained model
+    (``meta["model"]["hooks"]``, capture/foreign_hooks.py) and log within the ``steps`` profiled:
+    their time is inside forward and backward, and the advice names them first (wandb.watch(log="all",
+    log_freq=1) had made 90% of a step forward and backward, "COMPUTE-BOUND" with no word of it).
+    Other packages' hooks (how a model may train: a ZeRO-style gather) get no advice here."""
+    hooks, every = model.get("hooks"), model.get("hooks_log_freq")
     if v.kind != "compute-bound" or not isinstance(hooks, dict) or not hooks:
         return v
-    return _verdict(v.kind, v.evidence, f"{hooks_phrase(hooks)} run inside forward and backward: "
-                    f"{hooks_remedy(hooks)}; " + v.advice)
+    remedy = hooks_remedy(hooks, every if isinstance(every, dict) else None, steps)
+    if not remedy:
+        return v
+    trackers = {name: n for name, n in hooks.items() if name in TRACKERS}
+    return _verdict(v.kind, v.evidence, f"{hooks_phrase(trackers)} run inside forward and backward: "
+                    f"{remedy}; " + v.advice)
 
 
 #: The overhead verdict's advice where nothing says where ``other`` sits (no spans: a frame by hand).
@@ -683,7 +690,7 @@ def summarize(steps: pd.DataFrame, meta: dict, clocks: pd.DataFrame | None = Non
         user_phase_share={p: f * shares["other_s"] for p, f in parts.phases.items()} if parts else {},
         verdict=_with_hooks(verdict(shares, seen, str(meta.get("compiled_step") or ""), parts,
                                     str((meta.get("model") or {}).get("class") or "")),
-                            (meta.get("model") or {}).get("hooks")),
+                            meta.get("model") or {}, len(steps)),
         notes=list(meta.get("notes", [])),
         uncounted=seen and samples == 0,
     )

@@ -24,7 +24,7 @@ import torch
 
 from .._version import __version__
 from ..errors import ProfileActiveError, StopSlice, TpkitError
-from ..schema import UNSEEN_OPTIMIZER_NOTE
+from ..schema import TRACKERS, UNSEEN_OPTIMIZER_NOTE
 from . import evaluation, foreign_hooks
 from . import recorder as _rec
 from .frameworks import find_trainer
@@ -924,7 +924,10 @@ def _phase_meta(rec: _rec.Recorder, probe: PhaseProbe) -> dict[str, Any]:
         hooks = foreign_hooks.find(models)
         if hooks:
             out["model"]["hooks"] = hooks
-            rec.note(foreign_hooks.note(hooks))
+            every = foreign_hooks.log_freq(models) if any(name in TRACKERS for name in hooks) else {}
+            if every:
+                out["model"]["hooks_log_freq"] = every
+            rec.note(foreign_hooks.note(hooks, every, len(rec.step_ends)))
     return out
 
 
