@@ -595,6 +595,31 @@ def test_backward_passes_with_an_optimizer_tpkit_does_not_see_are_never_a_loop_w
                    and "call tp.step() right after each update" in n for n in notes), notes
 
 
+@pytest.mark.parametrize("marked", [False, True], ids=["unmarked", "tp.step()"])
+def test_a_saliency_loop_over_a_frozen_model_is_no_loop_with_an_unseen_optimizer(marked):
+    """Backward passes that only give the loop input gradients (a saliency map over a frozen
+    model, no optimizer anywhere) update nothing: the run says nothing of an optimizer tpkit does
+    not see (a first version of that note said "its update's time is in other_s ... its state in
+    memory's other" of a loop with no update and no state). Unmarked, it keeps the advice for a
+    loop without an optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model.requires_grad_(False)
+    maps = []
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="saliency", progress=False, clock_hz=0) as prof:
+        for _ in range(STEPS + WARMUP):
+            x = torch.randn(8, 8, requires_grad=True)
+            model(x).sum().backward()
+            maps.append(x.grad.abs())
+            if marked:
+                tp.step()
+    notes = prof.run.meta["notes"]
+    assert len(maps) == STEPS + WARMUP
+    assert not any(UNSEEN_OPTIMIZER_NOTE in n for n in notes), notes
+    if not marked:
+        assert any("in a loop without an optimizer, call tp.step()" in n for n in notes), notes
+
+
 class WithUnused(torch.nn.Module):
     """A model whose first parameters get no gradient (an auxiliary head the loss skips)."""
 

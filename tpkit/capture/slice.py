@@ -589,11 +589,15 @@ class Profile:
         phases = next((p for p in self._removed if isinstance(p, PhaseProbe)), None)
         if done == 0 and self._started and not (phases is not None and phases.says_why_no_step()):
             rec.note(_no_step_note(phases))
-        elif done and rec.explicit_steps and phases is not None and phases.backward_seen and not phases.optimizers:
+        elif (done and rec.explicit_steps and phases is not None and phases.backward_seen and not phases.optimizers
+              and not phases.unseen_updates and not phases.compiled_step and phases.trains_weights()):
+            # (a compiled step's or an in-place update's own note says why; a frozen model's
+            # backward passes, input gradients only, update nothing)
             rec.note(f"the steps ended at tp.step() and backward passes ran, but no optimizer step was seen: "
-                     f"{UNSEEN_OPTIMIZER_NOTE}; its update's time is in other_s, not optimizer_s, and its state in "
-                     "memory's other, not optimizer_state (where the update is your code, wrap it in "
-                     "`with tp.phase(\"optimizer\"):`)")
+                     f"{UNSEEN_OPTIMIZER_NOTE}, or it did not step inside the slice (gradients accumulated over "
+                     "more iterations than the slice holds); an update's time is then in other_s, not "
+                     "optimizer_s, and its state in memory's other, not optimizer_state (where the update is "
+                     "your code, wrap it in `with tp.phase(\"optimizer\"):`)")
         if self.warmup_steps is None and done:
             rec.note(f"warmup auto: step times never settled; all {done} steps are flagged warmup")
         for probe in self._removed:
@@ -658,7 +662,7 @@ skipped_by_dynamo(Profile._stop_now, callees=True)
 def _no_step_note(phases: PhaseProbe | None) -> str:
     """The run's note on a slice that recorded no step: where backward passes ran, the loop's
     optimizer is one tpkit does not see (never "a loop without an optimizer")."""
-    if phases is not None and phases.backward_seen:
+    if phases is not None and phases.backward_seen and phases.trains_weights():
         return (f"no step was recorded although backward passes ran: {UNSEEN_OPTIMIZER_NOTE}, so no step ended "
                 "at its update; call tp.step() right after each update, at the end of each iteration (in a "
                 "framework's fit, in a callback at each batch's end)")

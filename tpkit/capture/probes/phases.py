@@ -481,6 +481,12 @@ class PhaseProbe:
         """Whether the loop ran a backward pass in the slice (in its thread)."""
         return self._backward_seen
 
+    def trains_weights(self) -> bool:
+        """Whether a model the loop called has a parameter that requires grad (read once, at the
+        slice's end): a loop whose backward passes only give it input gradients (a saliency map
+        over a frozen model) updates nothing, and no optimizer is missing there."""
+        return any(p.requires_grad for m in self.rec.models.live() for p in m.parameters())
+
     def says_why_no_step(self) -> bool:
         """Whether the run's notes already say why a slice recorded no step (the loop trained in
         another thread, or in processes Lightning launched): no advice to call ``tp.step()``."""
