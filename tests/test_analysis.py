@@ -98,6 +98,26 @@ def test_verdict_on_training_says_what_evaluation_took():
                              "would run up to 1.67x faster: save less often")
 
 
+
+def test_no_share_over_the_whole_step_nor_a_negative_speed_up():
+    """A span charged whole to the step it began in runs on past that step's end (a framework's
+    call that spans several steps): the phases then sum to more than the steps' time. Shares
+    are of the larger of the two, and the verdict never reads over 100% or a negative speed-up
+    (an ignite trainer run inside an outer Engine had read "EVAL-BOUND: 125% of step time ...
+    up to -3.94x faster")."""
+    steps = pd.DataFrame({"step": [0, 1], "warmup": [False, False], "duration_s": [0.1, 0.1], "samples": [8, 8],
+                          **{c: [0.0, 0.0] for c in analysis.PHASE_COLUMNS}})
+    steps["eval_s"] = [0.25, 0.0]
+    steps["forward_s"] = [0.0, 0.05]
+    got = analysis.phase_shares(steps)
+    assert got["eval_s"] == pytest.approx(0.25 / 0.30) and sum(got.values()) == pytest.approx(1.0)
+    v = analysis.verdict(got)
+    assert v.text.startswith("EVAL-BOUND: 83% of step time is evaluation inside the slice; training alone "
+                             "would run up to 6.00x faster"), v.text
+    v = analysis.verdict(shares(eval=1.25))
+    assert v.text.startswith("EVAL-BOUND: 100% of step time is evaluation inside the slice; training alone "
+                             "would run many times faster"), v.text
+
 def test_a_run_that_saw_no_batch_says_other_may_be_its_loader():
     """No batch seen in any step (data_wait 0, no sample counted: a loader tpkit does not see,
     as a torchdata.nodes Loader): the verdict says so and points to tp.watch. A loop spending 71%

@@ -93,3 +93,40 @@ def test_an_evaluator_run_from_a_trainer_handler_is_the_evaluation(log_first):
     assert float(steps["other_s"].sum()) >= 0.9 * logged, (steps["other_s"].sum(), logged)
     forward, want = float(steps["forward_s"].sum()), sum(v for k, v in clock["forward"].items() if k - 1 in measured)
     assert abs(forward - want) <= TOLERANCE * want, f"forward: tpkit {forward:.3f} s, the model's calls {want:.3f} s"
+
+
+def test_a_trainer_run_from_an_outer_engine_is_training():
+    """A cross-validation (or curriculum) loop driven by an outer Engine, each of whose
+    iterations trains on one fold (``trainer.run(folds[k])``): the trainer's run is called while
+    another Engine runs, as an evaluator's is, but the model trains in it (a backward, an
+    optimizer step), so it is training. It had been one evaluation: forward 0.0 for the model's
+    0.2 s, eval_s over the whole step time, and the verdict "EVAL-BOUND: 125% of step time ...
+    up to -3.94x faster". Truth: the model's training calls' own clock; no evaluation runs."""
+    engine = pytest.importorskip("ignite.engine")
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    folds = [torch.utils.data.DataLoader(torch.utils.data.Subset(truth.Regression(), range(4 * BATCH * k, 4 * BATCH * (k + 1))),
+                                         batch_size=BATCH) for k in range(3)]
+    forward: list[float] = []
+
+    def step(_e, batch) -> None:  # noqa: ANN001 - ignite's Engine
+        x, y = batch
+        t = time.perf_counter()
+        out = model(x)
+        forward.append(time.perf_counter() - t)
+        torch.nn.functional.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    trainer = engine.Engine(step)
+    outer = engine.Engine(lambda _e, k: trainer.run(folds[k], max_epochs=1))
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="ignite-folds", progress=False, clock_hz=0) as prof:
+        outer.run([0, 1, 2], max_epochs=1)
+    run = prof.run
+    steps = run.steps[~run.steps["warmup"]]
+    assert len(steps) == STEPS and "evaluation" not in run.meta
+    assert float(run.steps["eval_s"].sum()) == 0.0
+    got, want = float(steps["forward_s"].sum()), sum(forward[WARMUP:WARMUP + STEPS])
+    assert abs(got - want) <= TOLERANCE * want, f"forward: tpkit {got:.3f} s, the loop's clock {want:.3f} s"
+    assert run.summary().verdict.kind == "compute-bound", run.summary().verdict

@@ -81,6 +81,7 @@ def test_fit_steps_are_its_batches_losses_and_history_unchanged() -> None:
     assert run.meta.get("stopped_through") == "keras.Model"
     assert history == want  # nothing in Keras's results changed
     assert got_log.means == log.means
+    assert m.stop_training is False  # tpkit's stop, read by the fit, is not left on the model
     # Keras logs the epoch's running mean: tpkit's loss per step, averaged the same way
     losses = run.steps.loss.tolist()
     means = [float(np.mean(losses[i - i % BATCHES: i + 1])) for i in range(n)]
@@ -99,6 +100,22 @@ class SlowAdam(keras.optimizers.Adam):
         SlowAdam.clock.append(time.perf_counter() - t)
         return out
 
+
+def test_a_loop_of_train_on_batch_stops_before_an_update_past_the_slice() -> None:
+    """A user's own loop calling ``train_on_batch`` is no fit: nothing in it reads
+    ``stop_training``, so it stops as a plain loop does, at its next training action, before that
+    call's update. Taken for a fit, its model's ``stop_training`` had been set and left on, and the
+    call after the slice's last had run its update before it stopped: ``optimizer.iterations`` 6
+    for 5 completed calls. Truth: Keras's own update counter, the loop's count of completed calls."""
+    x, y = data()
+    m, done = model(keras.optimizers.SGD(1e-2)), 0
+    with tp.profile(steps=4, warmup=1, progress=False) as prof:
+        for i in range(20):
+            m.train_on_batch(x[i % BATCHES * BATCH:][:BATCH], y[i % BATCHES * BATCH:][:BATCH])
+            done += 1
+    assert len(prof.run.steps) == done == int(m.optimizer.iterations.numpy()) == 5
+    assert "stopped_through" not in prof.run.meta
+    assert m.stop_training is False
 
 def test_fit_ending_before_the_slice_is_full_says_so() -> None:
     """A fit that runs its epochs before the slice is full: every batch a step, its History as

@@ -193,8 +193,10 @@ def _totals(steps: pd.DataFrame, training: bool = False) -> _Totals:
     m, _ = clean_measured(steps)
     if m.empty:
         return _Totals(0, 0.0, {}, float("nan"), float("nan"))
-    total = float(m["duration_s"].sum())
     phase_s = {c: float(m[c].sum()) for c in PHASE_COLUMNS if c in m.columns}
+    # no less than the phases' own sum (a span charged whole to its first step, running on past
+    # its end, steps.phase_shares): no share over 100%, no negative gain
+    total = max(float(m["duration_s"].sum()), sum(phase_s.values()))
     left_out, away_s = "", 0.0
     if training:
         away = {c: phase_s.pop(c) for c in INTERRUPTIONS if c in phase_s}

@@ -168,8 +168,11 @@ def measured(steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def phase_shares(steps: pd.DataFrame) -> dict[str, float]:
-    """Share of total step time per phase column (sums to 1 when any time was measured)."""
-    total = float(steps["duration_s"].sum()) if not steps.empty else 0.0
+    """Share of total step time per phase column (sums to 1 when any time was measured). Of the
+    phases' own sum where that is more than the steps' time (a span charged whole to the step it
+    began in, running on past its end): no share over 100% (an evaluation had read 125%)."""
+    total = max(float(steps["duration_s"].sum()), float(steps[list(PHASE_COLUMNS)].sum().sum())) \
+        if not steps.empty else 0.0
     if total <= 0:
         return {c: 0.0 for c in PHASE_COLUMNS}
     return {c: float(steps[c].sum()) / total for c in PHASE_COLUMNS}
@@ -413,8 +416,10 @@ def verdict(shares: dict[str, float], seen: bool = True, compiled: str = "",
         kind, what, knobs = INTERRUPTIONS[col]
         if share >= INTERRUPTION_BOUND:
             others = " and ".join(INTERRUPTIONS[c][1] for c in INTERRUPTIONS)
+            share = min(share, 1.0)  # (never over the whole step, nor a negative speed-up)
+            faster = f"up to {1 / (1 - share):.2f}x" if share < 1 else "many times"
             return _verdict(kind, f"{share:.0%} of step time is {what} inside the slice",
-                            f"training alone would run up to {1 / (1 - share):.2f}x faster: {knobs}; "
+                            f"training alone would run {faster} faster: {knobs}; "
                             f"the other shares are of training and {others} together")
     away = sum(share for share, _ in breaks)
     if away <= 0.0:

@@ -121,7 +121,7 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
     # Past a full slice (a framework asked to stop, and ends its step and its run before the
     # slice closes) nothing belongs to the slice any more.
     past = rec.slice_steps if rec.slice_steps is not None else len(rec.step_ends) + 1
-    raw_spans = rec.spans
+    raw_spans = evaluation.without_training_runs(rec.spans)  # a trainer's run is no evaluation
     # evaluation inside the slice: its calls and waits are ``eval``, its samples not the steps'
     ev = evaluation.split(raw_spans, rec.handouts, rec.no_grad_calls, rec.trained_modules,
                           rec.param_free_modules, past, rows=len(rec.step_ends), sources=rec.handout_sources,

@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..schema import FILE_LOAD, GC_PHASE, JIT_TRACE, METRIC_CALL, USER_PHASE_SOURCE
+from .probes.hook_places import EVALUATORS_WHEN
 
 #: The phase evaluation is counted as (``run.steps.eval_s``).
 EVAL = "eval"
@@ -144,6 +145,29 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
             out.append((a, b))
     return out
 
+
+#: The sources of the ``eval`` spans of a framework's call that is an evaluation only where a test
+#: says so (``hook_places.EVALUATORS_WHEN``), as capture/probes/phases.py names them.
+_EVALUATORS_WHEN = frozenset(f"{module.split('.')[0]}.{owner}.{attr}" for module, owner, attr, _ in EVALUATORS_WHEN)
+#: The phases of a model being trained: a backward, an optimizer's step.
+_TRAINS = frozenset({"backward", "optimizer"})
+
+
+def without_training_runs(spans: list[tuple]) -> list[tuple]:
+    """``spans`` (as ``Recorder.spans``) less the ``eval`` spans of a framework's evaluation call
+    (``EVALUATORS_WHEN``) inside which the model trains (a backward or an optimizer step): such a
+    call's test reads the stack only, and an ignite ``Engine`` run from another's handler is its
+    trainer as often as an evaluator (a cross-validation or curriculum loop,
+    ``Engine(lambda e, k: trainer.run(folds[k]))``). Read as evaluation, the whole training had
+    been one eval span: forward 0.0 for 0.207 s by the loop's clock, and the verdict EVAL-BOUND.
+    Spans left as they are where there is none."""
+    runs = [i for i, s in enumerate(spans) if s[0] == EVAL and s[4] in _EVALUATORS_WHEN]
+    if not runs:
+        return spans
+    trains = sorted(s[1] for s in spans if s[0] in _TRAINS)
+    drop = {i for i in runs
+            if bisect.bisect_left(trains, spans[i][1]) < bisect.bisect_right(trains, spans[i][2])}
+    return [s for i, s in enumerate(spans) if i not in drop] if drop else spans
 
 def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], trained: set[int],
           param_free: set[int], past: int, rows: int | None = None,

@@ -59,6 +59,7 @@ class FrameworkTrainer:
         self._ref = weakref.ref(trainer)
         self.stop_requested = False
         self._lowered: tuple[Any, Any, int] | None = None  # (Lightning's epoch loop, its max_steps, tpkit's)
+        self._keras_was: bool | None = None  # a Keras model's stop_training before tpkit set it
 
     @property
     def trainer(self) -> Any:
@@ -82,6 +83,8 @@ class FrameworkTrainer:
             # and on_train_end come as after an early stop; the next fit() clears it
             if not hasattr(trainer, "stop_training"):
                 return False
+            if self._keras_was is None:
+                self._keras_was = bool(trainer.stop_training)
             trainer.stop_training = True
         else:
             loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -113,7 +116,16 @@ class FrameworkTrainer:
     def restore(self) -> None:
         """Put back what ``request_stop`` changed (Lightning's ``max_steps``): a later ``fit``
         of the same trainer runs to its own end. Not where Lightning set it since (a tuner puts
-        back its own value when its search ends). Idempotent."""
+        back its own value when its search ends). A Keras model's ``stop_training`` as it was,
+        once its ``fit`` is no longer running (one still running reads it yet): left set, the
+        model kept a switch its loop never asked for. Idempotent."""
+        was, self._keras_was = self._keras_was, None
+        model = self.trainer
+        if was is not None and model is not None and getattr(model, "stop_training", was) is True:
+            if _keras_fitting(model):
+                self._keras_was = was  # (its fit reads it still: put back at the next restore)
+            else:
+                model.stop_training = was
         if self._lowered is not None:
             loop, max_steps, lowered = self._lowered
             self._lowered = None
@@ -172,6 +184,10 @@ class FrameworkTrainer:
 
 
 FASTAI = "fastai.Learner"
+KERAS = "keras.Model"
+#: The method of a Keras model that is a trainer whose switch (``stop_training``) ends it: only
+#: ``fit`` reads it (not ``train_on_batch``, which a user's own loop calls).
+KERAS_FIT = "fit"
 #: fastai's CancelFitException -> the class tpkit raises inside a fit (both it and StopSlice)
 _STOPS: dict[type, type] = {}
 
@@ -191,6 +207,17 @@ def _fastai_fitting(learner: Any) -> bool:
     n = 0
     while f is not None and n < MAX_FRAMES:
         if f.f_code.co_name == "_do_fit" and frame_self(f) is learner:
+            return True
+        f, n = f.f_back, n + 1
+    return False
+
+
+def _keras_fitting(model: Any) -> bool:
+    """Whether ``model``'s ``fit`` is on this thread's stack. Walked once, at the slice's end."""
+    f: FrameType | None = sys._getframe(1)
+    n = 0
+    while f is not None and n < MAX_FRAMES:
+        if f.f_code.co_name == KERAS_FIT and frame_self(f) is model:
             return True
         f, n = f.f_back, n + 1
     return False
@@ -278,7 +305,11 @@ EVALUATING: dict[str, Callable[[tuple, dict], bool]] = {
 
 
 def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
-    """The HF or Lightning trainer whose method is on the stack above ``frame``, or None."""
+    """The HF or Lightning trainer whose method is on the stack above ``frame``, or None. A
+    Keras model only in its own ``fit`` (``KERAS_FIT``): a user's loop calling ``train_on_batch``
+    is a plain loop, stopped at its next training action. Taken for a fit, its model's
+    ``stop_training`` was set, which no one read: the loop ran one update more, past the slice
+    (``optimizer.iterations`` 6 for 5 completed calls), and the switch was left on."""
     classes = [(name, getattr(sys.modules[mod], cls, None)) for name, mod, cls in _KNOWN if mod in sys.modules]
     classes = [(n, c) for n, c in classes if isinstance(c, type)]
     if not classes:
@@ -289,7 +320,7 @@ def find_trainer(frame: FrameType | None) -> FrameworkTrainer | None:
         if code.co_argcount and code.co_varnames[0] == "self":
             obj = frame_self(f)
             for name, cls in classes:
-                if cls is not None and isinstance(obj, cls):
+                if cls is not None and isinstance(obj, cls) and (name != KERAS or code.co_name == KERAS_FIT):
                     return FrameworkTrainer(name, obj)
         f, n = f.f_back, n + 1
     return None
