@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import UserDict
-from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
+from graph_store import Storage
 
 from tpkit.capture.probes.batches import batch_size_of
 
@@ -200,30 +200,6 @@ def test_a_given_samples_per_step_the_batches_contradict_is_kept_and_said():
 def test_two_different_mappings_are_not_records():
     """(inputs, targets) as two mappings with different keys: the inputs' leading dimension."""
     assert batch_size_of(({"ids": torch.zeros(B, 16)}, {"labels": torch.zeros(B)})) == B
-
-
-class Storage(MutableMapping):
-    """A graph library's store, as PyG's ``GlobalStorage``: a ``MutableMapping`` over its
-    ``_mapping`` dict, with bookkeeping of its own beside it."""
-
-    def __init__(self, **values: Any) -> None:
-        self.__dict__["_mapping"] = dict(values)
-        self.__dict__["_slice_dict"] = {k: torch.zeros(3, dtype=torch.long) for k in values}
-
-    def __getitem__(self, key: str) -> Any:
-        return self._mapping[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._mapping[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._mapping[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._mapping)
-
-    def __len__(self) -> int:
-        return len(self._mapping)
 
 
 class GraphBatch:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import UserDict
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 import pytest
 import torch
+from graph_store import Storage
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from IPython.utils.capture import capture_output
@@ -145,29 +146,6 @@ def test_a_mapping_batch_that_is_no_dict_is_data():
             opt.step()
             opt.zero_grad()
     assert rows(prof.run, "forward", "exit", "data").tolist() == [B * D * 4] * 4
-
-
-class Storage(MutableMapping):
-    """A graph library's store, as PyG's ``GlobalStorage``: a ``MutableMapping`` over its
-    ``_mapping`` dict."""
-
-    def __init__(self, **values: Any) -> None:
-        self.__dict__["_mapping"] = dict(values)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._mapping[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._mapping[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._mapping[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._mapping)
-
-    def __len__(self) -> int:
-        return len(self._mapping)
 
 
 class GraphBatch:
