@@ -306,6 +306,16 @@ def test_a_backbone_unfrozen_or_frozen_mid_slice_has_its_gradients_counted(how: 
         assert at.groupby("step")["bytes"].sum().tolist() == truth[:14]
 
 
+def _backbone_and_head(w: int, deep: bool = False) -> tuple:
+    """A backbone of two (``deep``: three) ``w``-wide layers and a 10-way head, with a batch."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU()]
+    if deep:
+        layers += [torch.nn.Linear(w, w), torch.nn.ReLU()]
+    backbone = torch.nn.Sequential(*layers)
+    return backbone, torch.nn.Sequential(backbone, torch.nn.Linear(w, 10)), torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+
 @pytest.mark.parametrize("at", [9, 10, 11, 12])
 def test_layers_frozen_between_full_reads_or_in_the_last_passes_keep_their_gradients_exact(at: int):
     """Which parameters require grad is read in full every 4th look only (the looks between read
@@ -315,10 +325,8 @@ def test_layers_frozen_between_full_reads_or_in_the_last_passes_keep_their_gradi
     read, by the parameters that require grad at the end (2 and 1 passes had read as
     temporaries, with a note)."""
     torch.manual_seed(0)
-    backbone = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU())
-    model = torch.nn.Sequential(backbone, torch.nn.Linear(256, 10))
+    backbone, model, x, y = _backbone_and_head(256)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     truth = []
     with tp.profile(steps=14, warmup=0, name="frozen-late", progress=False, clock_hz=0) as prof:
         for i in range(100):
@@ -340,13 +348,9 @@ def test_the_first_backward_after_an_unfreezing_keeps_its_gradients_when_they_ar
     first backward's peak they had read temporaries (2,918,404 B, gradients 108,040 for
     2,988,040). Truth: the ``.grad`` storages alive after each backward."""
     torch.manual_seed(0)
-    w = 600
-    backbone = torch.nn.Sequential(torch.nn.Linear(32, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
-                                   torch.nn.Linear(w, w), torch.nn.ReLU())
-    model = torch.nn.Sequential(backbone, torch.nn.Linear(w, 10))
+    backbone, model, x, y = _backbone_and_head(600, deep=True)
     backbone.requires_grad_(False)
     opt = torch.optim.Adam(model[1].parameters(), lr=1e-3)
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     truth = []
     with tp.profile(steps=12, warmup=0, name="unfreeze-zeroed", progress=False, clock_hz=0) as prof:
         for i in range(100):
@@ -372,10 +376,8 @@ def test_a_second_backward_that_makes_no_parameter_gradient_leaves_the_gradients
     from the second pass alone, which made none). With a layer frozen late too. Truth: the
     ``.grad`` storages alive at each ``step()``."""
     torch.manual_seed(0)
-    backbone = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU())
-    model = torch.nn.Sequential(backbone, torch.nn.Linear(256, 10))
+    backbone, model, x, y = _backbone_and_head(256)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     truth = []
     with tp.profile(steps=14, warmup=0, name="two-backwards", progress=False, clock_hz=0) as prof:
         for i in range(100):
