@@ -584,6 +584,9 @@ class Profile:
                 rec.note(f"the slice was cut short by {type(exc).__name__} after {done} steps; "
                          "the Run holds what was recorded")
         returned = exc is None and self._last_stop is not None and not self._last_stop.handled_by_tpkit
+        # let it go: its traceback holds the loop's frames, and so its optimizers and loaders, whose
+        # threads (an offload optimizer's worker, tpkit's loader's) outlived the slice with it
+        self._last_stop = None
         if returned or self._stops_after_caught:
             rec.note(self._swallowed_note("returned" if returned else "stopped" if isinstance(exc, StopSlice) else ""))
         phases = next((p for p in self._removed if isinstance(p, PhaseProbe)), None)
