@@ -113,7 +113,8 @@ def test_compiled_call_is_timed_as_forward_and_hooks_are_removed(eager_sliced):
     assert len(run.steps) == STEPS + WARMUP and run.complete
     truth.assert_phases(run, eager_sliced["truth"], phases=("forward",), compiled=True)
     compile_s = run.steps.set_index("step")["compile_s"]
-    assert compile_s[-WARMUP] > 0.05 and (compile_s.drop(-WARMUP) == 0).all()
+    # dynamo's tracing of this small model: tens of ms (a fixed 50 ms floor read 47.7 ms in a CI run)
+    assert compile_s[-WARMUP] > 0.01 and (compile_s.drop(-WARMUP) == 0).all()
     assert run.meta["model"]["parameters"] == sum(p.numel() for p in eager_sliced["model"].parameters())
 
 
