@@ -29,3 +29,14 @@ class Storage(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._mapping)
+
+
+class StoredAttributes:
+    """A batch object whose tensors are read as attributes from its ``_store`` (a ``Storage``), as
+    PyG's ``Data`` / ``Batch`` reads them."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["_store"][key]
+        except KeyError:
+            raise AttributeError(key) from None

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import UserDict
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from graph_store import Storage
+from graph_store import Storage, StoredAttributes
 
 from tpkit.capture.probes.batches import batch_size_of
 
@@ -202,7 +202,7 @@ def test_two_different_mappings_are_not_records():
     assert batch_size_of(({"ids": torch.zeros(B, 16)}, {"labels": torch.zeros(B)})) == B
 
 
-class GraphBatch:
+class GraphBatch(StoredAttributes):
     """A batch of graphs, as PyG's ``Batch``: its tensors (node-, edge- and graph-level) in a
     ``_store``, read as attributes; the graphs it holds said by ``num_graphs``."""
 
@@ -212,12 +212,6 @@ class GraphBatch:
             y=torch.zeros(graphs, dtype=torch.long), batch=torch.arange(graphs).repeat_interleave(nodes),
             ptr=torch.arange(graphs + 1) * nodes)
         self.__dict__["_said"] = said
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self.__dict__["_store"][key]
-        except KeyError:
-            raise AttributeError(key) from None
 
     @property
     def num_graphs(self) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from graph_store import Storage
+from graph_store import Storage, StoredAttributes
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from IPython.utils.capture import capture_output
@@ -148,7 +148,7 @@ def test_a_mapping_batch_that_is_no_dict_is_data():
     assert rows(prof.run, "forward", "exit", "data").tolist() == [B * D * 4] * 4
 
 
-class GraphBatch:
+class GraphBatch(StoredAttributes):
     """A batch of graphs, as PyG's ``Batch``: its tensors in a ``_store``, read as attributes."""
 
     def __init__(self, x: torch.Tensor, graphs: int) -> None:
@@ -156,12 +156,6 @@ class GraphBatch:
         self.__dict__["_store"] = Storage(
             x=x, edge_index=torch.zeros(2, 3 * x.shape[0], dtype=torch.long), y=torch.zeros(graphs, dtype=torch.long),
             batch=torch.arange(graphs).repeat_interleave(nodes), ptr=torch.arange(graphs + 1) * nodes)
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self.__dict__["_store"][key]
-        except KeyError:
-            raise AttributeError(key) from None
 
     @property
     def num_graphs(self) -> int:

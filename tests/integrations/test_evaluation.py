@@ -1077,25 +1077,15 @@ def test_an_evaluation_that_fetches_its_batches_itself(watched):
                in note and "the verdict's and recommendations' figures then count it as training" in note, note
 
 
-def test_a_validation_loader_split_from_the_training_dataset_by_samplers_is_evaluation_data():
-    """A train/val split by samplers: the validation DataLoader reads the training loader's
-    Dataset (``SubsetRandomSampler``s over one Dataset, as many tutorials split). Its batches
-    are evaluation data, so the time between the evaluation's model calls (a 20 ms metric after
-    each) is eval, and eval_s holds the whole evaluation. Telling sources by their Dataset, the
-    two loaders were one source, which fed training batches: the metric's time read as other
-    (eval_s 154 ms for 215). Truth: the loop's clock around the
-    evaluation."""
-    metric_s = 0.02
-    data = truth.Regression()
-    train = torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=truth.sleepy_collate,
-                                        sampler=torch.utils.data.SubsetRandomSampler(range(800)))
-    val = torch.utils.data.DataLoader(data, batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate,
-                                      sampler=torch.utils.data.SubsetRandomSampler(range(800, 848)))  # 3 batches
+def _train_evaluating(train, val, name: str, metric_s: float) -> tuple:  # noqa: ANN001
+    """A sleepy model trained on ``train``, evaluated on all of ``val`` every EVERY-th measured
+    step (a ``metric_s`` metric after each call): the Run and the loop's clock around the
+    evaluations."""
     torch.manual_seed(0)
     model = truth.SleepyNet()
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     evaluation_s = 0.0
-    with tp.profile(steps=STEPS, warmup=WARMUP, name="sampler-split", progress=False, clock_hz=0) as prof:
+    with tp.profile(steps=STEPS, warmup=WARMUP, name=name, progress=False, clock_hz=0) as prof:
         for step, (x, y) in enumerate(train):
             F.mse_loss(model(x), y).backward()
             opt.step()
@@ -1110,6 +1100,24 @@ def test_a_validation_loader_split_from_the_training_dataset_by_samplers_is_eval
                 model.train()
                 evaluation_s += time.perf_counter() - t
     run = prof.run
+    return run, evaluation_s
+
+
+def test_a_validation_loader_split_from_the_training_dataset_by_samplers_is_evaluation_data():
+    """A train/val split by samplers: the validation DataLoader reads the training loader's
+    Dataset (``SubsetRandomSampler``s over one Dataset, as many tutorials split). Its batches
+    are evaluation data, so the time between the evaluation's model calls (a 20 ms metric after
+    each) is eval, and eval_s holds the whole evaluation. Telling sources by their Dataset, the
+    two loaders were one source, which fed training batches: the metric's time read as other
+    (eval_s 154 ms for 215). Truth: the loop's clock around the
+    evaluation."""
+    metric_s = 0.02
+    data = truth.Regression()
+    train = torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=truth.sleepy_collate,
+                                        sampler=torch.utils.data.SubsetRandomSampler(range(800)))
+    val = torch.utils.data.DataLoader(data, batch_size=EVAL_BATCH, collate_fn=truth.sleepy_collate,
+                                      sampler=torch.utils.data.SubsetRandomSampler(range(800, 848)))  # 3 batches
+    run, evaluation_s = _train_evaluating(train, val, "sampler-split", metric_s)
     assert run.meta["evaluation"]["batches"] == 3 * len([s for s in range(WARMUP, N) if s % EVERY == 1])
     close(float(run.steps["eval_s"].sum()), evaluation_s, "eval (the whole evaluation, its metric too)")
 
@@ -1126,25 +1134,7 @@ def test_a_validation_loader_sharing_the_training_loaders_index_sampler_is_evalu
     train = torch.utils.data.DataLoader(truth.Regression(), batch_sampler=shared, collate_fn=truth.sleepy_collate)
     val = torch.utils.data.DataLoader(TensorDatasetOf(8 * BATCH), batch_sampler=shared)  # 8 batches too
     assert val._index_sampler is train._index_sampler
-    torch.manual_seed(0)
-    model = truth.SleepyNet()
-    opt = truth.SleepySGD(model.parameters(), lr=0.01)
-    evaluation_s = 0.0
-    with tp.profile(steps=STEPS, warmup=WARMUP, name="shared-sampler", progress=False, clock_hz=0) as prof:
-        for step, (x, y) in enumerate(train):
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if step % EVERY == 1 and step >= WARMUP:
-                t = time.perf_counter()
-                model.eval()
-                with torch.no_grad():
-                    for vx, vy in val:
-                        F.mse_loss(model(vx), vy)
-                        time.sleep(metric_s)  # the metric, between the calls
-                model.train()
-                evaluation_s += time.perf_counter() - t
-    run = prof.run
+    run, evaluation_s = _train_evaluating(train, val, "shared-sampler", metric_s)
     assert run.meta["evaluation"]["batches"] == 8 * len([s for s in range(WARMUP, N) if s % EVERY == 1])
     close(float(run.steps["eval_s"].sum()), evaluation_s, "eval (the whole evaluation, its metric too)")
 
