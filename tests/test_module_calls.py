@@ -183,11 +183,11 @@ def _tpkit_frames_during(fn) -> list[str]:
 
 
 def test_on_the_c_route_only_the_outermost_call_runs_tpkit_python(route):
-    """Seven module calls: on the C route the outermost goes to the probe (its handler, the two
-    calls marking the thread inside, and, the first time a model trains, the one noting it and
-    the models it wraps; the first time a class is called, the one asking whether it is a
-    metric), the six inside it reach torch with no Python of tpkit's; on the
-    Python route each of the seven runs ``_module_call`` first."""
+    """Seven module calls: on the C route the outermost goes to the probe (its handler, and,
+    the first time a model trains, the one noting it and the models it wraps; the first time a
+    class is called, the one asking whether it is a metric: the thread is marked inside by the
+    route's own C setter), the six inside it reach torch with no Python of tpkit's; on the
+    Python route each of the seven runs ``_module_call`` first, and the two marks are Python."""
     model = Node([Node([Node([]), Node([])]), Node([Node([]), Node([])])])
     p = PhaseProbe(Recorder("calls")).install()
     try:
@@ -196,8 +196,8 @@ def test_on_the_c_route_only_the_outermost_call_runs_tpkit_python(route):
         p.remove()
     assert len(forward_spans(p.rec)) == 1
     # (_input_ref: the outermost call's input noted while no loader tpkit sees hands out batches)
-    outer = {"_outer_call": 1, "set_inside": 2, "_same_model": 1, "_input_ref": 1, "_is_metric": 1}
-    assert Counter(frames) == (outer if route == "C" else {**outer, "_module_call": 7})
+    outer = {"_outer_call": 1, "_same_model": 1, "_input_ref": 1, "_is_metric": 1}
+    assert Counter(frames) == (outer if route == "C" else {**outer, "_module_call": 7, "set_inside": 2})
 
 
 def test_reading_the_call_gives_the_python_function_on_both_routes(route):

@@ -62,6 +62,14 @@ def forward_identity(args: tuple, kwargs: dict) -> int:
 def _sized(batch: Any) -> tuple[int | None, Any]:
     """``batch_size_of``'s answer and the tensor it read it from (None: none, or a count of
     records)."""
+    # the usual batches first, without a frame of tpkit's more (a tensor; a dict led by one, as a
+    # Trainer's): what the walk below answers for them
+    if type(batch) is torch.Tensor and not batch.is_nested:
+        return (int(batch.shape[0]) if batch.dim() else 1), batch
+    if type(batch) is dict and batch:
+        first = next(iter(batch.values()))
+        if type(first) is torch.Tensor and not first.is_nested and first.dim():
+            return int(first.shape[0]), first
     in_mapping = False  # the sequence at hand is a mapping's value (a list of per-sample tensors there)
     for _ in range(8):  # bounded descent into nested containers
         if _is_array(batch):
@@ -279,6 +287,13 @@ def handed_out(rec: Recorder, batch: Any, workers: int = -1, source: int = 0) ->
         n, lead = None, None
     if n is None and rec.uncounted is None:
         rec.uncounted = type(batch).__qualname__
-    rec.handed_out(n or 0, workers, source, identity(lead))
+    if type(lead) is torch.Tensor:  # (identity, inlined for a plain tensor: a frame less a batch)
+        try:
+            ident = int(lead.data_ptr())
+        except Exception:  # noqa: BLE001 - a tensor without storage: no identity
+            ident = 0
+    else:
+        ident = identity(lead)
+    rec.handed_out(n or 0, workers, source, ident)
     if rec.batch_listeners:
         rec.yielded(batch)

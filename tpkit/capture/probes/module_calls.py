@@ -133,6 +133,13 @@ def set_inside(tid: int | None) -> None:
         _inside = tid
 
 
+def inside_setter() -> Callable[[int | None], None]:
+    """``set_inside`` as the route taken now has it: the C route's own setter (an outermost call
+    sets and resets it, and a Python frame of tpkit's each time was two a step), else
+    ``set_inside``. Asked after ``take``."""
+    return _ext.inside if _route is not None else set_inside
+
+
 def inside() -> int | None:
     """The thread whose outermost call runs now, or None."""
     if _route is not None:

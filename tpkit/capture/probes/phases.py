@@ -233,6 +233,8 @@ class PhaseProbe:
         self._handles: list[Any] = []
         self._post_handle: Any = None  # the handle of tpkit's global optimizer step post-hook
         self._patched = Patches()
+        self._iterator_key: tuple[weakref.ref, int] | None = None  # the last DataLoader iterator read, and its loader_key
+        self._set_inside: Callable[[int | None], None] = module_calls.set_inside  # (install: the route's own)
         self._fwd_gen = 0  # bumped when an early adoption is taken back: that thread's call no longer counts
         self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
         self._closure_depth = 0  # > 0 while an optimizer's closure runs
@@ -354,6 +356,7 @@ class PhaseProbe:
         try:
             watch_sessions(self._patched)  # first: the module-call route reads whose session it is
             why = module_calls.take(self, self._outer_call, self._patched)
+            self._set_inside = module_calls.inside_setter()
             if why is not None:
                 self.rec.note(f"module calls went through tpkit's Python route ({why}; its C route needs "
                               f"a C compiler); it costs ~0.5 us a module call more in a warm "
@@ -670,7 +673,7 @@ class PhaseProbe:
         token = None
         no_grad_from = 0  # a call without grad: maybe evaluation (capture/evaluation.py)
         in_train_mode = False  # ... of a module with parameters in train mode (Recorder.no_grad_train_calls)
-        if not any(rec.is_open(p) for p in _NOT_FORWARD):
+        if not any(map(rec._open.get, _NOT_FORWARD)):  # (no frame of tpkit's per phase: rec.is_open)
             if self._versions_at_backward is not None:
                 self._forward_coming(args, kwargs)
             if self._watch_updates and not rec.handouts:
@@ -689,12 +692,15 @@ class PhaseProbe:
             if no_grad_boundary:
                 rec.no_grad_forwards.append(perf_counter_ns())
             self._worked = self._ever_worked = True
-            self.models.add(module)
+            models = self.models  # (WeakRegistry.add, inlined where the model is known: a frame less a step)
+            known = models._keys.get(id(module))
+            if known is None or models.entries[known]() is not module:
+                models.add(module)
         elif rec.is_open("backward"):
             self.recomputed_calls += 1
         gen = self._fwd_gen
         try:
-            module_calls.set_inside(tid)  # (inside the try: a Ctrl-C right after it still resets it)
+            self._set_inside(tid)  # (inside the try: a Ctrl-C right after it still resets it)
             return module_calls._torch_call(module, *args, **kwargs)
         except Exception:
             if token is not None and gen == self._fwd_gen:  # a batch the loop may skip (read_ahead.failed)
@@ -702,7 +708,7 @@ class PhaseProbe:
             raise
         finally:
             if gen == self._fwd_gen:  # not undone meanwhile (an early adoption taken back)
-                module_calls.set_inside(None)
+                self._set_inside(None)
                 if token is not None:
                     rec.exit(token)
                     if no_grad_from:
@@ -729,7 +735,7 @@ class PhaseProbe:
         rec = self.rec
         token = None
         no_grad_from = 0
-        if not any(rec.is_open(p) for p in _NOT_FORWARD):
+        if not any(map(rec._open.get, _NOT_FORWARD)):
             if not torch.is_grad_enabled():
                 no_grad_from = perf_counter_ns()
                 rec.param_free_modules.add(id(module))  # a helper of an evaluation, whatever it holds
@@ -920,7 +926,7 @@ class PhaseProbe:
             return
         self.rec.exit(self._opt_tokens.pop()[0])
         self._opt_posts += 1
-        self.losses.updated()  # the gradients went into an update: a zero_grad() now throws none away
+        self.losses._updated = True  # (LossSums.updated, inlined) the gradients went into an update: a zero_grad() now throws none away
         own_batch = False  # a batch handed out since the last step() of any optimizer (stepping on its own)
         lead_inside = False
         if not self._opt_tokens:
@@ -951,7 +957,7 @@ class PhaseProbe:
             if not self._worked and self._ever_worked and self.rec.step_ends:
                 self.merged_steps += 1
                 return
-            if self.rec.is_open("backward"):
+            if self.rec._open.get("backward"):
                 # an optimizer per parameter, stepped as its gradient is ready: the step ending here
                 # had split the backward across two steps (phases summed to 124-129% of a step) and
                 # the slice's stop left the other parameters' updates undone
@@ -1394,7 +1400,8 @@ class PhaseProbe:
                     # an optimizer whose step hooks may never run (compiled): the memory probe's
                     # look at its state needs it (its momentum had read other)
                     rec.optimizers.add(args[0])
-                probe.losses.reset(rec.step_index)
+                if not probe.losses._updated:  # (its test that matters after an update, inlined)
+                    probe.losses.reset(rec.step_index)
                 # how this loop drops its gradients, for the stop to drop them alike
                 probe._grads_to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True)) \
                     if to_none is None else to_none
@@ -1443,8 +1450,8 @@ class PhaseProbe:
                 raised = False
             finally:
                 rec.exit(token)
-                if not probe._opt_tokens:
-                    probe._note_versions(tensors)
+                if not probe._opt_tokens and probe._watch_updates and not rec.explicit_steps:
+                    probe._note_versions(tensors)  # (its own first test, inlined: a frame less a step)
                 if raised and probe._step_in_backward is not None:
                     # a hook raised after an optimizer stepped in it: the step ends here all the
                     # same (a loop that catches it goes on to its next iteration; the pending
@@ -1506,6 +1513,9 @@ class PhaseProbe:
             self._scaled = None
             if scaled[0]() is tensor:
                 return scaled[1]
+        fn = tensor.grad_fn  # (static_scale's first test, inlined: a frame less a step)
+        if fn is None or type(fn).__name__ != "MulBackward0":
+            return tensor
         scale = static_scale(tensor)
         if scale:
             self.static_scaled[scale] = self.static_scaled.get(scale, 0) + 1
@@ -1580,10 +1590,18 @@ class PhaseProbe:
             tid = threading.get_ident()
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
                 return fn(it)
-            waiting = rec.is_open("data_wait")  # (read inside another's wait: tp.watch over a DataLoader)
+            waiting = rec._open.get("data_wait")  # (read inside another's wait: tp.watch over a DataLoader)
             if not waiting and probe._versions_at_backward is not None:  # (_batch_coming, inlined)
                 probe._unseen_update(at_batch=True)
-            key = loader_key(it)
+            known = probe._iterator_key  # (its key, read once an iterator: its sampler and Dataset stay)
+            if known is not None and known[0]() is it:
+                key = known[1]
+            else:
+                key = loader_key(it)
+                try:
+                    probe._iterator_key = (weakref.ref(it), key)
+                except TypeError:  # an iterator that takes no weak reference: read at each batch
+                    probe._iterator_key = None
             key = rec.key_alias.get(key, key)
             if rec.stop_pending is not None and not _handed_all(it):
                 # the slice is full: the loop stops before it reads its training loader's next
@@ -1619,8 +1637,8 @@ class PhaseProbe:
         rec = self.rec
 
         def whole(*args: Any, **kwargs: Any) -> Any:
-            if (_compiling() or threading.get_ident() != rec.thread_id or rec.is_open(phase)
-                    or rec.is_open("data_wait") or (when is not None and not when(args, kwargs))):
+            if (_compiling() or threading.get_ident() != rec.thread_id or rec._open.get(phase)
+                    or rec._open.get("data_wait") or (when is not None and not when(args, kwargs))):
                 return fn(*args, **kwargs)
             token = rec.enter(phase, source)
             try:
