@@ -270,7 +270,10 @@ class Recorder:
             for fn in self.phase_listeners:
                 fn(phase, "enter", self.step_index)
             ev = timer.mark() if timer is not None else None
-            self._own(t, sev, ev)  # on a GPU it ends at the phase's own start event
+            # (_own, inlined: a frame less each boundary) on a GPU it ends at the phase's own start event
+            end = perf_counter_ns()
+            self.own_host_ns += end - t
+            self._spans += ("tpkit", t, end, len(self._stack), "probes", self.step_index, sev, ev)
         else:
             ev = timer.mark() if timer is not None else None
         depth = len(self._stack)
@@ -291,8 +294,11 @@ class Recorder:
                 t = perf_counter_ns()
                 for fn in self.phase_listeners:
                     fn(phase, "exit", step)
-                # on a GPU it starts at the phase's own end event
-                self._own(t, ev, self.cuda_timer.mark() if ev is not None else None)
+                # (_own, inlined: a frame less each boundary) on a GPU it starts at the phase's own end event
+                own_ev = self.cuda_timer.mark() if ev is not None else None
+                own_end = perf_counter_ns()
+                self.own_host_ns += own_end - t
+                self._spans += ("tpkit", t, own_end, len(self._stack), "probes", self.step_index, ev, own_ev)
 
     def relabel(self, index: int, was: str, phase: str) -> None:
         """Give span number ``index`` (in closing order), of phase ``was``, another phase: one

@@ -869,8 +869,10 @@ class MemoryProbe:
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if compiling():
             return  # inlined into a compiled step: dynamo would guard on the registry (a recompile each new one)
-        self.optimizers.add(opt)
-        if self.rec.is_open("backward") and self._streaming():
+        known = self.optimizers._keys.get(id(opt))  # (WeakRegistry.add's test, inlined: a frame less a step)
+        if known is None or self.optimizers.entries[known]() is not opt:
+            self.optimizers.add(opt)
+        if self.rec._open.get("backward") and self._streaming():
             self._observe_stepped_gradients(opt)
 
     def _watch_fsdp_unshards(self) -> None:
@@ -1065,7 +1067,7 @@ class MemoryProbe:
                     # the next passes, as at the start (not for a new optimizer or state alone)
                     grads, self._grad_looks = True, 1
                 self._observe(grads=grads)
-        if len(self.rec.models) != self._seen_key[0]:
+        if len(self.rec.models.entries) != self._seen_key[0]:  # (the registry's dict: no __len__ frame)
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
         stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
         # torch's flag of an open torch.profiler / autograd.profiler.profile session (tpkit's
@@ -1349,17 +1351,19 @@ class MemoryProbe:
         the next look finds it (at most GRAD_LOOK_EVERY steps later). Checking every
         optimizer's state fingerprint at every step cost 15-30 us there (cold caches)."""
         states = groups = 0
-        for opt in self.optimizers.live():
-            states += len(opt.state)
-            groups += len(opt.param_groups)
+        for ref in self.optimizers.entries.values():  # (WeakRegistry.live, inlined: three frames less a look)
+            opt = ref()
+            if opt is not None:
+                states += len(opt.state)
+                groups += len(opt.param_groups)
         if groups != self._groups_seen:
             self._groups_seen, self._groups_grew = groups, True
             return True
         if states != self._opt_states_seen:
             self._opt_states_seen = states
             return True
-        return (self._params_new or bool(self._died) or len(self.optimizers) != self._seen_opts
-                or len(self.rec.models) != self._seen_key[0] or len(self.rec.own_tensors) > self._own_seen)
+        return (self._params_new or bool(self._died) or len(self.optimizers.entries) != self._seen_opts
+                or len(self.rec.models.entries) != self._seen_key[0] or len(self.rec.own_tensors) > self._own_seen)
 
     def _opt_state_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []

@@ -74,6 +74,7 @@ from ...schema import FILE_LOAD, JIT_TRACE, METRIC_CALL, UNSEEN_UPDATES_NOTE
 from ..frameworks import EVALUATING, find_trainer, frame_self
 from ..recorder import SPAN_FIELDS, Recorder, WeakRegistry
 from . import batches, keras_optimizers, loss_sums, module_calls
+from . import compiling as _cm
 from .batches import forward_identity, handed_out, loader_dataset, loader_key, loader_settings
 from .compiling import compiling, skip_own_frames, skipped_by_dynamo, watch_sessions
 from .hook_places import (
@@ -114,6 +115,17 @@ _METRIC_CLASSES = frozenset({("torchmetrics.metric", "Metric"), ("torchmetrics.c
 
 #: True while torch.compile works in this thread: tpkit's hooks then do nothing at all.
 _compiling = compiling
+# The hottest hooks (backward, an optimizer's step hooks, zero_grad, a whole-phase wrapper) test
+# ``compiling()`` as ``_dynamo_traces() or (_compiler._is_compiling_flag or _cm._foreign_at_start)
+# and _compiling()``: the same answer (where neither flag is up ``compiling()`` reads False and
+# changes nothing), without its frame in an eager step (7 frames a step on a Trainer's).
+_dynamo_traces = torch.compiler.is_dynamo_compiling
+_compiler: Any = torch.compiler
+# run eagerly by a hook at a graph break, torch's function (``return False``) is now a callee of
+# the hook's own frame: dynamo would compile it as a frame of the loop's (a code more than
+# without tpkit, tests/integrations/test_compile.py); as under ``compiling()``, it is skipped.
+# Tracing (inlining) is not affected: it folds to True there.
+skipped_by_dynamo(_dynamo_traces)
 
 
 def _same_model(module: torch.nn.Module) -> list[int]:
@@ -816,7 +828,7 @@ class PhaseProbe:
 
     # -- optimizer --------------------------------------------------------------------------
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        if _compiling():
+        if _dynamo_traces() or ((_compiler._is_compiling_flag or _cm._foreign_at_start) and _compiling()):
             return None
         tid = threading.get_ident()
         if tid != self.rec.thread_id and not self._adopt(tid, at_step=True):
@@ -922,7 +934,8 @@ class PhaseProbe:
         return skipped_by_dynamo(closure_)
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if _compiling() or threading.get_ident() != self.rec.thread_id or not self._opt_tokens:
+        if (_dynamo_traces() or ((_compiler._is_compiling_flag or _cm._foreign_at_start) and _compiling())
+                or threading.get_ident() != self.rec.thread_id or not self._opt_tokens):
             return
         self.rec.exit(self._opt_tokens.pop()[0])
         self._opt_posts += 1
@@ -1391,7 +1404,8 @@ class PhaseProbe:
         reset = source == "zero_grad"
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _compiling() or threading.get_ident() != rec.thread_id:
+            if (_dynamo_traces() or ((_compiler._is_compiling_flag or _cm._foreign_at_start) and _compiling())
+                    or threading.get_ident() != rec.thread_id):
                 return fn(*args, **kwargs)
             probe._worked = True  # zero_grad: a new iteration's work (see _opt_post)
             if reset:
@@ -1424,7 +1438,7 @@ class PhaseProbe:
         rec, probe = self.rec, self
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if _compiling():
+            if _dynamo_traces() or ((_compiler._is_compiling_flag or _cm._foreign_at_start) and _compiling()):
                 return fn(tensors, *args, **kwargs)
             tid = threading.get_ident()
             if tid != rec.thread_id and not probe._adopt(tid, at_step=False):
@@ -1637,7 +1651,8 @@ class PhaseProbe:
         rec = self.rec
 
         def whole(*args: Any, **kwargs: Any) -> Any:
-            if (_compiling() or threading.get_ident() != rec.thread_id or rec._open.get(phase)
+            if (_dynamo_traces() or ((_compiler._is_compiling_flag or _cm._foreign_at_start) and _compiling())
+                    or threading.get_ident() != rec.thread_id or rec._open.get(phase)
                     or rec._open.get("data_wait") or (when is not None and not when(args, kwargs))):
                 return fn(*args, **kwargs)
             token = rec.enter(phase, source)
