@@ -157,3 +157,9 @@ class _Slot(tuple["LossSums", int, int]):
 
     def __float__(self) -> float:
         return self[0].value(self[1], self[2])
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the sum lives on a CUDA device, as a tensor says: the rank watchdog reads no
+        loss there (a stalled rank's stream never drains; ``float`` would wait for it)."""
+        return bool(self[0]._chunks[self[1]].is_cuda)
