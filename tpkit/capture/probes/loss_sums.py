@@ -48,7 +48,6 @@ class LossSums:
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
         self._chunks: list[torch.Tensor] = []
-        self._views: list[tuple[torch.Tensor, ...]] = []  # each chunk's 0-d views, made with it (no op per add)
         self._free: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk, next index)
         self._slots: dict[torch.device, "_Slot"] = {}  # the current step's slot per device
         self._slots_step = -1
@@ -79,7 +78,7 @@ class LossSums:
         if slot is None:
             slot = self._slots[device] = self._new_slot(device)
             target.append((raw_step, slot))
-        self._views[slot[1]][slot[2]].add_(value)
+        self._chunks[slot[1]][slot[2]].add_(value)
 
     def updated(self) -> None:
         """An optimizer stepped: until the next backward, a ``zero_grad()`` is the loop's ordinary
@@ -137,7 +136,6 @@ class LossSums:
             dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
             chunk_t = torch.zeros(self.CHUNK, dtype=dtype, device=device)
             self._chunks.append(chunk_t)
-            self._views.append(chunk_t.unbind())
             self.rec.own_tensors.append(chunk_t)  # tpkit's own, not the loop's: the memory probe leaves it out
             chunk, index = len(self._chunks) - 1, 0
         self._free[device] = (chunk, index + 1)
