@@ -465,7 +465,9 @@ class Recorder:
         is timed by CUDA events around that work, like the phases: what the GPU spent waiting
         for it (nothing while the GPU still had queued work; an H200's GPT-2-small slice had
         charged 7.5 ms of host time a step to the GPU's timeline: docs/GPU_RUNS.md). Its host
-        time adds up in ``own_host_ns`` (``meta["cuda_timing"]["tpkit_host_s"]``)."""
+        time adds up in ``own_host_ns`` (``meta["cuda_timing"]["tpkit_host_s"]``). ``enter`` and
+        ``exit`` write the same span themselves (a frame less at each phase boundary): a change
+        here goes there too."""
         end_ns = perf_counter_ns()
         self.own_host_ns += end_ns - start_ns
         self._spans += ("tpkit", start_ns, end_ns, len(self._stack), "probes",
