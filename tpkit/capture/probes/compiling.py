@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -73,8 +74,16 @@ def skipped_by_dynamo(fn: Callable[..., Any], callees: bool = False) -> Callable
     return fn
 
 
+#: Code objects whose strategy is set already, with how: a wrapper made anew at each call (an
+#: optimizer's closure, every step) shares its code with the last one, set once.
+_skipped_codes: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
 def _skip_code(code: Any, callees: bool) -> None:
     """Dynamo's frame strategy for ``code``: skipped, and its callees too where ``callees``."""
+    if _skipped_codes.get(code) == callees:
+        return
+    _skipped_codes[code] = callees
     try:
         from torch._C._dynamo import eval_frame as ef
 

@@ -164,6 +164,7 @@ class OffloadProbe:
             if not self._patched:
                 self._patch_deepspeed()  # imported during the step's last phase
             self.rec.phase_listeners.remove(self._late_patch)
+        self.rec.step_listeners.remove(self._first_step_ended)  # once (it had run at every step)
 
     def _patch_deepspeed(self) -> bool:
         engine_mod = sys.modules.get("deepspeed.runtime.engine")
