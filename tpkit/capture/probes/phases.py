@@ -245,8 +245,6 @@ class PhaseProbe:
         self._handles: list[Any] = []
         self._post_handle: Any = None  # the handle of tpkit's global optimizer step post-hook
         self._patched = Patches()
-        # the last DataLoader iterator read, its sampler's and Dataset's ids then, and its loader_key
-        self._iterator_key: tuple[weakref.ref, int, int, int] | None = None
         self._set_inside: Callable[[int | None], None] = module_calls.set_inside  # (install: the route's own)
         self._fwd_gen = 0  # bumped when an early adoption is taken back: that thread's call no longer counts
         self._opt_tokens: list[tuple[int, str]] = []  # (token, source) of open optimizer spans
@@ -1608,18 +1606,7 @@ class PhaseProbe:
             waiting = rec._open.get("data_wait")  # (read inside another's wait: tp.watch over a DataLoader)
             if not waiting and probe._versions_at_backward is not None:  # (_batch_coming, inlined)
                 probe._unseen_update(at_batch=True)
-            # its key, read again only where the iterator, its sampler or its Dataset is another
-            known = probe._iterator_key
-            # (ids: tpkit keeps no sampler or Dataset alive)
-            sampler, dataset = id(getattr(it, "_index_sampler", None)), id(getattr(it, "_dataset", None))
-            if known is not None and known[0]() is it and known[1] == sampler and known[2] == dataset:
-                key = known[3]
-            else:
-                key = loader_key(it)
-                try:
-                    probe._iterator_key = (weakref.ref(it), sampler, dataset, key)
-                except TypeError:  # an iterator that takes no weak reference: read at each batch
-                    probe._iterator_key = None
+            key = loader_key(it)
             key = rec.key_alias.get(key, key)
             if rec.stop_pending is not None and not _handed_all(it):
                 # the slice is full: the loop stops before it reads its training loader's next
