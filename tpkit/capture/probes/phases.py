@@ -1549,6 +1549,8 @@ class PhaseProbe:
                 probe.rec.accelerate_loader = True  # the loop is accelerate's (capture/build.py: its losses)
                 probe.rec.source_loaders[id(inner)] = id(loader)
             yielded = False
+            # (read once an epoch: a read through accelerate's __getattr__ at every batch)
+            workers = getattr(loader, "num_workers", -1)
             while True:
                 mine = probe.installed and threading.get_ident() == probe.rec.thread_id
                 # the slice is full (Profile._stopping): the loop stops before it reads on, unless the
@@ -1566,7 +1568,7 @@ class PhaseProbe:
                 finally:
                     probe._read_ahead -= mine
                 if mine:
-                    handed_out(probe.rec, batch, getattr(loader, "num_workers", -1), id(inner))
+                    handed_out(probe.rec, batch, workers, id(inner))
                 yielded = True
                 yield batch
 
