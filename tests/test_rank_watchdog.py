@@ -60,7 +60,7 @@ def test_watchdog_leaves_the_loss_sums_on_a_stalled_gpu_unread(tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     rec = Recorder("stalled")
     sums = LossSums(rec)
-    sums.add(0, torch.tensor(2.5))
+    sums.add(0, torch.tensor(2.5, device="meta"))  # a device's chunk (a CPU loss is summed in host floats)
     rec.end_step()
     sums._chunks[0] = StalledGpuChunk()  # type: ignore[assignment] - the chunk now "on a stalled GPU"
     dog = RankWatchdog(rec, tmp_path, timeout_s=0.05, poll_s=0.01)

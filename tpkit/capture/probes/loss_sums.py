@@ -13,6 +13,7 @@ from ..recorder import Recorder
 #: static one, by hand: GradScaler's is known from its own call): ``(loss * 1024).backward()``
 #: had read 1024x the loss the loop logs, with no word. Smaller factors are weights of the loss.
 STATIC_SCALE_MIN = 128.0
+_CPU = torch.device("cpu")
 
 
 def static_scale(tensor: torch.Tensor) -> float:
@@ -38,7 +39,10 @@ def static_scale(tensor: torch.Tensor) -> float:
 class LossSums:
     """Per-step sums of the losses backpropagated, kept on the loss's device in preallocated
     chunks of ``CHUNK`` slots: one in-place add per backward (no new tensor per step, no
-    sync), nothing of the loop's own tensors kept, read once per chunk after the slice.
+    sync), nothing of the loop's own tensors kept, read once per chunk after the slice. A loss
+    on the CPU is read at once and summed in a chunk of host floats: there is no device to wait
+    for, and the in-place add into a float64 tensor chunk cost ~5 us a step where the read costs
+    0.2 (both sum in double precision, in the same order: the same sums).
 
     Each step's first loss puts ``(raw_step, slot)`` in ``rec.losses``; ``float(slot)`` is
     the step's sum (the build reads it so)."""
@@ -48,6 +52,7 @@ class LossSums:
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
         self._chunks: list[torch.Tensor] = []
+        self._floats: list[list[float]] = []  # the CPU's chunks: host floats
         self._free: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk, next index)
         self._slots: dict[torch.device, "_Slot"] = {}  # the current step's slot per device
         self._slots_step = -1
@@ -64,10 +69,19 @@ class LossSums:
         if not after_reset:
             counts = rec.loss_counts
             counts[raw_step] = counts.get(raw_step, 0) + 1
+        target = rec.losses_after_reset if after_reset else rec.losses
+        if type(loss) is torch.Tensor and loss.is_cpu:
+            if raw_step != self._slots_step:
+                self._slots, self._slots_step = {}, raw_step
+            slot = self._slots.get(_CPU)
+            if slot is None:
+                slot = self._slots[_CPU] = self._new_slot(_CPU)
+                target.append((raw_step, slot))
+            self._floats[slot[1]][slot[2]] += loss.item()
+            return
         value = loss.detach()
         if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
             value = value.reshape(())
-        target = rec.losses_after_reset if after_reset else rec.losses
         if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
             target.append((raw_step, value.clone()))
             return
@@ -132,6 +146,12 @@ class LossSums:
 
     def _new_slot(self, device: torch.device) -> "_Slot":
         chunk, index = self._free.get(device, (-1, self.CHUNK))
+        if device.type == "cpu":  # host floats (the class doc)
+            if index >= self.CHUNK:
+                self._floats.append([0.0] * self.CHUNK)
+                chunk, index = len(self._floats) - 1, 0
+            self._free[device] = (chunk, index + 1)
+            return _HostSlot((self, chunk, index))
         if index >= self.CHUNK:
             dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
             chunk_t = torch.zeros(self.CHUNK, dtype=dtype, device=device)
@@ -161,3 +181,16 @@ class _Slot(tuple["LossSums", int, int]):
         """Whether the sum lives on a CUDA device, as a tensor says: the rank watchdog reads no
         loss there (a stalled rank's stream never drains; ``float`` would wait for it)."""
         return bool(self[0]._chunks[self[1]].is_cuda)
+
+
+class _HostSlot(_Slot):
+    """``(sums, chunk, index)`` of a CPU step's sum, in host floats (``LossSums._floats``)."""
+
+    __slots__ = ()
+
+    def __float__(self) -> float:
+        return self[0]._floats[self[1]][self[2]]
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
