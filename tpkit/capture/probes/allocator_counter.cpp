@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 
 #include <pthread.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include <atomic>
@@ -41,8 +42,42 @@ struct Header {
 };
 static_assert(sizeof(Header) == kHeaderBytes, "the header is 64 bytes");
 
+// The events' memory comes straight from the kernel, its pages made present when it is taken
+// (MAP_POPULATE): a list growing into fresh memory inside the loop's steps faults at each new
+// page (4.3 us a page on a 2-core VM: 3-6 a step of a 2-layer GPT-2's, 0.2-0.4% of its step:
+// docs/OVERHEAD.md, "Pages touched inside a step"), and a block of glibc's this large, freed at
+// the slice's end, would have raised glibc's mmap threshold for the rest of the loop's process.
+template <typename T>
+struct PagesAllocator {
+  using value_type = T;
+  PagesAllocator() = default;
+  template <typename U>
+  PagesAllocator(const PagesAllocator<U>&) {}
+  static size_t rounded(size_t n) { return (n * sizeof(T) + 4095) & ~size_t{4095}; }
+  T* allocate(size_t n) {
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS;
+#ifdef MAP_POPULATE
+    flags |= MAP_POPULATE;
+#endif
+    void* p = mmap(nullptr, rounded(n), PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (p == MAP_FAILED) {
+      throw std::bad_alloc();
+    }
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) { munmap(p, rounded(n)); }
+  template <typename U>
+  bool operator==(const PagesAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const PagesAllocator<U>&) const { return false; }
+};
+using EventList = std::vector<int64_t, PagesAllocator<int64_t>>;
+// Values the list has room for from each start: 8 MiB, 524,288 events (~650 steps of a 2-layer
+// GPT-2's ~800; past them it grows as a vector does, each new block's pages made present at once).
+constexpr size_t kReservedValues = size_t{1} << 20;
+
 std::mutex events_mutex;
-std::vector<int64_t> events;            // address, bytes, address, bytes, ... in order
+EventList events;                       // address, bytes, address, bytes, ... in order
 std::atomic<uint64_t> recording{0};     // the recording session's number; 0: none
 uint64_t sessions = 0;                  // sessions started so far
 thread_local uint64_t thread_session = 0;  // the session this thread records for
@@ -152,7 +187,7 @@ void after_fork_in_child() {
   recording.store(0, std::memory_order_relaxed);
   thread_session = 0;
   new (&events_mutex) std::mutex();
-  std::vector<int64_t>().swap(events);
+  EventList().swap(events);
   // the probe's notes belong to the parent: dropped here without their references (touching
   // Python objects is not safe in a fork's child; the counts stay one too high, harmlessly)
   new (&boundaries) std::vector<Boundary>();
@@ -192,6 +227,7 @@ int64_t address() { return reinterpret_cast<int64_t>(static_cast<c10::Allocator*
 void start() {
   std::lock_guard<std::mutex> guard(events_mutex);
   events.clear();
+  events.reserve(kReservedValues);
   thread_session = ++sessions;
   recording.store(sessions, std::memory_order_relaxed);
 }
@@ -393,7 +429,7 @@ void forget() {
 
 // Stop recording; the events as a list of (address, bytes) pairs, in order.
 pybind11::list stop() {
-  std::vector<int64_t> got;
+  EventList got;
   {
     recording.store(0, std::memory_order_relaxed);
     std::lock_guard<std::mutex> guard(events_mutex);
