@@ -51,7 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -478,26 +478,6 @@ class _ProfileWhile:
         return self.profile.__exit__(*exc)
 
 
-class _ProfileThrough(_ProfileWhile):
-    """As ``_ProfileWhile``, with ``setting`` in force until the profile has ended: for what the
-    probes read at every call, not only when the slice makes them (the Recorder's methods)."""
-
-    def __enter__(self) -> Any:
-        self._in_force = self.setting()
-        self._in_force.__enter__()
-        try:
-            return self.profile.__enter__()
-        except BaseException:
-            self._in_force.__exit__(*sys.exc_info())
-            raise
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self.profile.__exit__(*exc)
-        finally:
-            self._in_force.__exit__(None, None, None)
-
-
 def _on_stream() -> Any:
     """CPU memory from torch's profiler stream (the default before session 29, and still where
     the allocation counter cannot be built): against the default, what the counter saves."""
@@ -523,19 +503,6 @@ def _python_module_calls() -> Any:
     return mock.patch.object(module_calls, "C_ROUTE", False)
 
 
-@contextmanager
-def _python_spans() -> Any:
-    """The Recorder's ``enter`` / ``exit`` in Python (as before session 45) instead of C: against
-    the same profile, what recording the spans in C saves (docs/OVERHEAD.md, "Spans in C")."""
-    from tpkit.capture import recorder
-
-    recorder.use_c_spans(False)
-    try:
-        yield
-    finally:
-        recorder.use_c_spans(recorder.C_SPANS)
-
-
 #: Modes that take the default apart, run only when named in --modes.
 #: The communication pair matters under DDP (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0
 #: MASTER_ADDR=127.0.0.1 MASTER_PORT=...): at one rank a slice leaves collectives untimed by
@@ -548,9 +515,6 @@ COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit default (Python module calls)": lambda steps, warmup: _ProfileWhile(steps, warmup, _python_module_calls),
     "tpkit phases only (Python module calls)": lambda steps, warmup: _ProfileWhile(
         steps, warmup, _python_module_calls, memory=False, clock_hz=0),
-    "tpkit default (Python spans)": lambda steps, warmup: _ProfileThrough(steps, warmup, _python_spans),
-    "tpkit phases only (Python spans)": lambda steps, warmup: _ProfileThrough(
-        steps, warmup, _python_spans, memory=False, clock_hz=0),
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
     "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
@@ -568,10 +532,6 @@ COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memo
                         "tpkit default (Python module calls)"),
                        ("phases only with module calls routed in C over the same in Python", "tpkit phases only",
                         "tpkit phases only (Python module calls)"),
-                       ("the default with spans recorded in C over the same in Python", "tpkit default",
-                        "tpkit default (Python spans)"),
-                       ("phases only with spans recorded in C over the same in Python", "tpkit phases only",
-                        "tpkit phases only (Python spans)"),
                        ("the communication probe (under DDP)", "tpkit phases only with comm probe",
                         "tpkit phases only without comm probe"))
 SUBPROCESS_MODES = ("none, traceml launcher", "TraceML, own process", "tpkit default, own process",

@@ -26,12 +26,9 @@ import copy
 import sys
 import threading
 import weakref
-from pathlib import Path
 from time import perf_counter_ns
 from types import FrameType
 from typing import Any, Callable
-
-from .probes import native
 
 PhaseListener = Callable[[str, str, int], None]
 StepListener = Callable[[int, int], None]
@@ -232,8 +229,6 @@ class Recorder:
         self.step_events: dict[int, Any] = {}  # raw step -> CUDA event at its end (GPU runs only)
         self._stack: list[list] = []  # open spans: [phase, start_ns, depth, source, raw_step, ev]
         self._open: dict[str, int] = {}
-        if not _spans_tried:
-            use_c_spans(C_SPANS)
 
     # -- spans --------------------------------------------------------------------------
     @property
@@ -266,10 +261,7 @@ class Recorder:
     # -- phases -------------------------------------------------------------------------
     def enter(self, phase: str, source: str = "user") -> int:
         """Open a span; returns a token for ``exit``. Listeners run before the stamp, and
-        their time is a ``tpkit`` span of its own (tpkit's cost, never charged to a phase).
-
-        Runs in C where it can be built (``recorder_spans.c``, the same steps; ``use_c_spans``):
-        a change here goes there too."""
+        their time is a ``tpkit`` span of its own (tpkit's cost, never charged to a phase)."""
         already = self._open.get(phase, 0)
         timer = self.cuda_timer
         if self.phase_listeners and not already:
@@ -291,7 +283,7 @@ class Recorder:
 
     def exit(self, token: int) -> None:
         """Close the span opened with ``token`` and any left open above it (an exception
-        that skipped their exits). In C where it can be built, as ``enter``."""
+        that skipped their exits)."""
         end = perf_counter_ns()
         ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
         while len(self._stack) > token:
@@ -501,42 +493,3 @@ class Recorder:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
-
-
-#: Use the C ``enter`` / ``exit`` when they can be built; False: the Python methods above (the
-#: benchmark's peer, ``benchmarks/overhead.py``).
-C_SPANS = True
-#: Their source and extension's name (``probes/native.py`` builds and caches it).
-SPANS_SOURCE = Path(__file__).with_name("recorder_spans.c")
-SPANS_EXTENSION = "tpkit_recorder_spans"
-#: The Python methods, kept: the C ones call them where a recorder's state is not what these
-#: write, and ``use_c_spans(False)`` puts them back.
-PYTHON_ENTER, PYTHON_EXIT = Recorder.enter, Recorder.exit
-_spans_tried = False
-_spans_why: str | None = None
-
-
-def use_c_spans(on: bool = True) -> str | None:
-    """Make ``Recorder.enter`` / ``exit`` the C methods (``on``, where they can be built) or the
-    Python ones. Returns None where C runs, else why not. The first Recorder asks for C (once per
-    process): a span is opened and closed at every phase boundary, a dozen times a step, and the
-    Python methods were a third of tpkit's own bytecodes in a step (docs/OVERHEAD.md, "Spans in
-    C")."""
-    global _spans_tried, _spans_why
-    _spans_tried = True
-    enter: Any = PYTHON_ENTER
-    exit_: Any = PYTHON_EXIT
-    why: str | None = "the Python methods were asked for (recorder.C_SPANS = False)"
-    if on:
-        ext, why, _ = native.load(SPANS_EXTENSION, SPANS_SOURCE)
-        if ext is not None:
-            enter, exit_ = ext.methods(Recorder, PYTHON_ENTER, PYTHON_EXIT, globals(), perf_counter_ns)
-    Recorder.enter = enter  # type: ignore[method-assign]
-    Recorder.exit = exit_  # type: ignore[method-assign]
-    _spans_why = why
-    return why
-
-
-def c_spans_why() -> str | None:
-    """Why the Recorder's spans are recorded by the Python methods (None: by C, or no Recorder yet)."""
-    return _spans_why
