@@ -44,8 +44,8 @@ static_assert(sizeof(Header) == kHeaderBytes, "the header is 64 bytes");
 
 // The events' memory comes straight from the kernel, its pages made present when it is taken
 // (MAP_POPULATE): a list growing into fresh memory inside the loop's steps faults at each new
-// page (4.3 us a page on a 2-core VM: 3-6 a step of a 2-layer GPT-2's, 0.2-0.4% of its step:
-// docs/OVERHEAD.md, "Pages touched inside a step"), and a block of glibc's this large, freed at
+// page (2-4 us a page on a 2-core VM: 3-6 a step of a 2-layer GPT-2's, 0.1-0.4% of its step:
+// docs/OVERHEAD.md, "Instructions, caches and pages"), and a block of glibc's this large, freed at
 // the slice's end, would have raised glibc's mmap threshold for the rest of the loop's process.
 template <typename T>
 struct PagesAllocator {
