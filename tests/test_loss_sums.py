@@ -45,6 +45,14 @@ def test_a_one_element_loss_of_shape_one_and_many_chunks() -> None:
     assert not any(slot.is_cuda for _, slot in rec.losses)
 
 
+def test_a_parameter_whose_detach_is_a_tensor_sums_with_the_step() -> None:
+    rec = Recorder()
+    sums = LossSums(rec)
+    sums.add(0, torch.nn.Parameter(torch.tensor(2.0)))
+    sums.add(0, torch.tensor(0.5))
+    assert [(s, float(slot)) for s, slot in rec.losses] == [(0, 2.5)]
+
+
 def test_a_tensor_subclass_loss_is_kept_as_a_copy_of_its_own() -> None:
     class Marked(torch.Tensor):
         pass

@@ -70,15 +70,17 @@ class LossSums:
             counts = rec.loss_counts
             counts[raw_step] = counts.get(raw_step, 0) + 1
         target = rec.losses_after_reset if after_reset else rec.losses
-        if type(loss) is torch.Tensor and loss.is_cpu:
-            if raw_step != self._slots_step:
-                self._slots, self._slots_step = {}, raw_step
-            slot = self._slots.get(_CPU)
-            if slot is None:
-                slot = self._slots[_CPU] = self._new_slot(_CPU)
-                target.append((raw_step, slot))
-            self._floats[slot[1]][slot[2]] += loss.item()
-            return
+        if loss.is_cpu:
+            value = loss if type(loss) is torch.Tensor else loss.detach()  # (an nn.Parameter's detach is a tensor)
+            if type(value) is torch.Tensor:  # (a subclass of its own, DTensor's, is kept below)
+                if raw_step != self._slots_step:
+                    self._slots, self._slots_step = {}, raw_step
+                slot = self._slots.get(_CPU)
+                if slot is None:
+                    slot = self._slots[_CPU] = self._new_slot(_CPU)
+                    target.append((raw_step, slot))
+                self._floats[slot[1]][slot[2]] += value.item()
+                return
         value = loss.detach()
         if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
             value = value.reshape(())
