@@ -63,6 +63,12 @@ struct PagesAllocator {
     if (p == MAP_FAILED) {
       throw std::bad_alloc();
     }
+#ifdef MADV_DONTFORK
+    // A process forked while the list is held (a DataLoader's workers, started at each epoch
+    // inside a slice) does not get it: its pages had been shared copy-on-write with the child,
+    // and each the loop's thread wrote next faulted again. (The child drops its list: after_fork.)
+    madvise(p, rounded(n), MADV_DONTFORK);
+#endif
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t n) { munmap(p, rounded(n)); }
