@@ -74,6 +74,10 @@ def main() -> None:
     if args.child:
         child(args.child[0], args.child[1], args.steps, args.skip)
         return
+    sys.path.insert(0, str(HERE))
+    from common import load_avg, machine
+
+    print(f"{machine()}; load average at start {' / '.join(f'{x:.2f}' for x in load_avg())}")
     first, second = fault_cost_us()
     print(f"a page's first touch {first:.2f} us, a second touch {second:.2f} us")
     got: dict[str, list[dict]] = {m: [] for m in MODES}

@@ -53,7 +53,7 @@ struct PagesAllocator {
   PagesAllocator() = default;
   template <typename U>
   PagesAllocator(const PagesAllocator<U>&) {}
-  static size_t rounded(size_t n) { return (n * sizeof(T) + 4095) & ~size_t{4095}; }
+  static size_t rounded(size_t n) { return (n * sizeof(T) + kPageBytes - 1) & ~(kPageBytes - 1); }
   T* allocate(size_t n) {
     int flags = MAP_PRIVATE | MAP_ANONYMOUS;
 #ifdef MAP_POPULATE

@@ -70,31 +70,27 @@ class LossSums:
             counts = rec.loss_counts
             counts[raw_step] = counts.get(raw_step, 0) + 1
         target = rec.losses_after_reset if after_reset else rec.losses
-        if loss.is_cpu:
-            value = loss if type(loss) is torch.Tensor else loss.detach()  # (an nn.Parameter's detach is a tensor)
-            if type(value) is torch.Tensor:  # (a subclass of its own, DTensor's, is kept below)
-                if raw_step != self._slots_step:
-                    self._slots, self._slots_step = {}, raw_step
-                slot = self._slots.get(_CPU)
-                if slot is None:
-                    slot = self._slots[_CPU] = self._new_slot(_CPU)
-                    target.append((raw_step, slot))
-                self._floats[slot[1]][slot[2]] += value.item()
+        value = loss if type(loss) is torch.Tensor else loss.detach()  # (an nn.Parameter's detach is a tensor)
+        on_host = value.is_cpu and type(value) is torch.Tensor  # read at once (the class doc)
+        if not on_host:
+            if value is loss:
+                value = loss.detach()
+            if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
+                value = value.reshape(())
+            if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
+                target.append((raw_step, value.clone()))
                 return
-        value = loss.detach()
-        if value.dim():  # a one-element loss of shape (1,) or more; a 0-d one (the usual) skips the reshape's 1.7 us
-            value = value.reshape(())
-        if type(value) is not torch.Tensor:  # a tensor subclass (DTensor...): a copy of its own
-            target.append((raw_step, value.clone()))
-            return
         if raw_step != self._slots_step:  # a new step: earlier steps' slots are never added to again
             self._slots, self._slots_step = {}, raw_step
-        device = value.device
+        device = _CPU if on_host else value.device
         slot = self._slots.get(device)
         if slot is None:
             slot = self._slots[device] = self._new_slot(device)
             target.append((raw_step, slot))
-        self._chunks[slot[1]][slot[2]].add_(value)
+        if on_host:
+            self._floats[slot[1]][slot[2]] += value.item()
+        else:
+            self._chunks[slot[1]][slot[2]].add_(value)
 
     def updated(self) -> None:
         """An optimizer stepped: until the next backward, a ``zero_grad()`` is the loop's ordinary
