@@ -1622,6 +1622,7 @@ class MemoryProbe:
         at_bound: dict[int, int] = {}  # event position -> boundary
         hooks: dict[int, list[int]] = {}  # parameter slot -> positions where its .grad was stored
         ends: dict[int, list[int]] = {}  # position -> blocks from before the slice that ended there
+        came_back: dict[int, int] = {}  # block from before the slice -> where its address came back
         slot_of: dict[int, int] = {}  # gradient block -> its parameter's slot
         outside_data: dict[int, int] = {}  # batch blocks not in the stream -> their address
         freed_at: dict[int, int] = {}  # block -> position of its free
@@ -1779,10 +1780,18 @@ class MemoryProbe:
                         # a parameter's .data replaced (model.half()): its storage from before the
                         # slice, which has no free event, ends where the new one was made (at the
                         # look that last found it, if later), unless a parameter still holds it
-                        if (alloc_at[was] < 0 <= alloc_at[now] and live.get(optr) == was
-                                and all(b[0] != was for b in param_at.values())):
+                        if not (alloc_at[was] < 0 <= alloc_at[now] and all(b[0] != was for b in param_at.values())):
+                            continue
+                        end = max(alloc_at[now], seen)
+                        if live.get(optr) == was:
                             del live[optr]
-                            ends.setdefault(max(alloc_at[now], seen), []).append(was)
+                            ends.setdefault(end, []).append(was)
+                        elif came_back.get(was, -1) > end:
+                            # its address came back to a block of the loop's before this look
+                            # found the move: ended there, it had read parameters beside the new
+                            # storage from the cast to that block (2,048 B of an fp32 bias)
+                            ends[came_back.pop(was)].remove(was)
+                            ends.setdefault(end, []).append(was)
                 continue
             if sz > 0:
                 old = live.get(ptr)
@@ -1793,6 +1802,8 @@ class MemoryProbe:
                     del live[ptr]
                     ends.setdefault(i, []).append(old)
                     outside_data.pop(old, None)
+                    if alloc_at[old] < 0:
+                        came_back[old] = i
                 if pk < n_pool and ptr == pool[2 * pk] and sz == pool[2 * pk + 1]:
                     pk += 1  # a marker storage made: tpkit's, counted nowhere
                     continue
