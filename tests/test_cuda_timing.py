@@ -178,3 +178,35 @@ def test_on_a_gpu_tpkit_spans_are_what_the_gpu_waited_for(clock, monkeypatch):
     assert own.loc[0] == pytest.approx(0.0, abs=1e-9)  # queued work: the GPU never waited
     assert own.loc[1] == pytest.approx(0.0008, abs=1e-6)  # idle: both boundaries' 400 us
     assert rec.own_host_ns == 4 * 400_000
+
+
+def test_on_the_host_tpkit_spans_border_the_phases_and_never_overlap(monkeypatch):
+    """A listener's time is a ``tpkit`` span that ends where the phase it opens starts and starts
+    where the phase it closes ends: one clock read a boundary, and no time between a phase and
+    tpkit's that is no one's. Where an exit closes spans an exception left open, their listeners'
+    spans follow one another (the clock here moves 1 us at each read)."""
+    import tpkit.capture.recorder as recorder_mod
+    from tpkit.capture.recorder import Recorder
+
+    now = SimpleNamespace(ns=10**12)
+
+    def read() -> int:
+        now.ns += 1_000
+        return now.ns
+
+    monkeypatch.setattr(recorder_mod, "perf_counter_ns", read)
+    rec = Recorder("cpu")
+    rec.phase_listeners.append(lambda phase, event, step: setattr(now, "ns", now.ns + 300_000))
+    outer = rec.enter("forward", "test")
+    now.ns += 1_000_000
+    rec.enter("loss", "test")  # left open: the forward's exit closes it too
+    now.ns += 2_000_000
+    rec.exit(outer)
+    own = sorted((a, b) for p, a, b, *_ in rec.spans if p == "tpkit")
+    fwd = next((a, b) for p, a, b, *_ in rec.spans if p == "forward")
+    loss = next((a, b) for p, a, b, *_ in rec.spans if p == "loss")
+    assert own[0][1] == fwd[0] and own[1][1] == loss[0]  # enters: the phase starts as its listeners end
+    assert loss[1] == fwd[1] == own[2][0]  # both close at the exit's stamp; the first listeners start there
+    assert own[2][1] == own[3][0]  # the second's follow them
+    assert [b - a for a, b in own] == [301_000] * 4  # the listener's 300 us and the clock read after it
+    assert rec.own_host_ns == sum(b - a for a, b in own)

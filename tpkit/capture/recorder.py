@@ -270,14 +270,16 @@ class Recorder:
             for fn in self.phase_listeners:
                 fn(phase, "enter", self.step_index)
             ev = timer.mark() if timer is not None else None
-            # (_own, inlined: a frame less each boundary) on a GPU it ends at the phase's own start event
-            end = perf_counter_ns()
-            self.own_host_ns += end - t
-            self._spans += ("tpkit", t, end, len(self._stack), "probes", self.step_index, sev, ev)
+            # (_own, inlined: a frame less each boundary) on a GPU it ends at the phase's own start
+            # event; on the host the phase starts at its end (one clock read a boundary fewer)
+            start = perf_counter_ns()
+            self.own_host_ns += start - t
+            self._spans += ("tpkit", t, start, len(self._stack), "probes", self.step_index, sev, ev)
         else:
             ev = timer.mark() if timer is not None else None
+            start = perf_counter_ns()
         depth = len(self._stack)
-        self._stack.append([phase, perf_counter_ns(), depth, source, self.step_index, ev])
+        self._stack.append([phase, start, depth, source, self.step_index, ev])
         self._open[phase] = already + 1
         return depth
 
@@ -286,19 +288,20 @@ class Recorder:
         that skipped their exits)."""
         end = perf_counter_ns()
         ev = self.cuda_timer.mark() if self.cuda_timer is not None else None
+        own_start = end  # the listeners' time starts where the phase ends (one clock read a boundary fewer)
         while len(self._stack) > token:
             phase, start, depth, source, step, sev = self._stack.pop()
             left = self._open[phase] = self._open[phase] - 1
             self._spans += (phase, start, end, depth, source, step, sev, ev)
             if self.phase_listeners and not left:
-                t = perf_counter_ns()
                 for fn in self.phase_listeners:
                     fn(phase, "exit", step)
                 # (_own, inlined: a frame less each boundary) on a GPU it starts at the phase's own end event
                 own_ev = self.cuda_timer.mark() if ev is not None else None
                 own_end = perf_counter_ns()
-                self.own_host_ns += own_end - t
-                self._spans += ("tpkit", t, own_end, len(self._stack), "probes", self.step_index, ev, own_ev)
+                self.own_host_ns += own_end - own_start
+                self._spans += ("tpkit", own_start, own_end, len(self._stack), "probes", self.step_index, ev, own_ev)
+                own_start = own_end  # (spans left open above close at ``end`` too; their listeners' time follows)
 
     def relabel(self, index: int, was: str, phase: str) -> None:
         """Give span number ``index`` (in closing order), of phase ``was``, another phase: one
