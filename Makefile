@@ -37,7 +37,7 @@ gpu-check: $(if $(DRY),$(STAMP))
 # cores; run it on an otherwise idle machine): each prints its table with the named peer's
 # ratio and writes benchmarks/results/<script>.csv and the printed output to <script>_run.txt,
 # headed by the command and the time. BENCHES=... runs a subset. The GPU's are gpu-check's.
-BENCHES ?= overhead comm_probe floors counting_allocator step_faults memory_overhead memory_walk clocks_overhead h2d_wrappers collate loader loader_refill loader_dispatch loader_write loader_read loader_answer loader_cpu_split skeleton_pickle offload ranks_scale render
+BENCHES ?= overhead comm_probe floors counting_allocator step_faults memory_probe_parts memory_overhead memory_walk clocks_overhead h2d_wrappers collate loader loader_refill loader_dispatch loader_write loader_read loader_answer loader_cpu_split skeleton_pickle offload ranks_scale render
 bench: SHELL := /bin/bash
 bench: $(STAMP)
 	@set -eo pipefail; for b in $(BENCHES); do \
