@@ -10,6 +10,8 @@ starts the counter, walks the known sets at the slice's start and replays the st
   it sets off),
 - its optimizer hook (each optimizer known before it steps),
 - all three: what is left is the probe's start and end, outside the steps;
+- its phase listener replaced by a C call that does nothing: what a listener costs the recorder
+  (its own-time span around the call) without the probe's work at the boundary;
 
 and the counter recording with memory off (``overhead.py``'s "tpkit memory off + counter", clock
 sampler off too). Each is timed in blocks inside one training run, paired with the no-profiler
@@ -69,6 +71,21 @@ def _no_phase_listener() -> Any:
     return mock.patch.object(memory.MemoryProbe, "install", without_listener)
 
 
+def _bare_phase_listener() -> Any:
+    """The probe's phase listener replaced by a C callable that takes the three arguments and
+    does nothing (``slice``): the recorder still calls a listener at each boundary and writes
+    its own-time span around it; the counter's ``boundary`` and the looks it sets off are gone."""
+    install = memory.MemoryProbe.install
+
+    def with_bare_listener(self: memory.MemoryProbe) -> memory.MemoryProbe:
+        out = install(self)
+        listeners = self.rec.phase_listeners
+        listeners[:] = [slice if fn is self._listener else fn for fn in listeners]
+        return out
+
+    return mock.patch.object(memory.MemoryProbe, "install", with_bare_listener)
+
+
 def _none_of_them() -> Any:
     stack = contextlib.ExitStack()
     for part in (_no_batch_listener, _no_optimizer_hook, _no_phase_listener):
@@ -80,6 +97,7 @@ PARTS: dict[str, Callable[[], Any]] = {
     "without its batch listener": _no_batch_listener,
     "without its phase listener": _no_phase_listener,
     "without its optimizer hook": _no_optimizer_hook,
+    "with a bare C phase listener": _bare_phase_listener,
     "without any of the three": _none_of_them,
 }
 
@@ -131,7 +149,9 @@ def main() -> None:
         print(f"{mode:<34} {overhead.fmt_est(overhead.paired(out, mode))}")
     print("\n== each part's cost: the default over the default without it, cycle by cycle ==")
     for mode in [*PARTS, COUNTER]:
-        what = "the probe's work over the counter" if mode == COUNTER else mode.replace("without", "")
+        what = ("the probe's work over the counter" if mode == COUNTER
+                else "its listener's work beyond a bare one" if mode == "with a bare C phase listener"
+                else mode.replace("without", ""))
         print(f"{what.strip():<34} {overhead.fmt_est(quotient(out[DEFAULT].pairs, out[mode].pairs))}")
 
 
