@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import threading
 import time
 from unittest import mock
@@ -321,36 +323,52 @@ def test_recording_touches_no_new_page_for_the_event_list(ext):
     """The event list's pages are made present at the start: 150,000 events recorded (2.4 MB of
     list, ~590 new pages had it grown into fresh memory as a vector does) fault no more pages in
     the recording thread than the same allocations unrecorded (``RUSAGE_THREAD``: this thread's
-    faults only, not those of threads earlier tests left running)."""
-    import resource
-
-    counter = CpuAllocatorCounter(ext)
-
-    def faults_making_blocks() -> int:
-        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        for _ in range(75_000):
-            torch.empty(16)  # an allocation and a free: two events
-        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-
-    bare = faults_making_blocks()
-    counter.start()
-    try:
-        recorded = faults_making_blocks()
-    finally:
-        events = counter.stop()
-    assert len(events) >= 150_000
+    faults only). A process forked while recording (a DataLoader's workers at an epoch's start)
+    does not get the list: its pages are not shared copy-on-write, and the recording goes on
+    without faults beyond those of the process's other pages the fork left copy-on-write
+    (counted unrecorded, after a fork too). Measured in a fresh process: after this suite's
+    compile tests the unrecorded count alone was 3,000-4,000 and moved by hundreds from run to run."""
+    out = subprocess.run([sys.executable, "-c", _PAGE_FAULTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    events, bare, recorded, bare_after_fork, after_fork = map(int, out.stdout.split()[-5:])
+    assert events >= 150_000
     assert recorded - bare < 60, f"{recorded} page faults while recording, {bare} unrecorded"
+    assert after_fork - bare_after_fork < 60, \
+        f"{after_fork} page faults recording after a fork, {bare_after_fork} unrecorded after one"
 
-    # a process forked while recording (a DataLoader's workers at an epoch's start) does not get
-    # the list: its pages are not shared copy-on-write, and the recording goes on without faults
-    counter.start()
+
+_PAGE_FAULTS = """
+import os, resource, torch
+from tpkit.capture.probes import allocator_counter
+ext, why, _ = allocator_counter.load()
+assert ext is not None, why
+counter = allocator_counter.CpuAllocatorCounter(ext)
+
+def faults_making_blocks():
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(75_000):
+        torch.empty(16)  # an allocation and a free: two events
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+def after_a_fork(record):
+    if record:
+        counter.start()
     try:
         torch.empty(16)
         pid = os.fork()
         if pid == 0:
             os._exit(0)
         os.waitpid(pid, 0)
-        after_fork = faults_making_blocks()
+        return faults_making_blocks()
     finally:
-        counter.stop()
-    assert after_fork - bare < 60, f"{after_fork} page faults recording after a fork, {bare} unrecorded"
+        if record:
+            counter.stop()
+
+bare = faults_making_blocks()
+counter.start()
+try:
+    recorded = faults_making_blocks()
+finally:
+    events = counter.stop()
+print(len(events), bare, recorded, after_a_fork(False), after_a_fork(True))
+"""
