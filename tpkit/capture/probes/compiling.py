@@ -43,9 +43,8 @@ _lock = threading.Lock()
 def compiling() -> bool:
     """True where tpkit's hooks must do nothing: inside dynamo's trace, or in a thread that runs
     a compile session (or wherever the process's flag is up and no known session explains it).
-    The phase probe's hottest hooks and the memory probe's optimizer hook write its first tests
-    out where they are called (a frame less a hook in an eager step, capture/probes/phases.py):
-    a change to this rule goes there too."""
+    The phase probe's hottest hooks write its first tests out where they are called (a frame
+    less a hook in an eager step, capture/probes/phases.py): a change to this rule goes there too."""
     global _foreign_at_start
     if _dynamo_traces():
         return True

@@ -109,13 +109,12 @@ from ...schema import (
 )
 from ..recorder import Recorder, WeakRegistry
 from . import allocator_counter
-from . import compiling as _cm
 from .allocator_counter import CpuAllocatorCounter
 from .batches import held_values, stored_tensors
 from .compiling import compiling
 from .offload import deepspeed_gradient_tensors
 from .patching import Patches
-from .phases import _compiler, _dynamo_traces, has_accelerator
+from .phases import has_accelerator
 
 #: Phases during which what the allocator holds beyond the known sets is called activations.
 ACTIVATION_PHASES: frozenset[str] = frozenset({"forward", "backward"})
@@ -868,8 +867,7 @@ class MemoryProbe:
 
     # -- hooks (the hot path) ---------------------------------------------------------------
     def _see_optimizer(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # compiling(), its first tests written out as in the phase probe's hottest hooks (a frame less a step)
-        if _dynamo_traces() or ((_compiler._is_compiling_flag or _cm._foreign_at_start) and compiling()):
+        if compiling():
             return  # inlined into a compiled step: dynamo would guard on the registry (a recompile each new one)
         known = self.optimizers._keys.get(id(opt))  # (WeakRegistry.add's test, inlined: a frame less a step)
         if known is None or self.optimizers.entries[known]() is not opt:
@@ -1103,14 +1101,12 @@ class MemoryProbe:
                 pass
         self._batch = refs
         items = self._storages(tensors, "data", watch_shared=True)
-        if self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid:  # _streaming()
+        if self._streaming():
             flat: list[Any] = []
             for dev, ptr, nb, c, slot in items:
                 if dev == "cpu":
                     flat += (ptr, nb, c, slot)
-            if flat:  # (_add_observation and its _mark, inlined: three frames less a batch)
-                self.observations.append(flat)
-                self._marker(_OBS, len(self.observations) - 1)
+            self._add_observation(flat)
         # Loaders report the batch right after their data_wait span closed: count it as data
         # at that exit boundary too (the previous batch, still held by the loop, stays there).
         last = self._last_bound() if self.walks else None
