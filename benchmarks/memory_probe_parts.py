@@ -12,6 +12,8 @@ starts the counter, walks the known sets at the slice's start and replays the st
 - all three: what is left is the probe's start and end, outside the steps;
 - its phase listener replaced by a C call that does nothing: what a listener costs the recorder
   (its own-time span around the call) without the probe's work at the boundary;
+- its phase listener whole but never setting off a look at the gradients (the Python the
+  counter's ``boundary`` calls once a step);
 
 and the counter recording with memory off (``overhead.py``'s "tpkit memory off + counter", clock
 sampler off too). Each is timed in blocks inside one training run, paired with the no-profiler
@@ -19,7 +21,7 @@ blocks around it (``overhead.py``'s ``measure_blocks``), and each part's cost is
 cycle against the default. The parts taken out leave the run's memory wrong: a measurement of
 cost only.
 
-    python benchmarks/memory_probe_parts.py [--loop hf_gpt2_2l] [--budget 360]
+    python benchmarks/memory_probe_parts.py [--loop hf_gpt2_2l] [--budget 360] [--parts NAME,NAME]
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ def _bare_phase_listener() -> Any:
     return mock.patch.object(memory.MemoryProbe, "install", with_bare_listener)
 
 
+def _no_looks() -> Any:
+    """The phase listener whole, but never a look at the gradients (no phase counts as the
+    first after a backward pass): what the once-a-step look in Python costs."""
+    return mock.patch.object(memory, "_LOOK_AT", ())
+
+
 def _none_of_them() -> Any:
     stack = contextlib.ExitStack()
     for part in (_no_batch_listener, _no_optimizer_hook, _no_phase_listener):
@@ -98,6 +106,7 @@ PARTS: dict[str, Callable[[], Any]] = {
     "without its phase listener": _no_phase_listener,
     "without its optimizer hook": _no_optimizer_hook,
     "with a bare C phase listener": _bare_phase_listener,
+    "without its looks at the gradients": _no_looks,
     "without any of the three": _none_of_them,
 }
 
@@ -112,13 +121,17 @@ def _default_while(part: Callable[[], Any]) -> Callable[[int, int], Any]:
     return lambda steps, warmup: overhead._ProfileWhile(steps, warmup, part, clock_hz=0)
 
 
-def register_modes() -> list[str]:
-    """The modes, put where ``overhead.py``'s block runner finds them."""
+def register_modes(parts: list[str] | None = None) -> list[str]:
+    """The modes (every part, or those named), put where ``overhead.py``'s block runner finds them."""
+    chosen = list(PARTS) if parts is None else parts
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"unknown part(s) {unknown}: choose from {list(PARTS)}")
     overhead.COMPONENT_MODES[DEFAULT] = overhead._tpkit(clock_hz=0)
     overhead.COMPONENT_MODES[COUNTER] = _counter_alone
-    for name, part in PARTS.items():
-        overhead.COMPONENT_MODES[name] = _default_while(part)
-    return [overhead.BASE, DEFAULT, COUNTER, *PARTS]
+    for name in chosen:
+        overhead.COMPONENT_MODES[name] = _default_while(PARTS[name])
+    return [overhead.BASE, DEFAULT, COUNTER, *chosen]
 
 
 def main() -> None:
@@ -127,12 +140,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=360.0, help="seconds of blocks (whole cycles)")
     ap.add_argument("--block", type=int, default=8, help="kept steps per block (after --skip)")
     ap.add_argument("--skip", type=int, default=3, help="steps dropped at the start of every block")
+    ap.add_argument("--parts", help="comma-separated parts to time (default: all)")
     args = ap.parse_args()
     la = load_avg()
     print(f"{machine()}; torch threads {overhead.torch.get_num_threads()}; load average at start "
           f"{la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}\n{peer_versions()}\nblocks of {args.block} steps "
           f"(+{args.skip} dropped) per mode, {args.budget:.0f} s")
-    modes = register_modes()
+    modes = register_modes(args.parts.split(",") if args.parts else None)
     t0 = time.perf_counter()
     loop = overhead.LOOPS[args.loop]()
     loop.run(args.skip + 3, contextlib.nullcontext())  # warm caches and the allocator
@@ -148,7 +162,7 @@ def main() -> None:
     for mode in modes[1:]:
         print(f"{mode:<34} {overhead.fmt_est(overhead.paired(out, mode))}")
     print("\n== each part's cost: the default over the default without it, cycle by cycle ==")
-    for mode in [*PARTS, COUNTER]:
+    for mode in [*modes[3:], COUNTER]:
         what = ("the probe's work over the counter" if mode == COUNTER
                 else "its listener's work beyond a bare one" if mode == "with a bare C phase listener"
                 else mode.replace("without", ""))

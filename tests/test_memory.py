@@ -329,6 +329,52 @@ def test_gradients_exact_on_steps_whose_gradients_were_not_looked_at(accumulate)
     assert not any("could not be told" in n for n in run.meta["notes"])
 
 
+def test_the_counter_answers_the_looks_between_looks_at_the_gradients(monkeypatch):
+    """Where the allocation counter notes the boundaries and nothing the look reads changes, the
+    probe's Python runs only at the looks at the gradients: the first GRAD_LOOKS_FIRST (steps
+    0-2), then every GRAD_LOOK_EVERY-th (step 16); the counter answers the others and tells the
+    next look how many it answered. A layer frozen at step 20, a look the counter would answer,
+    sends that look to the probe, and each after it until ``_trainable_changed``'s next full read
+    (every TRAINABLE_FULL_EVERY-th look: step 23) takes the freezing in and the first looks
+    start again (steps 23-25); then every GRAD_LOOK_EVERY-th (step 39), the counter answering
+    between with the new ``requires_grad``. The gradients stay exact throughout."""
+    calls: list[tuple[int, int]] = []  # (the step, the looks it stands for)
+    at_boundary = mem.MemoryProbe._at_boundary
+    done = [0]
+
+    def spy(self, phase, event, raw_step, k, looks):  # noqa: ANN001
+        if looks:
+            calls.append((done[0], int(looks)))
+        return at_boundary(self, phase, event, raw_step, k, looks)
+
+    monkeypatch.setattr(mem.MemoryProbe, "_at_boundary", spy)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(B, D)
+
+    def step():
+        if done[0] == 20:
+            model.l2.requires_grad_(False)
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        done[0] += 1
+
+    run = tp.profile_fn(step, steps=40, warmup=0, progress=False, clocks=False)
+    assert run.meta["memory"]["cpu_source"] == CPU_SOURCE_COUNTER
+    assert (mem.GRAD_LOOKS_FIRST, mem.GRAD_LOOK_EVERY, mem.TRAINABLE_FULL_EVERY) == (3, 16, 4)
+    assert [at for at, _ in calls] == [0, 1, 2, 16, 20, 21, 22, 23, 24, 25, 39]
+    # each call stands for its own look and those the counter answered since the last
+    assert [looks for _, looks in calls] == [1, 1, 1, 14, 4, 1, 1, 1, 1, 1, 14]
+    # the gradients at each step()'s enter (the step's last optimizer enter: zero_grad's is the next step's first)
+    m = run.memory
+    at = m[(m["phase"] == "optimizer") & (m["event"] == "enter") & (m["device"] == "cpu") & (m["category"] == "gradients")]
+    grads = at[at["t_s"] == at.groupby("step")["t_s"].transform("max")].groupby("step")["bytes"].sum()
+    l2 = (model.l2.weight.numel() + model.l2.bias.numel()) * 4
+    assert grads.tolist() == [4 * n_params(model)] * 20 + [4 * n_params(model) - l2] * 20
+
+
 def test_optimizer_state_replaced_between_looks_counts_from_its_allocation():
     """Between two looks at the gradients the known sets are observed only when a count grew
     (a model, an optimizer, a state). ``load_state_dict`` of a deep copy swaps Adam's state
@@ -1405,8 +1451,10 @@ def test_with_the_counter_a_usual_boundary_runs_no_python_of_the_probe(monkeypat
     """With tpkit's counter the recorder's phase listener is the counter's C function: a usual
     boundary is noted and marked there (in Python that cost 4-6 us a boundary inside real steps).
     The probe's Python runs where it has more to do: the boundary after the model was first seen
-    (the forward exit of the first step) and, each step, the optimizer's first enter after the
-    backward pass (the look at the gradients). The boundaries are all there, each with its row."""
+    (the forward exit of the first step) and the optimizer's first enter after the backward pass
+    where that look is one at the gradients (the first GRAD_LOOKS_FIRST of the 7 steps; the
+    counter answers the other looks: ``test_the_counter_answers_the_looks_between_looks_at_the_gradients``).
+    The boundaries are all there, each with its row."""
     calls: list[tuple[str, str]] = []
     real = mem.MemoryProbe._at_boundary
 
@@ -1417,7 +1465,7 @@ def test_with_the_counter_a_usual_boundary_runs_no_python_of_the_probe(monkeypat
     monkeypatch.setattr(mem.MemoryProbe, "_at_boundary", at_boundary)
     run, model, _ = train_mlp(steps=6, warmup=1)
     assert run.meta["memory"]["cpu_source"] == CPU_SOURCE_COUNTER
-    assert calls == [("forward", "exit")] + [("optimizer", "enter")] * 7
+    assert calls == [("forward", "exit")] + [("optimizer", "enter")] * mem.GRAD_LOOKS_FIRST
     cpu = run.memory[run.memory["device"] == "cpu"]
     # each of the 7 steps (one warm-up): enter, exit and peak of forward, backward and optimizer
     assert cpu.groupby(["step", "phase", "event"]).ngroups == 7 * 9

@@ -239,24 +239,28 @@ def test_master_gradients_made_after_backward_are_gradients():
     assert _at_optimizer_enter(prof.run, "gradients") == [want] * 6
 
 
-def test_a_layer_added_mid_slice_has_its_gradients_counted():
-    """A layer grown at step 3 and added to the optimizer (``add_param_group``): from then on
-    the gradients are the old and the new layer's (the new ones read as temporaries / other: no
-    look's pattern fitted them until the 16th backward pass)."""
+@pytest.mark.parametrize("at", [3, 4, 5])
+def test_a_layer_added_mid_slice_has_its_gradients_counted(at: int):
+    """A layer grown at step ``at`` and added to the optimizer (``add_param_group``): from then
+    on the gradients are the old and the new layer's (the new ones read as temporaries / other:
+    no look's pattern fitted them until the 16th backward pass). Step 4's look is one at the
+    gradients (the first looks start again once the optimizer's groups are counted), which had
+    left the group uncounted: steps 4 and 5 read 2 layers. Step 5's look is one the allocation
+    counter answers itself while nothing changed: the new group is what sends it to the probe."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 256)
     with tp.profile(steps=8, warmup=0, name="grown", progress=False, clock_hz=0) as prof:
         for i in range(100):
-            if i == 3:
+            if i == at:
                 model.append(torch.nn.Linear(256, 256))
                 opt.add_param_group({"params": model[2].parameters()})
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
     layer = 256 * 256 * 4 + 256 * 4
-    assert _at_optimizer_enter(prof.run, "gradients") == [2 * layer] * 3 + [3 * layer] * 5
+    assert _at_optimizer_enter(prof.run, "gradients") == [2 * layer] * at + [3 * layer] * (8 - at)
 
 
 def _grad_bytes(model: torch.nn.Module) -> int:

@@ -481,6 +481,11 @@ GRAD_LOOKS_FIRST, GRAD_LOOK_EVERY = 3, 16
 #: Every look after a backward pass reads whether the parameters frozen before are still frozen;
 #: every TRAINABLE_FULL_EVERY-th reads every parameter's ``requires_grad`` (``_trainable_changed``).
 TRAINABLE_FULL_EVERY = 4
+
+
+def _grads_due(n: int) -> bool:
+    """Whether the ``n``-th look (from 0) looks at the gradients (``_at_boundary``)."""
+    return n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
 #: Pseudo category of model buffers: counted with what the allocator holds beyond the known sets.
 _BUFFER = "buffer"
 #: Pseudo category of tpkit's own tensors (``Recorder.own_tensors``): counted nowhere.
@@ -1041,27 +1046,33 @@ class MemoryProbe:
             self._grads_new = True
         self._at_boundary(phase, event, raw_step, k, look)
 
-    def _at_boundary(self, phase: str, event: str, raw_step: int, k: int, look: bool) -> None:
+    def _at_boundary(self, phase: str, event: str, raw_step: int, k: int, looks: int) -> None:
         """Boundary ``k``, noted already: write its marker, and walk the known sets where the
         stream cannot be replayed (no stream, another thread, a torch profiler took it over) or a
-        CUDA device is in use. ``look``: the first optimizer or forward enter after a backward
-        pass, where the new gradients are alive (at the optimizer's step or zero_grad, or, in a
-        loop without optimizer, at the next forward): they are looked at after the first
-        backward passes and then every GRAD_LOOK_EVERY-th, and the replay finds the others'
-        gradients from those (``_template_gradients``). Each boundary comes right after work that
-        left the caches cold: the usual branch calls no other method of tpkit's (each call cost
-        1-2 us there)."""
-        if look:
-            n = self._grad_looks
-            self._grad_looks += 1
-            grads = n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
+        CUDA device is in use. ``looks`` (0 or False: none): this boundary is a look, the first
+        optimizer or forward enter after a backward pass, where the new gradients are alive (at
+        the optimizer's step or zero_grad, or, in a loop without optimizer, at the next forward),
+        and ``looks - 1`` looks before it were answered by the counter (``_let_counter_answer``).
+        The gradients are looked at after the first backward passes and then every
+        GRAD_LOOK_EVERY-th, and the replay finds the others' gradients from those
+        (``_template_gradients``). Each boundary comes right after work that left the caches
+        cold: the usual branch calls no other method of tpkit's (each call cost 1-2 us there)."""
+        if looks:
+            n = self._grad_looks + looks - 1
+            self._grad_looks = n + 1
+            grads = _grads_due(n)
             if self._cpu_params and self._trainable_changed():
                 # parameters frozen or unfrozen (requires_grad switched, a new optimizer over the
                 # backbone): the gradients no longer follow the last look's pattern (an unfrozen
                 # backbone's had read temporaries, no note): look now and after the next passes
                 grads, self._grad_looks = True, 1
-            if grads or self._known_sets_grew() or self._state_replaced:
-                if not grads and self._groups_grew:
+            # counted at every look, one at the gradients too: a layer added to the optimizer
+            # (add_param_group) right before a look at the gradients had its gradients left out
+            # of that look and the next (its parameters not read yet), then read as temporaries
+            # until a look that counted (two steps of a 3-layer model's read 2 layers', no note)
+            grown = self._known_sets_grew()
+            if grads or grown or self._state_replaced:
+                if self._groups_grew:
                     # parameters added (add_param_group, a layer grown): so are gradients that no
                     # earlier look's pattern fits (they read as temporaries): look now and after
                     # the next passes, as at the start (not for a new optimizer or state alone)
@@ -1069,6 +1080,8 @@ class MemoryProbe:
                 self._observe(grads=grads)
         if len(self.rec.models.entries) != self._seen_key[0]:  # (the registry's dict: no __len__ frame)
             self._refresh_params()  # a model seen for the first time (its devices are read from now on)
+        if looks and self._bounds_noted:
+            self._let_counter_answer()
         stream = self.cpu.active and self._stream_lost_at is None and get_ident() == self._stream_tid  # _streaming()
         # torch's flag of an open torch.profiler / autograd.profiler.profile session (tpkit's
         # own stream does not set it), read in place: a call per boundary cost more than the read;
@@ -1087,6 +1100,51 @@ class MemoryProbe:
         self._cpu_walked = self._cpu_walked or not stream
         if self._cuda_in_use:
             self.cuda_reads[k] = {f"cuda:{i}": self._read_cuda(i) for i in sorted(self._cuda_in_use)}
+
+    def _let_counter_answer(self) -> None:
+        """After a look at the gradients, where the counter notes the boundaries: let its
+        ``boundary`` answer the looks up to the next one at the gradients itself, as long as
+        nothing this probe's look reads changed: every container its checks count (the
+        registries, tpkit's own tensors, the deaths noted), each optimizer's numbers of states
+        and groups, each CPU parameter's ``requires_grad`` (as the last full read found it: an
+        unfreezing or a freezing sends the next look here, where ``_trainable_changed`` decides
+        as before). Granted only where the next look would find nothing to do now either (no
+        flag set, no count grown since the last check). The look had cost 16-27 us a step inside
+        a 2-layer GPT-2's steps, most of it cold caches; the counter now answers 13 in 16
+        (docs/OVERHEAD.md, "Looks the counter answers")."""
+        n, skip = self._grad_looks, 0
+        while skip < GRAD_LOOK_EVERY and not _grads_due(n + skip):
+            skip += 1
+        trainable, cpu_params = self._trainable, self._cpu_params
+        if (skip == 0 or self._state_replaced or self._groups_grew or self._params_new or self._died
+                or len(self.optimizers.entries) != self._seen_opts
+                or len(self.rec.models.entries) != self._seen_key[0] or len(self.rec.own_tensors) > self._own_seen
+                or (cpu_params and (trainable is None or trainable[0] != self._params_version
+                                    or len(trainable[1]) != len(cpu_params)))):
+            self._look_next()
+            return
+        states = groups = 0
+        opts = []
+        for ref in self.optimizers.entries.values():
+            opt = ref()
+            if opt is not None:
+                n_states, n_groups = len(opt.state), len(opt.param_groups)
+                states += n_states
+                groups += n_groups
+                opts.append((ref, n_states, n_groups))
+        if states != self._opt_states_seen or groups != self._groups_seen:
+            self._look_next()  # _known_sets_grew would act at the next look
+            return
+        # (a parameter dead since the last full read: the counter finds its weakref dead)
+        params = tuple(zip(cpu_params, trainable[1])) if cpu_params and trainable is not None else ()
+        entries, models, own, died = self.optimizers.entries, self.rec.models.entries, self.rec.own_tensors, self._died
+        self.cpu.skip_looks(skip, ((entries, len(entries)), (models, len(models)),  # type: ignore[union-attr]
+                                   (own, len(own)), (died, len(died))), tuple(opts), params)
+
+    def _look_next(self) -> None:
+        """The counter answers no look from now on: the next one is the probe's."""
+        if self._bounds_noted:
+            self.cpu.skip_looks(0, (), (), ())  # type: ignore[union-attr]
 
     def _on_batch(self, batch: Any) -> None:
         """Once a step, right after the loader's work: the batch's storages are ``data``.
@@ -1176,6 +1234,7 @@ class MemoryProbe:
         self._param_addresses = _addresses(self._live_params())
         self._params_new = True
         self._params_version += 1
+        self._look_next()
         self._cpu_params = [r for r, p in zip(self._params, params.values()) if p.is_cpu]
         for p in params.values():
             if id(p) not in self._slots:
@@ -1408,6 +1467,7 @@ class MemoryProbe:
             return None
         if self._outside_key and len(key) == len(self._outside_key):
             self._state_replaced = True
+            self._look_next()
         self._outside_key = key
         self._outside_version += 1
         return found
@@ -1483,6 +1543,8 @@ class MemoryProbe:
                 # state anew at each step (LBFGS's history and direction); observed at every look
                 # from now on, or the new tensors read as other (up to 23 of 25 MB)
                 self._state_replaced = True
+                self._look_next()
+            self._look_next()
             self._opt_key = fp
             add(self._storages(self._opt_state_tensors(), "optimizer_state"))
         if grads or final or self._state_replaced:
