@@ -375,6 +375,35 @@ def test_the_counter_answers_the_looks_between_looks_at_the_gradients(monkeypatc
     assert grads.tolist() == [4 * n_params(model)] * 20 + [4 * n_params(model) - l2] * 20
 
 
+def test_letting_the_counter_answer_makes_a_few_tracked_objects_whatever_the_parameter_count():
+    """What the probe hands the counter after a look is a few flat tuples, the parameters' made
+    once a full read of their ``requires_grad``: a pair per parameter (300 here) had started
+    young collections inside a 12-layer GPT-2's steps, where none ran before."""
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(150)])  # 300 parameters
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4)
+    made = []
+    with tp.profile(steps=6, warmup=0, progress=False, clock_hz=0) as prof:
+        probe = next(p for p in prof._probes if isinstance(p, mem.MemoryProbe))
+        for i in range(6):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i >= 3:
+                gc.disable()
+                try:
+                    before = gc.get_count()[0]
+                    probe._let_counter_answer()
+                    made.append(gc.get_count()[0] - before)
+                finally:
+                    gc.enable()
+    assert len(list(model.parameters())) == 300 and probe._watched_params[0]  # the parameters are watched
+    assert len(made) == 3 and max(made) <= 3, made
+
+
 def test_optimizer_state_replaced_between_looks_counts_from_its_allocation():
     """Between two looks at the gradients the known sets are observed only when a count grew
     (a model, an optimizer, a state). ``load_state_dict`` of a deep copy swaps Adam's state

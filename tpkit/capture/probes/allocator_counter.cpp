@@ -113,9 +113,12 @@ bool look_armed = false;  // a look_after phase exited since the last look
 // it answered since the probe's last look, and what must not have changed for each.
 int64_t looks_to_skip = 0;
 int64_t looks_skipped = 0;
-PyObject* sizes_watched = nullptr;       // a tuple of (container, its size) pairs
-PyObject* optimizers_watched = nullptr;  // a tuple of (weakref to an optimizer, len(state), len(param_groups))
-PyObject* params_watched = nullptr;      // a tuple of (weakref to a parameter, its requires_grad)
+// Flat tuples, so that the probe makes two objects the collector tracks a look, not one a
+// parameter (150 pairs a look at 12 layers had started young collections inside the steps):
+PyObject* sizes_watched = nullptr;       // container, its size, container, its size, ...
+PyObject* optimizers_watched = nullptr;  // weakref to an optimizer, len(state), len(param_groups), ...
+PyObject* params_watched = nullptr;      // weakrefs to the CPU parameters
+PyObject* requires_grad_watched = nullptr;  // each one's requires_grad (True or False), in order
 PyObject* state_name = nullptr;
 PyObject* groups_name = nullptr;
 PyObject* requires_grad_name = nullptr;
@@ -209,7 +212,7 @@ void after_fork_in_child() {
   new (&boundaries) std::vector<Boundary>();
   new (&markers) std::vector<int64_t>();
   models = cuda_in_use = at_boundary = look_after = look_at = nullptr;
-  sizes_watched = optimizers_watched = params_watched = nullptr;
+  sizes_watched = optimizers_watched = params_watched = requires_grad_watched = nullptr;
   looks_to_skip = looks_skipped = 0;
 }
 
@@ -351,6 +354,7 @@ void listen(pybind11::handle models_dict, pybind11::handle cuda_set, pybind11::h
   set_ref(sizes_watched, nullptr);
   set_ref(optimizers_watched, nullptr);
   set_ref(params_watched, nullptr);
+  set_ref(requires_grad_watched, nullptr);
 }
 
 // Stop calling the probe (its objects are let go); what was noted stays until the next listen.
@@ -363,10 +367,11 @@ void unlisten() {
   set_ref(sizes_watched, nullptr);
   set_ref(optimizers_watched, nullptr);
   set_ref(params_watched, nullptr);
+  set_ref(requires_grad_watched, nullptr);
   looks_to_skip = looks_skipped = 0;
 }
 
-// ``skip_looks(count, sizes, optimizers, params)``, called by the probe after a look at the
+// ``skip_looks(count, sizes, optimizers, params, requires_grad)``, called by the probe after a look at the
 // gradients where the next ``count`` looks would do nothing but count themselves as long as
 // nothing it reads changed (``MemoryProbe._let_counter_answer``): ``boundary`` answers those
 // itself while every container in ``sizes`` keeps its size, every optimizer its numbers of states
@@ -374,9 +379,15 @@ void unlisten() {
 // probe, whose look decides as it always did. The probe's next look learns how many it answered.
 // The look took 16-27 us a step inside a 2-layer GPT-2's steps, most of it the cold caches of the
 // objects it reads (docs/OVERHEAD.md, "Looks the counter answers").
-void skip_looks(int64_t count, pybind11::tuple sizes, pybind11::tuple optimizers, pybind11::tuple params) {
+void skip_looks(int64_t count, pybind11::tuple sizes, pybind11::tuple optimizers, pybind11::tuple params,
+                pybind11::tuple requires_grad) {
   if (at_boundary == nullptr) {
     return;  // not listening: nothing to answer, nothing to hold
+  }
+  if (PyTuple_GET_SIZE(sizes.ptr()) % 2 != 0 || PyTuple_GET_SIZE(optimizers.ptr()) % 3 != 0 ||
+      PyTuple_GET_SIZE(params.ptr()) != PyTuple_GET_SIZE(requires_grad.ptr())) {
+    throw pybind11::value_error("skip_looks(count, (container, size, ...), (weakref, states, groups, ...), "
+                                "(weakref, ...), (requires_grad, ...) as many as the weakrefs)");
   }
   if (state_name == nullptr) {
     state_name = PyUnicode_InternFromString("state");
@@ -386,6 +397,7 @@ void skip_looks(int64_t count, pybind11::tuple sizes, pybind11::tuple optimizers
   set_ref(sizes_watched, sizes.ptr());
   set_ref(optimizers_watched, optimizers.ptr());
   set_ref(params_watched, params.ptr());
+  set_ref(requires_grad_watched, requires_grad.ptr());
   looks_to_skip = count;
 }
 
@@ -426,36 +438,35 @@ PyObject* referent(PyObject* ref) {
 
 // Whether everything ``skip_looks`` was given is as it was (an error reads as a change).
 bool nothing_changed() {
-  if (sizes_watched == nullptr || optimizers_watched == nullptr || params_watched == nullptr) {
+  if (sizes_watched == nullptr || optimizers_watched == nullptr || params_watched == nullptr ||
+      requires_grad_watched == nullptr) {
     return false;
   }
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sizes_watched); ++i) {
-    PyObject* pair = PyTuple_GET_ITEM(sizes_watched, i);
-    const Py_ssize_t n = PyObject_Size(PyTuple_GET_ITEM(pair, 0));
+  for (Py_ssize_t i = 0; i + 1 < PyTuple_GET_SIZE(sizes_watched); i += 2) {
+    const Py_ssize_t n = PyObject_Size(PyTuple_GET_ITEM(sizes_watched, i));
     if (n < 0) {
       PyErr_Clear();
       return false;
     }
-    if (n != PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1))) {
+    if (n != PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes_watched, i + 1))) {
       return false;
     }
   }
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(optimizers_watched); ++i) {
-    PyObject* entry = PyTuple_GET_ITEM(optimizers_watched, i);
-    PyObject* opt = referent(PyTuple_GET_ITEM(entry, 0));
+  for (Py_ssize_t i = 0; i + 2 < PyTuple_GET_SIZE(optimizers_watched); i += 3) {
+    PyObject* opt = referent(PyTuple_GET_ITEM(optimizers_watched, i));
     if (opt == nullptr) {
       return false;  // it died
     }
-    const bool same = attribute_size(opt, state_name) == PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1)) &&
-                      attribute_size(opt, groups_name) == PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
+    const bool same =
+        attribute_size(opt, state_name) == PyLong_AsSsize_t(PyTuple_GET_ITEM(optimizers_watched, i + 1)) &&
+        attribute_size(opt, groups_name) == PyLong_AsSsize_t(PyTuple_GET_ITEM(optimizers_watched, i + 2));
     Py_DECREF(opt);
     if (!same) {
       return false;
     }
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(params_watched); ++i) {
-    PyObject* entry = PyTuple_GET_ITEM(params_watched, i);
-    PyObject* param = referent(PyTuple_GET_ITEM(entry, 0));
+    PyObject* param = referent(PyTuple_GET_ITEM(params_watched, i));
     if (param == nullptr) {
       return false;  // it died
     }
@@ -466,7 +477,7 @@ bool nothing_changed() {
       return false;
     }
     Py_DECREF(now);  // (True or False: the singletons outlive the comparison)
-    if (now != PyTuple_GET_ITEM(entry, 1)) {
+    if (now != PyTuple_GET_ITEM(requires_grad_watched, i)) {
       return false;
     }
   }

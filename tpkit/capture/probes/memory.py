@@ -17,7 +17,10 @@ that cuts the allocation stream there. With tpkit's counter it is an event writt
 counter's list (an odd address no block has, an odd size), and the counter itself is the phase
 listener: one C call notes the boundary and writes its marker, and the probe's Python runs only
 where it has more to do (``_at_boundary``: the look after a backward pass, a new model, a CUDA
-device, a boundary the counter does not record). With torch's stream the marker is the free
+device, a boundary the counter does not record). Between two looks at the gradients the counter
+answers the looks after a backward pass itself while nothing they read changed (the registries'
+sizes, each optimizer's states and groups, each CPU parameter's ``requires_grad``:
+``_let_counter_answer``). With torch's stream the marker is the free
 of a small storage allocated ahead of time (for the slice's steps when the stream starts, then
 ``MARKER_POOL`` at once when the last is used), whose address and odd size are known. No
 Python loop over parameters runs there, and the hot path keeps only ints and strings in flat
@@ -651,6 +654,10 @@ class MemoryProbe:
         # the CPU parameters frozen at the last full read (weakly): the looks between full reads
         # read these only (none where the loop trains everything)
         self._frozen: list[weakref.ref[torch.Tensor]] = []
+        #: the counter's copy of the last full read (``_let_counter_answer``): made anew only when
+        #: ``_trainable`` is another object
+        self._watched_trainable: tuple[int, list[bool]] | None = None
+        self._watched_params: tuple[tuple[Any, ...], tuple[bool, ...]] = ((), ())
         # every (parameters' version, which require grad) looked at: a loop alternating between
         # sets (an encoder and a decoder by turns) has each set's pattern after its first look
         self._trainable_seen: set[tuple[int, tuple[bool, ...]]] = set()
@@ -1124,27 +1131,30 @@ class MemoryProbe:
             self._look_next()
             return
         states = groups = 0
-        opts = []
+        opts: list[Any] = []  # flat: weakref, states, groups, ... (objects the collector tracks: few)
         for ref in self.optimizers.entries.values():
             opt = ref()
             if opt is not None:
                 n_states, n_groups = len(opt.state), len(opt.param_groups)
                 states += n_states
                 groups += n_groups
-                opts.append((ref, n_states, n_groups))
+                opts += (ref, n_states, n_groups)
         if states != self._opt_states_seen or groups != self._groups_seen:
             self._look_next()  # _known_sets_grew would act at the next look
             return
-        # (a parameter dead since the last full read: the counter finds its weakref dead)
-        params = tuple(zip(cpu_params, trainable[1])) if cpu_params and trainable is not None else ()
+        if self._watched_trainable is not trainable:  # made once a full read (a parameter dead
+            # since: the counter finds its weakref dead)
+            self._watched_trainable = trainable
+            self._watched_params = ((tuple(cpu_params), tuple(trainable[1])) if cpu_params and trainable is not None
+                                    else ((), ()))
         entries, models, own, died = self.optimizers.entries, self.rec.models.entries, self.rec.own_tensors, self._died
-        self.cpu.skip_looks(skip, ((entries, len(entries)), (models, len(models)),  # type: ignore[union-attr]
-                                   (own, len(own)), (died, len(died))), tuple(opts), params)
+        self.cpu.skip_looks(skip, (entries, len(entries), models, len(models), own, len(own),  # type: ignore[union-attr]
+                                   died, len(died)), tuple(opts), *self._watched_params)
 
     def _look_next(self) -> None:
         """The counter answers no look from now on: the next one is the probe's."""
         if self._bounds_noted:
-            self.cpu.skip_looks(0, (), (), ())  # type: ignore[union-attr]
+            self.cpu.skip_looks(0, (), (), (), ())  # type: ignore[union-attr]
 
     def _on_batch(self, batch: Any) -> None:
         """Once a step, right after the loader's work: the batch's storages are ``data``.
