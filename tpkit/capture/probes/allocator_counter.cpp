@@ -371,9 +371,9 @@ void unlisten() {
   looks_to_skip = looks_skipped = 0;
 }
 
-// ``skip_looks(count, sizes, optimizers, params, requires_grad)``, called by the probe after a look at the
-// gradients where the next ``count`` looks would do nothing but count themselves as long as
-// nothing it reads changed (``MemoryProbe._let_counter_answer``): ``boundary`` answers those
+// ``skip_looks(count, sizes, optimizers, params, requires_grad)``, called by the probe after a
+// look at the gradients where the next ``count`` looks would do nothing but count themselves as
+// long as nothing it reads changed (``MemoryProbe._let_counter_answer``): ``boundary`` answers those
 // itself while every container in ``sizes`` keeps its size, every optimizer its numbers of states
 // and groups, and every parameter its ``requires_grad``; at the first that changed it calls the
 // probe, whose look decides as it always did. The probe's next look learns how many it answered.

@@ -151,8 +151,8 @@ class CpuAllocatorCounter:
         #: start anew; ``unlisten()`` lets the probe's objects go (the notes stay until ``forget``)
         self.listen = ext.listen
         self.unlisten = ext.unlisten
-        #: ``skip_looks(count, sizes, optimizers, params)``: ``boundary`` answers the next ``count``
-        #: looks at the gradients itself while nothing given changed (``MemoryProbe._let_counter_answer``)
+        #: ``skip_looks(count, sizes, optimizers, params, requires_grad)``: ``boundary`` answers the
+        #: next ``count`` looks itself while nothing given changed (``MemoryProbe._let_counter_answer``)
         self.skip_looks = ext.skip_looks
         #: ``(phase, event, raw_step, t_ns)`` of each boundary noted since ``listen``
         self.boundaries = ext.boundaries

@@ -483,12 +483,17 @@ GRAD_HOOK_MIN_BYTES = MIB
 GRAD_LOOKS_FIRST, GRAD_LOOK_EVERY = 3, 16
 #: Every look after a backward pass reads whether the parameters frozen before are still frozen;
 #: every TRAINABLE_FULL_EVERY-th reads every parameter's ``requires_grad`` (``_trainable_changed``).
+#: Where the counter answers the looks between looks at the gradients, it reads every CPU
+#: parameter's ``requires_grad`` at each look it answers, and hands the look to the probe where
+#: one differs from the last full read (``_let_counter_answer``).
 TRAINABLE_FULL_EVERY = 4
 
 
 def _grads_due(n: int) -> bool:
     """Whether the ``n``-th look (from 0) looks at the gradients (``_at_boundary``)."""
     return n < GRAD_LOOKS_FIRST or n % GRAD_LOOK_EVERY == 0
+
+
 #: Pseudo category of model buffers: counted with what the allocator holds beyond the known sets.
 _BUFFER = "buffer"
 #: Pseudo category of tpkit's own tensors (``Recorder.own_tensors``): counted nowhere.
@@ -1117,8 +1122,8 @@ class MemoryProbe:
         unfreezing or a freezing sends the next look here, where ``_trainable_changed`` decides
         as before). Granted only where the next look would find nothing to do now either (no
         flag set, no count grown since the last check). The look had cost 16-27 us a step inside
-        a 2-layer GPT-2's steps, most of it cold caches; the counter now answers 13 in 16
-        (docs/OVERHEAD.md, "Looks the counter answers")."""
+        a 2-layer GPT-2's steps, most of it cold caches; after the first looks the counter
+        answers 15 in 16 (docs/OVERHEAD.md, "Looks the counter answers")."""
         n, skip = self._grad_looks, 0
         while skip < GRAD_LOOK_EVERY and not _grads_due(n + skip):
             skip += 1
@@ -1554,7 +1559,6 @@ class MemoryProbe:
                 # from now on, or the new tensors read as other (up to 23 of 25 MB)
                 self._state_replaced = True
                 self._look_next()
-            self._look_next()
             self._opt_key = fp
             add(self._storages(self._opt_state_tensors(), "optimizer_state"))
         if grads or final or self._state_replaced:
