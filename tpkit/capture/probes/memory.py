@@ -663,6 +663,7 @@ class MemoryProbe:
         #: ``_trainable`` is another object
         self._watched_trainable: tuple[int, list[bool]] | None = None
         self._watched_params: tuple[tuple[Any, ...], tuple[bool, ...]] = ((), ())
+        self._opts_counted: tuple[list[Any], int] = ([], 0)  # _known_sets_grew's last count
         # every (parameters' version, which require grad) looked at: a loop alternating between
         # sets (an encoder and a decoder by turns) has each set's pattern after its first look
         self._trainable_seen: set[tuple[int, tuple[bool, ...]]] = set()
@@ -1128,24 +1129,14 @@ class MemoryProbe:
         while skip < GRAD_LOOK_EVERY and not _grads_due(n + skip):
             skip += 1
         trainable, cpu_params = self._trainable, self._cpu_params
-        if (skip == 0 or self._state_replaced or self._groups_grew or self._params_new or self._died
-                or len(self.optimizers.entries) != self._seen_opts
-                or len(self.rec.models.entries) != self._seen_key[0] or len(self.rec.own_tensors) > self._own_seen
+        # the optimizers as this look's _known_sets_grew counted them (flat: weakref, states,
+        # groups, ...: objects the collector tracks, few); its groups are the seen ones now
+        opts, states = self._opts_counted
+        if (skip == 0 or self._state_replaced or self._groups_grew or self._registries_grew()
+                or states != self._opt_states_seen  # (_known_sets_grew would act at the next look)
                 or (cpu_params and (trainable is None or trainable[0] != self._params_version
                                     or len(trainable[1]) != len(cpu_params)))):
             self._look_next()
-            return
-        states = groups = 0
-        opts: list[Any] = []  # flat: weakref, states, groups, ... (objects the collector tracks: few)
-        for ref in self.optimizers.entries.values():
-            opt = ref()
-            if opt is not None:
-                n_states, n_groups = len(opt.state), len(opt.param_groups)
-                states += n_states
-                groups += n_groups
-                opts += (ref, n_states, n_groups)
-        if states != self._opt_states_seen or groups != self._groups_seen:
-            self._look_next()  # _known_sets_grew would act at the next look
             return
         if self._watched_trainable is not trainable:  # made once a full read (a parameter dead
             # since: the counter finds its weakref dead)
@@ -1425,17 +1416,26 @@ class MemoryProbe:
         the next look finds it (at most GRAD_LOOK_EVERY steps later). Checking every
         optimizer's state fingerprint at every step cost 15-30 us there (cold caches)."""
         states = groups = 0
+        counted: list[Any] = []  # flat: weakref, states, groups, ... (for _let_counter_answer)
         for ref in self.optimizers.entries.values():  # (WeakRegistry.live, inlined: three frames less a look)
             opt = ref()
             if opt is not None:
-                states += len(opt.state)
-                groups += len(opt.param_groups)
+                n_states, n_groups = len(opt.state), len(opt.param_groups)
+                states += n_states
+                groups += n_groups
+                counted += (ref, n_states, n_groups)
+        self._opts_counted = (counted, states)
         if groups != self._groups_seen:
             self._groups_seen, self._groups_grew = groups, True
             return True
         if states != self._opt_states_seen:
             self._opt_states_seen = states
             return True
+        return self._registries_grew()
+
+    def _registries_grew(self) -> bool:
+        """A parameter read anew or dead, or an optimizer, model or tpkit tensor noted since the
+        last observation."""
         return (self._params_new or bool(self._died) or len(self.optimizers.entries) != self._seen_opts
                 or len(self.rec.models.entries) != self._seen_key[0] or len(self.rec.own_tensors) > self._own_seen)
 
