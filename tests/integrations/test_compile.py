@@ -332,6 +332,20 @@ def test_a_model_compiled_with_a_graph_break_before_the_slice_is_noted():
     torch._dynamo.reset()
 
 
+def test_a_compile_probe_told_of_a_step_after_its_removal_puts_nothing_back():
+    """A probe's ``remove()`` is final: its step listener, reached after the removal (the slice
+    torn down by a listener before it in the same step), attaches no dynamo callback."""
+    from tpkit.capture.probes.compile import CompileProbe
+    from tpkit.capture.recorder import Recorder
+
+    before = truth.hook_state()
+    probe = CompileProbe(Recorder()).install()
+    assert truth.hook_state()["dynamo compile callbacks"] != before["dynamo compile callbacks"]
+    probe.remove()
+    probe._at_step(0, 0)
+    truth.assert_hooks_removed(before)
+
+
 @pytest.mark.parametrize("how", ["call", "held"])
 def test_dynamo_first_imported_inside_the_slice_still_times_the_first_compile(how, tmp_path):
     """A cell that compiles and trains, in a process that never imported dynamo: the callbacks

@@ -280,7 +280,11 @@ def test_the_slice_ends_the_fit_as_its_max_steps_would(limit):
 def test_validate_with_steps_marked_runs_to_its_end():
     """``trainer.validate`` with ``tp.step()`` at each batch's end: outside ``fit`` Lightning has
     no switch that ends it early, so the slice ends and the validation runs on, unprofiled, to
-    its own end and results (StopSlice had ended it INTERRUPTED, returning nothing)."""
+    its own end and results (StopSlice had ended it INTERRUPTED, returning nothing). The probes
+    come out inside the step's own listeners there, and none is put back by a listener after the
+    slice's (the compile probe's had put dynamo's compile callbacks back in, left behind)."""
+    import torch._dynamo  # noqa: F401 - imported as in a process that compiled before: the compile probe attaches
+
     from tpkit.capture import recorder
 
     active: list[bool] = []
@@ -299,8 +303,10 @@ def test_validate_with_steps_marked_runs_to_its_end():
         return trainer, record, trainer.validate(model, val)
 
     _, _, plain = validate()
+    before = truth.hook_state()
     with tp.profile(steps=3, warmup=1, name="pl-validate", progress=False, clock_hz=0) as prof:
         trainer, record, results = validate()
+    truth.assert_hooks_removed(before)
     assert trainer.state.status.value == "finished" and record.events == []
     assert results == plain and "val_loss" in results[0]
     assert len(prof.run.steps) == 4

@@ -546,3 +546,26 @@ def test_a_stop_that_propagates_is_not_said_to_be_caught():
             raise
     assert seen == ["re-raised"]
     assert not any("caught it" in n for n in prof.run.meta["notes"]), prof.run.meta["notes"]
+
+
+def test_a_step_listener_taken_out_by_one_before_it_is_not_told_of_that_step():
+    """Where a trainer runs on past the slice (Lightning's ``validate``, DDP's Join), the slice's
+    own step listener takes the probes out in place: a probe's listener after it, told of that
+    step all the same, had put its hooks back (the compile probe's dynamo callbacks, left behind)."""
+    from tpkit.capture.recorder import Recorder
+
+    rec = Recorder()
+    told: list[tuple[str, int]] = []
+
+    def later(step: int, _end_ns: int) -> None:
+        told.append(("later", step))
+
+    def takes_later_out(step: int, _end_ns: int) -> None:
+        told.append(("first", step))
+        if step == 1:
+            rec.step_listeners.remove(later)
+
+    rec.step_listeners += [takes_later_out, later]
+    for _ in range(3):
+        rec.end_step()
+    assert told == [("first", 0), ("later", 0), ("first", 1), ("first", 2)]

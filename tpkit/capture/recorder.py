@@ -15,7 +15,9 @@ Hooks for other probes:
 - ``step_listeners``: called as ``fn(raw_step, end_ns)`` after a step has been recorded.
   The slice controller (stop, warmup, progress bar) lives here. Once it has set ``stop_pending``
   (the slice is full: a plain loop stops at its next training action) the listeners after it
-  are not told of that step, as none were while the stop was raised from here.
+  are not told of that step, as none were while the stop was raised from here. Nor is a
+  listener taken out by one before it: where a trainer runs on past the slice, the controller
+  takes the probes out right there, and a probe told after its removal had put its hooks back.
 - ``batch_listeners``: called as ``fn(batch)`` by ``yielded`` when a loader hands a batch to
   the loop (loaders call ``rec.yielded(batch)`` after their ``data_wait`` span).
 """
@@ -375,7 +377,10 @@ class Recorder:
             self.step_events[step] = self.cuda_timer.mark()
         self.step_index += 1
         self.samples = 0
-        for fn in list(self.step_listeners):  # (a listener may take itself out: the late comm probe)
+        listeners = self.step_listeners
+        for fn in list(listeners):  # (a listener may take itself out: the late comm probe)
+            if fn not in listeners:
+                continue  # taken out by one before it: the slice's end tears the probes down in place
             fn(step, end)
             if self.stop_pending is not None:  # the slice is full: the probes after it are out
                 break

@@ -174,6 +174,8 @@ class CompileProbe:
         return timed_compile
 
     def _at_step(self, _raw_step: int, _end_ns: int) -> None:
+        if self._torch_compile is None:
+            return  # removed (or never installed): nothing goes back in
         if "torch._dynamo.callback" in sys.modules and (
                 self._handler is None or self._on_start not in self._handler.start_callbacks):
             self._attach()
