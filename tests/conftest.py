@@ -90,12 +90,18 @@ def deepspeed_shm_cleanup_at_the_end():
 
 @pytest.fixture(autouse=True)
 def no_leftovers():
-    """Every test leaves no slice running and no extra thread behind."""
+    """Every test leaves no slice running, no extra thread and no hook or patch of tpkit's in
+    torch's global places behind (``leftovers.tpkit_hooks``: a probe's listener that put dynamo's
+    compile callbacks back after the slice had ended was found only by the next test's numbers)."""
+    from leftovers import tpkit_hooks
+
     from tpkit.capture import recorder
 
     before = {t.ident for t in threading.enumerate()}
     yield
     assert recorder.active() is None, "a slice was left running"
+    hooks = tpkit_hooks()
+    assert not hooks, f"tpkit's hooks left behind: {hooks}"
     extra = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()
              and t.name.startswith("tpkit")]
     assert not extra, f"tpkit threads left behind: {extra}"

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import warnings
+from types import CodeType
 from typing import Any
 
 import psutil
@@ -86,3 +87,48 @@ def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, 
         if b != a:
             changed[key] = (b, a)
     return changed
+
+
+def _owner_module(fn: Any) -> str:
+    """tpkit's module that made ``fn`` ("" where none did): a function's code's file (a wrapper
+    that copied the wrapped one's ``__module__``, as ``functools.wraps`` does, is still tpkit's),
+    a bound method's or a partial's function, a bound method's object's class, a C object's type."""
+    for obj in (fn, getattr(fn, "__func__", None), getattr(fn, "func", None),
+                type(getattr(fn, "__self__", None)), type(fn)):
+        code = getattr(obj, "__code__", None)
+        if isinstance(code, CodeType) and f"{os.sep}tpkit{os.sep}" in code.co_filename:
+            return code.co_filename.rsplit(f"{os.sep}tpkit{os.sep}", 1)[1]
+        mod = getattr(obj, "__module__", None)
+        if isinstance(mod, str) and mod.startswith("tpkit"):
+            return mod
+    return ""
+
+
+def tpkit_hooks() -> list[str]:
+    """Every hook or patch of tpkit's in torch's global places now (none outside a slice): the
+    global module, optimizer and collector hooks, dynamo's compile callbacks (and tpkit's
+    ``clear`` on its handler), and the callables of ``PATCHED_PLACES`` and of ``torch`` itself.
+    Unlike ``snapshot``, it needs no before: what a test registers of its own is not tpkit's."""
+    found = []
+    registries: dict[str, Any] = {
+        "module forward pre-hook": mm._global_forward_pre_hooks, "module forward hook": mm._global_forward_hooks,
+        "module backward pre-hook": mm._global_backward_pre_hooks, "module backward hook": mm._global_backward_hooks,
+        "module forward hook (always called)": mm._global_forward_hooks_always_called,
+        "optimizer pre-hook": oo._global_optimizer_pre_hooks, "optimizer post-hook": oo._global_optimizer_post_hooks,
+    }
+    for name, hooks in registries.items():
+        found += [f"{name} {fn!r}" for fn in list(hooks.values()) if callable(fn) and _owner_module(fn)]
+    found += [f"gc callback {fn!r}" for fn in list(gc.callbacks) if _owner_module(fn)]
+    callback = sys.modules.get("torch._dynamo.callback")
+    if callback is not None:
+        handler = callback.callback_handler
+        found += [f"dynamo compile callback {fn!r}" for fn in [*handler.start_callbacks, *handler.end_callbacks]
+                  if _owner_module(fn)]
+        found += [f"dynamo handler's {k}" for k, v in vars(handler).items() if callable(v) and _owner_module(v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.distributed's deprecated aliases warn when touched
+        for place in [torch, *PATCHED_PLACES]:
+            name = getattr(place, "__name__", repr(place))
+            found += [f"{name}.{k} is tpkit's ({_owner_module(v)})" for k, v in list(vars(place).items())
+                      if callable(v) and not isinstance(v, type) and _owner_module(v)]
+    return found
