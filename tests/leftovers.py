@@ -107,7 +107,8 @@ def _owner_module(fn: Any) -> str:
 def tpkit_hooks() -> list[str]:
     """Every hook or patch of tpkit's in torch's global places now (none outside a slice): the
     global module, optimizer and collector hooks, dynamo's compile callbacks (and tpkit's
-    ``clear`` on its handler), and the callables of ``PATCHED_PLACES`` and of ``torch`` itself.
+    ``clear`` on its handler), the SIGINT and SIGTERM handlers, the allocation counter recording,
+    and the callables of ``PATCHED_PLACES`` and of ``torch`` itself.
     Unlike ``snapshot``, it needs no before: what a test registers of its own is not tpkit's."""
     found = []
     registries: dict[str, Any] = {
@@ -125,6 +126,10 @@ def tpkit_hooks() -> list[str]:
         found += [f"dynamo compile callback {fn!r}" for fn in [*handler.start_callbacks, *handler.end_callbacks]
                   if _owner_module(fn)]
         found += [f"dynamo handler's {k}" for k, v in vars(handler).items() if callable(v) and _owner_module(v)]
+    found += [f"{signal.Signals(sig).name} handler {fn!r}" for sig in (signal.SIGINT, signal.SIGTERM)
+              if callable(fn := signal.getsignal(sig)) and _owner_module(fn)]
+    if allocator_counter._module is not None and allocator_counter._module.recording():
+        found.append("the CPU allocation counter still recording")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.distributed's deprecated aliases warn when touched
         for place in [torch, *PATCHED_PLACES]:
