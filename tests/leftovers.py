@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import warnings
-from types import CodeType
+from types import CodeType, ModuleType
 from typing import Any
 
 import psutil
@@ -20,7 +20,7 @@ import torch.optim.optimizer as oo
 import torch.utils.data.dataloader as dl
 
 from tpkit.capture import recorder
-from tpkit.capture.probes import allocator_counter
+from tpkit.capture.probes import allocator_counter, patching
 
 #: Classes and modules whose attributes tpkit patches while a slice runs (any of them, now or
 #: later): every attribute's identity is compared.
@@ -104,11 +104,19 @@ def _owner_module(fn: Any) -> str:
     return ""
 
 
+def _name(owner: Any) -> str:
+    """A class's or module's name, else the object's class and id."""
+    if isinstance(owner, (type, ModuleType)):
+        return getattr(owner, "__qualname__", owner.__name__)
+    return f"{type(owner).__qualname__} object {id(owner):#x}"
+
+
 def tpkit_hooks() -> list[str]:
     """Every hook or patch of tpkit's in torch's global places now (none outside a slice): the
     global module, optimizer and collector hooks, dynamo's compile callbacks (and tpkit's
     ``clear`` on its handler), the SIGINT and SIGTERM handlers, the allocation counter recording,
-    and the callables of ``PATCHED_PLACES`` and of ``torch`` itself.
+    every patch a probe's ``Patches`` holds in place (a framework's classes, a loader's fetcher, an
+    instance), and the callables of ``PATCHED_PLACES`` and of ``torch`` itself.
     Unlike ``snapshot``, it needs no before: what a test registers of its own is not tpkit's."""
     found = []
     registries: dict[str, Any] = {
@@ -130,6 +138,7 @@ def tpkit_hooks() -> list[str]:
               if callable(fn := signal.getsignal(sig)) and _owner_module(fn)]
     if allocator_counter._module is not None and allocator_counter._module.recording():
         found.append("the CPU allocation counter still recording")
+    found += [f"{_name(owner)}.{attr} still patched (patching.in_place)" for owner, attr in patching.in_place()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.distributed's deprecated aliases warn when touched
         for place in [torch, *PATCHED_PLACES]:

@@ -417,3 +417,30 @@ def test_magic_save_to_a_bad_path_is_refused_before_the_cell_runs(ip, tmp_path):
         with pytest.raises(UsageError, match="--save"):
             ip.run_cell_magic("tp_profile", f"--steps 2 --quiet --save {bad}", "ran.append(1)")
     assert ip.user_ns["ran"] == []
+
+
+def test_every_patch_in_place_is_listed_until_restored_even_if_its_holder_is_dropped():
+    """``patching.in_place()`` lists each patch of tpkit's in place, whichever probe's ``Patches``
+    holds it; the suite's check after every test reads it (``leftovers.tpkit_hooks``). A holder
+    dropped without ``restore`` (a probe lost mid-teardown) still has its patch listed."""
+    import gc
+
+    from tpkit.capture.probes import patching
+
+    class Owner:
+        def f(self) -> str:
+            return "own"
+
+    assert patching.in_place() == []
+    kept, dropped = patching.Patches(), patching.Patches()
+    kept.set(Owner, "f", lambda self: "patched")
+    dropped.set(Owner, "g", lambda self: "new")
+    assert set(patching.in_place()) == {(Owner, "f"), (Owner, "g")}
+    del dropped
+    gc.collect()
+    assert set(patching.in_place()) == {(Owner, "f"), (Owner, "g")}
+    kept.restore()
+    assert patching.in_place() == [(Owner, "g")] and Owner().f() == "own"
+    (held,) = [p for p in patching._IN_PLACE.values() if p._done[0][0] is Owner]
+    held.restore()
+    assert patching.in_place() == [] and not hasattr(Owner, "g")

@@ -39,8 +39,19 @@ def skip_unit_rescale() -> None:
     clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_  # type: ignore[union-attr]
 
 
+#: Every ``Patches`` with a patch in place, by id, held strongly: a probe dropped without its
+#: ``restore`` still has its patches found here (``in_place``), not lost with it.
+_IN_PLACE: dict[int, "Patches"] = {}
+
+
+def in_place() -> list[tuple[Any, str]]:
+    """``(owner, attribute)`` of every patch of tpkit's in place now, whichever probe made it:
+    none outside a slice (the test suite checks it after every test)."""
+    return [(owner, attr) for patches in list(_IN_PLACE.values()) for owner, attr, _ in patches._done]
+
+
 class Patches:
-    """Attribute patches that are undone exactly, in reverse order, however often ``undo`` is called."""
+    """Attribute patches that are undone exactly, in reverse order, however often ``restore`` is called."""
     def __init__(self) -> None:
         self._done: list[tuple[Any, str, Any]] = []  # (owner, attribute, original or None)
 
@@ -50,6 +61,7 @@ class Patches:
     def set(self, owner: Any, attr: str, new: Any) -> None:
         orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
         self._done.append((owner, attr, orig))
+        _IN_PLACE[id(self)] = self
         setattr(owner, attr, new)
 
     def restore(self) -> None:
@@ -60,3 +72,4 @@ class Patches:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, orig)
+        _IN_PLACE.pop(id(self), None)
