@@ -1086,9 +1086,11 @@ class MemoryProbe:
             grown = self._known_sets_grew()
             if grads or grown or self._state_replaced:
                 if self._groups_grew:
-                    # parameters added (add_param_group, a layer grown): so are gradients that no
+                    # parameters added (add_param_group, a layer grown, or a new optimizer's groups
+                    # beside the ones counted: a second stage's head): so are gradients that no
                     # earlier look's pattern fits (they read as temporaries): look now and after
-                    # the next passes, as at the start (not for a new optimizer or state alone)
+                    # the next passes, as at the start (not for new state alone, nor for an
+                    # optimizer made anew in a dead one's place: the groups counted stay the same)
                     grads, self._grad_looks = True, 1
                 self._observe(grads=grads)
         if len(self.rec.models.entries) != self._seen_key[0]:  # (the registry's dict: no __len__ frame)
