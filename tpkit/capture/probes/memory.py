@@ -1089,8 +1089,8 @@ class MemoryProbe:
                     # parameters added (add_param_group, a layer grown, or a new optimizer's groups
                     # beside the ones counted: a second stage's head): so are gradients that no
                     # earlier look's pattern fits (they read as temporaries): look now and after
-                    # the next passes, as at the start (not for new state alone, nor for an
-                    # optimizer made anew in a dead one's place: the groups counted stay the same)
+                    # the next passes, as at the start (not for new state alone, nor where the
+                    # groups counted stay the same: an optimizer made anew after the last is gone)
                     grads, self._grad_looks = True, 1
                 self._observe(grads=grads)
         if len(self.rec.models.entries) != self._seen_key[0]:  # (the registry's dict: no __len__ frame)
