@@ -67,12 +67,16 @@ def snapshot() -> dict[str, Any]:
     return out
 
 
+def _dynamo_handler() -> Any:
+    """dynamo's compile callback handler, or None where dynamo is not imported."""
+    callback = sys.modules.get("torch._dynamo.callback")
+    return None if callback is None else callback.callback_handler
+
+
 def _dynamo_callbacks() -> int:
     """dynamo's compile start and end callbacks (0 where dynamo is not imported)."""
-    callback = sys.modules.get("torch._dynamo.callback")
-    if callback is None:
-        return 0
-    return len(callback.callback_handler.start_callbacks) + len(callback.callback_handler.end_callbacks)
+    handler = _dynamo_handler()
+    return 0 if handler is None else len(handler.start_callbacks) + len(handler.end_callbacks)
 
 
 def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -128,9 +132,8 @@ def tpkit_hooks() -> list[str]:
     for name, hooks in registries.items():
         found += [f"{name} {fn!r}" for fn in list(hooks.values()) if callable(fn) and _owner_module(fn)]
     found += [f"gc callback {fn!r}" for fn in list(gc.callbacks) if _owner_module(fn)]
-    callback = sys.modules.get("torch._dynamo.callback")
-    if callback is not None:
-        handler = callback.callback_handler
+    handler = _dynamo_handler()
+    if handler is not None:
         found += [f"dynamo compile callback {fn!r}" for fn in [*handler.start_callbacks, *handler.end_callbacks]
                   if _owner_module(fn)]
         found += [f"dynamo handler's {k}" for k, v in vars(handler).items() if callable(v) and _owner_module(v)]
