@@ -61,6 +61,9 @@ class Block:
     gc_by_gen: list[int] = field(default_factory=lambda: [0, 0, 0])
     tpkit: list[float] = field(default_factory=list)  # the Run's tpkit_s per kept step
     tpkit_frac: list[float] = field(default_factory=list)  # tpkit_s / duration_s per kept step
+    #: the clock sampler over the block's slice: (its CPU time as a share of one core, samples a
+    #: second), from the Run's ``meta["clocks"]``; None where no sampler ran
+    sampler: tuple[float, float] | None = None
 
     @property
     def median(self) -> float:

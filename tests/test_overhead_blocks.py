@@ -301,3 +301,34 @@ def test_a_mean_interval_over_launches_uses_students_t(bench):
     assert e.hi - e.value == pytest.approx(4.303 / 3 ** 0.5, rel=1e-4)
     assert il.mean_interval([0.5]) is None
     assert il.mean_interval([0.5, 0.5]).lo == 0.5
+
+
+def _clock_runs(oh, fast_cost: float, slow: tuple, fast: tuple) -> dict:
+    """Ten cycles: phases only at 1.0x, the 200 Hz sampler at ``fast_cost`` of it; each block's
+    sampler (CPU share of a core, wake-ups a second) at 20 and 200 Hz."""
+    r = {m: oh.Samples() for m in ("tpkit phases only", "tpkit memory off", oh.CLOCKS_FAST)}
+    for c in range(10):
+        r["tpkit phases only"].pairs.append((c, 1.0))
+        r["tpkit memory off"].pairs.append((c, 1.0))
+        r[oh.CLOCKS_FAST].pairs.append((c, fast_cost))
+        r["tpkit memory off"].sampler.append(slow)
+        r[oh.CLOCKS_FAST].sampler.append(fast)
+    return r
+
+
+def test_the_clock_samplers_cost_at_20_hz_is_read_from_200_hz_by_the_larger_of_its_two_scales(bench):
+    """Per wake-up or per CPU-second of the sampler's, whichever mix: the 20 Hz cost is at most the
+    larger quotient of the two rates' wake-ups and CPU shares times the 200 Hz cost."""
+    oh, _ = bench
+    # the CPU share grew 4x for 10x the wake-ups (a read every 0.2 s at either rate): scale 0.25
+    est, said = oh.clock_bound(_clock_runs(oh, 1.04, slow=(0.003, 20.0), fast=(0.012, 200.0)))
+    assert est.value == pytest.approx(1.01) and est.hi == pytest.approx(1.01)
+    assert "x0.25" in said and "0.30% / 1.20% of a core" in said and "20 / 200 wake-ups" in said
+    # a sampler whose share grew more than its wake-ups: the wake-ups' scale is the larger
+    est, said = oh.clock_bound(_clock_runs(oh, 1.04, slow=(0.001, 20.0), fast=(0.02, 100.0)))
+    assert est.value == pytest.approx(1.008) and "x0.20" in said
+    checks = {w.split(" (")[0]: v for w, _, v in oh.goal_checks(_clock_runs(oh, 1.02, (0.003, 20.0), (0.012, 200.0)))}
+    assert checks["clocks at 20 Hz <= 1.01x, read from 200 Hz"] == "met"  # 1.005x for 1.02x at 200 Hz
+    assert checks["clocks at 20 Hz <= 1.01x"] == "met"  # memory off / phases only, 1.000x here
+    assert oh.clock_bound({m: s for m, s in _clock_runs(oh, 1.04, (0.003, 20.0), (0.012, 200.0)).items()
+                           if m != oh.CLOCKS_FAST}) is None  # not run at 200 Hz: no bound
