@@ -109,3 +109,38 @@ def test_nanogpt_steps_phases_and_hooks(nanogpt):
 
 def test_nanogpt_loss_is_the_steps_loss(nanogpt):
     truth.assert_losses(nanogpt["run"].steps["loss"].tolist(), nanogpt["step_losses"])
+
+
+def test_a_shorter_last_window_keeps_what_went_through_backward_and_says_what_it_is():
+    """Ten batches an epoch, an update every third and one at the epoch's end: the fourth step
+    has one micro-batch where the others have three. The loop divides by 3 whatever the window,
+    as loops of their own usually do; tpkit cannot tell that from a loop dividing by the window's
+    own count, so the step's loss stays the sum that went through backward, and the run says how
+    that sum relates to the window's mean either way. Full windows get no such note (``plain``)."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    opt = truth.SleepySGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.Subset(truth.Regression(), range(10 * BATCH))
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=truth.sleepy_collate)
+    through_backward: list[float] = []
+    window = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="accum-short", progress=False, clock_hz=0) as prof:
+        while True:
+            for i, (x, y) in enumerate(loader, start=1):
+                loss = F.mse_loss(model(x), y) / 3
+                window += loss.item()
+                loss.backward()
+                if i % 3 == 0 or i == len(loader):
+                    opt.step()
+                    opt.zero_grad()
+                    through_backward.append(window)
+                    window = 0.0
+    run = prof.run
+    assert run.steps["samples"].tolist()[:5] == [3 * BATCH, 3 * BATCH, 3 * BATCH, BATCH, 3 * BATCH]
+    truth.assert_losses(run.steps["loss"].tolist(), through_backward[:STEPS + WARMUP])
+    said = [n for n in run.meta["notes"] if "fewer micro-batches" in n]
+    assert len(said) == 1 and said[0].startswith("1 step(s) had fewer micro-batches (1) than most steps' 3")
+
+
+def test_full_windows_get_no_note_on_micro_batches(plain):
+    assert not any("micro-batches" in n for n in plain["run"].meta["notes"])

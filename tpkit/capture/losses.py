@@ -62,7 +62,28 @@ def step_losses(rec: Recorder, steps: int) -> tuple[dict[int, float], list[str]]
                      "micro-batch's loss by before backward (an epoch's last window): their loss is the window's "
                      "mean loss, as the loop logs it, not the smaller sum that went through backward (their "
                      "gradients are that much smaller too)")
+    elif divisor == 1 and not several and getattr(rec.framework, "name", "") != "transformers.Trainer":
+        notes += _shorter_windows(micro)
     return losses, notes
+
+
+def _shorter_windows(micro: dict[int, int]) -> list[str]:
+    """A loop of its own that accumulates: what its steps with fewer micro-batches than most
+    (an epoch's last window) read. tpkit cannot tell whether the loop divided each micro-batch's
+    loss by a fixed count or by the window's own, so it leaves the sum that went through backward
+    and says what that sum is in either case (Hugging Face's Trainer divides by the window's own
+    count: its sums are the mean, and it gets no note)."""
+    counts = list(micro.values())
+    usual = max(sorted(set(counts)), key=counts.count) if counts else 1
+    fewer = sorted(raw for raw, k in micro.items() if k < usual)
+    if usual <= 1 or not fewer:
+        return []
+    ks = sorted({micro[raw] for raw in fewer})
+    return [f"{len(fewer)} step(s) had fewer micro-batches ({', '.join(map(str, ks))}) than most steps' {usual} "
+            "(an epoch's last window): their loss is the sum that went through backward. Where the loop divides "
+            f"each micro-batch's loss by {usual} whatever the window, that sum is the window's mean loss times its "
+            f"micro-batches / {usual} (its gradients as much smaller); where it divides by the window's own count, "
+            "the sum is the mean"]
 
 
 def _divisor(rec: Recorder) -> tuple[int, str]:
