@@ -14,9 +14,9 @@ the no-profiler blocks on either side of it (benchmarks/interleave.py says why a
   tpkit phases only (memory off, clock_hz=0), torch.profiler (CPU activities),
   torch.profiler + profile_memory; on the Lightning loop also Lightning's own SimpleProfiler
   (``Trainer(profiler="simple")``: every hook timed), put in the running Trainer's place for its
-  blocks. Named in --modes, "tpkit memory off at 200 Hz" runs the clock sampler at its highest
-  rate, and the goal checks read its 20 Hz cost from that (``clock_bound``: too small to resolve
-  at 20 Hz itself on a 2-core VM).
+  blocks; and tpkit memory off at 200 Hz, the clock sampler at its highest rate, from which the
+  goal checks read its 20 Hz cost (``clock_bound``: too small to resolve at 20 Hz itself on a
+  2-core VM).
 TraceML runs through its own launcher (``traceml run script.py``: an aggregator process and
 torchrun around the script), so it cannot share this process. After the in-process blocks, this
 script starts four times at once as a child under that launcher: with TraceML on; with
@@ -377,11 +377,17 @@ def _torch_profiler(**kw: Any) -> Callable[[int, int], Any]:
     return lambda steps, warmup: QuietTorchProfiler(**kw)
 
 
+#: The clock sampler at its highest rate (clocks.MAX_HZ): its cost is too small to resolve at 20 Hz
+#: on this VM (undecided against 1.01x in every run since session 17), and at 200 Hz it is ten
+#: times the wake-ups; ``clock_bound`` reads the 20 Hz cost from it.
+FAST_HZ = 200.0
+CLOCKS_FAST = "tpkit memory off at 200 Hz"
 MODES: dict[str, Callable[[int, int], Any]] = {
     "none": lambda steps, warmup: nullcontext(),
     "tpkit default": _tpkit(),
     "tpkit memory off": _tpkit(memory=False),
     "tpkit phases only": _tpkit(memory=False, clock_hz=0),
+    CLOCKS_FAST: _tpkit(memory=False, clock_hz=FAST_HZ),
     "torch.profiler CPU": _torch_profiler(),
     "torch.profiler + memory": _torch_profiler(profile_memory=True),
 }
@@ -505,11 +511,6 @@ def _python_module_calls() -> Any:
     return mock.patch.object(module_calls, "C_ROUTE", False)
 
 
-#: The clock sampler at its highest rate (clocks.MAX_HZ): its cost is too small to resolve at 20 Hz
-#: on this VM (undecided against 1.01x in every run since session 17), and at 200 Hz it is ten
-#: times the wake-ups; ``clock_bound`` reads the 20 Hz cost from it.
-FAST_HZ = 200.0
-CLOCKS_FAST = "tpkit memory off at 200 Hz"
 #: Modes that take the default apart, run only when named in --modes.
 #: The communication pair matters under DDP (run the script with WORLD_SIZE=1 RANK=0 LOCAL_RANK=0
 #: MASTER_ADDR=127.0.0.1 MASTER_PORT=...): at one rank a slice leaves collectives untimed by
@@ -523,8 +524,7 @@ COMPONENT_MODES: dict[str, Callable[[int, int], Any]] = {
     "tpkit phases only (Python module calls)": lambda steps, warmup: _ProfileWhile(
         steps, warmup, _python_module_calls, memory=False, clock_hz=0),
     "tpkit phases only with comm probe": _tpkit(memory=False, clock_hz=0, comm=True),
-    "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False),
-    CLOCKS_FAST: _tpkit(memory=False, clock_hz=FAST_HZ)}
+    "tpkit phases only without comm probe": _tpkit(memory=False, clock_hz=0, comm=False)}
 #: (what, numerator, denominator): quotients printed when both modes ran.
 COMPONENT_QUOTIENTS = (("the CPU allocator stream inside a profile", "tpkit memory off + stream", "tpkit memory off"),
                        ("tpkit's allocation counter inside a profile", "tpkit memory off + counter",
