@@ -8,7 +8,6 @@ take every probe out again, and build the Run.
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import os
 import platform
 import socket
@@ -226,13 +225,6 @@ class Profile:
                         probe.follow(lambda: self.warmup_steps)
                 if cfg.progress:
                     self._bar = _progress_bar(cfg, self.warmup_steps)
-                if gc.isenabled():  # (a loop that turned the collector off keeps it off)
-                    # the probes' own objects (hooks, patches, closures, the bar; the memory
-                    # probe's marker storages) counted toward the collector's young generation,
-                    # so its next collection came that much earlier, inside the loop's first
-                    # steps (one in each 11-step slice of a 12-layer GPT-2, none without tpkit:
-                    # docs/OVERHEAD.md): collected here, before the first step
-                    gc.collect(0)
                 rec.first_step_ns = self._last_end_ns = time.perf_counter_ns()
                 rec.meta["probes_install_s"] = (rec.first_step_ns - rec.t0_ns) / 1e9
                 _rec.set_active(rec)
