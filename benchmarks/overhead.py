@@ -908,7 +908,7 @@ def clock_bound(r: dict[str, Samples]) -> tuple[Estimate, str] | None:
     mix of the two it is, its cost at 20 Hz is at most the larger of the two rates' quotients
     (wake-ups a second, the sampler's CPU share, both as the runs measured them) times its cost at
     200 Hz. The sampler's CPU share grows less than its rate (the machine's utilisation is read
-    every 0.2 s whatever the rate), so that scale is the share's: about 0.25 on this VM."""
+    every 0.2 s whatever the rate), so that scale is the share's: 0.20-0.29 on this VM (docs/OVERHEAD.md)."""
     if CLOCKS_FAST not in r or "tpkit phases only" not in r or "tpkit memory off" not in r:
         return None
     slow, fast = r["tpkit memory off"].sampler, r[CLOCKS_FAST].sampler
