@@ -163,7 +163,10 @@ class HFLoop:
         torch.manual_seed(0)
         self.model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, **GPT2))
         self.data = _Tokens(50_000, SEQ_LEN, GPT2["vocab_size"])
-        self.out_dir = tempfile.mkdtemp(prefix="tpkit-overhead-")
+        # the Trainer's output_dir (nothing is saved in it), removed when the loop goes or the
+        # process ends: every run had left one empty folder a loop in /tmp
+        self._out = tempfile.TemporaryDirectory(prefix="tpkit-overhead-")
+        self.out_dir = self._out.name
 
     def _trainer(self, max_steps: int, callback: Any, data: Any) -> Any:
         from transformers import PrinterCallback, Trainer, TrainingArguments
