@@ -29,6 +29,8 @@ def test_collectives_are_timed_once_the_group_is_up(mode, tmp_path):
         assert run.meta["comm"]["ops"] > 0, k
         noted = any("the process group came up inside the slice" in n for n in run.meta["notes"])
         assert noted == (mode == "alias"), run.meta["notes"]
+        if mode == "alias":  # the probe's install at the first step's end is tpkit's time, not the next step's other
+            assert run.steps.set_index("step").loc[0, "tpkit_s"] > 0, run.steps[["step", "other_s", "tpkit_s"]]
     rank0 = ranks.runs[0].steps.iloc[early + 1:]  # (the first timed step also holds DDP's setup)
     assert rank0["comm_s"].median() == pytest.approx(DELAY_S, rel=TOL), rank0["comm_s"].tolist()
     assert rank0["backward_s"].median() < DELAY_S / 2
