@@ -226,7 +226,15 @@ def build_run(rec: Recorder, warmup_steps: int, meta: dict | None = None) -> Run
         full_meta["notes"].append(given)
     counted = steps["samples"].to_numpy()
     unfed = [i for i in range(len(counted)) if counted[i] == 0 and steps["forward_s"].iloc[i] > 0]
-    if rec.samples_per_step is None and unfed and len(unfed) < len(counted):
+    if rec.samples_per_step is None and unfed == [0] and len(counted) > 1:
+        # only the first: the loop's steps end before their iteration reads its batches (a WGAN's
+        # generator stepped first, then the critic's steps on a batch each), not an unseen source
+        full_meta["notes"].append(
+            "the first step ran a forward on no batch, and every later step read its batches: the loop's "
+            "steps end before their iteration reads its batches (a lead optimizer stepped before the others "
+            "read theirs: each step holds its update and the others' updates of the iteration before), so the "
+            "first holds no batch and its samples are 0")
+    elif rec.samples_per_step is None and unfed and len(unfed) < len(counted):
         # batches that reached the model through no loader tpkit sees (itertools.cycle replaying
         # an epoch's batches, a cache, a generator not wrapped in tp.watch): samples/s had read
         # 22.5 for 112, with no word
