@@ -528,15 +528,20 @@ def test_a_torchmetrics_metric_called_in_a_training_step_is_not_the_forward():
     assert said and "counted in other, not forward" in said[0], run.meta["notes"]
 
 
-def test_an_ema_teacher_evaluated_on_validation_batches():
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_an_ema_teacher_evaluated_on_validation_batches(mode):
     """BYOL / DINO style: the teacher is an EMA copy of the student, never called with grad. On
     the training batch (its targets) it is the step's forward; evaluated on validation batches
     (eval mode, no grad, batches that feed no training forward) it is evaluation: its calls and
     batches had been forward, data_wait and samples (+32% forward, 16 samples a step for 8).
     The evaluation loop breaks at the top (``if k == 2: break``): the third batch it reads is
-    dropped, and its wait is the evaluation's too (it had been the next step's data_wait)."""
+    dropped, and its wait is the evaluation's too (it had been the next step's data_wait).
+    ``train``: the copy left in train mode (``AveragedModel(model)`` copies the student's mode,
+    and the loop puts only the student in eval mode), as a trained model evaluated without
+    ``model.eval()`` is: its calls on a validation loader's batches had stayed forward and the
+    batches the steps' samples (24 a step for 8), with no note."""
     torch.manual_seed(0)
-    model, teacher = truth.SleepyNet(), truth.SleepyNet().eval()
+    model, teacher = truth.SleepyNet(), truth.SleepyNet().train(mode == "train")
     teacher.load_state_dict(model.state_dict())
     opt = truth.SleepySGD(model.parameters(), lr=0.01)
     train, val = train_and_val()

@@ -23,10 +23,13 @@ What is evaluation here:
   training work between, and before the next one or before training work that is no forward
   with grad), on batches tpkit sees or not;
 - an outermost call without grad of the trained model left in train mode (an evaluation under
-  ``torch.no_grad()`` that never calls ``model.eval()``, ``generate()`` called as is) on the
-  batches of a source that feeds no training: one of its batches' stretches holds such a call
-  and no training work (no forward with grad, backward, optimizer or offload span), and none
-  holds training work without one (a validation loader). It is otherwise the eval-mode case
+  ``torch.no_grad()`` that never calls ``model.eval()``, ``generate()`` called as is), or of a
+  model only called without grad left so (an EMA copy, ``AveragedModel(model)``, which keeps the
+  student's mode while the loop puts only the student in eval mode: its validation batches had
+  been the steps' samples, 24 a step for 8), on the batches of a source that feeds no training:
+  one of its batches' stretches holds such a call and no training work (no forward with grad,
+  backward, optimizer or offload span), and none holds training work without one (a validation
+  loader). It is otherwise the eval-mode case
   (its batches, waits and the time between its calls alike); such calls had been training's
   forward, their batches the steps' samples (272 a step for 16), and eval_s 0. A call on a
   batch that is then trained on (targets the model makes for itself), on batches tpkit does
@@ -195,8 +198,7 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
     recorded = [no_grad_calls[i:i + 4] for i in range(0, len(no_grad_calls), 4) if no_grad_calls[i + 3] < past]
     if train_mode_calls and sources is not None:
         recorded = sorted(recorded + _evaluated_in_train_mode(
-            [train_mode_calls[i:i + 4] for i in range(0, len(train_mode_calls), 4)
-             if train_mode_calls[i + 3] < past and train_mode_calls[i + 2] in trained],
+            [train_mode_calls[i:i + 4] for i in range(0, len(train_mode_calls), 4) if train_mode_calls[i + 3] < past],
             spans, handouts, sources, rows, [(a, b) for a, b, _, _ in recorded]))
     calls = sorted((a, b) for a, b, m, _ in recorded if m in trained and m not in param_free)
     # a model only ever called without grad in eval mode (a teacher, an EMA copy), while another is trained
@@ -327,9 +329,9 @@ def split(spans: list[tuple], handouts: list[int], no_grad_calls: list[int], tra
 
 def _evaluated_in_train_mode(candidates: list[list[int]], spans: list[tuple], handouts: list[int],
                              sources: list[int], rows: int, eval_mode: list[tuple[int, int]]) -> list[list[int]]:
-    """The calls without grad of the trained model in train mode (``candidates``: start, end,
-    module, raw step) that are an evaluation: a loop that evaluates under ``torch.no_grad()``
-    without ``model.eval()`` (nothing in its model depends on the mode, or ``generate()`` called
+    """The calls without grad in train mode (``candidates``: start, end, module, raw step) of the
+    trained model or of one only called without grad (an EMA copy) that are an evaluation: a
+    loop that evaluates under ``torch.no_grad()`` without ``model.eval()`` (nothing in its model depends on the mode, or ``generate()`` called
     as is). Those in the stretch (until the next batch) of a batch from a source whose batches
     feed no forward with grad: a source with two batches in a row whose stretches hold such a
     call and no training work (no forward with grad, no backward, optimizer or offload span; an
