@@ -48,11 +48,28 @@ class Module(L.LightningModule):
             time.sleep(JITTER_S)
 
     def on_train_end(self) -> None:
-        facts = {"rank": self.global_rank, "global_step": self.trainer.global_step, "losses": self.losses}
+        facts = {"rank": self.global_rank, "global_step": self.trainer.global_step, "losses": self.losses,
+                 "tpkit_in": _tpkit_in()}
         Path(self.out, f"trained_{self.global_rank}_{os.getpid()}.json").write_text(json.dumps(facts))
 
     def configure_optimizers(self):  # noqa: ANN201
         return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _tpkit_in() -> list[str]:
+    """What of tpkit's is in this process now: where the training is forked from the profiling
+    process (``ddp_fork``), its probes' copies that stayed in the training (none now)."""
+    from tpkit.capture import recorder
+    from tpkit.capture.probes import comm, patching
+
+    left = [f"{getattr(owner, '__name__', owner)}.{attr}" for owner, attr in patching.in_place()]
+    if getattr(torch.nn.Module.__call__, "__module__", None) != "torch.nn.modules.module":
+        left.append("nn.Module.__call__ route")
+    if recorder.active() is not None:
+        left.append("a Recorder")
+    if comm._ACTIVE is not None:
+        left.append("the comm probe")
+    return left
 
 
 def main() -> None:

@@ -42,6 +42,9 @@ def test_ranks_lightning_starts_in_processes_of_its_own_train_as_without_tpkit(s
     trained = _facts(tmp_path, "trained")
     assert sorted(t["rank"] for t in trained) == [0, 1]
     assert all(t["global_step"] == MAX_STEPS == len(t["losses"]) for t in trained), trained
+    # forked inside the slice, the training processes had kept the probes' copies: the module-call
+    # route, every patch, a Recorder, and the comm probe, which timed each collective into it
+    assert all(t["tpkit_in"] == [] for t in trained), trained
     (run,) = _facts(tmp_path, "run")
     assert run["steps"] == 0
     how = "forked" if strategy == "ddp_fork" else "started"

@@ -25,6 +25,7 @@ Hooks for other probes:
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import threading
 import weakref
@@ -79,6 +80,16 @@ def set_active(rec: "Recorder | None") -> None:
     """Make ``rec`` the Recorder that probes write to (None: no slice is running)."""
     global _ACTIVE
     _ACTIVE = rec
+
+
+def _no_slice_in_child() -> None:
+    """A process forked during a slice (a loader's worker) runs none: ``tp.phase`` or
+    ``tp.watch`` called there had written into a copy of the loop's Recorder that no one reads."""
+    set_active(None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_no_slice_in_child)
 
 
 class WeakRegistry:

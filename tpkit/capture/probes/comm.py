@@ -61,6 +61,7 @@ Use::
 
 from __future__ import annotations
 
+import os
 import threading
 from time import perf_counter_ns
 from typing import Any, Callable
@@ -709,6 +710,7 @@ class LateCommProbe:
         self._orig: list[tuple[Any, Any]] = []  # (module, its own init_process_group)
         self._listening = False
         self._removed = False  # a wrapper someone kept past the slice must do nothing then
+        self._pid = os.getpid()  # a process forked during the slice (Lightning's ddp_fork ranks) is not the loop
 
     def install(self) -> "LateCommProbe":
         import torch.distributed as dist
@@ -728,6 +730,8 @@ class LateCommProbe:
 
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
+            if os.getpid() != self._pid:  # (its probe would time every collective into a Recorder no one reads)
+                return out
             try:
                 self._timed_start(None)
             except Exception as e:  # noqa: BLE001 - the loop's process group is up: never fail it for tpkit

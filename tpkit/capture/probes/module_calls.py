@@ -30,6 +30,7 @@ recompile after it.)
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -122,6 +123,25 @@ def release(owner: Any) -> None:
     _owner, _outer, _inside = None, None, None
     if _ext is not None:
         _ext.route(_torch_call, None, vars(torch.compiler), compiling)
+
+
+def _released_in_child() -> None:
+    """A process forked while a probe holds the route (patching.py puts torch's call back on
+    ``nn.Module`` there): the route is the child's no more, and a slice of its own may take it."""
+    global _owner, _outer, _inside, _route
+    if _owner is None:
+        return
+    _owner, _outer, _inside, _route = None, None, None, None
+    try:
+        if _ext is not None:
+            _ext.route(_torch_call, None, vars(torch.compiler), compiling)
+            _ext.inside(None)
+    except Exception:  # noqa: BLE001 - a fork's child must never fail for tpkit
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_released_in_child)
 
 
 def set_inside(tid: int | None) -> None:

@@ -4,6 +4,7 @@ attribute it only inherited is deleted again (so the base class shows through as
 from __future__ import annotations
 
 import math
+import os
 import sys
 import weakref
 from typing import Any
@@ -73,3 +74,20 @@ class Patches:
             else:
                 setattr(owner, attr, orig)
         _IN_PLACE.pop(id(self), None)
+
+
+def _restore_in_child() -> None:
+    """A process forked while patches are in (a DataLoader's workers started inside the slice,
+    Lightning's ``ddp_fork`` ranks) is not the loop, and no slice of its own ends there: its copy
+    of every patch comes off at once. Persistent workers had kept the module-call route for their
+    whole life, after the slice too: 4.6 us a module call in ``__getitem__`` against torch's
+    2.1 (a transform written as an ``nn.Module``, as torchvision's v2 transforms are)."""
+    for patches in list(_IN_PLACE.values()):
+        try:
+            patches.restore()
+        except Exception:  # noqa: BLE001 - a fork's child must never fail for tpkit
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_restore_in_child)
