@@ -117,3 +117,31 @@ def test_autograd_grad_inside_an_evaluation_stays_the_evaluations():
     assert not any("torch.autograd.grad" in n for n in run.meta["notes"])
     assert float(run.steps["backward_s"].sum()) < (N + 1) * truth.BACKWARD_S * (1 + TOLERANCE)
     assert float(run.steps["eval_s"].sum()) >= (N - 1) * truth.BACKWARD_S
+
+
+def test_a_functional_loop_with_only_autograd_grad_says_why_its_loss_is_nan():
+    """A functional loop (``torch.func.functional_call``, the gradients taken with
+    ``torch.autograd.grad``, the update by hand, ``tp.step()`` at each end): no ``backward()``
+    runs, so no loss reaches tpkit. Its loss column was NaN in every step with only "the loss is
+    still only what went through backward()" to go on. Truth: the loop's own clock around its
+    gradient passes."""
+    torch.manual_seed(0)
+    model = truth.SleepyNet()
+    params = {k: v.detach().requires_grad_(True) for k, v in model.named_parameters()}
+    clock = 0.0
+    with tp.profile(steps=STEPS, warmup=WARMUP, name="functional", progress=False, clock_hz=0) as prof:
+        for _ in range(N):
+            x, y = torch.randn(8, 8), torch.randn(8, 1)
+            loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+            t = time.perf_counter()
+            grads = torch.autograd.grad(loss, list(params.values()))
+            clock += time.perf_counter() - t
+            with torch.no_grad():
+                for p, g in zip(params.values(), grads):
+                    p -= 0.01 * g
+            tp.step()
+    run = prof.run
+    assert len(run.steps) == N and run.steps["loss"].isna().all()
+    assert abs(float(run.steps["backward_s"].sum()) - clock) <= TOLERANCE * clock
+    said = [n for n in run.meta["notes"] if n.startswith(f"torch.autograd.grad ran {N} time(s)")]
+    assert said and "backward() never ran" in said[0] and "NaN in every step" in said[0], run.meta["notes"]

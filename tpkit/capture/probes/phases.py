@@ -537,7 +537,12 @@ class PhaseProbe:
             out.append(f"{n} loss(es) went through backward multiplied by {scale:g} (a static loss scale, as "
                        "(loss * scale).backward() with the gradients divided after): the loss recorded is the "
                        "unscaled one")
-        if self.grad_calls:
+        if self.grad_calls and not self._backward_seen:  # (a functional loop: its loss column had been NaN, unexplained)
+            out.append(f"torch.autograd.grad ran {self.grad_calls} time(s) outside the forward and backward() never "
+                       "ran (gradients taken with torch.autograd.grad, as a functional loop does): its passes are "
+                       "backward time (backward_s); tpkit reads a step's loss from what goes through backward(), "
+                       "so run.steps.loss is NaN in every step")
+        elif self.grad_calls:
             out.append(f"torch.autograd.grad ran {self.grad_calls} time(s) outside the forward (a gradient "
                        "penalty, a meta-learning inner step): its passes are backward time (backward_s); "
                        "the loss is still only what went through backward()")
