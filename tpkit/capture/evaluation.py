@@ -29,12 +29,12 @@ What is evaluation here:
   been the steps' samples, 24 a step for 8), on the batches of a source that feeds no training:
   one of its batches' stretches holds such a call and no training work (no forward with grad,
   backward, optimizer or offload span), and none holds training work without one (a validation
-  loader). It is otherwise the eval-mode case
-  (its batches, waits and the time between its calls alike); such calls had been training's
-  forward, their batches the steps' samples (272 a step for 16), and eval_s 0. A call on a
-  batch that is then trained on (targets the model makes for itself), on batches tpkit does
-  not see, or on a source's batches in every step (pseudo-labels made on a batch of their own
-  before the labelled one is read) stays training's ``forward`` (``_evaluated_in_train_mode``);
+  loader). It is otherwise the eval-mode case (its batches, waits and the time between its calls
+  alike); such calls had been training's forward, their batches the steps' samples (272 a step
+  for 16), and eval_s 0. A call on a batch that is then trained on (targets the model makes for
+  itself), on batches tpkit does not see, or on a source's batches in every step (pseudo-labels
+  made on a batch of their own before the labelled one is read) stays training's ``forward``
+  (``_evaluated_in_train_mode``);
 - an outermost call without grad of a module without parameters (a loss such as
   ``nn.MSELoss()``, a metric such as torchmetrics'), in whatever mode, when the last model call
   before it was an evaluation call: a loop shares its loss module between training and
@@ -331,8 +331,8 @@ def _evaluated_in_train_mode(candidates: list[list[int]], spans: list[tuple], ha
                              sources: list[int], rows: int, eval_mode: list[tuple[int, int]]) -> list[list[int]]:
     """The calls without grad in train mode (``candidates``: start, end, module, raw step) of the
     trained model or of one only called without grad (an EMA copy) that are an evaluation: a
-    loop that evaluates under ``torch.no_grad()`` without ``model.eval()`` (nothing in its model depends on the mode, or ``generate()`` called
-    as is). Those in the stretch (until the next batch) of a batch from a source whose batches
+    loop that evaluates under ``torch.no_grad()`` without ``model.eval()`` (nothing in its model
+    depends on the mode, or ``generate()`` called as is). Those in the stretch (until the next batch) of a batch from a source whose batches
     feed no forward with grad: a source with two batches in a row whose stretches hold such a
     call and no training work (no forward with grad, no backward, optimizer or offload span; an
     evaluation reading one batch stays the step's), and none whose
