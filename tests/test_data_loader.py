@@ -589,7 +589,7 @@ def test_small_batch_workers_get_their_tasks_four_at_a_time():
     batch). The batches are torch's all the same, in order."""
     from unittest import mock
 
-    from tpkit.data.process_pool import REFILL_TASKS, ProcessPool
+    from tpkit.data.process_pool import DEEP_PREFETCH, REFILL_TASKS, ProcessPool
 
     assert REFILL_TASKS == 4
     sizes: list[int] = []
@@ -605,8 +605,10 @@ def test_small_batch_workers_get_their_tasks_four_at_a_time():
     assert got == shuffled_by_workers(DataLoader, ds, seed=3)
     assert sum(sizes) == 100 - 1  # the first batch is made in this process, before the fork
     steady = sizes[4:-2]  # after each worker's first tasks (its batches' size not known yet)
-    # in order, batch b goes to worker b % 2: one worker is a task behind the other
-    assert steady and set(steady) <= {REFILL_TASKS - 1, REFILL_TASKS}, sizes
+    # in order, batch b goes to worker b % 2: one worker is a task behind the other; where the
+    # main process comes late to a refill (a loaded CI host: one message of 6), more of the
+    # queue is free and the message carries all of it, never more than the queue holds
+    assert steady and min(steady) >= REFILL_TASKS - 1 and max(steady) <= DEEP_PREFETCH, sizes
     assert sum(steady) / len(steady) >= REFILL_TASKS - 0.5, sizes
 
 
