@@ -332,19 +332,21 @@ def _evaluated_in_train_mode(candidates: list[list[int]], spans: list[tuple], ha
     """The calls without grad in train mode (``candidates``: start, end, module, raw step) of the
     trained model or of one only called without grad (an EMA copy) that are an evaluation: a
     loop that evaluates under ``torch.no_grad()`` without ``model.eval()`` (nothing in its model
-    depends on the mode, or ``generate()`` called as is). Those in the stretch (until the next batch) of a batch from a source whose batches
-    feed no forward with grad: a source with two batches in a row whose stretches hold such a
-    call and no training work (no forward with grad, no backward, optimizer or offload span; an
-    evaluation reading one batch stays the step's), and none whose
-    stretch holds training work without such a call (a validation loader; the batches of an
-    evaluation at the top of a step, after the step's batch was read, included). A call on a
-    batch that is then trained on (targets the model makes for itself), on batches tpkit does
-    not see (a held list, a rollout's observations), or on a source's batches read one at a time
-    between training reads (pseudo-labels made on a batch of their own, trained on after the next
-    read) stays the step's ``forward``; an evaluation of two batches or more in every step is
-    one (an every-step rule had kept it training: eval 0 for 0.653 s, 40 samples a step for 8). Counted as training, such an evaluation read eval_s 0 for 0.345 s by the
-    loop's clock, its forwards in the verdict's compute, and its batches as trained samples
-    (272 a step for 16). The probe's cost is only on calls without grad: one list extend.
+    depends on the mode, or ``generate()`` called as is). Those in the stretch (until the next
+    batch) of a batch from a source whose batches feed no forward with grad: a source with two
+    batches in a row whose stretches hold such a call and no training work (no forward with
+    grad, no backward, optimizer or offload span; an evaluation reading one batch stays the
+    step's), and none whose stretch holds training work without such a call (a validation
+    loader; the batches of an evaluation at the top of a step, after the step's batch was read,
+    included). A call on a batch that is then trained on (targets the model makes for itself),
+    on batches tpkit does not see (a held list, a rollout's observations), or on a source's
+    batches read one at a time between training reads (pseudo-labels made on a batch of their
+    own, trained on after the next read) stays the step's ``forward``; an evaluation of two
+    batches or more in every step is one (an every-step rule had kept it training: eval 0 for
+    0.653 s, 40 samples a step for 8). Counted as training, such an evaluation read eval_s 0 for
+    0.345 s by the loop's clock, its forwards in the verdict's compute, and its batches as
+    trained samples (272 a step for 16). The probe's cost is only on calls without grad: one
+    list extend.
     ``eval_mode``: the other calls without grad (in eval mode, of a loss or a metric), (start, end)."""
     times = handouts[0::3]
     if not candidates or not times or len(sources) < len(times):

@@ -128,14 +128,10 @@ def release(owner: Any) -> None:
 def _released_in_child() -> None:
     """A process forked while a probe holds the route (patching.py puts torch's call back on
     ``nn.Module`` there): the route is the child's no more, and a slice of its own may take it."""
-    global _owner, _outer, _inside, _route
     if _owner is None:
         return
-    _owner, _outer, _inside, _route = None, None, None, None
     try:
-        if _ext is not None:
-            _ext.route(_torch_call, None, vars(torch.compiler), compiling)
-            _ext.inside(None)
+        release(_owner)
     except Exception:  # noqa: BLE001 - a fork's child must never fail for tpkit
         pass
 
