@@ -80,8 +80,9 @@ def _restore_in_child() -> None:
     """A process forked while patches are in (a DataLoader's workers started inside the slice,
     Lightning's ``ddp_fork`` ranks) is not the loop, and no slice of its own ends there: its copy
     of every patch comes off at once. Persistent workers had kept the module-call route for their
-    whole life, after the slice too: 4.6 us a module call in ``__getitem__`` against torch's
-    2.1 (a transform written as an ``nn.Module``, as torchvision's v2 transforms are)."""
+    whole life, after the slice too: a module call in ``__getitem__`` (a transform written as an
+    ``nn.Module``, as torchvision's v2 transforms are) took 1.98x what it takes in a worker forked
+    with no slice running, 1.02x now (benchmarks/forked_workers.py)."""
     for patches in list(_IN_PLACE.values()):
         try:
             patches.restore()
